@@ -1,0 +1,115 @@
+"""The `kiln` command: data prepare, train, runs list|compare, config.
+
+A user mistake (KilnError) prints one line, `kiln: error: ...`, and exits 2; only bugs keep
+their traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+from kiln.errors import KilnError
+
+_STARTED = time.time()
+
+
+def _add_train_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="run config YAML (jobs/configs/*.yaml); defaults if omitted")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config field, e.g. --set optim.lr=3e-4 (repeatable)")
+    p.add_argument("--address", default=None,
+                   help="Ray cluster address; default $RAY_ADDRESS, else an embedded local Ray")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kiln", description="Efficient LLM training on Ray.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    data = sub.add_parser("data", help="prepare tokenized Parquet datasets").add_subparsers(dest="data_cmd", required=True)
+    prep = data.add_parser("prepare", help="tokenize text into Parquet shards + manifest")
+    prep.add_argument("--input", action="append", required=True,
+                      help="text file, directory, .jsonl or .parquet (repeatable)")
+    prep.add_argument("--output", required=True, help="directory or s3://bucket/prefix")
+    prep.add_argument("--tokenizer", choices=["byte", "bpe"], default="bpe")
+    prep.add_argument("--vocab-size", type=int, default=4096, help="BPE vocab size (default 4096)")
+    prep.add_argument("--seq-len", type=int, default=128, help="tokens per training sequence")
+    prep.add_argument("--val-fraction", type=float, default=0.1, help="share of documents for validation")
+    prep.add_argument("--shard-tokens", type=int, default=1 << 20, help="target tokens per shard")
+    prep.add_argument("--text-field", default="text", help="JSONL field / Parquet column with the text")
+    prep.add_argument("--seed", type=int, default=1234)
+    prep.add_argument("--if-exists", choices=["error", "reuse", "overwrite"], default="error",
+                      help="if the output already holds a dataset (default: error)")
+    prep.add_argument("--s3-endpoint", default="", help="S3-compatible endpoint URL (default $AWS_ENDPOINT_URL)")
+
+    train = sub.add_parser("train", help="train on Ray Train + DeepSpeed, logging to MLflow")
+    _add_train_args(train)
+
+    runs = sub.add_parser("runs", help="list or compare MLflow runs").add_subparsers(dest="runs_cmd", required=True)
+    for name, helptext in (("list", "newest runs first"), ("compare", "runs ranked by a metric")):
+        r = runs.add_parser(name, help=helptext)
+        r.add_argument("--experiment", default="kiln")
+        r.add_argument("--tracking-uri", default="", help="default $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db")
+        r.add_argument("--limit", type=int, default=50)
+        if name == "compare":
+            r.add_argument("--sort", default="loss/val", help="metric to rank by, ascending")
+
+    cfg = sub.add_parser("config", help="print a run config as annotated YAML")
+    cfg.add_argument("--config", help="YAML to resolve (defaults if omitted)")
+    cfg.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.command == "data":
+        from kiln.data.prepare import PrepareConfig, prepare
+
+        m = prepare(PrepareConfig(
+            inputs=args.input, output=args.output, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
+            seq_len=args.seq_len, val_fraction=args.val_fraction, shard_tokens=args.shard_tokens,
+            text_field=args.text_field, seed=args.seed, if_exists=args.if_exists, s3_endpoint=args.s3_endpoint,
+        ))
+        tr, va = m["splits"]["train"], m["splits"]["val"]
+        print(f"dataset {args.output}: {tr['tokens']:,} train / {va['tokens']:,} val tokens, "
+              f"{len(tr['shards'])} + {len(va['shards'])} shards, vocab {m['tokenizer']['vocab_size']}, "
+              f"seq_len {m['seq_len']}, unigram entropy {m['unigram_entropy_bits']:.3f} bits/token")
+        return 0
+    if args.command == "train":
+        from kiln.config import load_config
+        from kiln.train.launch import train
+
+        cfg = load_config(args.config, args.overrides)  # validated before anything starts
+        summary = train(cfg, address=args.address, started=_STARTED)
+        print(summary.render())
+        return 0
+    if args.command == "runs":
+        from kiln.runs import fetch_runs, format_table
+
+        runs = fetch_runs(args.experiment, args.tracking_uri, getattr(args, "sort", None), args.limit)
+        print(format_table(runs))
+        return 0
+    if args.command == "config":
+        from kiln.config import annotated_yaml, load_config
+
+        print(annotated_yaml(load_config(args.config, args.overrides)))
+        return 0
+    raise AssertionError(args.command)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        return run(args)
+    except KilnError as e:
+        print(f"kiln: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("kiln: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

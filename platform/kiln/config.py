@@ -1,0 +1,398 @@
+"""One typed config for a whole run, loaded from YAML with `--set a.b=c` overrides.
+
+Each section lives here as a dataclass with a docstring under every field (litgpt style);
+`field_docs` reads them back for generated YAML and error messages. Loading is strict: an
+unknown key names itself and the closest valid key, a bad value names its field and the
+allowed range, and every check runs before Ray, DeepSpeed or MLflow start.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import inspect
+import os
+import textwrap
+import types
+import typing
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from kiln.errors import ConfigError
+from kiln.model import FLAVOURS
+
+
+@dataclass
+class DataConfig:
+    path: str = "data/stdlib-bpe"
+    """Dataset written by `kiln data prepare`: a local directory or s3://bucket/prefix."""
+    s3_endpoint: str = ""
+    """S3-compatible endpoint URL (MinIO, moto, ...). Empty: $AWS_ENDPOINT_URL, else AWS."""
+    s3_region: str = "us-east-1"
+    """Region passed to the S3 client; most S3-compatible servers ignore it."""
+    prefetch_batches: int = 2
+    """Batches Ray Data prepares ahead of the training step, hiding read and decode time."""
+
+
+@dataclass
+class ModelConfig:
+    flavour: str = "debug"
+    """Model shape: one of kiln.model.FLAVOURS (debug, gpt2-124m, 350m, 1.3b)."""
+    vocab_size: int = 0
+    """0: the dataset's vocab padded to a multiple of 64. Must be >= the dataset's vocab."""
+    seq_len: int = 0
+    """0: the dataset's sequence length. Otherwise it must equal it."""
+    dropout: float = 0.0
+    """Dropout on attention, MLP and embeddings; 0 is right for single-pass pretraining."""
+    activation_checkpointing: bool = False
+    """Recompute each block's activations during backward to save memory."""
+
+
+@dataclass
+class ParallelConfig:
+    num_workers: int = 2
+    """Ray Train workers (data-parallel ranks)."""
+    use_gpu: bool = False
+    """One GPU per worker, NCCL backend. False: CPU workers with gloo."""
+    cpus_per_worker: float = 1.0
+    """Logical CPUs Ray reserves per worker; also the worker's torch thread count."""
+    zero_stage: int = 2
+    """DeepSpeed ZeRO stage 0-3: 1 shards optimizer state, 2 also gradients, 3 also weights."""
+    deepspeed: dict = field(default_factory=dict)
+    """Raw DeepSpeed config merged over the generated one, for anything Kiln does not model."""
+
+
+@dataclass
+class OptimConfig:
+    name: Literal["adamw", "adam", "sgd"] = "adamw"
+    """Optimizer. AdamW decouples weight decay from the gradient update."""
+    lr: float = 1e-3
+    """Peak learning rate, reached at the end of warmup."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay, applied to matmul weights only (not norms, biases, embeddings)."""
+    beta1: float = 0.9
+    """Adam first-moment decay."""
+    beta2: float = 0.95
+    """Adam second-moment decay; 0.95 rather than 0.999 is steadier for LLMs (GPT-3, LLaMA)."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+    momentum: float = 0.9
+    """SGD momentum."""
+
+
+@dataclass
+class ScheduleConfig:
+    name: Literal["cosine", "linear", "constant"] = "cosine"
+    """Shape of the learning rate after warmup."""
+    warmup_steps: int = 20
+    """Linear warmup from 0 to optim.lr over this many optimizer steps."""
+    min_lr_ratio: float = 0.1
+    """Final LR as a fraction of optim.lr (cosine and linear decay to it)."""
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 300
+    """Optimizer steps to run."""
+    micro_batch_size: int = 16
+    """Sequences per worker per forward/backward."""
+    grad_accum_steps: int = 1
+    """Micro-batches accumulated per optimizer step. Global batch = micro * accum * workers."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this; 0 disables clipping."""
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Compute precision. bf16/fp16 keep fp32 master weights; fp16 uses dynamic loss scaling."""
+    eval_every: int = 100
+    """Validate every this many steps (and at the end); 0: only at the end."""
+    eval_batches: int = 16
+    """Validation micro-batches per worker per evaluation; 0: the whole validation split."""
+    checkpoint_every: int = 0
+    """Save a DeepSpeed checkpoint every this many steps; 0: only at the end."""
+    seed: int = 1337
+    """Seeds model init and any randomness in training."""
+    storage_path: str = "runs"
+    """Where Ray Train keeps checkpoints and results (local dir or s3://; shared on a cluster)."""
+    peak_flops: float = 0.0
+    """Per-device peak FLOP/s for MFU. 0: looked up for known GPUs, measured on CPU."""
+
+
+@dataclass
+class LoggingConfig:
+    experiment: str = "kiln"
+    """MLflow experiment name."""
+    run_name: str = ""
+    """MLflow run name; empty: generated from the flavour and a timestamp."""
+    tracking_uri: str = ""
+    """MLflow tracking URI. Empty: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the cwd."""
+    log_every: int = 1
+    """Log per-step metrics every this many steps (buffered, sent in batches)."""
+    progress_every: int = 10
+    """Print a progress line every this many steps."""
+
+
+@dataclass
+class RunConfig:
+    data: DataConfig = field(default_factory=DataConfig)
+    """Where the tokenized Parquet shards are and how they are streamed."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The GPT to train."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Workers and DeepSpeed parallelism."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer."""
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    """Learning-rate schedule."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Steps, batch sizes, precision, validation and checkpoints."""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """MLflow and console output."""
+
+    def validate(self) -> RunConfig:
+        """Check every value against its allowed range; raise ConfigError naming the field."""
+        _check_ranges(self)
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+# ---- ranges: (predicate, what is allowed) per dotted field ----------------------------------
+_RANGES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
+    "data.prefetch_batches": (lambda v: v >= 0, "an integer >= 0"),
+    "model.flavour": (lambda v: v in FLAVOURS, f"one of {sorted(FLAVOURS)}"),
+    "model.vocab_size": (lambda v: v >= 0, "0 (from the data) or a positive integer"),
+    "model.seq_len": (lambda v: v >= 0, "0 (from the data) or a positive integer"),
+    "model.dropout": (lambda v: 0.0 <= v < 1.0, "a number in [0, 1)"),
+    "parallel.num_workers": (lambda v: v >= 1, "an integer >= 1"),
+    "parallel.cpus_per_worker": (lambda v: v > 0, "a number > 0"),
+    "parallel.zero_stage": (lambda v: v in (0, 1, 2, 3), "one of 0, 1, 2, 3"),
+    "optim.lr": (lambda v: 0.0 < v < 10.0, "a number in (0, 10)"),
+    "optim.weight_decay": (lambda v: v >= 0.0, "a number >= 0"),
+    "optim.beta1": (lambda v: 0.0 <= v < 1.0, "a number in [0, 1)"),
+    "optim.beta2": (lambda v: 0.0 <= v < 1.0, "a number in [0, 1)"),
+    "optim.eps": (lambda v: v > 0.0, "a number > 0"),
+    "optim.momentum": (lambda v: 0.0 <= v < 1.0, "a number in [0, 1)"),
+    "schedule.warmup_steps": (lambda v: v >= 0, "an integer >= 0"),
+    "schedule.min_lr_ratio": (lambda v: 0.0 <= v <= 1.0, "a number in [0, 1]"),
+    "train.max_steps": (lambda v: v >= 1, "an integer >= 1"),
+    "train.micro_batch_size": (lambda v: v >= 1, "an integer >= 1"),
+    "train.grad_accum_steps": (lambda v: v >= 1, "an integer >= 1"),
+    "train.grad_clip": (lambda v: v >= 0.0, "a number >= 0 (0 disables clipping)"),
+    "train.eval_every": (lambda v: v >= 0, "an integer >= 0"),
+    "train.eval_batches": (lambda v: v >= 0, "an integer >= 0"),
+    "train.checkpoint_every": (lambda v: v >= 0, "an integer >= 0"),
+    "train.peak_flops": (lambda v: v >= 0.0, "a number >= 0"),
+    "logging.experiment": (lambda v: bool(v.strip()), "a non-empty name"),
+    "logging.log_every": (lambda v: v >= 1, "an integer >= 1"),
+    "logging.progress_every": (lambda v: v >= 1, "an integer >= 1"),
+}
+
+
+def _check_ranges(cfg: RunConfig) -> None:
+    for dotted, (ok, allowed) in _RANGES.items():
+        section, name = dotted.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if not ok(value):
+            raise ConfigError(f"{dotted} = {value!r} is out of range: expected {allowed}")
+    if cfg.schedule.warmup_steps > cfg.train.max_steps:
+        raise ConfigError(
+            f"schedule.warmup_steps = {cfg.schedule.warmup_steps} exceeds train.max_steps = "
+            f"{cfg.train.max_steps}: expected warmup_steps <= max_steps"
+        )
+
+
+# ---- loading ----------------------------------------------------------------------------------
+@cache
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring under each field of a dataclass, read from its source."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError):
+        return {}
+    body = tree.body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+            and isinstance(nxt.value.value, str)
+        ):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    """Convert a YAML/CLI value to the annotated type, or raise ConfigError naming `where`."""
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            raise ConfigError(f"{where} = {value!r} is not allowed: expected one of {list(choices)}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return None if value is None else _coerce(value, args[0], where)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
+            return value.lower() in ("true", "yes", "1")
+        raise ConfigError(f"{where} = {value!r} is not a boolean: expected true or false")
+    if tp is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{where} = {value!r} is not an integer")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{where} = {value!r} is not an integer")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "3e-4" as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{where} = {value!r} is not a number")
+    if tp is str:
+        if isinstance(value, (dict, list)):
+            raise ConfigError(f"{where} = {value!r} is not a string")
+        return "" if value is None else str(value)
+    if tp is dict or origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where} = {value!r} is not a mapping")
+        return value
+    raise TypeError(f"unsupported config type {tp} at {where}")
+
+
+def _unknown_key(key: str, valid: list[str], where: str) -> ConfigError:
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+    hint = f"; did you mean {close[0]!r}?" if close else f"; valid keys: {', '.join(valid)}"
+    path = f"{where}.{key}" if where else key
+    return ConfigError(f"unknown config key {path!r}{hint}")
+
+
+def _build(cls: type, raw: dict[str, Any], where: str = ""):
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where or 'config'} must be a mapping, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in raw.items():
+        if key not in fields:
+            raise _unknown_key(str(key), list(fields), where)
+        dotted = f"{where}.{key}" if where else key
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            kwargs[key] = _build(tp, value or {}, dotted)
+        else:
+            kwargs[key] = _coerce(value, tp, dotted)
+    return cls(**kwargs)
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    """Apply `a.b.c=value` to a nested dict, checking each key against RunConfig's fields."""
+    keys = dotted.split(".")
+    cls: Any = RunConfig
+    node = tree
+    for i, key in enumerate(keys):
+        where = ".".join(keys[:i])
+        if cls is dict:  # free-form (parallel.deepspeed): any key goes
+            if i == len(keys) - 1:
+                node[key] = value
+            else:
+                node = node.setdefault(key, {})
+            continue
+        names = [f.name for f in dataclasses.fields(cls)]
+        if key not in names:
+            raise _unknown_key(key, names, where)
+        tp = typing.get_type_hints(cls)[key]
+        if i == len(keys) - 1:
+            if dataclasses.is_dataclass(tp):
+                raise ConfigError(f"--set {dotted}: {dotted!r} is a section; set one of its fields")
+            node[key] = value
+        else:
+            if not (dataclasses.is_dataclass(tp) or tp is dict):
+                raise ConfigError(f"--set {dotted}: {'.'.join(keys[: i + 1])!r} is not a section")
+            node = node.setdefault(key, {}) or {}
+            cls = tp
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    if "=" not in text:
+        raise ConfigError(f"--set {text!r}: expected KEY=VALUE, e.g. --set optim.lr=3e-4")
+    key, raw = text.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.strip(), value
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()) -> RunConfig:
+    """Read a YAML run config (or the defaults), apply `a.b=c` overrides, validate."""
+    tree: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist")
+        try:
+            tree = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from None
+        if not isinstance(tree, dict):
+            raise ConfigError(f"config file {str(p)!r} must hold a mapping of sections")
+    for text in overrides:
+        key, value = parse_override(text)
+        _set_dotted(tree, key, value)
+    return _build(RunConfig, tree).validate()
+
+
+def config_from_dict(tree: dict[str, Any]) -> RunConfig:
+    return _build(RunConfig, tree).validate()
+
+
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{'optim': {'lr': 1e-3}} -> {'optim.lr': 1e-3}; used for MLflow params."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            out.update(flatten(value, f"{name}."))
+        else:
+            out[name] = value
+    return out
+
+
+def annotated_yaml(cfg: RunConfig | None = None) -> str:
+    """The config as YAML with each field's docstring as a comment above it."""
+    cfg = cfg or RunConfig()
+    lines: list[str] = []
+    for section in dataclasses.fields(RunConfig):
+        value = getattr(cfg, section.name)
+        lines.append(f"# {field_docs(RunConfig).get(section.name, '')}")
+        lines.append(f"{section.name}:")
+        docs = field_docs(type(value))
+        for f in dataclasses.fields(value):
+            if f.name in docs:
+                lines.extend(f"  # {line}" for line in textwrap.wrap(docs[f.name], 94))
+            dumped = yaml.safe_dump({f.name: getattr(value, f.name)}, default_flow_style=True)
+            lines.append("  " + dumped.strip()[1:-1])
+        lines.append("")
+    return "\n".join(lines)

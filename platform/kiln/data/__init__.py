@@ -1,0 +1,1 @@
+"""Corpus -> tokenized Parquet shards + manifest, and reading them back for training."""

@@ -1,0 +1,328 @@
+"""`kiln data prepare`: text files, dirs, JSONL or Parquet -> tokenized Parquet shards.
+
+Output layout (local dir or s3://bucket/prefix):
+
+    manifest.json            written last: its presence means the dataset is complete
+    tokenizer.json           BPE only
+    train/part-00000.parquet columns: id int64, tokens fixed_size_list<int32>[seq_len + 1]
+    val/part-00000.parquet
+
+Documents are split into train/val before tokenizing (no document is in both), joined with an
+end-of-text id, and packed into rows of seq_len + 1 tokens; train rows are shuffled once with a
+seed so streaming them in order is already a random order.
+Locally everything is written to a temp dir that is renamed into place; on S3 the manifest goes
+last and every written object is deleted if anything fails. Either way an interrupted or failed
+prepare leaves nothing that looks like a dataset.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import io
+import json
+import logging
+import math
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+import kiln
+from kiln.data.manifest import FORMAT_VERSION, MANIFEST, SAMPLE_ID, TOKENIZER_FILE, TOKENS
+from kiln.data.tokenizer import BPETokenizer, ByteTokenizer, describe, unigram_entropy_bits
+from kiln.errors import DataError, KilnError
+from kiln.storage import Location, resolve
+
+log = logging.getLogger(__name__)
+
+TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".text", ".jsonl", ".parquet"}
+
+
+@dataclass
+class PrepareConfig:
+    inputs: list[str]
+    """Text files, directories (searched recursively for TEXT_SUFFIXES), .jsonl or .parquet."""
+    output: str
+    """Local directory or s3://bucket/prefix."""
+    tokenizer: str = "bpe"
+    """'byte' (257 ids, no training) or 'bpe' (trained on the train split)."""
+    vocab_size: int = 4096
+    """BPE vocabulary size, including the end-of-text token. Ignored for 'byte'."""
+    seq_len: int = 128
+    """Tokens a model sees per sequence; rows hold seq_len + 1 for the shifted targets."""
+    val_fraction: float = 0.1
+    """Share of documents held out for validation (at least one)."""
+    shard_tokens: int = 1 << 20
+    """Target tokens per Parquet shard (~4 MiB at int32)."""
+    text_field: str = "text"
+    """Field of JSONL records / column of Parquet inputs that holds the text."""
+    seed: int = 1234
+    """Seeds the train/val split and the row shuffle."""
+    if_exists: str = "error"
+    """What to do if the output holds a dataset: 'error', 'reuse' (same inputs and settings
+    only) or 'overwrite'."""
+    s3_endpoint: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+# ---- reading the corpus ------------------------------------------------------------------------
+def _input_files(inputs: list[str]) -> list[Path]:
+    files: list[Path] = []
+    for raw in inputs:
+        if any(ch in raw for ch in "*?["):  # a glob the shell did not expand (quoted)
+            matches = sorted(Path(m) for m in glob.glob(os.path.expanduser(raw), recursive=True))
+            if not matches:
+                raise DataError(f"input pattern {raw!r} matches no files")
+            files.extend(m for m in matches if m.is_file())
+            continue
+        p = Path(raw).expanduser()
+        if not p.exists():
+            raise DataError(f"input {raw!r} does not exist")
+        if p.is_dir():
+            found = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in TEXT_SUFFIXES)
+            if not found:
+                raise DataError(f"input directory {raw!r} holds no text files ({sorted(TEXT_SUFFIXES)})")
+            files.extend(found)
+        else:
+            files.append(p)
+    return files
+
+
+def _read_documents(path: Path, text_field: str) -> Iterator[str]:
+    if path.suffix == ".jsonl":
+        with path.open(encoding="utf-8", errors="replace") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+                if not isinstance(rec, dict) or not isinstance(rec.get(text_field), str):
+                    raise DataError(f"{path}:{lineno}: expected an object with a string field {text_field!r}")
+                yield rec[text_field]
+    elif path.suffix == ".parquet":
+        try:
+            table = pq.read_table(path)
+        except (OSError, pa.ArrowInvalid) as e:
+            raise DataError(f"input {path} is not a readable Parquet file: {e}") from None
+        if text_field not in table.column_names:
+            raise DataError(f"input {path} has no column {text_field!r} (columns: {table.column_names})")
+        yield from (t for t in table.column(text_field).to_pylist() if t)
+    else:
+        yield path.read_text(encoding="utf-8", errors="replace")
+
+
+def read_corpus(cfg: PrepareConfig) -> tuple[list[str], str]:
+    """All non-empty documents, and a content hash of the inputs for the fingerprint."""
+    digest = hashlib.sha256()
+    docs: list[str] = []
+    for path in _input_files(cfg.inputs):
+        for doc in _read_documents(path, cfg.text_field):
+            if doc.strip():
+                docs.append(doc)
+                digest.update(doc.encode("utf-8", errors="replace"))
+                digest.update(b"\0")
+    if not docs:
+        raise DataError(f"the corpus is empty: {cfg.inputs} hold no non-blank text")
+    return docs, digest.hexdigest()
+
+
+# ---- tokenizing and packing --------------------------------------------------------------------
+def _split_documents(docs: list[str], frac: float, seed: int) -> tuple[list[str], list[str]]:
+    if len(docs) == 1:  # one document: hold out its tail instead
+        cut = int(len(docs[0]) * (1 - frac))
+        return [docs[0][:cut]], [docs[0][cut:]]
+    order = np.random.default_rng(seed).permutation(len(docs))
+    n_val = min(len(docs) - 1, max(1, round(frac * len(docs))))
+    return [docs[i] for i in order[n_val:]], [docs[i] for i in order[:n_val]]
+
+
+def _pack(tok, docs: list[str], seq_len: int, batch: int = 256) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of seq_len + 1 tokens from the documents joined by EOT, and the token counts."""
+    pieces, counts = [], np.zeros(tok.vocab_size, dtype=np.int64)
+    eot = np.array([tok.eot_id], dtype=np.int32)
+    for i in range(0, len(docs), batch):
+        for ids in tok.encode_batch(docs[i : i + batch]):
+            pieces.extend((ids, eot))
+    stream = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int32)
+    counts += np.bincount(stream, minlength=tok.vocab_size)
+    n_rows = len(stream) // (seq_len + 1)
+    return stream[: n_rows * (seq_len + 1)].reshape(n_rows, seq_len + 1), counts
+
+
+# ---- writing -----------------------------------------------------------------------------------
+def _parquet_bytes(ids: np.ndarray, rows: np.ndarray) -> bytes:
+    width = rows.shape[1]
+    tokens = pa.FixedSizeListArray.from_arrays(pa.array(rows.reshape(-1), pa.int32()), width)
+    table = pa.table({SAMPLE_ID: pa.array(ids, pa.int64()), TOKENS: tokens})
+    buf = io.BytesIO()
+    pq.write_table(table, buf, compression="zstd")
+    return buf.getvalue()
+
+
+def _write_split(out: Location, split: str, rows: np.ndarray, id_offset: int, rows_per_shard: int) -> dict:
+    shards = []
+    for n, start in enumerate(range(0, len(rows), rows_per_shard)):
+        chunk = rows[start : start + rows_per_shard]
+        data = _parquet_bytes(np.arange(id_offset + start, id_offset + start + len(chunk)), chunk)
+        rel = f"{split}/part-{n:05d}.parquet"
+        out.join(rel).write_bytes(data)
+        shards.append({"path": rel, "rows": len(chunk), "bytes": len(data),
+                       "sha256": hashlib.sha256(data).hexdigest()})
+    return {"rows": int(len(rows)), "tokens": int(rows.size - len(rows)), "shards": shards}
+
+
+def fingerprint(cfg: PrepareConfig, corpus_hash: str) -> str:
+    settings = dict(tokenizer=cfg.tokenizer, vocab_size=cfg.vocab_size if cfg.tokenizer == "bpe" else 257,
+                    seq_len=cfg.seq_len, val_fraction=cfg.val_fraction, seed=cfg.seed,
+                    corpus=corpus_hash, format=FORMAT_VERSION)
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _validate(cfg: PrepareConfig) -> None:
+    if cfg.tokenizer not in ("byte", "bpe"):
+        raise KilnError(f"--tokenizer {cfg.tokenizer!r}: expected 'byte' or 'bpe'")
+    if cfg.tokenizer == "bpe" and not 257 <= cfg.vocab_size <= 1 << 20:
+        raise KilnError(f"--vocab-size {cfg.vocab_size}: expected 257..{1 << 20} for BPE")
+    if cfg.seq_len < 2:
+        raise KilnError(f"--seq-len {cfg.seq_len}: expected an integer >= 2")
+    if not 0.0 < cfg.val_fraction < 1.0:
+        raise KilnError(f"--val-fraction {cfg.val_fraction}: expected a number in (0, 1)")
+    if cfg.if_exists not in ("error", "reuse", "overwrite"):
+        raise KilnError(f"--if-exists {cfg.if_exists!r}: expected error, reuse or overwrite")
+
+
+def prepare(cfg: PrepareConfig) -> dict:
+    """Build the dataset and return its manifest (or the existing one, with if_exists=reuse)."""
+    _validate(cfg)
+    out = resolve(cfg.output, cfg.s3_endpoint)
+    docs, corpus_hash = read_corpus(cfg)
+    fp = fingerprint(cfg, corpus_hash)
+
+    existing = out.list_files() if out.exists() else []
+    if existing:
+        old = _read_old_manifest(out) if MANIFEST in existing else None
+        same = old is not None and old.get("fingerprint") == fp
+        if same and cfg.if_exists == "reuse":
+            log.info("%s already holds this dataset (fingerprint %s); reusing it", out.uri, fp)
+            return old
+        if cfg.if_exists != "overwrite":
+            what = "this same dataset" if same else "a different dataset" if old else "files that are not a Kiln dataset"
+            raise DataError(
+                f"output {out.uri} already holds {what}; it is never overwritten silently. "
+                f"Choose another --output, or pass --if-exists {'reuse' if same else 'overwrite'}"
+            )
+
+    t0 = time.time()
+    train_docs, val_docs = _split_documents(docs, cfg.val_fraction, cfg.seed)
+    if cfg.tokenizer == "byte":
+        tok = ByteTokenizer()
+    else:
+        log.info("training a %d-token BPE on %d documents", cfg.vocab_size, len(train_docs))
+        tok = BPETokenizer.train(train_docs, cfg.vocab_size)
+    train_rows, train_counts = _pack(tok, train_docs, cfg.seq_len)
+    val_rows, _ = _pack(tok, val_docs, cfg.seq_len)
+    for name, rows, n_docs in (("train", train_rows, len(train_docs)), ("val", val_rows, len(val_docs))):
+        if len(rows) == 0:
+            raise DataError(
+                f"the corpus is too small for --seq-len {cfg.seq_len}: its {name} split "
+                f"({n_docs} documents) has fewer than {cfg.seq_len + 1} tokens"
+            )
+    train_rows = train_rows[np.random.default_rng(cfg.seed).permutation(len(train_rows))]
+    rows_per_shard = max(1, cfg.shard_tokens // (cfg.seq_len + 1))
+
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "fingerprint": fp,
+        "kiln_version": kiln.__version__,
+        "created_unix": int(time.time()),
+        "sources": [str(Path(p).expanduser()) for p in cfg.inputs],
+        "documents": {"train": len(train_docs), "val": len(val_docs)},
+        "tokenizer": describe(tok) | ({"file": TOKENIZER_FILE} if tok.to_json() else {}),
+        "seq_len": cfg.seq_len,
+        "columns": {SAMPLE_ID: "int64", TOKENS: f"fixed_size_list<int32>[{cfg.seq_len + 1}]"},
+        "unigram_entropy_bits": unigram_entropy_bits(train_counts),
+        "splits": {},
+    }
+    staging = _staging(out)
+    try:
+        if tok.to_json():
+            staging.join(TOKENIZER_FILE).write_bytes(tok.to_json().encode())
+        manifest["splits"]["train"] = _write_split(staging, "train", train_rows, 0, rows_per_shard)
+        manifest["splits"]["val"] = _write_split(staging, "val", val_rows, len(train_rows), rows_per_shard)
+        staging.join(MANIFEST).write_bytes(json.dumps(manifest, indent=2).encode())  # last: commit
+        _commit(staging, out)
+    except BaseException:
+        _discard(staging, out)
+        raise
+    log.info(
+        "wrote %s: %d train / %d val rows of %d tokens, vocab %d, in %.1fs",
+        out.uri, len(train_rows), len(val_rows), cfg.seq_len + 1, tok.vocab_size, time.time() - t0,
+    )
+    return manifest
+
+
+def _read_old_manifest(out: Location) -> dict | None:
+    try:
+        return json.loads(out.join(MANIFEST).read_bytes())
+    except json.JSONDecodeError:
+        return None
+
+
+def _staging(out: Location) -> Location:
+    """Where to write before the dataset becomes visible: a sibling temp dir locally; on S3 the
+    final prefix itself (no rename there), made visible by the manifest written last."""
+    if out.is_s3:
+        if out.exists():  # overwrite: clear the old objects first, manifest first of all
+            _delete_prefix(out)
+        return out
+    parent = Path(out.path).parent
+    parent.mkdir(parents=True, exist_ok=True)
+    tmp = parent / f".{Path(out.path).name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    return resolve(str(tmp))
+
+
+def _commit(staging: Location, out: Location) -> None:
+    if out.is_s3:
+        return
+    target = Path(out.path)
+    trash = None
+    if target.exists():
+        trash = target.with_name(f".{target.name}.old-{uuid.uuid4().hex[:8]}")
+        os.rename(target, trash)
+    os.rename(staging.path, target)
+    if trash is not None:
+        shutil.rmtree(trash, ignore_errors=True)
+
+
+def _discard(staging: Location, out: Location) -> None:
+    try:
+        if out.is_s3:
+            _delete_prefix(out)
+        else:
+            shutil.rmtree(staging.path, ignore_errors=True)
+    except Exception as e:  # the original error matters more than a failed clean-up
+        log.warning("could not remove the partial output at %s: %s", staging.uri, e)
+
+
+def _delete_prefix(loc: Location) -> None:
+    files = loc.list_files()
+    if MANIFEST in files:  # invalidate first so a reader never sees a half-deleted dataset
+        loc.fs.delete_file(loc.join(MANIFEST).path)
+    for rel in files:
+        if rel != MANIFEST:
+            loc.fs.delete_file(loc.join(rel).path)
+
+
+def bits(nats: float) -> float:
+    return nats / math.log(2)

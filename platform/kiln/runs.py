@@ -1,0 +1,46 @@
+"""`kiln runs list|compare`: read MLflow and print a table."""
+
+from __future__ import annotations
+
+from kiln.errors import KilnError
+from kiln.tracking import check_reachable, resolve_tracking_uri
+
+DEFAULT_METRICS = ("loss/train", "loss/val", "throughput/tokens_per_s", "mfu")
+
+
+def fetch_runs(experiment: str, tracking_uri: str = "", sort: str | None = None, limit: int = 50):
+    from mlflow.tracking import MlflowClient
+
+    uri = resolve_tracking_uri(tracking_uri)
+    check_reachable(uri)
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None:
+        names = [e.name for e in client.search_experiments()]
+        raise KilnError(f"no MLflow experiment {experiment!r} at {uri}; experiments there: {names}")
+    order = [f"metrics.`{sort}` ASC"] if sort else ["attributes.start_time DESC"]
+    runs = client.search_runs([exp.experiment_id], order_by=order, max_results=limit)
+    if sort:  # MLflow puts runs without the metric first or last depending on the store
+        runs = sorted(runs, key=lambda r: (sort not in r.data.metrics, r.data.metrics.get(sort, 0.0)))
+    return runs
+
+
+def format_table(runs, metrics=DEFAULT_METRICS, params=("model.flavour", "optim.name", "optim.lr")) -> str:
+    header = ["run", "run id", "status", *params, *metrics]
+    rows = []
+    for r in runs:
+        row = [r.info.run_name or "", r.info.run_id[:12], r.info.status]
+        row += [r.data.params.get(p, "") for p in params]
+        row += [_fmt(r.data.metrics.get(m)) for m in metrics]
+        rows.append(row)
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+    line = "  ".join(h.ljust(w) for h, w in zip(header, widths))
+    out = [line, "  ".join("-" * w for w in widths)]
+    out += ["  ".join(str(x).ljust(w) for x, w in zip(row, widths)) for row in rows]
+    return "\n".join(out)
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "-"
+    return f"{v:,.1f}" if abs(v) >= 1000 else f"{v:.4g}"

@@ -1,0 +1,175 @@
+"""MLflow: where runs go, what is logged, and the small `log(metrics, step)` interface.
+
+The driver creates the run (params, tags, artifacts) so it knows the run id before training;
+rank 0 alone then logs per-step metrics into it, buffered and sent in batches. Secrets never
+reach MLflow: params and tags pass through `redact`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import socket
+import subprocess
+import time
+from pathlib import Path
+from typing import Any, Protocol
+from urllib.parse import urlparse
+
+from kiln.errors import KilnError
+
+log = logging.getLogger(__name__)
+
+SECRET_PATTERN = re.compile(r"(secret|token|password|passwd|credential|api[_-]?key|access[_-]?key|auth)", re.I)
+REDACTED = "***"
+
+
+def resolve_tracking_uri(configured: str = "") -> str:
+    """Config, else $MLFLOW_TRACKING_URI, else a SQLite file in the cwd. Relative SQLite and
+    file paths are made absolute so Ray workers, whose cwd differs, write to the same store."""
+    uri = configured or os.environ.get("MLFLOW_TRACKING_URI", "") or "sqlite:///mlflow.db"
+    if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
+        return "sqlite:///" + os.path.abspath(uri[len("sqlite:///") :])
+    if "://" not in uri:
+        return "file://" + os.path.abspath(uri)
+    return uri
+
+
+def check_reachable(uri: str, timeout: float = 5.0) -> None:
+    """Fail fast with a clear message if an HTTP tracking server does not answer."""
+    parsed = urlparse(uri)
+    if parsed.scheme not in ("http", "https"):
+        return
+    port = parsed.port or (443 if parsed.scheme == "https" else 80)
+    try:
+        with socket.create_connection((parsed.hostname, port), timeout=timeout):
+            pass
+    except OSError as e:
+        raise KilnError(
+            f"MLflow tracking server {uri} is unreachable ({e.strerror or e}); start it, or set "
+            "logging.tracking_uri / $MLFLOW_TRACKING_URI to a reachable server or sqlite:///mlflow.db"
+        ) from None
+
+
+def redact(params: dict[str, Any]) -> dict[str, Any]:
+    """Drop the value of any key that looks like a credential."""
+    return {k: (REDACTED if SECRET_PATTERN.search(k) else v) for k, v in params.items()}
+
+
+def git_commit(path: str | os.PathLike = ".") -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=path, capture_output=True, text=True, timeout=5)
+        return out.stdout.strip() if out.returncode == 0 else "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def ui_command(uri: str) -> str:
+    if uri.startswith(("http://", "https://")):
+        return f"open {uri}"
+    return f"mlflow ui --backend-store-uri {uri} --host 127.0.0.1 --port 5000"
+
+
+class MetricLogger(Protocol):
+    def log(self, metrics: dict[str, float], step: int) -> None: ...
+    def close(self) -> None: ...
+
+
+class NullLogger:
+    """What every rank but 0 gets: only rank 0 logs."""
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class MLflowLogger:
+    """Per-step metrics into an existing MLflow run, buffered and sent with log_batch.
+
+    One HTTP/SQL round trip per `flush_every` steps instead of one per metric keeps logging off
+    the training step's critical path.
+    """
+
+    def __init__(self, tracking_uri: str, run_id: str, flush_every: int = 20, flush_secs: float = 10.0,
+                 system_metrics: bool = True):
+        import mlflow
+        from mlflow.tracking import MlflowClient
+
+        self._client = MlflowClient(tracking_uri)
+        self._monitor = None
+        if system_metrics:  # CPU, memory, disk, network (and GPU if pynvml is there) every 10 s
+            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+            mlflow.set_tracking_uri(tracking_uri)
+            self._monitor = SystemMetricsMonitor(run_id, sampling_interval=10)
+            self._monitor.start()
+        self._run_id = run_id
+        self._flush_every, self._flush_secs = flush_every, flush_secs
+        self._buffer: list = []
+        self._last_flush = time.monotonic()
+        self._steps = 0
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        self._buffer.extend(Metric(k, float(v), now, step) for k, v in metrics.items())
+        self._steps += 1
+        if self._steps % self._flush_every == 0 or time.monotonic() - self._last_flush > self._flush_secs:
+            self.flush()
+
+    def flush(self) -> None:
+        # log_batch takes at most 1000 metrics per call.
+        while self._buffer:
+            chunk, self._buffer = self._buffer[:1000], self._buffer[1000:]
+            self._client.log_batch(self._run_id, metrics=chunk)
+        self._last_flush = time.monotonic()
+
+    def close(self) -> None:
+        self.flush()
+        if self._monitor is not None:
+            self._monitor.finish()
+            self._monitor = None
+
+
+class Run:
+    """The driver's handle on one MLflow run."""
+
+    def __init__(self, tracking_uri: str, experiment: str, run_name: str):
+        import mlflow
+        from mlflow.tracking import MlflowClient
+
+        check_reachable(tracking_uri)
+        self.tracking_uri = tracking_uri
+        mlflow.set_tracking_uri(tracking_uri)
+        self.client = MlflowClient(tracking_uri)
+        try:
+            exp = self.client.get_experiment_by_name(experiment)
+            exp_id = exp.experiment_id if exp else self.client.create_experiment(experiment)
+            self.run_id = self.client.create_run(exp_id, run_name=run_name).info.run_id
+        except Exception as e:  # the store's own errors are many and unhelpful
+            raise KilnError(f"cannot create an MLflow run at {tracking_uri}: {e}") from None
+        self.experiment_id = exp_id
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        from mlflow.entities import Param
+
+        items = [Param(k, str(v)[:6000]) for k, v in redact(params).items()]
+        for i in range(0, len(items), 100):
+            self.client.log_batch(self.run_id, params=items[i : i + 100])
+
+    def set_tags(self, tags: dict[str, Any]) -> None:
+        for k, v in redact(tags).items():
+            self.client.set_tag(self.run_id, k, str(v))
+
+    def log_text(self, text: str, artifact_file: str) -> None:
+        self.client.log_text(self.run_id, text, artifact_file)
+
+    def log_file(self, path: str | Path, artifact_path: str | None = None) -> None:
+        self.client.log_artifact(self.run_id, str(path), artifact_path)
+
+    def finish(self, ok: bool) -> None:
+        self.client.set_terminated(self.run_id, "FINISHED" if ok else "FAILED")

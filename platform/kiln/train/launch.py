@@ -1,0 +1,188 @@
+"""The driver side of `kiln train`: validate, open the MLflow run, start Ray Train, summarise.
+
+Everything a user can get wrong (config, dataset, shard files, model/data mismatch, precision,
+MLflow reachability) is checked here before any worker starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass
+
+import kiln
+from kiln.config import RunConfig
+from kiln.data.manifest import Manifest, check_shards, load_manifest
+from kiln.errors import ConfigError, DataError
+from kiln.model import padded_vocab
+from kiln.storage import resolve
+from kiln.tracking import Run, git_commit, resolve_tracking_uri, ui_command
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Summary:
+    run_name: str
+    run_id: str
+    tracking_uri: str
+    experiment: str
+    metrics: dict
+    unigram_entropy_bits: float
+    seconds_to_first_step: float
+    checkpoint: str | None
+    num_workers: int
+
+    def render(self) -> str:
+        m, ln2 = self.metrics, math.log(2)
+        val_bits = m["loss/val"] / ln2
+        lines = [
+            f"Kiln run '{self.run_name}' finished: {m['step']} steps on {self.num_workers} worker(s), "
+            f"{m['tokens/seen'] / 1e6:.2f}M tokens",
+            f"  train loss        {m['loss/train']:.4f} nats/token  ({m['loss/train'] / ln2:.3f} bits/token)",
+            f"  val loss          {m['loss/val']:.4f} nats/token  ({val_bits:.3f} bits/token)",
+            f"  unigram entropy   {self.unigram_entropy_bits:.3f} bits/token  "
+            f"(val loss is {self.unigram_entropy_bits - val_bits:+.3f} bits/token below it)",
+            f"  throughput        {m['throughput/tokens_per_s']:,.0f} tokens/s steady state"
+            + (f", MFU {100 * m['mfu']:.1f}%" if "mfu" in m else ""),
+            f"  first step after  {self.seconds_to_first_step:.1f} s; data wait {100 * m['time/data_wait_share']:.1f}% of step time",
+            f"  MLflow run        {self.run_id} (experiment '{self.experiment}')",
+            f"  open the UI       {ui_command(self.tracking_uri)}",
+        ]
+        if self.checkpoint:
+            lines.append(f"  checkpoint        {self.checkpoint}")
+        return "\n".join(lines)
+
+
+def resolve_against_data(cfg: RunConfig) -> tuple[RunConfig, Manifest]:
+    """Load and check the dataset; fill in model.vocab_size/seq_len; refuse mismatches."""
+    loc = resolve(cfg.data.path, cfg.data.s3_endpoint, cfg.data.s3_region)
+    manifest = load_manifest(loc)
+    check_shards(manifest)
+    vocab, seq = manifest.vocab_size, manifest.seq_len
+    m = cfg.model
+    if m.vocab_size and m.vocab_size < vocab:
+        raise DataError(
+            f"model.vocab_size = {m.vocab_size} is smaller than the vocab of {loc.uri} ({vocab}): "
+            f"expected model.vocab_size >= {vocab}, or 0 to take it from the data"
+        )
+    if m.seq_len and m.seq_len != seq:
+        raise DataError(
+            f"model.seq_len = {m.seq_len} does not match the seq_len of {loc.uri} ({seq}): "
+            f"expected {seq}, or 0 to take it from the data"
+        )
+    model = dataclasses.replace(m, vocab_size=m.vocab_size or padded_vocab(vocab), seq_len=seq)
+    cfg = dataclasses.replace(cfg, model=model)
+    per_step = cfg.parallel.num_workers * cfg.train.micro_batch_size
+    for split in ("train", "val"):
+        rows = manifest.split(split)["rows"]
+        if rows < per_step:
+            raise DataError(
+                f"the {split} split of {loc.uri} has {rows} rows, fewer than one micro-batch on every "
+                f"worker ({cfg.parallel.num_workers} x {cfg.train.micro_batch_size}); lower "
+                "train.micro_batch_size or parallel.num_workers, or prepare more data"
+            )
+    return cfg, manifest
+
+
+def check_precision(cfg: RunConfig) -> None:
+    import torch
+
+    prec = cfg.train.precision
+    if not cfg.parallel.use_gpu and prec == "fp16":
+        raise ConfigError(
+            "train.precision = 'fp16' is not supported on CPU (DeepSpeed's CPU accelerator has no "
+            "fp16); expected 'bf16' or 'fp32' for CPU workers"
+        )
+    if cfg.parallel.use_gpu and prec == "bf16" and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
+        raise ConfigError(
+            f"train.precision = 'bf16' is not supported by {torch.cuda.get_device_name()}; use 'fp16' or 'fp32'"
+        )
+
+
+def connect_ray(cfg: RunConfig, address: str | None = None) -> None:
+    import ray
+
+    if ray.is_initialized():
+        return
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        log.info("connecting to the Ray cluster at %s", address)
+        ray.init(address=address, log_to_driver=True)
+        return
+    # Embedded local Ray. Logical CPUs: one per worker as configured, plus two for Ray Data's
+    # read tasks, so data never waits behind training workers for a CPU slot.
+    need = math.ceil(cfg.parallel.num_workers * cfg.parallel.cpus_per_worker) + 2
+    log.info("starting an embedded local Ray (no cluster address given)")
+    # The dashboard backs Ray's state API, which Ray Train's placement-group cleaner polls; it
+    # binds to loopback only.
+    ray.init(num_cpus=max(os.cpu_count() or 1, need), dashboard_host="127.0.0.1", log_to_driver=True)
+
+
+def ray_datasets(manifest: Manifest) -> dict:
+    """One `read_parquet` per split over the shards the manifest lists (local or S3).
+
+    Each worker's part comes from Ray Train's streaming split. A new epoch restarts the read,
+    which costs seconds: negligible for pretraining, which rarely repeats data.
+    """
+    import ray.data
+    from ray.data import DataContext
+
+    ctx = DataContext.get_current()
+    ctx.enable_progress_bars = False  # Kiln prints its own progress
+    ctx.print_on_execution_start = False
+    return {
+        split: ray.data.read_parquet(
+            [loc.path for loc in manifest.shard_locations(split)], filesystem=manifest.location.fs,
+            columns=["tokens"],
+        )
+        for split in ("train", "val")
+    }
+
+
+def train(cfg: RunConfig, address: str | None = None, started: float | None = None) -> Summary:
+    started = started or time.time()
+    cfg, manifest = resolve_against_data(cfg)
+    check_precision(cfg)
+    run_name = cfg.logging.run_name or f"{cfg.model.flavour}-{time.strftime('%Y%m%d-%H%M%S')}"
+    cfg = dataclasses.replace(cfg, logging=dataclasses.replace(cfg.logging, run_name=run_name))
+    tracking_uri = resolve_tracking_uri(cfg.logging.tracking_uri)
+    run = Run(tracking_uri, cfg.logging.experiment, run_name)
+    ok = False
+    try:
+        connect_ray(cfg, address)
+        import ray
+
+        from kiln.config import flatten
+        from kiln.train.ray_trainer import build_trainer
+
+        run.log_params(flatten(cfg.to_dict()) | {
+            "data.fingerprint": manifest.fingerprint, "data.tokenizer": manifest.raw["tokenizer"]["type"],
+            "data.train_tokens": manifest.split("train")["tokens"],
+        })
+        run.set_tags({
+            "kiln.version": kiln.__version__, "kiln.git_commit": git_commit(os.path.dirname(kiln.__file__)),
+            "kiln.num_workers": cfg.parallel.num_workers, "kiln.num_nodes": len([n for n in ray.nodes() if n["Alive"]]),
+            "kiln.cluster_cpus": ray.cluster_resources().get("CPU", 0),
+            "kiln.cluster_gpus": ray.cluster_resources().get("GPU", 0),
+        })
+        run.log_text(cfg.to_yaml(), "config.yaml")
+        run.log_text(json.dumps(manifest.raw, indent=2), "data/manifest.json")
+        trainer = build_trainer(cfg, ray_datasets(manifest), run_name, tracking_uri, run.run_id)
+        result = trainer.fit()
+        final = result.metrics
+        ok = True
+    finally:
+        run.finish(ok)
+    return Summary(
+        run_name=run_name, run_id=run.run_id, tracking_uri=tracking_uri, experiment=cfg.logging.experiment,
+        metrics=final, unigram_entropy_bits=float(manifest.raw["unigram_entropy_bits"]),
+        seconds_to_first_step=final["time/first_step_unix"] - started,
+        checkpoint=result.checkpoint.path if result.checkpoint else None, num_workers=cfg.parallel.num_workers,
+    )
+
+

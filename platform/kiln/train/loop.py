@@ -1,0 +1,213 @@
+"""The per-worker training loop: a plain function of (config, world, batches, logger).
+
+It knows nothing about Ray: Ray Train calls it from `kiln.train.ray_trainer`, torchrun or a
+single process calls it from `kiln.train.local`. It builds the GPT, wraps it in a DeepSpeed
+engine, trains for `train.max_steps` optimizer steps, validates, checkpoints, and returns the
+final metrics. Only rank 0 logs; every rank calls `report` the same number of times (Ray Train
+requires that).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from kiln.config import RunConfig
+from kiln.model import GPT, GPTConfig, config_for, flops_per_token
+from kiln.tracking import MetricLogger
+from kiln.train.metrics import datasheet_peak_flops, measured_peak_flops, memory_metrics
+from kiln.train.optim import build_optimizer, build_scheduler
+from kiln.train.parallelize import deepspeed_config
+from kiln.train.sources import BatchSource
+
+log = logging.getLogger("kiln.train")
+
+Report = Callable[[dict, "str | None"], None]
+WARMUP_STEPS_EXCLUDED = 5  # steady-state throughput ignores the first steps (allocator, JIT, caches)
+
+
+@dataclass(frozen=True)
+class WorldInfo:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+
+
+def gpt_config(cfg: RunConfig) -> GPTConfig:
+    """The model's shape; vocab_size and seq_len must be resolved (non-zero) by now."""
+    m = cfg.model
+    assert m.vocab_size > 0 and m.seq_len > 0, "resolve model.vocab_size/seq_len from the data first"
+    return config_for(
+        m.flavour, vocab_size=m.vocab_size, seq_len=m.seq_len, dropout=m.dropout,
+        activation_checkpointing=m.activation_checkpointing,
+    )
+
+
+def _mean_over_ranks(values: list[float], device: torch.device) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t)
+        t /= dist.get_world_size()
+    return t.tolist()
+
+
+@torch.no_grad()
+def evaluate(engine, source: BatchSource, max_batches: int, device: torch.device) -> float:
+    engine.eval()
+    total, count = 0.0, 0
+    for i, batch in enumerate(source.val_batches()):
+        if max_batches and i >= max_batches:
+            break
+        batch = batch.to(device, non_blocking=True)
+        _, loss = engine(batch[:, :-1], batch[:, 1:])
+        total, count = total + loss.item(), count + 1
+    engine.train()
+    (mean_total, mean_count) = _mean_over_ranks([total, float(count)], device)
+    return mean_total / max(mean_count, 1e-9)
+
+
+def train_loop(
+    cfg: RunConfig,
+    world: WorldInfo,
+    source: BatchSource,
+    logger: MetricLogger,
+    report: Report | None = None,
+    checkpoint_root: str | None = None,
+) -> dict[str, float]:
+    import deepspeed
+
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    t, device = cfg.train, world.device
+    torch.manual_seed(t.seed)
+    if device.type == "cpu":
+        torch.set_num_threads(max(1, int(cfg.parallel.cpus_per_worker)))
+    else:
+        torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls on tensor cores
+        torch.backends.cudnn.allow_tf32 = True
+
+    # Start the data pipeline now so its start-up overlaps building the model and engine.
+    batches = _prefetch_first(source.train_batches())
+    mcfg = gpt_config(cfg)
+    model = GPT(mcfg)
+    optimizer = build_optimizer(model, cfg.optim, on_cuda=device.type == "cuda")
+    scheduler = build_scheduler(optimizer, cfg.schedule, t.max_steps)
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, optimizer=optimizer, lr_scheduler=scheduler,
+        config=deepspeed_config(cfg, world.world_size),
+    )
+
+    tokens_per_step = t.micro_batch_size * t.grad_accum_steps * world.world_size * mcfg.seq_len
+    flops_tok = flops_per_token(mcfg)
+    peak = datasheet_peak_flops(device, t.precision, t.peak_flops)
+    steady_time = steady_wait = 0.0
+    steady_steps = 0
+    last: dict[str, float] = {}
+    first_step_unix = 0.0
+    if world.rank == 0:
+        log.info("training %s (%.2fM params) for %d steps, %d tokens/step on %d worker(s)",
+                 cfg.model.flavour, sum(p.numel() for p in model.parameters()) / 1e6,
+                 t.max_steps, tokens_per_step, world.world_size)
+
+    for step in range(1, t.max_steps + 1):
+        start = time.perf_counter()
+        lr = scheduler.get_last_lr()[0]
+        data_wait, loss_sum = 0.0, torch.zeros((), device=device)
+        for _ in range(t.grad_accum_steps):
+            wait_start = time.perf_counter()
+            batch = next(batches).to(device, non_blocking=True)
+            data_wait += time.perf_counter() - wait_start
+            _, loss = engine(batch[:, :-1], batch[:, 1:])
+            engine.backward(loss)
+            engine.step()
+            loss_sum += loss.detach()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        step_time = time.perf_counter() - start
+        if step == 1:
+            first_step_unix = time.time()
+        if step > WARMUP_STEPS_EXCLUDED or t.max_steps <= WARMUP_STEPS_EXCLUDED:
+            steady_time, steady_wait, steady_steps = steady_time + step_time, steady_wait + data_wait, steady_steps + 1
+
+        loss_train, wait = _mean_over_ranks([loss_sum.item() / t.grad_accum_steps, data_wait], device)
+        tok_s = tokens_per_step / step_time
+        grad_norm = engine.get_global_grad_norm()
+        metrics = {
+            "loss/train": loss_train,
+            "lr": lr,
+            "throughput/tokens_per_s": tok_s,
+            "throughput/tokens_per_s_per_device": tok_s / world.world_size,
+            "time/step_s": step_time,
+            "time/data_wait_s": wait,
+            "tokens/seen": float(step * tokens_per_step),
+        }
+        if peak is None and step == WARMUP_STEPS_EXCLUDED:
+            peak = measured_peak_flops(device, t.precision)
+        if peak is not None:
+            metrics["mfu"] = flops_tok * tok_s / (peak * world.world_size)
+        if grad_norm is not None:
+            metrics["grad_norm"] = float(grad_norm)
+        if not math.isfinite(loss_train):
+            log.warning("step %d: non-finite training loss %s", step, loss_train)
+
+        is_last = step == t.max_steps
+        if (t.eval_every and step % t.eval_every == 0) or is_last:
+            metrics["loss/val"] = evaluate(engine, source, t.eval_batches, device)
+        if step % cfg.logging.log_every == 0 or is_last or "loss/val" in metrics:
+            metrics.update(memory_metrics(device))
+            logger.log(metrics, step)
+        if world.rank == 0 and (step % cfg.logging.progress_every == 0 or step == 1 or is_last):
+            _progress(step, t.max_steps, metrics, steady_time / max(steady_steps, 1))
+        last.update(metrics)
+
+        save = (t.checkpoint_every and step % t.checkpoint_every == 0) or is_last
+        ckpt = None
+        if save and checkpoint_root is not None:
+            ckpt = f"{checkpoint_root}/step_{step:08d}"
+            engine.save_checkpoint(ckpt, tag="state", client_state={"step": step})
+        if report is not None and not is_last and ("loss/val" in metrics or save):
+            report(metrics | {"step": step}, ckpt)
+
+    logger.close()
+    final = dict(last)
+    final["throughput/tokens_per_s"] = tokens_per_step * steady_steps / max(steady_time, 1e-9)
+    if peak is not None:
+        final["mfu"] = flops_tok * final["throughput/tokens_per_s"] / (peak * world.world_size)
+    final["time/data_wait_share"] = steady_wait / max(steady_time, 1e-9)
+    final["time/first_step_unix"] = first_step_unix
+    final["step"] = t.max_steps
+    if report is not None:  # the last report carries the final checkpoint and the summary metrics
+        report(final, ckpt)
+    return final
+
+
+def _prefetch_first(it: Iterator[torch.Tensor]) -> Iterator[torch.Tensor]:
+    """Fetch the first item on a thread at once; yield it, then the rest as usual."""
+    box: dict = {}
+    thread = threading.Thread(target=lambda: box.update(item=next(it)), daemon=True)
+    thread.start()
+
+    def gen():
+        thread.join()
+        yield box["item"]
+        yield from it
+
+    return gen()
+
+
+def _progress(step: int, total: int, m: dict[str, float], mean_step_s: float) -> None:
+    eta = int(mean_step_s * (total - step))
+    width = 24
+    filled = int(width * step / total)
+    bar = "#" * filled + "-" * (width - filled)
+    val = f" | val {m['loss/val']:.3f}" if "loss/val" in m else ""
+    log.info("[%s] step %d/%d | loss %.3f%s | %s tok/s | lr %.2e | eta %dm%02ds",
+             bar, step, total, m["loss/train"], val, f"{m['throughput/tokens_per_s']:,.0f}",
+             m["lr"], eta // 60, eta % 60)

@@ -1,0 +1,86 @@
+"""Ray Train orchestration around the plain training loop (Train V2 API).
+
+The driver hands each worker the resolved config; the worker builds its batch source from
+`get_dataset_shard`, logs through MLflow on rank 0 only, and reports metrics and DeepSpeed
+checkpoints via `ray.train.report`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+import warnings
+from typing import Any
+
+import ray
+import ray.train
+from ray.train import Checkpoint, ScalingConfig
+from ray.train.torch import TorchConfig, TorchTrainer
+
+from kiln.config import RunConfig, config_from_dict
+from kiln.tracking import MLflowLogger, NullLogger
+from kiln.train.loop import WorldInfo, train_loop
+from kiln.train.sources import RayShardSource
+
+
+def _worker_entry(loop_config: dict[str, Any]) -> None:
+    """Runs on every Ray Train worker."""
+    import ray.train.torch
+
+    _quiet_worker_logs()
+    cfg = config_from_dict(loop_config["config"])
+    ctx = ray.train.get_context()
+    world = WorldInfo(
+        rank=ctx.get_world_rank(), world_size=ctx.get_world_size(),
+        local_rank=ctx.get_local_rank(), device=ray.train.torch.get_device(),
+    )
+    source = RayShardSource(
+        ray.train.get_dataset_shard("train"), ray.train.get_dataset_shard("val"),
+        cfg.train.micro_batch_size, cfg.data.prefetch_batches, cfg.train.eval_batches,
+    )
+    run_id = loop_config.get("mlflow_run_id")
+    logger = MLflowLogger(loop_config["tracking_uri"], run_id) if world.rank == 0 and run_id else NullLogger()
+    local_ckpt_root = tempfile.mkdtemp(prefix="kiln-ckpt-")
+
+    def report(metrics: dict, ckpt_dir: str | None) -> None:
+        checkpoint = Checkpoint.from_directory(ckpt_dir) if ckpt_dir else None
+        ray.train.report(metrics, checkpoint=checkpoint)
+        if ckpt_dir:  # uploaded to storage_path by now (synchronous upload)
+            shutil.rmtree(ckpt_dir, ignore_errors=True)
+
+    try:
+        train_loop(cfg, world, source, logger, report=report, checkpoint_root=local_ckpt_root)
+    finally:
+        shutil.rmtree(local_ckpt_root, ignore_errors=True)
+
+
+def _quiet_worker_logs() -> None:
+    """Kiln's own INFO lines on workers; Ray's and DeepSpeed's chatter only from WARNING."""
+    kiln_log = logging.getLogger("kiln")
+    if not kiln_log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s"))
+        kiln_log.addHandler(handler)
+        kiln_log.setLevel(logging.INFO)
+        kiln_log.propagate = False
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    logging.getLogger("mlflow").setLevel(logging.WARNING)
+
+
+def build_trainer(cfg: RunConfig, datasets: dict, run_name: str, tracking_uri: str, run_id: str | None) -> TorchTrainer:
+    p = cfg.parallel
+    storage = cfg.train.storage_path
+    if "://" not in storage:
+        storage = os.path.abspath(storage)
+    return TorchTrainer(
+        train_loop_per_worker=_worker_entry,
+        train_loop_config={"config": cfg.to_dict(), "tracking_uri": tracking_uri, "mlflow_run_id": run_id},
+        scaling_config=ScalingConfig(
+            num_workers=p.num_workers, use_gpu=p.use_gpu, resources_per_worker={"CPU": p.cpus_per_worker},
+        ),
+        torch_config=TorchConfig(backend="nccl" if p.use_gpu else "gloo"),
+        run_config=ray.train.RunConfig(name=run_name, storage_path=storage),
+        datasets=datasets,
+    )

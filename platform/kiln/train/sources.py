@@ -1,0 +1,89 @@
+"""Where a worker's batches come from: a Ray Data shard, or Parquet read directly.
+
+Both yield int64 tensors of shape (micro_batch, seq_len + 1) and give every rank the same
+number of batches per epoch, so no rank waits in a collective for one that ran out of data.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Protocol
+
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+
+from kiln.data.manifest import TOKENS, Manifest
+
+
+class BatchSource(Protocol):
+    def train_batches(self) -> Iterator[torch.Tensor]:
+        """Endless: epoch after epoch."""
+
+    def val_batches(self) -> Iterable[torch.Tensor]:
+        """One pass over this rank's part of the validation split."""
+
+
+class RayShardSource:
+    """This worker's `get_dataset_shard` iterators (Ray Data streaming split, equal=True)."""
+
+    def __init__(self, train_it, val_it, micro_batch: int, prefetch: int = 2, max_val_batches: int = 0):
+        self.train_it, self.val_it = train_it, val_it
+        self.micro_batch, self.prefetch = micro_batch, prefetch
+        self.max_val_batches = max_val_batches
+        self._val_cache: list[torch.Tensor] | None = None
+
+    def _iter(self, it) -> Iterator[torch.Tensor]:
+        for batch in it.iter_torch_batches(
+            batch_size=self.micro_batch, drop_last=True, prefetch_batches=self.prefetch
+        ):
+            yield batch[TOKENS].long()
+
+    def train_batches(self) -> Iterator[torch.Tensor]:
+        while True:
+            yield from self._iter(self.train_it)
+
+    def val_batches(self) -> Iterable[torch.Tensor]:
+        # Validation reads the same batches every time, and each Ray Data epoch costs seconds of
+        # start-up on a busy node, so this worker's val batches are read once and kept.
+        if self._val_cache is None:
+            self._val_cache = []
+            for batch in self._iter(self.val_it):
+                self._val_cache.append(batch)
+                if self.max_val_batches and len(self._val_cache) >= self.max_val_batches:
+                    break
+        return self._val_cache
+
+
+class ParquetSource:
+    """Reads the shards itself: for runs without Ray (torchrun, a single GPU box, benchmarks).
+
+    Rank r takes rows r, r + world, r + 2·world, ... of each split, truncated so every rank has
+    the same count.
+    """
+
+    def __init__(self, manifest: Manifest, rank: int, world_size: int, micro_batch: int):
+        self.micro_batch = micro_batch
+        self._rows = {s: self._load(manifest, s, rank, world_size) for s in ("train", "val")}
+
+    @staticmethod
+    def _load(manifest: Manifest, split: str, rank: int, world: int) -> torch.Tensor:
+        parts = []
+        for loc in manifest.shard_locations(split):
+            with loc.fs.open_input_file(loc.path) as f:
+                col = pq.read_table(f, columns=[TOKENS]).column(TOKENS).combine_chunks()
+            parts.append(col.values.to_numpy().reshape(len(col), -1))
+        rows = np.concatenate(parts)
+        per_rank = len(rows) // world
+        return torch.from_numpy(rows[rank::world][:per_rank].astype(np.int64))
+
+    def _iter(self, rows: torch.Tensor) -> Iterator[torch.Tensor]:
+        for i in range(0, len(rows) - self.micro_batch + 1, self.micro_batch):
+            yield rows[i : i + self.micro_batch]
+
+    def train_batches(self) -> Iterator[torch.Tensor]:
+        while True:
+            yield from self._iter(self._rows["train"])
+
+    def val_batches(self) -> Iterable[torch.Tensor]:
+        return self._iter(self._rows["val"])
