@@ -13,7 +13,18 @@ import time
 
 from kiln.errors import KilnError
 
-_STARTED = time.time()
+
+def _process_start() -> float:
+    """When this process started (interpreter start-up and imports included)."""
+    try:
+        import psutil
+
+        return psutil.Process().create_time()
+    except Exception:
+        return time.time()
+
+
+_STARTED = _process_start()
 
 
 def _add_train_args(p: argparse.ArgumentParser) -> None:

@@ -202,11 +202,6 @@ def _check_ranges(cfg: RunConfig) -> None:
         value = getattr(getattr(cfg, section), name)
         if not ok(value):
             raise ConfigError(f"{dotted} = {value!r} is out of range: expected {allowed}")
-    if cfg.schedule.warmup_steps > cfg.train.max_steps:
-        raise ConfigError(
-            f"schedule.warmup_steps = {cfg.schedule.warmup_steps} exceeds train.max_steps = "
-            f"{cfg.train.max_steps}: expected warmup_steps <= max_steps"
-        )
 
 
 # ---- loading ----------------------------------------------------------------------------------
@@ -317,7 +312,7 @@ def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
             if i == len(keys) - 1:
                 node[key] = value
             else:
-                node = node.setdefault(key, {})
+                node = _child(node, key)
             continue
         names = [f.name for f in dataclasses.fields(cls)]
         if key not in names:
@@ -330,8 +325,14 @@ def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
         else:
             if not (dataclasses.is_dataclass(tp) or tp is dict):
                 raise ConfigError(f"--set {dotted}: {'.'.join(keys[: i + 1])!r} is not a section")
-            node = node.setdefault(key, {}) or {}
+            node = _child(node, key)
             cls = tp
+
+
+def _child(node: dict[str, Any], key: str) -> dict[str, Any]:
+    if not isinstance(node.get(key), dict):
+        node[key] = {}
+    return node[key]
 
 
 def parse_override(text: str) -> tuple[str, Any]:

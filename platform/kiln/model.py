@@ -134,7 +134,7 @@ class GPT(nn.Module):
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         """Logits for `idx` (B, T); with `targets`, also the mean next-token cross-entropy."""
         T = idx.shape[1]
-        if T > self.cfg.seq_len:
+        if self.cfg.seq_len < T:
             raise ValueError(f"sequence of length {T} exceeds the model's seq_len {self.cfg.seq_len}")
         pos = torch.arange(T, device=idx.device)
         x = self.drop(self.wte(idx) + self.wpe(pos))

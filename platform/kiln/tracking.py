@@ -142,7 +142,6 @@ class Run:
         import mlflow
         from mlflow.tracking import MlflowClient
 
-        check_reachable(tracking_uri)
         self.tracking_uri = tracking_uri
         mlflow.set_tracking_uri(tracking_uri)
         self.client = MlflowClient(tracking_uri)

@@ -15,12 +15,12 @@ import time
 from dataclasses import dataclass
 
 import kiln
-from kiln.config import RunConfig
+from kiln.config import RunConfig, flatten
 from kiln.data.manifest import Manifest, check_shards, load_manifest
 from kiln.errors import ConfigError, DataError
 from kiln.model import padded_vocab
 from kiln.storage import resolve
-from kiln.tracking import Run, git_commit, resolve_tracking_uri, ui_command
+from kiln.tracking import Run, check_reachable, git_commit, resolve_tracking_uri, ui_command
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,8 @@ class Summary:
             f"  train loss        {m['loss/train']:.4f} nats/token  ({m['loss/train'] / ln2:.3f} bits/token)",
             f"  val loss          {m['loss/val']:.4f} nats/token  ({val_bits:.3f} bits/token)",
             f"  unigram entropy   {self.unigram_entropy_bits:.3f} bits/token  "
-            f"(val loss is {self.unigram_entropy_bits - val_bits:+.3f} bits/token below it)",
+            f"(val loss is {abs(self.unigram_entropy_bits - val_bits):.3f} bits/token "
+            f"{'below' if val_bits < self.unigram_entropy_bits else 'ABOVE'} it)",
             f"  throughput        {m['throughput/tokens_per_s']:,.0f} tokens/s steady state"
             + (f", MFU {100 * m['mfu']:.1f}%" if "mfu" in m else ""),
             f"  first step after  {self.seconds_to_first_step:.1f} s; data wait {100 * m['time/data_wait_share']:.1f}% of step time",
@@ -144,45 +145,57 @@ def ray_datasets(manifest: Manifest) -> dict:
     }
 
 
+def open_run(cfg: RunConfig, manifest: Manifest, cluster: dict) -> Run:
+    """Create the MLflow run with params (redacted), tags and artifacts; return its handle."""
+    run = Run(resolve_tracking_uri(cfg.logging.tracking_uri), cfg.logging.experiment, cfg.logging.run_name)
+    run.log_params(flatten(cfg.to_dict()) | {
+        "data.fingerprint": manifest.fingerprint, "data.tokenizer": manifest.raw["tokenizer"]["type"],
+        "data.train_tokens": manifest.split("train")["tokens"],
+    })
+    run.set_tags({
+        "kiln.version": kiln.__version__, "kiln.git_commit": git_commit(os.path.dirname(kiln.__file__)),
+        "kiln.num_workers": cfg.parallel.num_workers, **{f"kiln.{k}": v for k, v in cluster.items()},
+    })
+    run.log_text(cfg.to_yaml(), "config.yaml")
+    run.log_text(json.dumps(manifest.raw, indent=2), "data/manifest.json")
+    return run
+
+
+def with_run_name(cfg: RunConfig) -> RunConfig:
+    name = cfg.logging.run_name or f"{cfg.model.flavour}-{time.strftime('%Y%m%d-%H%M%S')}"
+    return dataclasses.replace(cfg, logging=dataclasses.replace(cfg.logging, run_name=name))
+
+
 def train(cfg: RunConfig, address: str | None = None, started: float | None = None) -> Summary:
+    """Validate everything, then train on Ray Train (embedded local Ray or a cluster)."""
     started = started or time.time()
     cfg, manifest = resolve_against_data(cfg)
     check_precision(cfg)
-    run_name = cfg.logging.run_name or f"{cfg.model.flavour}-{time.strftime('%Y%m%d-%H%M%S')}"
-    cfg = dataclasses.replace(cfg, logging=dataclasses.replace(cfg.logging, run_name=run_name))
+    cfg = with_run_name(cfg)
     tracking_uri = resolve_tracking_uri(cfg.logging.tracking_uri)
-    run = Run(tracking_uri, cfg.logging.experiment, run_name)
+    check_reachable(tracking_uri)
+    connect_ray(cfg, address)
+    import ray
+
+    from kiln.train.ray_trainer import build_trainer
+
+    resources = ray.cluster_resources()
+    run = open_run(cfg, manifest, {
+        "num_nodes": len([n for n in ray.nodes() if n["Alive"]]),
+        "cluster_cpus": resources.get("CPU", 0), "cluster_gpus": resources.get("GPU", 0),
+    })
     ok = False
     try:
-        connect_ray(cfg, address)
-        import ray
-
-        from kiln.config import flatten
-        from kiln.train.ray_trainer import build_trainer
-
-        run.log_params(flatten(cfg.to_dict()) | {
-            "data.fingerprint": manifest.fingerprint, "data.tokenizer": manifest.raw["tokenizer"]["type"],
-            "data.train_tokens": manifest.split("train")["tokens"],
-        })
-        run.set_tags({
-            "kiln.version": kiln.__version__, "kiln.git_commit": git_commit(os.path.dirname(kiln.__file__)),
-            "kiln.num_workers": cfg.parallel.num_workers, "kiln.num_nodes": len([n for n in ray.nodes() if n["Alive"]]),
-            "kiln.cluster_cpus": ray.cluster_resources().get("CPU", 0),
-            "kiln.cluster_gpus": ray.cluster_resources().get("GPU", 0),
-        })
-        run.log_text(cfg.to_yaml(), "config.yaml")
-        run.log_text(json.dumps(manifest.raw, indent=2), "data/manifest.json")
-        trainer = build_trainer(cfg, ray_datasets(manifest), run_name, tracking_uri, run.run_id)
+        trainer = build_trainer(cfg, ray_datasets(manifest), cfg.logging.run_name, tracking_uri, run.run_id)
         result = trainer.fit()
-        final = result.metrics
         ok = True
     finally:
         run.finish(ok)
+    final = result.metrics
     return Summary(
-        run_name=run_name, run_id=run.run_id, tracking_uri=tracking_uri, experiment=cfg.logging.experiment,
-        metrics=final, unigram_entropy_bits=float(manifest.raw["unigram_entropy_bits"]),
+        run_name=cfg.logging.run_name, run_id=run.run_id, tracking_uri=tracking_uri,
+        experiment=cfg.logging.experiment, metrics=final,
+        unigram_entropy_bits=float(manifest.raw["unigram_entropy_bits"]),
         seconds_to_first_step=final["time/first_step_unix"] - started,
         checkpoint=result.checkpoint.path if result.checkpoint else None, num_workers=cfg.parallel.num_workers,
     )
-
-

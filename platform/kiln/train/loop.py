@@ -94,6 +94,7 @@ def train_loop(
         torch.backends.cudnn.allow_tf32 = True
 
     # Start the data pipeline now so its start-up overlaps building the model and engine.
+    source.prefetch()
     batches = _prefetch_first(source.train_batches())
     mcfg = gpt_config(cfg)
     model = GPT(mcfg)

@@ -6,6 +6,7 @@ number of batches per epoch, so no rank waits in a collective for one that ran o
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Iterator
 from typing import Protocol
 
@@ -17,6 +18,9 @@ from kiln.data.manifest import TOKENS, Manifest
 
 
 class BatchSource(Protocol):
+    def prefetch(self) -> None:
+        """Start fetching ahead (called once before the model is built)."""
+
     def train_batches(self) -> Iterator[torch.Tensor]:
         """Endless: epoch after epoch."""
 
@@ -31,7 +35,21 @@ class RayShardSource:
         self.train_it, self.val_it = train_it, val_it
         self.micro_batch, self.prefetch = micro_batch, prefetch
         self.max_val_batches = max_val_batches
-        self._val_cache: list[torch.Tensor] | None = None
+        self._val_cache: list[torch.Tensor] = []
+        self._val_thread: threading.Thread | None = None
+
+    def prefetch(self) -> None:
+        # Validation reads the same batches every time, and each Ray Data epoch costs seconds of
+        # start-up on a busy node, so this worker's val batches are read once, in the background
+        # from the start, and kept.
+        self._val_thread = threading.Thread(target=self._fill_val_cache, daemon=True, name="kiln-val-prefetch")
+        self._val_thread.start()
+
+    def _fill_val_cache(self) -> None:
+        for batch in self._iter(self.val_it):
+            self._val_cache.append(batch)
+            if self.max_val_batches and len(self._val_cache) >= self.max_val_batches:
+                break
 
     def _iter(self, it) -> Iterator[torch.Tensor]:
         for batch in it.iter_torch_batches(
@@ -44,14 +62,9 @@ class RayShardSource:
             yield from self._iter(self.train_it)
 
     def val_batches(self) -> Iterable[torch.Tensor]:
-        # Validation reads the same batches every time, and each Ray Data epoch costs seconds of
-        # start-up on a busy node, so this worker's val batches are read once and kept.
-        if self._val_cache is None:
-            self._val_cache = []
-            for batch in self._iter(self.val_it):
-                self._val_cache.append(batch)
-                if self.max_val_batches and len(self._val_cache) >= self.max_val_batches:
-                    break
+        if self._val_thread is None:
+            self.prefetch()
+        self._val_thread.join()
         return self._val_cache
 
 
@@ -65,6 +78,9 @@ class ParquetSource:
     def __init__(self, manifest: Manifest, rank: int, world_size: int, micro_batch: int):
         self.micro_batch = micro_batch
         self._rows = {s: self._load(manifest, s, rank, world_size) for s in ("train", "val")}
+
+    def prefetch(self) -> None:
+        pass  # everything is in memory already
 
     @staticmethod
     def _load(manifest: Manifest, split: str, rank: int, world: int) -> torch.Tensor:

@@ -1,0 +1,122 @@
+"""Run the training loop without Ray: one process, or one per rank under torchrun.
+
+This is the same `train_loop` Ray Train runs, fed by `ParquetSource` instead of Ray Data, for
+GPU boxes without Ray and for debugging. MLflow is used when it is installed.
+
+CPU smoke:   python -m kiln.train.local --config jobs/configs/debug.yaml --set train.max_steps=20
+Two ranks:   torchrun --nproc-per-node 2 -m kiln.train.local --config jobs/configs/debug.yaml
+One GPU:     python -m kiln.train.local --config jobs/configs/gpt2-124m.yaml --set parallel.use_gpu=true
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import socket
+import sys
+import time
+
+import torch
+
+from kiln.config import RunConfig, load_config
+from kiln.errors import KilnError
+from kiln.tracking import NullLogger, resolve_tracking_uri
+from kiln.train.launch import (
+    Summary,
+    check_precision,
+    open_run,
+    resolve_against_data,
+    with_run_name,
+)
+from kiln.train.loop import WorldInfo, train_loop
+from kiln.train.sources import ParquetSource
+
+log = logging.getLogger(__name__)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _world_from_env(use_gpu: bool) -> WorldInfo:
+    """torchrun sets RANK/WORLD_SIZE/LOCAL_RANK/MASTER_*; a lone process gets world size 1."""
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    rank, world, local = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+    if use_gpu:
+        if not torch.cuda.is_available():
+            raise KilnError("parallel.use_gpu = true but torch sees no CUDA device")
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+    else:
+        device = torch.device("cpu")
+    return WorldInfo(rank=rank, world_size=world, local_rank=local, device=device)
+
+
+def run_local(cfg: RunConfig, started: float | None = None) -> Summary | None:
+    """Train in this process; returns the summary on rank 0 (None on other ranks)."""
+    import deepspeed
+
+    started = started or time.time()
+    cfg, manifest = resolve_against_data(cfg)
+    check_precision(cfg)
+    cfg = with_run_name(cfg)
+    world = _world_from_env(cfg.parallel.use_gpu)
+    cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, num_workers=world.world_size))
+    deepspeed.init_distributed(dist_backend="nccl" if world.device.type == "cuda" else "gloo")
+
+    run, logger = None, NullLogger()
+    tracking_uri = resolve_tracking_uri(cfg.logging.tracking_uri)
+    if world.rank == 0:
+        try:
+            import mlflow  # noqa: F401
+        except ImportError:
+            log.warning("mlflow is not installed here: metrics go to the console only")
+        else:
+            from kiln.tracking import MLflowLogger
+
+            run = open_run(cfg, manifest, {"num_nodes": 1, "launcher": "local"})
+            logger = MLflowLogger(tracking_uri, run.run_id)
+    source = ParquetSource(manifest, world.rank, world.world_size, cfg.train.micro_batch_size)
+    ckpt_root = os.path.join(os.path.abspath(cfg.train.storage_path), cfg.logging.run_name)
+    ok = False
+    try:
+        final = train_loop(cfg, world, source, logger, checkpoint_root=ckpt_root)
+        ok = True
+    finally:
+        if run is not None:
+            run.finish(ok)
+    if world.rank != 0:
+        return None
+    return Summary(
+        run_name=cfg.logging.run_name, run_id=run.run_id if run else "-", tracking_uri=tracking_uri,
+        experiment=cfg.logging.experiment, metrics=final,
+        unigram_entropy_bits=float(manifest.raw["unigram_entropy_bits"]),
+        seconds_to_first_step=final["time/first_step_unix"] - started,
+        checkpoint=f"{ckpt_root}/step_{final['step']:08d}", num_workers=world.world_size,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    p = argparse.ArgumentParser(prog="python -m kiln.train.local", description=__doc__.splitlines()[0])
+    p.add_argument("--config")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    args = p.parse_args(argv)
+    try:
+        summary = run_local(load_config(args.config, args.overrides))
+    except KilnError as e:
+        print(f"kiln: error: {e}", file=sys.stderr)
+        return 2
+    if summary is not None:
+        print(summary.render())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""One real Ray cluster (`ray start --head`) and one loopback S3 server for the whole session."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+BIN = Path(sys.executable).parent
+S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_port(port: int, timeout: float = 60) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return
+        except OSError:
+            time.sleep(0.3)
+    raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {timeout}s")
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """moto_server: a real S3-compatible HTTP server on loopback."""
+    port = free_port()
+    proc = subprocess.Popen([str(BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for_port(port)
+        endpoint = f"http://127.0.0.1:{port}"
+        import boto3
+
+        boto3.client("s3", endpoint_url=endpoint, **{k.lower(): v for k, v in S3_ENV.items() if k != "AWS_DEFAULT_REGION"},
+                     region_name="us-east-1").create_bucket(Bucket="kiln-test")
+        yield endpoint
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(tmp_path_factory):
+    """A head node started like a user would: `ray start --head`, token auth on, dashboard on
+    loopback for job submission. Yields (gcs_address, dashboard_url, env)."""
+    if shutil.which("ray", path=str(BIN)) is None:
+        pytest.fail("ray CLI not found next to the interpreter")
+    env = dict(os.environ, RAY_AUTH_MODE="token", **S3_ENV)
+    gcs_port, dash_port = free_port(), free_port()
+    subprocess.run([str(BIN / "ray"), "stop", "--force"], env=env, capture_output=True)
+    start = subprocess.run(
+        [str(BIN / "ray"), "start", "--head", f"--port={gcs_port}", f"--dashboard-port={dash_port}",
+         "--dashboard-host=127.0.0.1", "--num-cpus=4", "--disable-usage-stats",
+         f"--ray-client-server-port={free_port()}"],
+        env=env, capture_output=True, text=True, timeout=180,
+    )
+    assert start.returncode == 0, start.stdout + start.stderr
+    old = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", *S3_ENV)}
+    os.environ.update(RAY_AUTH_MODE="token", **S3_ENV)
+    try:
+        wait_for_port(dash_port, timeout=120)
+        yield f"127.0.0.1:{gcs_port}", f"http://127.0.0.1:{dash_port}", env
+    finally:
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()
+        subprocess.run([str(BIN / "ray"), "stop", "--force"], env=env, capture_output=True, timeout=120)
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

@@ -1,0 +1,83 @@
+from pathlib import Path
+
+import pytest
+
+from kiln.config import RunConfig, annotated_yaml, field_docs, flatten, load_config
+from kiln.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_defaults_validate_and_every_field_is_documented():
+    cfg = RunConfig().validate()
+    for section in ("data", "model", "parallel", "optim", "schedule", "train", "logging"):
+        value = getattr(cfg, section)
+        docs = field_docs(type(value))
+        missing = [f for f in vars(value) if f not in docs]
+        assert not missing, f"{section}: undocumented fields {missing}"
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "jobs" / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_configs_load(path):
+    assert isinstance(load_config(path), RunConfig)
+
+
+def test_overrides_are_typed():
+    cfg = load_config(None, ["optim.lr=3e-4", "train.max_steps=7", "parallel.use_gpu=true",
+                             "parallel.deepspeed.zero_optimization.reduce_bucket_size=1000"])
+    assert cfg.optim.lr == pytest.approx(3e-4) and isinstance(cfg.optim.lr, float)
+    assert cfg.train.max_steps == 7
+    assert cfg.parallel.use_gpu is True
+    assert cfg.parallel.deepspeed == {"zero_optimization": {"reduce_bucket_size": 1000}}
+
+
+def test_override_beats_yaml(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("optim:\n  lr: 0.1\ntrain:\n  max_steps: 5\n")
+    cfg = load_config(f, ["optim.lr=0.01"])
+    assert cfg.optim.lr == 0.01 and cfg.train.max_steps == 5
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("optim.lrr=1", "unknown config key 'optim.lrr'; did you mean 'lr'?"),
+    ("trian.max_steps=1", "unknown config key 'trian'; did you mean 'train'?"),
+    ("parallel.zero_stage=5", "parallel.zero_stage = 5 is out of range: expected one of 0, 1, 2, 3"),
+    ("optim.lr=-1", "optim.lr = -1.0 is out of range"),
+    ("train.max_steps=ten", "train.max_steps = 'ten' is not an integer"),
+    ("optim.name=adagrad", "optim.name = 'adagrad' is not allowed: expected one of ['adamw', 'adam', 'sgd']"),
+    ("model.flavour=huge", "model.flavour = 'huge' is out of range: expected one of"),
+    ("train.precision=fp8", "train.precision = 'fp8' is not allowed"),
+    ("optim=1", "'optim' is a section"),
+    ("optim.lr", "expected KEY=VALUE"),
+])
+def test_bad_overrides_name_the_field(override, needle):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [override])
+    assert needle in str(e.value)
+
+
+def test_yaml_typo_is_named(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("train:\n  max_stpes: 3\n")
+    with pytest.raises(ConfigError, match=r"unknown config key 'train.max_stpes'; did you mean 'max_steps'\?"):
+        load_config(f)
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+
+
+def test_flatten_and_annotated_yaml_round_trip(tmp_path):
+    cfg = load_config(None, ["optim.lr=0.002"])
+    flat = flatten(cfg.to_dict())
+    assert flat["optim.lr"] == 0.002 and flat["train.max_steps"] == cfg.train.max_steps
+    text = annotated_yaml(cfg)
+    assert "# Peak learning rate" in text
+    f = tmp_path / "gen.yaml"
+    f.write_text(text)
+    assert load_config(f) == cfg
