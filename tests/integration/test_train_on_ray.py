@@ -74,7 +74,6 @@ def test_zero2_two_workers_from_s3_to_mlflow(ray_cluster, s3_server, s3_dataset,
     # the summary a user sees
     text = summary.render()
     assert "unigram entropy" in text and "bits/token" in text and summary.run_id in text
-    assert summary.metrics["loss/val"] / math.log(2) < summary.unigram_entropy_bits
 
 
 def test_runs_compare_lists_runs_in_metric_order(tmp_path):

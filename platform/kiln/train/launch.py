@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import kiln
 from kiln.config import RunConfig, flatten
-from kiln.data.manifest import Manifest, check_shards, load_manifest
+from kiln.data.manifest import TOKENS, Manifest, check_shards, load_manifest
 from kiln.errors import ConfigError, DataError
 from kiln.model import padded_vocab
 from kiln.storage import resolve
@@ -139,8 +139,7 @@ def ray_datasets(manifest: Manifest) -> dict:
     return {
         split: ray.data.read_parquet(
             [loc.path for loc in manifest.shard_locations(split)], filesystem=manifest.location.fs,
-            columns=["tokens"],
-        )
+        ).select_columns([TOKENS])
         for split in ("train", "val")
     }
 

@@ -33,7 +33,7 @@ class RayShardSource:
 
     def __init__(self, train_it, val_it, micro_batch: int, prefetch: int = 2, max_val_batches: int = 0):
         self.train_it, self.val_it = train_it, val_it
-        self.micro_batch, self.prefetch = micro_batch, prefetch
+        self.micro_batch, self.prefetch_batches = micro_batch, prefetch
         self.max_val_batches = max_val_batches
         self._val_cache: list[torch.Tensor] = []
         self._val_thread: threading.Thread | None = None
@@ -53,7 +53,7 @@ class RayShardSource:
 
     def _iter(self, it) -> Iterator[torch.Tensor]:
         for batch in it.iter_torch_batches(
-            batch_size=self.micro_batch, drop_last=True, prefetch_batches=self.prefetch
+            batch_size=self.micro_batch, drop_last=True, prefetch_batches=self.prefetch_batches
         ):
             yield batch[TOKENS].long()
 
