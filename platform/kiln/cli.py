@@ -10,6 +10,7 @@ import argparse
 import logging
 import sys
 import time
+from pathlib import Path
 
 from kiln.errors import KilnError
 
@@ -33,6 +34,8 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
                    help="override a config field, e.g. --set optim.lr=3e-4 (repeatable)")
     p.add_argument("--address", default=None,
                    help="Ray cluster address; default $RAY_ADDRESS, else an embedded local Ray")
+    p.add_argument("--summary-json", default=None, metavar="PATH",
+                   help="also write the run summary (final metrics, run id) as JSON here")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -94,6 +97,8 @@ def run(args: argparse.Namespace) -> int:
         cfg = load_config(args.config, args.overrides)  # validated before anything starts
         summary = train(cfg, address=args.address, started=_STARTED)
         print(summary.render())
+        if args.summary_json:
+            Path(args.summary_json).write_text(summary.to_json())
         return 0
     if args.command == "runs":
         from kiln.runs import fetch_runs, format_table

@@ -37,6 +37,9 @@ class Summary:
     checkpoint: str | None
     num_workers: int
 
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2, default=str)
+
     def render(self) -> str:
         m, ln2 = self.metrics, math.log(2)
         val_bits = m["loss/val"] / ln2

@@ -36,6 +36,15 @@ from kiln.train.sources import ParquetSource
 log = logging.getLogger(__name__)
 
 
+def _process_start() -> float:
+    try:
+        import psutil
+
+        return psutil.Process().create_time()
+    except Exception:
+        return time.time()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -107,14 +116,18 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m kiln.train.local", description=__doc__.splitlines()[0])
     p.add_argument("--config")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--summary-json", default=None, metavar="PATH")
     args = p.parse_args(argv)
     try:
-        summary = run_local(load_config(args.config, args.overrides))
+        summary = run_local(load_config(args.config, args.overrides), started=_process_start())
     except KilnError as e:
         print(f"kiln: error: {e}", file=sys.stderr)
         return 2
     if summary is not None:
         print(summary.render())
+        if args.summary_json:
+            with open(args.summary_json, "w") as f:
+                f.write(summary.to_json())
     return 0
 
 
