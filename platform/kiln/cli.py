@@ -15,7 +15,7 @@ from pathlib import Path
 from kiln.errors import KilnError
 
 
-def _process_start() -> float:
+def process_start() -> float:
     """When this process started (interpreter start-up and imports included)."""
     try:
         import psutil
@@ -25,7 +25,7 @@ def _process_start() -> float:
         return time.time()
 
 
-_STARTED = _process_start()
+_STARTED = process_start()
 
 
 def _add_train_args(p: argparse.ArgumentParser) -> None:

@@ -20,6 +20,7 @@ import time
 
 import torch
 
+from kiln.cli import process_start
 from kiln.config import RunConfig, load_config
 from kiln.errors import KilnError
 from kiln.tracking import NullLogger, resolve_tracking_uri
@@ -34,15 +35,6 @@ from kiln.train.loop import WorldInfo, train_loop
 from kiln.train.sources import ParquetSource
 
 log = logging.getLogger(__name__)
-
-
-def _process_start() -> float:
-    try:
-        import psutil
-
-        return psutil.Process().create_time()
-    except Exception:
-        return time.time()
 
 
 def _free_port() -> int:
@@ -119,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--summary-json", default=None, metavar="PATH")
     args = p.parse_args(argv)
     try:
-        summary = run_local(load_config(args.config, args.overrides), started=_process_start())
+        summary = run_local(load_config(args.config, args.overrides), started=process_start())
     except KilnError as e:
         print(f"kiln: error: {e}", file=sys.stderr)
         return 2
