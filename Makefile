@@ -7,6 +7,8 @@ STAMP := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
 STDLIB := $(shell $(PY) -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')
 
+DEMO_DATA := data/stdlib-bpe/manifest.json
+
 .PHONY: install install-test demo test lint bench clean
 
 $(STAMP): pyproject.toml
@@ -30,11 +32,13 @@ $(TEST_STAMP): $(STAMP)
 install: $(STAMP)
 install-test: $(TEST_STAMP)
 
-# Tokenize a real corpus that ships with Python (the stdlib's own sources), then train the
-# `debug` GPT with DeepSpeed ZeRO-2 on 2 Ray Train workers on an embedded local Ray.
-demo: $(STAMP)
+# A real corpus that ships with Python (the stdlib's own sources), tokenized with a 2048-token BPE.
+$(DEMO_DATA): $(STAMP)
 	$(BIN)/kiln data prepare --input '$(STDLIB)/*.py' --output data/stdlib-bpe \
 		--tokenizer bpe --vocab-size 2048 --seq-len 128 --shard-tokens 131072 --if-exists reuse
+
+# Train the `debug` GPT with DeepSpeed ZeRO-2 on 2 Ray Train workers on an embedded local Ray.
+demo: $(DEMO_DATA)
 	$(BIN)/kiln train --config jobs/configs/debug.yaml
 
 test: $(TEST_STAMP)
@@ -44,7 +48,7 @@ test: $(TEST_STAMP)
 lint: $(TEST_STAMP)
 	$(BIN)/ruff check .
 
-bench: $(STAMP)
+bench: $(DEMO_DATA)
 	$(BIN)/python bench/throughput.py
 
 clean:
