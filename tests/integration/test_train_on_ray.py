@@ -59,6 +59,7 @@ def test_zero2_two_workers_from_s3_to_mlflow(ray_cluster, s3_server, s3_dataset,
     for name in ("loss/val", "lr", "grad_norm", "throughput/tokens_per_s", "time/step_s", "mfu", "memory/rss_gib"):
         assert client.get_metric_history(run.info.run_id, name), name
     assert len(client.get_metric_history(run.info.run_id, "loss/val")) == 2
+    assert any(k.startswith("system/") for k in run.data.metrics), sorted(run.data.metrics)  # MLflow system metrics
     # artifacts: the resolved config and the data manifest
     arts = {a.path for a in client.list_artifacts(run.info.run_id)} | {
         a.path for a in client.list_artifacts(run.info.run_id, "data")}
