@@ -14,7 +14,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from kiln.errors import DataError, StorageError
+from kiln.errors import DataError
 from kiln.storage import Location
 
 MANIFEST = "manifest.json"
@@ -78,10 +78,7 @@ def check_shards(manifest: Manifest) -> None:
     want = pa.list_(pa.int32(), manifest.seq_len + 1)
     for split in ("train", "val"):
         for entry, loc in zip(manifest.split(split)["shards"], manifest.shard_locations(split)):
-            try:
-                info = loc.info()
-            except StorageError:
-                raise
+            info = loc.info()
             if info.type.name == "NotFound":
                 raise DataError(f"shard {loc.uri} listed in the manifest is missing")
             if info.size != entry["bytes"]:

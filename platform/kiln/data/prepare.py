@@ -22,13 +22,12 @@ import hashlib
 import io
 import json
 import logging
-import math
 import os
 import shutil
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -70,7 +69,7 @@ class PrepareConfig:
     """What to do if the output holds a dataset: 'error', 'reuse' (same inputs and settings
     only) or 'overwrite'."""
     s3_endpoint: str = ""
-    extra: dict = field(default_factory=dict)
+    """S3-compatible endpoint for an s3:// output (default $AWS_ENDPOINT_URL)."""
 
 
 # ---- reading the corpus ------------------------------------------------------------------------
@@ -322,7 +321,3 @@ def _delete_prefix(loc: Location) -> None:
     for rel in files:
         if rel != MANIFEST:
             loc.fs.delete_file(loc.join(rel).path)
-
-
-def bits(nats: float) -> float:
-    return nats / math.log(2)
