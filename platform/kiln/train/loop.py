@@ -134,8 +134,6 @@ def train_loop(
         step_time = time.perf_counter() - start
         if step == 1:
             first_step_unix = time.time()
-        if step > WARMUP_STEPS_EXCLUDED or t.max_steps <= WARMUP_STEPS_EXCLUDED:
-            steady_time, steady_wait, steady_steps = steady_time + step_time, steady_wait + data_wait, steady_steps + 1
 
         loss_train, wait = _mean_over_ranks([loss_sum.item() / t.grad_accum_steps, data_wait], device)
         tok_s = tokens_per_step / step_time
@@ -159,14 +157,23 @@ def train_loop(
             log.warning("step %d: non-finite training loss %s", step, loss_train)
 
         is_last = step == t.max_steps
+        eval_time = 0.0
         if (t.eval_every and step % t.eval_every == 0) or is_last:
+            eval_start = time.perf_counter()
             metrics["loss/val"] = evaluate(engine, source, t.eval_batches, device)
+            eval_time = time.perf_counter() - eval_start
         if step % cfg.logging.log_every == 0 or is_last or "loss/val" in metrics:
             metrics.update(memory_metrics(device))
             logger.log(metrics, step)
         if world.rank == 0 and (step % cfg.logging.progress_every == 0 or step == 1 or is_last):
             _progress(step, t.max_steps, metrics, steady_time / max(steady_steps, 1))
         last.update(metrics)
+        # Steady-state throughput counts every second of the iteration (metric reduction and
+        # logging included) except validation and checkpointing, and skips the first steps.
+        if step > WARMUP_STEPS_EXCLUDED or t.max_steps <= WARMUP_STEPS_EXCLUDED:
+            steady_time += time.perf_counter() - start - eval_time
+            steady_wait += data_wait
+            steady_steps += 1
 
         save = (t.checkpoint_every and step % t.checkpoint_every == 0) or is_last
         ckpt = None
