@@ -37,6 +37,17 @@ class Summary:
     checkpoint: str | None
     num_workers: int
 
+    @classmethod
+    def of_run(cls, cfg: RunConfig, manifest: Manifest, final: dict, run_id: str, tracking_uri: str,
+               started: float, checkpoint: str | None) -> Summary:
+        return cls(
+            run_name=cfg.logging.run_name, run_id=run_id, tracking_uri=tracking_uri,
+            experiment=cfg.logging.experiment, metrics=final,
+            unigram_entropy_bits=float(manifest.raw["unigram_entropy_bits"]),
+            seconds_to_first_step=final["time/first_step_unix"] - started,
+            checkpoint=checkpoint, num_workers=cfg.parallel.num_workers,
+        )
+
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, default=str)
 
@@ -193,11 +204,5 @@ def train(cfg: RunConfig, address: str | None = None, started: float | None = No
         ok = True
     finally:
         run.finish(ok)
-    final = result.metrics
-    return Summary(
-        run_name=cfg.logging.run_name, run_id=run.run_id, tracking_uri=tracking_uri,
-        experiment=cfg.logging.experiment, metrics=final,
-        unigram_entropy_bits=float(manifest.raw["unigram_entropy_bits"]),
-        seconds_to_first_step=final["time/first_step_unix"] - started,
-        checkpoint=result.checkpoint.path if result.checkpoint else None, num_workers=cfg.parallel.num_workers,
-    )
+    checkpoint = result.checkpoint.path if result.checkpoint else None
+    return Summary.of_run(cfg, manifest, result.metrics, run.run_id, tracking_uri, started, checkpoint)

@@ -94,13 +94,8 @@ def run_local(cfg: RunConfig, started: float | None = None) -> Summary | None:
             run.finish(ok)
     if world.rank != 0:
         return None
-    return Summary(
-        run_name=cfg.logging.run_name, run_id=run.run_id if run else "-", tracking_uri=tracking_uri,
-        experiment=cfg.logging.experiment, metrics=final,
-        unigram_entropy_bits=float(manifest.raw["unigram_entropy_bits"]),
-        seconds_to_first_step=final["time/first_step_unix"] - started,
-        checkpoint=f"{ckpt_root}/step_{final['step']:08d}", num_workers=world.world_size,
-    )
+    checkpoint = f"{ckpt_root}/step_{final['step']:08d}"
+    return Summary.of_run(cfg, manifest, final, run.run_id if run else "-", tracking_uri, started, checkpoint)
 
 
 def main(argv: list[str] | None = None) -> int:
