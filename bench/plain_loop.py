@@ -16,6 +16,7 @@ import time
 import psutil
 import torch
 
+from kiln.cli import process_start
 from kiln.config import OptimConfig, ScheduleConfig
 from kiln.data.manifest import load_manifest
 from kiln.model import GPT, config_for, flops_per_token, padded_vocab
@@ -24,7 +25,7 @@ from kiln.train.metrics import datasheet_peak_flops
 from kiln.train.optim import build_optimizer, lr_multiplier
 from kiln.train.sources import ParquetSource
 
-STARTED = psutil.Process().create_time()
+STARTED = process_start()
 WARMUP = 5
 
 

@@ -10,6 +10,7 @@ import argparse
 import logging
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from kiln.errors import KilnError
@@ -114,17 +115,22 @@ def run(args: argparse.Namespace) -> int:
     raise AssertionError(args.command)
 
 
-def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    args = build_parser().parse_args(argv)
+def run_reporting_errors(command: Callable[[], int]) -> int:
+    """Run a command front end: a user mistake is one `kiln: error:` line and exit 2."""
     try:
-        return run(args)
+        return command()
     except KilnError as e:
         print(f"kiln: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("kiln: interrupted", file=sys.stderr)
         return 130
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    return run_reporting_errors(lambda: run(args))
 
 
 if __name__ == "__main__":

@@ -12,14 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from kiln.train.local import free_port
+
 BIN = Path(sys.executable).parent
 S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_for_port(port: int, timeout: float = 60) -> None:

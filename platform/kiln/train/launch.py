@@ -158,9 +158,9 @@ def ray_datasets(manifest: Manifest) -> dict:
     }
 
 
-def open_run(cfg: RunConfig, manifest: Manifest, cluster: dict) -> Run:
+def open_run(cfg: RunConfig, manifest: Manifest, tracking_uri: str, cluster: dict) -> Run:
     """Create the MLflow run with params (redacted), tags and artifacts; return its handle."""
-    run = Run(resolve_tracking_uri(cfg.logging.tracking_uri), cfg.logging.experiment, cfg.logging.run_name)
+    run = Run(tracking_uri, cfg.logging.experiment, cfg.logging.run_name)
     run.log_params(flatten(cfg.to_dict()) | {
         "data.fingerprint": manifest.fingerprint, "data.tokenizer": manifest.raw["tokenizer"]["type"],
         "data.train_tokens": manifest.split("train")["tokens"],
@@ -193,7 +193,7 @@ def train(cfg: RunConfig, address: str | None = None, started: float | None = No
     from kiln.train.ray_trainer import build_trainer
 
     resources = ray.cluster_resources()
-    run = open_run(cfg, manifest, {
+    run = open_run(cfg, manifest, tracking_uri, {
         "num_nodes": len([n for n in ray.nodes() if n["Alive"]]),
         "cluster_cpus": resources.get("CPU", 0), "cluster_gpus": resources.get("GPU", 0),
     })

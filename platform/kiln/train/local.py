@@ -17,13 +17,14 @@ import os
 import socket
 import sys
 import time
+from pathlib import Path
 
 import torch
 
-from kiln.cli import process_start
+from kiln.cli import process_start, run_reporting_errors
 from kiln.config import RunConfig, load_config
 from kiln.errors import KilnError
-from kiln.tracking import NullLogger, resolve_tracking_uri
+from kiln.tracking import NullLogger, check_reachable, resolve_tracking_uri
 from kiln.train.launch import (
     Summary,
     check_precision,
@@ -37,7 +38,7 @@ from kiln.train.sources import ParquetSource
 log = logging.getLogger(__name__)
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -47,7 +48,7 @@ def _world_from_env(use_gpu: bool) -> WorldInfo:
     """torchrun sets RANK/WORLD_SIZE/LOCAL_RANK/MASTER_*; a lone process gets world size 1."""
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     rank, world, local = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
     if use_gpu:
         if not torch.cuda.is_available():
@@ -67,12 +68,13 @@ def run_local(cfg: RunConfig, started: float | None = None) -> Summary | None:
     cfg, manifest = resolve_against_data(cfg)
     check_precision(cfg)
     cfg = with_run_name(cfg)
+    tracking_uri = resolve_tracking_uri(cfg.logging.tracking_uri)
+    check_reachable(tracking_uri)
     world = _world_from_env(cfg.parallel.use_gpu)
     cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, num_workers=world.world_size))
     deepspeed.init_distributed(dist_backend="nccl" if world.device.type == "cuda" else "gloo")
 
     run, logger = None, NullLogger()
-    tracking_uri = resolve_tracking_uri(cfg.logging.tracking_uri)
     if world.rank == 0:
         try:
             import mlflow  # noqa: F401
@@ -81,7 +83,7 @@ def run_local(cfg: RunConfig, started: float | None = None) -> Summary | None:
         else:
             from kiln.tracking import MLflowLogger
 
-            run = open_run(cfg, manifest, {"num_nodes": 1, "launcher": "local"})
+            run = open_run(cfg, manifest, tracking_uri, {"num_nodes": 1, "launcher": "local"})
             logger = MLflowLogger(tracking_uri, run.run_id)
     source = ParquetSource(manifest, world.rank, world.world_size, cfg.train.micro_batch_size)
     ckpt_root = os.path.join(os.path.abspath(cfg.train.storage_path), cfg.logging.run_name)
@@ -105,17 +107,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--summary-json", default=None, metavar="PATH")
     args = p.parse_args(argv)
-    try:
+
+    def command() -> int:
         summary = run_local(load_config(args.config, args.overrides), started=process_start())
-    except KilnError as e:
-        print(f"kiln: error: {e}", file=sys.stderr)
-        return 2
-    if summary is not None:
-        print(summary.render())
-        if args.summary_json:
-            with open(args.summary_json, "w") as f:
-                f.write(summary.to_json())
-    return 0
+        if summary is not None:
+            print(summary.render())
+            if args.summary_json:
+                Path(args.summary_json).write_text(summary.to_json())
+        return 0
+
+    return run_reporting_errors(command)
 
 
 if __name__ == "__main__":

@@ -1,26 +1,21 @@
 """The training loop is a plain function: run it in this process with DeepSpeed, no Ray."""
 
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from kiln.train.local import free_port
+
 REPO = Path(__file__).resolve().parents[3]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run_local(byte_dataset, tmp_path, *overrides, ranks=1):
     launcher = [sys.executable, "-m", "kiln.train.local"]
     if ranks > 1:  # torchrun sets RANK/WORLD_SIZE/MASTER_* for each process
         launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
-                    "--master-port", str(_free_port()), "-m", "kiln.train.local"]
+                    "--master-port", str(free_port()), "-m", "kiln.train.local"]
     cmd = [*launcher, "--config", str(REPO / "jobs/configs/debug.yaml"),
            "--set", f"data.path={byte_dataset}", "--set", "train.max_steps=30", "--set", "train.eval_every=15",
            "--set", "schedule.warmup_steps=5", "--set", "train.micro_batch_size=8",
