@@ -63,6 +63,24 @@ class ParallelConfig:
     """Logical CPUs Ray reserves per worker; also the worker's torch thread count."""
     zero_stage: int = 2
     """DeepSpeed ZeRO stage 0-3: 1 shards optimizer state, 2 also gradients, 3 also weights."""
+    offload_optimizer: Literal["none", "cpu", "nvme"] = "none"
+    """ZeRO-Offload (stages 1-3): optimizer state and fp32 master weights live in CPU RAM (or on
+    NVMe) and the optimizer step runs on the CPU (DeepSpeedCPUAdam for adam/adamw)."""
+    offload_params: Literal["none", "cpu", "nvme"] = "none"
+    """ZeRO-Infinity (stage 3 only): parameters live in CPU RAM (or on NVMe) between uses."""
+    nvme_path: str = ""
+    """Directory on fast local disk for 'nvme' offload; must exist on every worker."""
+    pipeline_stages: int = 1
+    """Pipeline-parallel stages (DeepSpeed PipelineModule). num_workers must be a multiple of it;
+    data-parallel replicas = num_workers / pipeline_stages."""
+    micro_batches: int = 4
+    """Micro-batches per optimizer step through the pipeline. The idle bubble is (P-1)/(M+P-1) of
+    the step, so more micro-batches waste less."""
+    partition_method: Literal["parameters", "uniform"] = "parameters"
+    """How pipeline stages split the layers: balance parameter counts, or layer counts."""
+    device_memory_gib: float = 0.0
+    """Memory per device that the planner checks the run against before launch. 0: detected
+    (the GPU's memory; on CPU workers, RAM divided by the workers on this node)."""
     deepspeed: dict = field(default_factory=dict)
     """Raw DeepSpeed config merged over the generated one, for anything Kiln does not model."""
 
@@ -119,6 +137,9 @@ class TrainConfig:
     """Where Ray Train keeps checkpoints and results (local dir or s3://; shared on a cluster)."""
     peak_flops: float = 0.0
     """Per-device peak FLOP/s for MFU. 0: looked up for known GPUs, measured on CPU."""
+    resume_from: str = ""
+    """A Kiln checkpoint directory (.../step_N) to start from: weights, optimizer, LR schedule and
+    step; data continues after the batches those steps consumed."""
 
 
 @dataclass
@@ -155,7 +176,17 @@ class RunConfig:
     def validate(self) -> RunConfig:
         """Check every value against its allowed range; raise ConfigError naming the field."""
         _check_ranges(self)
+        _check_parallel(self)
         return self
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.parallel.num_workers // self.parallel.pipeline_stages
+
+    @property
+    def micro_batches_per_step(self) -> int:
+        """Micro-batches each data-parallel replica runs per optimizer step."""
+        return self.parallel.micro_batches if self.parallel.pipeline_stages > 1 else self.train.grad_accum_steps
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -174,6 +205,9 @@ _RANGES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "parallel.num_workers": (lambda v: v >= 1, "an integer >= 1"),
     "parallel.cpus_per_worker": (lambda v: v > 0, "a number > 0"),
     "parallel.zero_stage": (lambda v: v in (0, 1, 2, 3), "one of 0, 1, 2, 3"),
+    "parallel.pipeline_stages": (lambda v: v >= 1, "an integer >= 1"),
+    "parallel.micro_batches": (lambda v: v >= 1, "an integer >= 1"),
+    "parallel.device_memory_gib": (lambda v: v >= 0.0, "a number >= 0 (0: detect)"),
     "optim.lr": (lambda v: 0.0 < v < 10.0, "a number in (0, 10)"),
     "optim.weight_decay": (lambda v: v >= 0.0, "a number >= 0"),
     "optim.beta1": (lambda v: 0.0 <= v < 1.0, "a number in [0, 1)"),
@@ -202,6 +236,38 @@ def _check_ranges(cfg: RunConfig) -> None:
         value = getattr(getattr(cfg, section), name)
         if not ok(value):
             raise ConfigError(f"{dotted} = {value!r} is out of range: expected {allowed}")
+
+
+def _check_parallel(cfg: RunConfig) -> None:
+    """Combinations DeepSpeed would reject (or silently mishandle), named before launch."""
+    p, t = cfg.parallel, cfg.train
+    if p.num_workers % p.pipeline_stages:
+        raise ConfigError(
+            f"parallel.num_workers = {p.num_workers} is not a multiple of parallel.pipeline_stages = "
+            f"{p.pipeline_stages}: expected workers = stages x data-parallel replicas"
+        )
+    if p.pipeline_stages > 1:
+        if p.zero_stage > 1:
+            raise ConfigError(
+                f"parallel.zero_stage = {p.zero_stage} with parallel.pipeline_stages = {p.pipeline_stages}: "
+                "DeepSpeed's pipeline engine supports ZeRO stage 0 or 1 only; expected 0 or 1"
+            )
+        if t.grad_accum_steps != 1:
+            raise ConfigError(
+                f"train.grad_accum_steps = {t.grad_accum_steps} with pipeline parallelism: a pipeline "
+                "accumulates over parallel.micro_batches; expected train.grad_accum_steps = 1"
+            )
+        if p.offload_optimizer != "none" or p.offload_params != "none":
+            raise ConfigError("parallel.offload_* with parallel.pipeline_stages > 1: DeepSpeed's pipeline "
+                              "engine does not offload; expected offload 'none'")
+    if p.offload_optimizer != "none" and p.zero_stage == 0:
+        raise ConfigError(f"parallel.offload_optimizer = {p.offload_optimizer!r} needs parallel.zero_stage "
+                          ">= 1 (ZeRO partitions what it offloads); expected zero_stage 1, 2 or 3")
+    if p.offload_params != "none" and p.zero_stage != 3:
+        raise ConfigError(f"parallel.offload_params = {p.offload_params!r} needs parallel.zero_stage = 3 "
+                          "(only stage 3 partitions parameters)")
+    if "nvme" in (p.offload_optimizer, p.offload_params) and not p.nvme_path:
+        raise ConfigError("parallel.offload_* = 'nvme' needs parallel.nvme_path: a directory on fast local disk")
 
 
 # ---- loading ----------------------------------------------------------------------------------

@@ -33,13 +33,17 @@ class GPTConfig:
     """Recompute each block's activations in backward: trades ~33% more compute for memory."""
 
 
-# Shapes follow GPT-2 (124M, 350M) and GPT-3 XL (1.3B). `debug` is small enough that a training
-# step takes milliseconds on one CPU core, so every test can run the whole training function.
+# Shapes follow GPT-2 (124M, 350M) and GPT-3 (1.3B XL, 2.7B, 6.7B; 13B with d_model 5120 so heads
+# are 128 wide). `debug` is small enough that a training step takes milliseconds on one CPU core,
+# so every test can run the whole training function. The large ones are for the memory planner.
 FLAVOURS: dict[str, dict[str, int]] = {
     "debug": dict(n_layer=2, n_head=4, d_model=128, seq_len=128),
     "gpt2-124m": dict(n_layer=12, n_head=12, d_model=768, seq_len=1024),
     "350m": dict(n_layer=24, n_head=16, d_model=1024, seq_len=1024),
     "1.3b": dict(n_layer=24, n_head=16, d_model=2048, seq_len=2048),
+    "2.7b": dict(n_layer=32, n_head=32, d_model=2560, seq_len=2048),
+    "6.7b": dict(n_layer=32, n_head=32, d_model=4096, seq_len=2048),
+    "13b": dict(n_layer=40, n_head=40, d_model=5120, seq_len=2048),
 }
 
 
@@ -104,7 +108,9 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, init_weights: bool = True):
+        """`init_weights=False` leaves the init to the caller: a ZeRO-3 wrapper that builds the
+        model already partitioned must gather each weight before `init_module` can fill it."""
         super().__init__()
         self.cfg = cfg
         self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
@@ -116,9 +122,10 @@ class GPT(nn.Module):
         # Weight tying: input embedding and output projection share one matrix (fewer params,
         # and better perplexity at small scale; Press & Wolf 2017).
         self.lm_head.weight = self.wte.weight
-        self.apply(self._init_weights)
+        if init_weights:
+            self.apply(self.init_module)
 
-    def _init_weights(self, module: nn.Module) -> None:
+    def init_module(self, module: nn.Module) -> None:
         # GPT-2 init: N(0, 0.02), with residual projections scaled by 1/sqrt(2 * n_layer) so the
         # residual stream's variance does not grow with depth.
         if isinstance(module, nn.Linear):
@@ -161,6 +168,11 @@ def num_params(cfg: GPTConfig, non_embedding: bool = True) -> int:
     if not non_embedding:
         n += cfg.seq_len * d
     return n
+
+
+def largest_layer_params(cfg: GPTConfig) -> int:
+    """Parameters of the biggest single module: what ZeRO-3 gathers at once."""
+    return max(cfg.vocab_size * cfg.d_model, 4 * cfg.d_model * cfg.d_model)
 
 
 def flops_per_token(cfg: GPTConfig) -> float:

@@ -92,7 +92,7 @@ def resolve_against_data(cfg: RunConfig) -> tuple[RunConfig, Manifest]:
         )
     model = dataclasses.replace(m, vocab_size=m.vocab_size or padded_vocab(vocab), seq_len=seq)
     cfg = dataclasses.replace(cfg, model=model)
-    per_step = cfg.parallel.num_workers * cfg.train.micro_batch_size
+    per_step = cfg.data_parallel_size * cfg.train.micro_batch_size
     for split in ("train", "val"):
         rows = manifest.split(split)["rows"]
         if rows < per_step:
@@ -117,6 +117,39 @@ def check_precision(cfg: RunConfig) -> None:
         raise ConfigError(
             f"train.precision = 'bf16' is not supported by {torch.cuda.get_device_name()}; use 'fp16' or 'fp32'"
         )
+
+
+def device_memory(cfg: RunConfig, remote_cluster: bool) -> tuple[float, str] | None:
+    """(GiB per device, where that figure came from), or None where it cannot be known here."""
+    import psutil
+    import torch
+
+    p = cfg.parallel
+    if p.device_memory_gib:
+        return p.device_memory_gib, "parallel.device_memory_gib"
+    if remote_cluster:
+        return None  # the workers' devices are on other machines
+    if p.use_gpu:
+        if not torch.cuda.is_available():
+            return None
+        props = torch.cuda.get_device_properties(0)
+        return props.total_memory / (1 << 30), props.name
+    return psutil.virtual_memory().total / (1 << 30) / p.num_workers, f"this machine's RAM / {p.num_workers} workers"
+
+
+def check_resources(cfg: RunConfig, remote_cluster: bool = False) -> None:
+    """Before launch: the ops an offload needs, and the memory plan against the devices."""
+    from kiln.plan.memory import plan_input, refuse_if_too_big
+    from kiln.train.loop import gpt_config
+    from kiln.train.parallelize import check_offload_ops
+
+    check_offload_ops(cfg)
+    mem = device_memory(cfg, remote_cluster)
+    if mem is None:
+        log.info("device memory unknown from here: set parallel.device_memory_gib to check the plan before launch")
+        return
+    est = refuse_if_too_big(plan_input(cfg, gpt_config(cfg), mem[0]), mem[1])
+    log.info("memory plan: %.2f GiB per device estimated of %.2f GiB", est.total / (1 << 30), mem[0])
 
 
 def connect_ray(cfg: RunConfig, address: str | None = None) -> None:
@@ -185,6 +218,8 @@ def train(cfg: RunConfig, address: str | None = None, started: float | None = No
     cfg, manifest = resolve_against_data(cfg)
     check_precision(cfg)
     cfg = with_run_name(cfg)
+    address = address or os.environ.get("RAY_ADDRESS")
+    check_resources(cfg, remote_cluster=bool(address))
     tracking_uri = resolve_tracking_uri(cfg.logging.tracking_uri)
     check_reachable(tracking_uri)
     connect_ray(cfg, address)
@@ -199,7 +234,10 @@ def train(cfg: RunConfig, address: str | None = None, started: float | None = No
     })
     ok = False
     try:
-        trainer = build_trainer(cfg, ray_datasets(manifest), cfg.logging.run_name, tracking_uri, run.run_id)
+        # A pipeline's stages must read the same batches: its workers read the shards by
+        # data-parallel rank themselves (kiln.train.sources.ParquetSource), not a Ray Data split.
+        datasets = ray_datasets(manifest) if cfg.parallel.pipeline_stages == 1 else {}
+        trainer = build_trainer(cfg, datasets, cfg.logging.run_name, tracking_uri, run.run_id)
         result = trainer.fit()
         ok = True
     finally:

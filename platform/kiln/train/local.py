@@ -28,11 +28,13 @@ from kiln.tracking import NullLogger, check_reachable, resolve_tracking_uri
 from kiln.train.launch import (
     Summary,
     check_precision,
+    check_resources,
     open_run,
     resolve_against_data,
     with_run_name,
 )
 from kiln.train.loop import WorldInfo, train_loop
+from kiln.train.pipeline import data_parallel_coords
 from kiln.train.sources import ParquetSource
 
 log = logging.getLogger(__name__)
@@ -67,11 +69,12 @@ def run_local(cfg: RunConfig, started: float | None = None) -> Summary | None:
     started = started or time.time()
     cfg, manifest = resolve_against_data(cfg)
     check_precision(cfg)
+    check_resources(cfg)
     cfg = with_run_name(cfg)
     tracking_uri = resolve_tracking_uri(cfg.logging.tracking_uri)
     check_reachable(tracking_uri)
     world = _world_from_env(cfg.parallel.use_gpu)
-    cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, num_workers=world.world_size))
+    cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, num_workers=world.world_size)).validate()
     deepspeed.init_distributed(dist_backend="nccl" if world.device.type == "cuda" else "gloo")
 
     run, logger = None, NullLogger()
@@ -85,7 +88,8 @@ def run_local(cfg: RunConfig, started: float | None = None) -> Summary | None:
 
             run = open_run(cfg, manifest, tracking_uri, {"num_nodes": 1, "launcher": "local"})
             logger = MLflowLogger(tracking_uri, run.run_id)
-    source = ParquetSource(manifest, world.rank, world.world_size, cfg.train.micro_batch_size)
+    dp_rank, dp_size = data_parallel_coords(world.rank, world.world_size, cfg.parallel.pipeline_stages)
+    source = ParquetSource(manifest, dp_rank, dp_size, cfg.train.micro_batch_size)
     ckpt_root = os.path.join(os.path.abspath(cfg.train.storage_path), cfg.logging.run_name)
     ok = False
     try:

@@ -20,16 +20,18 @@ import torch
 import torch.distributed as dist
 
 from kiln.config import RunConfig
-from kiln.model import GPT, GPTConfig, config_for, flops_per_token
+from kiln.model import GPTConfig, config_for, flops_per_token, num_params
 from kiln.tracking import MetricLogger
 from kiln.train.metrics import datasheet_peak_flops, measured_peak_flops, memory_metrics
-from kiln.train.optim import build_optimizer, build_scheduler
-from kiln.train.parallelize import deepspeed_config
+from kiln.train.optim import build_scheduler
+from kiln.train.parallelize import engine_memory, initialize
+from kiln.train.pipeline import check_coords
 from kiln.train.sources import BatchSource
 
 log = logging.getLogger("kiln.train")
 
 Report = Callable[[dict, "str | None"], None]
+CHECKPOINT_TAG = "state"
 WARMUP_STEPS_EXCLUDED = 5  # steady-state throughput ignores the first steps (allocator, JIT, caches)
 
 
@@ -60,18 +62,46 @@ def _mean_over_ranks(values: list[float], device: torch.device) -> list[float]:
 
 
 @torch.no_grad()
-def evaluate(engine, source: BatchSource, max_batches: int, device: torch.device) -> float:
+def evaluate(engine, source: BatchSource, max_batches: int, device: torch.device, pipeline: bool) -> float:
     engine.eval()
     total, count = 0.0, 0
     for i, batch in enumerate(source.val_batches()):
         if max_batches and i >= max_batches:
             break
         batch = batch.to(device, non_blocking=True)
-        _, loss = engine(batch[:, :-1], batch[:, 1:])
+        if pipeline:  # every stage takes part; the loss is broadcast from the last
+            loss = engine.eval_batch(iter([(batch[:, :-1], batch[:, 1:])]), num_micro_batches=1)
+        else:
+            _, loss = engine(batch[:, :-1], batch[:, 1:])
         total, count = total + loss.item(), count + 1
     engine.train()
     (mean_total, mean_count) = _mean_over_ranks([total, float(count)], device)
     return mean_total / max(mean_count, 1e-9)
+
+
+def _train_step(engine, batches: Iterator[torch.Tensor], micro_batches: int, device: torch.device,
+                pipeline: bool) -> tuple[torch.Tensor, float]:
+    """One optimizer step over `micro_batches` micro-batches: (mean loss, seconds waiting for data)."""
+    data_wait = 0.0
+
+    def next_batch() -> torch.Tensor:
+        nonlocal data_wait
+        wait_start = time.perf_counter()
+        batch = next(batches).to(device, non_blocking=True)
+        data_wait += time.perf_counter() - wait_start
+        return batch
+
+    if pipeline:  # DeepSpeed runs the whole 1F1B schedule (and the step) in train_batch
+        pairs = [(b[:, :-1], b[:, 1:]) for b in (next_batch() for _ in range(micro_batches))]
+        return engine.train_batch(data_iter=iter(pairs)).detach().float(), data_wait
+    loss_sum = torch.zeros((), device=device)
+    for _ in range(micro_batches):
+        batch = next_batch()
+        _, loss = engine(batch[:, :-1], batch[:, 1:])
+        engine.backward(loss)
+        engine.step()
+        loss_sum += loss.detach()
+    return loss_sum / micro_batches, data_wait
 
 
 def train_loop(
@@ -82,8 +112,6 @@ def train_loop(
     report: Report | None = None,
     checkpoint_root: str | None = None,
 ) -> dict[str, float]:
-    import deepspeed
-
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     t, device = cfg.train, world.device
     torch.manual_seed(t.seed)
@@ -93,49 +121,54 @@ def train_loop(
         torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls on tensor cores
         torch.backends.cudnn.allow_tf32 = True
 
-    # Start the data pipeline now so its start-up overlaps building the model and engine.
-    source.prefetch()
-    batches = _prefetch_first(source.train_batches())
+    pipeline = cfg.parallel.pipeline_stages > 1
+    dp_size = world.world_size // cfg.parallel.pipeline_stages
+    micro_batches = cfg.micro_batches_per_step
     mcfg = gpt_config(cfg)
-    model = GPT(mcfg)
-    optimizer = build_optimizer(model, cfg.optim, on_cuda=device.type == "cuda")
-    scheduler = build_scheduler(optimizer, cfg.schedule, t.max_steps)
-    engine, _, _, _ = deepspeed.initialize(
-        model=model, optimizer=optimizer, lr_scheduler=scheduler,
-        config=deepspeed_config(cfg, world.world_size),
+    engine, scheduler = initialize(
+        cfg, mcfg, dp_size, on_cuda=device.type == "cuda",
+        scheduler_fn=lambda opt: build_scheduler(opt, cfg.schedule, t.max_steps),
     )
+    if pipeline:
+        check_coords(engine, world.rank, world.world_size, cfg.parallel.pipeline_stages)
+    done = 0
+    if t.resume_from:
+        _, client = engine.load_checkpoint(t.resume_from, tag=CHECKPOINT_TAG)
+        done = int(client["step"])
+        if world.rank == 0:
+            log.info("resumed from %s at step %d", t.resume_from, done)
+    # Start reading now so the pipeline's start-up overlaps the first step; skip what the
+    # resumed steps consumed.
+    source.prefetch()
+    batches = _prefetch_first(source.train_batches(skip=done * micro_batches))
 
-    tokens_per_step = t.micro_batch_size * t.grad_accum_steps * world.world_size * mcfg.seq_len
+    tokens_per_step = t.micro_batch_size * micro_batches * dp_size * mcfg.seq_len
     flops_tok = flops_per_token(mcfg)
     peak = datasheet_peak_flops(device, t.precision, t.peak_flops)
     steady_time = steady_wait = 0.0
     steady_steps = 0
     last: dict[str, float] = {}
     first_step_unix = 0.0
+    held: dict[str, float] = {}
+    skipped_before = 0
     if world.rank == 0:
-        log.info("training %s (%.2fM params) for %d steps, %d tokens/step on %d worker(s)",
-                 cfg.model.flavour, sum(p.numel() for p in model.parameters()) / 1e6,
-                 t.max_steps, tokens_per_step, world.world_size)
+        log.info("training %s (%.2fM params) for %d steps, %d tokens/step on %d worker(s)%s",
+                 cfg.model.flavour, num_params(mcfg, non_embedding=False) / 1e6, t.max_steps,
+                 tokens_per_step, world.world_size,
+                 f" ({dp_size} data-parallel x {cfg.parallel.pipeline_stages} pipeline stages)" if pipeline else "")
 
-    for step in range(1, t.max_steps + 1):
+    for step in range(done + 1, t.max_steps + 1):
         start = time.perf_counter()
         lr = scheduler.get_last_lr()[0]
-        data_wait, loss_sum = 0.0, torch.zeros((), device=device)
-        for _ in range(t.grad_accum_steps):
-            wait_start = time.perf_counter()
-            batch = next(batches).to(device, non_blocking=True)
-            data_wait += time.perf_counter() - wait_start
-            _, loss = engine(batch[:, :-1], batch[:, 1:])
-            engine.backward(loss)
-            engine.step()
-            loss_sum += loss.detach()
+        loss_mean, data_wait = _train_step(engine, batches, micro_batches, device, pipeline)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         step_time = time.perf_counter() - start
-        if step == 1:
+        if step == done + 1:
             first_step_unix = time.time()
+            held = engine_memory(engine)  # optimizer state exists after the first step
 
-        loss_train, wait = _mean_over_ranks([loss_sum.item() / t.grad_accum_steps, data_wait], device)
+        loss_train, wait = _mean_over_ranks([loss_mean.item(), data_wait], device)
         tok_s = tokens_per_step / step_time
         grad_norm = engine.get_global_grad_norm()
         metrics = {
@@ -147,12 +180,22 @@ def train_loop(
             "time/data_wait_s": wait,
             "tokens/seen": float(step * tokens_per_step),
         }
-        if peak is None and step == WARMUP_STEPS_EXCLUDED:
+        if peak is None and step == done + WARMUP_STEPS_EXCLUDED:
             peak = measured_peak_flops(device, t.precision)
         if peak is not None:
             metrics["mfu"] = flops_tok * tok_s / (peak * world.world_size)
         if grad_norm is not None:
             metrics["grad_norm"] = float(grad_norm)
+        if t.precision == "fp16":  # dynamic loss scaling skips the steps whose gradients overflowed
+            skipped = int(getattr(engine, "skipped_steps", 0))
+            metrics["train/skipped_steps_total"] = float(skipped)
+            metrics["train/loss_scale"] = float(getattr(engine.optimizer, "cur_scale", 0.0) or 0.0)
+            if skipped > skipped_before and world.rank == 0:
+                log.warning("step %d: fp16 gradient overflow, step skipped and loss scale lowered "
+                            "(%d skipped so far)", step, skipped)
+            skipped_before = skipped
+        if step == done + 1:
+            metrics.update(held)
         if not math.isfinite(loss_train):
             log.warning("step %d: non-finite training loss %s", step, loss_train)
 
@@ -160,7 +203,7 @@ def train_loop(
         eval_time = 0.0
         if (t.eval_every and step % t.eval_every == 0) or is_last:
             eval_start = time.perf_counter()
-            metrics["loss/val"] = evaluate(engine, source, t.eval_batches, device)
+            metrics["loss/val"] = evaluate(engine, source, t.eval_batches, device, pipeline)
             eval_time = time.perf_counter() - eval_start
         if step % cfg.logging.log_every == 0 or is_last or "loss/val" in metrics:
             metrics.update(memory_metrics(device))
@@ -170,7 +213,7 @@ def train_loop(
         last.update(metrics)
         # Steady-state throughput counts every second of the iteration (metric reduction and
         # logging included) except validation and checkpointing, and skips the first steps.
-        if step > WARMUP_STEPS_EXCLUDED or t.max_steps <= WARMUP_STEPS_EXCLUDED:
+        if step > done + WARMUP_STEPS_EXCLUDED or t.max_steps - done <= WARMUP_STEPS_EXCLUDED:
             steady_time += time.perf_counter() - start - eval_time
             steady_wait += data_wait
             steady_steps += 1
@@ -179,7 +222,8 @@ def train_loop(
         ckpt = None
         if save and checkpoint_root is not None:
             ckpt = f"{checkpoint_root}/step_{step:08d}"
-            engine.save_checkpoint(ckpt, tag="state", client_state={"step": step})
+            engine.save_checkpoint(ckpt, tag=CHECKPOINT_TAG,
+                                   client_state={"step": step, "tokens_seen": step * tokens_per_step})
         if report is not None and not is_last and ("loss/val" in metrics or save):
             report(metrics | {"step": step}, ckpt)
 
@@ -191,6 +235,7 @@ def train_loop(
     final["time/data_wait_share"] = steady_wait / max(steady_time, 1e-9)
     final["time/first_step_unix"] = first_step_unix
     final["step"] = t.max_steps
+    final.update(held)
     if report is not None:  # the last report carries the final checkpoint and the summary metrics
         report(final, ckpt)
     return final

@@ -21,7 +21,9 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     for p in model.parameters():  # tied weights appear once
         if not p.requires_grad:
             continue
-        (decay if p.dim() >= 2 and id(p) not in embeddings else no_decay).append(p)
+        # A ZeRO-3 partitioned weight is a flat shard; its real shape is `ds_shape`.
+        ndim = len(getattr(p, "ds_shape", p.shape))
+        (decay if ndim >= 2 and id(p) not in embeddings else no_decay).append(p)
     return [
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},

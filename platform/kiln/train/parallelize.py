@@ -1,14 +1,25 @@
-"""Kiln config -> DeepSpeed config, and the DeepSpeed engine around a plain GPT.
+"""Kiln config -> DeepSpeed: the config dict, the engine around a plain GPT, and what it holds.
 
-The model stays a plain nn.Module; everything DeepSpeed-specific is here.
+The model stays a plain nn.Module; everything DeepSpeed-specific is here (and the pipeline
+wrapping in `kiln.train.pipeline`). ZeRO stages 0-3, CPU/NVMe offload, ZeRO-3's partitioned
+construction and pipeline stages are all chosen from `parallel.*`.
 """
 
 from __future__ import annotations
 
 import copy
+import logging
+import shutil
 from typing import Any
 
+import torch
+from torch import nn
+
 from kiln.config import RunConfig
+from kiln.errors import ConfigError
+from kiln.model import GPT, GPTConfig
+
+log = logging.getLogger(__name__)
 
 
 def deep_merge(base: dict, override: dict) -> dict:
@@ -21,17 +32,34 @@ def deep_merge(base: dict, override: dict) -> dict:
     return out
 
 
-def deepspeed_config(cfg: RunConfig, data_parallel_size: int) -> dict[str, Any]:
+def _offload(device: str, cfg: RunConfig) -> dict[str, Any]:
+    out: dict[str, Any] = {"device": device, "pin_memory": cfg.parallel.use_gpu}  # pinned: faster H2D
+    if device == "nvme":
+        out["nvme_path"] = cfg.parallel.nvme_path
+    return out
+
+
+def deepspeed_config(cfg: RunConfig, data_parallel_size: int, d_model: int = 0) -> dict[str, Any]:
     t, p = cfg.train, cfg.parallel
     zero: dict[str, Any] = {"stage": p.zero_stage}
     if p.zero_stage >= 2:
         # Contiguous gradient buffers avoid fragmentation; overlapping the reduce with backward
         # only pays where communication runs on its own stream (GPUs).
         zero.update(contiguous_gradients=True, overlap_comm=p.use_gpu)
+    if p.zero_stage == 3 and d_model:
+        # Parameters smaller than this stay whole on every rank (gathering them costs more than
+        # it saves). DeepSpeed's default (1e5 elements) would keep a small model entirely
+        # unpartitioned; 10 x d_model keeps just norms and biases whole (as HF's "auto" does).
+        zero["stage3_param_persistence_threshold"] = 10 * d_model
+    if p.offload_optimizer != "none":
+        zero["offload_optimizer"] = _offload(p.offload_optimizer, cfg)
+    if p.offload_params != "none":
+        zero["offload_param"] = _offload(p.offload_params, cfg)
+    micro_batches = cfg.micro_batches_per_step
     ds = {
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
-        "gradient_accumulation_steps": t.grad_accum_steps,
-        "train_batch_size": t.micro_batch_size * t.grad_accum_steps * data_parallel_size,
+        "gradient_accumulation_steps": micro_batches,
+        "train_batch_size": t.micro_batch_size * micro_batches * data_parallel_size,
         "gradient_clipping": t.grad_clip,
         "zero_optimization": zero,
         "bf16": {"enabled": t.precision == "bf16"},
@@ -39,7 +67,188 @@ def deepspeed_config(cfg: RunConfig, data_parallel_size: int) -> dict[str, Any]:
         "fp16": {"enabled": t.precision == "fp16", "loss_scale": 0, "initial_scale_power": 16},
         # Kiln passes a torch optimizer it built itself (param groups, fused/foreach impl).
         "zero_allow_untested_optimizer": True,
+        # Offload with an optimizer other than Adam(W) runs that torch optimizer on the host.
+        "zero_force_ds_cpu_optimizer": False,
         "steps_per_print": 1 << 30,  # Kiln does its own logging
         "wall_clock_breakdown": False,
     }
     return deep_merge(ds, p.deepspeed)
+
+
+# ---- ops that offload needs, checked before launch ---------------------------------------------
+def check_offload_ops(cfg: RunConfig) -> None:
+    """Refuse, naming the op, an offload whose DeepSpeed op cannot be built on this machine."""
+    p = cfg.parallel
+    needed = []
+    if p.offload_optimizer != "none" and cfg.optim.name in ("adam", "adamw"):
+        needed.append(("cpu_adam", "parallel.offload_optimizer"))
+    if "nvme" in (p.offload_optimizer, p.offload_params):
+        needed.append(("async_io", "parallel.offload_* = 'nvme'"))
+    for op, field in needed:
+        problem = op_unavailable(op)
+        if problem:
+            raise ConfigError(f"{field} needs DeepSpeed's {op!r} op, which cannot be built here: {problem}")
+
+
+def op_unavailable(op: str) -> str | None:
+    """Why DeepSpeed's op cannot be built or loaded here, or None if it can."""
+    from deepspeed.ops.op_builder import AsyncIOBuilder, CPUAdamBuilder
+
+    builder = {"cpu_adam": CPUAdamBuilder, "async_io": AsyncIOBuilder}[op]()
+    try:
+        if builder.is_compatible(verbose=False):
+            pass
+        else:
+            extra = " (install libaio-dev: apt install libaio-dev)" if op == "async_io" else ""
+            return f"DeepSpeed reports it incompatible with this system{extra}"
+    except Exception as e:  # a builder probing for libraries can itself fail
+        return f"{type(e).__name__}: {e}"
+    if builder.is_installed():  # prebuilt into the wheel (DS_BUILD_*=1)
+        return None
+    if not shutil.which("ninja") and not _has_ninja_module():
+        return "it is not prebuilt and JIT compiling needs ninja (pip install ninja)"
+    if not (shutil.which("c++") or shutil.which("g++")):
+        return "it is not prebuilt and JIT compiling needs a C++ compiler (apt install g++)"
+    return None
+
+
+def _has_ninja_module() -> bool:
+    try:
+        import ninja  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# ---- building the engine -------------------------------------------------------------------------
+def build_model(cfg: RunConfig, mcfg: GPTConfig, ds_config: dict) -> nn.Module:
+    """The GPT, constructed partitioned under ZeRO-3 so no rank ever holds all of it."""
+    if cfg.parallel.zero_stage != 3:
+        return GPT(mcfg)
+    import deepspeed
+
+    remote = "cpu" if cfg.parallel.offload_params == "cpu" else None
+    with deepspeed.zero.Init(config_dict_or_path=ds_config, remote_device=remote):
+        model = GPT(mcfg, init_weights=False)
+    # Each weight is partitioned as soon as its module is built, so the init runs per module
+    # on the gathered weight, on rank 0, and is scattered back. Same order as nn.Module.apply
+    # (children first), so the RNG draws, hence the weights, equal an unpartitioned build.
+    for module in _post_order(model):
+        own = list(module.parameters(recurse=False))
+        with deepspeed.zero.GatheredParameters(own, modifier_rank=0):
+            model.init_module(module)
+    return model
+
+
+def _post_order(module: nn.Module):
+    for child in module.children():
+        yield from _post_order(child)
+    yield module
+
+
+def build_optimizer_for(model: nn.Module, cfg: RunConfig, on_cuda: bool) -> torch.optim.Optimizer:
+    from kiln.train.optim import build_optimizer, param_groups
+
+    o = cfg.optim
+    if cfg.parallel.offload_optimizer != "none" and o.name in ("adam", "adamw"):
+        # The step runs on the host: DeepSpeed's vectorised CPU Adam (5-7x torch's on CPU).
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(param_groups(model, o.weight_decay), lr=o.lr, betas=(o.beta1, o.beta2),
+                                eps=o.eps, adamw_mode=o.name == "adamw")
+    return build_optimizer(model, o, on_cuda=on_cuda)
+
+
+def initialize(cfg: RunConfig, mcfg: GPTConfig, data_parallel_size: int, on_cuda: bool, scheduler_fn):
+    """(engine, scheduler): a DeepSpeedEngine, or a PipelineEngine when pipeline_stages > 1."""
+    import deepspeed
+
+    ds_config = deepspeed_config(cfg, data_parallel_size, mcfg.d_model)
+    if cfg.parallel.pipeline_stages > 1:
+        from kiln.train.pipeline import to_pipeline
+
+        model = to_pipeline(GPT(mcfg), cfg.parallel, mcfg.activation_checkpointing)
+    else:
+        model = build_model(cfg, mcfg, ds_config)
+    optimizer = build_optimizer_for(model, cfg, on_cuda)
+    scheduler = scheduler_fn(optimizer)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                                           config=ds_config)
+    install_fp32_clipping(engine)
+    return engine, scheduler
+
+
+# ---- what the engine holds, measured --------------------------------------------------------------
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def inner_optimizer(engine) -> torch.optim.Optimizer:
+    """The torch optimizer under DeepSpeed's wrappers (ZeRO, bf16, fp16)."""
+    opt = engine.optimizer
+    while not isinstance(opt, torch.optim.Optimizer) and getattr(opt, "optimizer", None) is not None:
+        opt = opt.optimizer
+    return opt
+
+
+def engine_memory(engine) -> dict[str, float]:
+    """Bytes this rank holds, from the tensors themselves (not a formula).
+
+    params: the model's weights (ZeRO-3: this rank's partition); master: fp32 copies the
+    optimizer steps on when they are not the model's own tensors; optimizer_state: the optimizer's
+    moments and buffers.
+    """
+    model_params = {id(p): p for p in engine.module.parameters()}
+    params = sum(_nbytes(p.ds_tensor) if hasattr(p, "ds_tensor") else _nbytes(p) for p in model_params.values())
+    opt = inner_optimizer(engine)
+    stepped = {id(p): p for g in opt.param_groups for p in g["params"]}
+    master = sum(_nbytes(p) for i, p in stepped.items() if i not in model_params)
+    state = sum(_nbytes(v) for s in opt.state.values() for v in s.values()
+                if torch.is_tensor(v) and v.dim() > 0)
+    return {"memory/params_bytes": float(params), "memory/master_params_bytes": float(master),
+            "memory/optimizer_state_bytes": float(state)}
+
+
+def state_dtypes(engine) -> dict[str, set[str]]:
+    """dtypes of the model weights, the stepped (master) weights and the optimizer state."""
+    opt = inner_optimizer(engine)
+    return {
+        "params": {str(p.dtype) for p in engine.module.parameters()},
+        "stepped": {str(p.dtype) for g in opt.param_groups for p in g["params"]},
+        "optimizer_state": {str(v.dtype) for s in opt.state.values() for v in s.values()
+                            if torch.is_tensor(v) and v.dim() > 0},
+    }
+
+
+# ---- gradient clipping on DeepSpeed's plain fp32 path -------------------------------------------
+def install_fp32_clipping(engine) -> None:
+    """Replace DeepSpeed's clipping on its fp32, ZeRO-0 path (the only path that calls it).
+
+    DeepSpeed 0.19's version, under a pipeline, counts only the first stage's gradients in the
+    global norm (it keeps model-parallel rank 0's share and treats stages as model-parallel) and
+    would count a tied weight twice, so a clipped pipeline run diverges from the same run on one
+    device (measured: 1e-4 relative by step 3). It also never records the norm. This one sums
+    squared norms over the pipeline's stages, counts tied weights once, and records the norm.
+    """
+    import types
+
+    import torch.distributed as dist
+
+    group = engine.grid.get_pipe_parallel_group() if hasattr(engine, "grid") else None
+
+    def clip_fp32_gradients(self):
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        counted = [p for p in params if not getattr(p, "ds_pipe_replicated", False)]
+        sq = torch.zeros((), dtype=torch.float32, device=params[0].grad.device if params else "cpu")
+        for p in counted:
+            sq += p.grad.detach().float().pow(2).sum()
+        if group is not None:  # gradients are averaged over data-parallel replicas already
+            dist.all_reduce(sq, group=group)
+        norm = sq.sqrt()
+        coef = torch.clamp(self.gradient_clipping() / (norm + 1e-6), max=1.0)
+        for p in params:
+            p.grad.detach().mul_(coef.to(p.grad.dtype))
+        self._global_grad_norm = norm.item()
+        return norm
+
+    engine.clip_fp32_gradients = types.MethodType(clip_fp32_gradients, engine)

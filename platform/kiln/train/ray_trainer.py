@@ -36,10 +36,7 @@ def _worker_entry(loop_config: dict[str, Any]) -> None:
         rank=ctx.get_world_rank(), world_size=ctx.get_world_size(),
         local_rank=ctx.get_local_rank(), device=ray.train.torch.get_device(),
     )
-    source = RayShardSource(
-        ray.train.get_dataset_shard("train"), ray.train.get_dataset_shard("val"),
-        cfg.train.micro_batch_size, cfg.data.prefetch_batches, cfg.train.eval_batches,
-    )
+    source = _source(cfg, world)
     run_id = loop_config.get("mlflow_run_id")
     logger = MLflowLogger(loop_config["tracking_uri"], run_id) if world.rank == 0 and run_id else NullLogger()
     local_ckpt_root = tempfile.mkdtemp(prefix="kiln-ckpt-")
@@ -54,6 +51,25 @@ def _worker_entry(loop_config: dict[str, Any]) -> None:
         train_loop(cfg, world, source, logger, report=report, checkpoint_root=local_ckpt_root)
     finally:
         shutil.rmtree(local_ckpt_root, ignore_errors=True)
+
+
+def _source(cfg: RunConfig, world: WorldInfo):
+    if cfg.parallel.pipeline_stages > 1:
+        # Ray Data's split hands every worker different rows; the stages of one pipeline need
+        # the same ones (the first stage feeds inputs, the last matches labels), so each worker
+        # reads its data-parallel replica's rows itself.
+        from kiln.data.manifest import load_manifest
+        from kiln.storage import resolve
+        from kiln.train.pipeline import data_parallel_coords
+        from kiln.train.sources import ParquetSource
+
+        manifest = load_manifest(resolve(cfg.data.path, cfg.data.s3_endpoint, cfg.data.s3_region))
+        dp_rank, dp_size = data_parallel_coords(world.rank, world.world_size, cfg.parallel.pipeline_stages)
+        return ParquetSource(manifest, dp_rank, dp_size, cfg.train.micro_batch_size)
+    return RayShardSource(
+        ray.train.get_dataset_shard("train"), ray.train.get_dataset_shard("val"),
+        cfg.train.micro_batch_size, cfg.data.prefetch_batches, cfg.train.eval_batches,
+    )
 
 
 def _quiet_worker_logs() -> None:

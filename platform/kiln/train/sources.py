@@ -21,8 +21,8 @@ class BatchSource(Protocol):
     def prefetch(self) -> None:
         """Start fetching ahead (called once before the model is built)."""
 
-    def train_batches(self) -> Iterator[torch.Tensor]:
-        """Endless: epoch after epoch."""
+    def train_batches(self, skip: int = 0) -> Iterator[torch.Tensor]:
+        """Endless: epoch after epoch, starting after the first `skip` batches (a resume)."""
 
     def val_batches(self) -> Iterable[torch.Tensor]:
         """One pass over this rank's part of the validation split."""
@@ -57,7 +57,13 @@ class RayShardSource:
         ):
             yield batch[TOKENS].long()
 
-    def train_batches(self) -> Iterator[torch.Tensor]:
+    def train_batches(self, skip: int = 0) -> Iterator[torch.Tensor]:
+        # Ray Data iterators cannot seek (ray-project/ray#37633): skipping reads and drops.
+        for i, batch in enumerate(self._endless()):
+            if i >= skip:
+                yield batch
+
+    def _endless(self) -> Iterator[torch.Tensor]:
         while True:
             yield from self._iter(self.train_it)
 
@@ -69,10 +75,12 @@ class RayShardSource:
 
 
 class ParquetSource:
-    """Reads the shards itself: for runs without Ray (torchrun, a single GPU box, benchmarks).
+    """Reads the shards itself: for runs without Ray (torchrun, a single GPU box, benchmarks),
+    and for pipeline parallelism, where the stages of one pipeline must read the same batches.
 
-    Rank r takes rows r, r + world, r + 2·world, ... of each split, truncated so every rank has
-    the same count.
+    Replica r of n takes rows r, r + n, r + 2n, ... of each split, truncated so every replica has
+    the same count. Under pipeline parallelism r and n are the data-parallel rank and size, not
+    the global ones. The order is fixed, so `skip` resumes exactly.
     """
 
     def __init__(self, manifest: Manifest, rank: int, world_size: int, micro_batch: int):
@@ -97,9 +105,14 @@ class ParquetSource:
         for i in range(0, len(rows) - self.micro_batch + 1, self.micro_batch):
             yield rows[i : i + self.micro_batch]
 
-    def train_batches(self) -> Iterator[torch.Tensor]:
+    def train_batches(self, skip: int = 0) -> Iterator[torch.Tensor]:
+        per_epoch = len(self._rows["train"]) // self.micro_batch
+        first = skip % per_epoch if per_epoch else 0
         while True:
-            yield from self._iter(self._rows["train"])
+            for i, batch in enumerate(self._iter(self._rows["train"])):
+                if i >= first:
+                    yield batch
+            first = 0
 
     def val_batches(self) -> Iterable[torch.Tensor]:
         return self._iter(self._rows["val"])

@@ -1,0 +1,1 @@
+"""Planning a run before it exists: per-device memory (`kiln plan`)."""

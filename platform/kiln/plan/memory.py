@@ -1,0 +1,287 @@
+"""Per-device memory of a training configuration, from the model's shapes alone.
+
+No hardware needed: this is how a run on 64 x 80 GB GPUs is planned from a laptop, and how the
+trainer refuses, before launch, a configuration that cannot fit.
+
+Model states (Rajbhandari et al. 2020, "ZeRO", section 3 and 5), for Psi parameters, ZeRO over
+N data-parallel ranks, e bytes per working (compute-precision) element:
+
+    working params   e*Psi           ZeRO-3: / N
+    working grads    e*Psi           ZeRO-2 and 3: / N
+    fp32 master      4*Psi           ZeRO-1+: / N   (fp32 runs keep none at stage 0)
+    fp32 grads       4*Psi           ZeRO-1+: / N   (mixed precision, or any ZeRO stage)
+    optimizer state  4*k*Psi         ZeRO-1+: / N   (k tensors per parameter: Adam 2, SGD 1)
+
+The paper's K = 12 for mixed-precision Adam is master + momentum + variance; DeepSpeed also keeps
+the fp32 gradient partition, so its estimators count 16 bytes per parameter (18 with the
+partitioned 16-bit gradients). For mixed-precision Adam this module reproduces
+`estimate_zero2_model_states_mem_needs` and `estimate_zero3_model_states_mem_needs` exactly (see
+tests). One subtlety measured on DeepSpeed 0.19: at ZeRO-1/2 it keeps an fp32 partition of the
+weights even when training in fp32, so `fp32 master` is there too.
+
+ZeRO-3 also holds the layer being computed gathered: 4 bytes per parameter of the largest layer
+(weight and gradient in the working precision; DeepSpeed's `largest_layer_memory` for 16-bit).
+
+Offload (ZeRO-Offload, Ren et al. 2021; ZeRO-Infinity, Rajbhandari et al. 2021) moves master,
+fp32 grads and optimizer state to host RAM (and with param offload the working params too): the
+device keeps what the forward and backward need.
+
+Activations per micro-batch of b sequences of s tokens, width h, in e-byte elements (Korthikanti
+et al. 2022, "Reducing Activation Recomputation", section 4, with fused attention that never
+stores the s x s scores, no dropout, no tensor parallelism):
+
+    per block   17*b*s*h*e   (ln_1 in, qkv in, q k v, attention out, proj in, ln_2 in, fc in,
+                              GELU in 4bsh, proj in 4bsh)
+    checkpointed: b*s*h*e per block kept, plus one block's 17*b*s*h*e while it is recomputed
+    logits      b*s*V*(e + 8)  (the logits, their fp32 copy and the saved log-softmax)
+
+A pipeline stage holds 1/P of the layers, and its first stage holds up to min(P, M) micro-batches
+in flight under DeepSpeed's 1F1B schedule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from dataclasses import dataclass
+
+from kiln.model import GPTConfig, largest_layer_params, num_params
+
+GIB = 1 << 30
+
+# Optimizer state tensors per parameter (fp32 each).
+OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "lamb": 2, "rmsprop": 1, "sgd": 1}
+
+# Rough relative step cost of each memory technique, to rank options that fit ("cheapest
+# first"). Orderings, not predictions: recomputation adds one forward (~1/3 of a step);
+# ZeRO-3 moves 1.5x the data-parallel traffic (ZeRO paper, section 7); offload puts the
+# optimizer step on the CPU behind PCIe (ZeRO-Offload reports 1.1-2x on GPT-2).
+COST = {"zero3": 1.15, "checkpointing": 1.33, "offload_optimizer": 1.5, "offload_params": 2.5}
+
+
+@dataclass(frozen=True)
+class PlanInput:
+    model: GPTConfig
+    world_size: int = 1
+    """Devices in the run (data-parallel x pipeline)."""
+    device_memory_gib: float = 80.0
+    micro_batch: int = 1
+    zero_stage: int = 0
+    offload_optimizer: str = "none"
+    offload_params: str = "none"
+    activation_checkpointing: bool = False
+    precision: str = "bf16"
+    pipeline_stages: int = 1
+    micro_batches: int = 1
+    """Micro-batches per step in the pipeline (in flight on the first stage, up to P)."""
+    optimizer: str = "adamw"
+
+    @property
+    def data_parallel(self) -> int:
+        return self.world_size // self.pipeline_stages
+
+
+@dataclass(frozen=True)
+class Estimate:
+    params: int
+    grads: int
+    master: int
+    optimizer_states: int
+    gathered: int
+    activations: int
+    host: int
+    """Offloaded bytes per device, held in host RAM (or on NVMe)."""
+    device_memory: int
+
+    @property
+    def model_states(self) -> int:
+        return self.params + self.grads + self.master + self.optimizer_states + self.gathered
+
+    @property
+    def total(self) -> int:
+        return self.model_states + self.activations
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.device_memory
+
+
+def bytes_per_element(precision: str) -> int:
+    return 2 if precision in ("bf16", "fp16") else 4
+
+
+def estimate(p: PlanInput) -> Estimate:
+    m, e = p.model, bytes_per_element(p.precision)
+    n, P = max(1, p.data_parallel), p.pipeline_stages
+    psi = num_params(m, non_embedding=False) // P  # one stage's share (embedding split is approximate)
+    s = p.zero_stage
+    k = OPTIMIZER_STATES[p.optimizer]
+
+    params = e * psi / (n if s == 3 else 1)
+    grads = e * psi / (n if s >= 2 else 1)
+    mixed = e == 2
+    shard = n if s >= 1 else 1
+    master = 4 * psi / shard if (mixed or s >= 1) else 0
+    fp32_grads = 4 * psi / shard if (mixed or s >= 1) else 0
+    states = 4 * k * psi / shard
+    gathered = 2 * e * largest_layer_params(m) if s == 3 else 0
+    if s == 3:  # the 16-bit gradients are reduce-scattered straight into fp32 partitions
+        grads = 0
+
+    host = 0.0
+    if p.offload_optimizer != "none":
+        host += master + fp32_grads + states
+        master = fp32_grads = states = 0
+        if s < 3:  # ZeRO-Offload streams gradients to host buckets; the device keeps the params
+            grads = 0
+    if p.offload_params != "none":
+        host += params
+        params = 0
+
+    return Estimate(
+        params=int(params), grads=int(grads), master=int(master + fp32_grads), optimizer_states=int(states),
+        gathered=int(gathered), activations=activation_bytes(p), host=int(host),
+        device_memory=int(p.device_memory_gib * GIB),
+    )
+
+
+def activation_bytes(p: PlanInput) -> int:
+    m, e = p.model, bytes_per_element(p.precision)
+    b, s, h, V = p.micro_batch, m.seq_len, m.d_model, m.vocab_size
+    layers = -(-m.n_layer // p.pipeline_stages)
+    block = 17 * b * s * h * e
+    if p.activation_checkpointing:
+        per_mb = layers * b * s * h * e + block
+    else:
+        per_mb = layers * block
+    per_mb += b * s * h * e  # embedding output
+    in_flight = min(p.pipeline_stages, p.micro_batches) if p.pipeline_stages > 1 else 1
+    logits = b * s * V * (e + 8)  # on the last stage; with one stage, that stage
+    return int(per_mb * in_flight + logits)
+
+
+@dataclass(frozen=True)
+class Option:
+    plan: PlanInput
+    estimate: Estimate
+
+    @property
+    def cost(self) -> float:
+        c = 1.0
+        if self.plan.zero_stage == 3:
+            c *= COST["zero3"]
+        if self.plan.activation_checkpointing:
+            c *= COST["checkpointing"]
+        if self.plan.offload_optimizer != "none":
+            c *= COST["offload_optimizer"]
+        if self.plan.offload_params != "none":
+            c *= COST["offload_params"]
+        return c
+
+    def describe(self) -> str:
+        p = self.plan
+        parts = [f"zero_stage={p.zero_stage}"]
+        if p.offload_optimizer != "none":
+            parts.append(f"offload_optimizer={p.offload_optimizer}")
+        if p.offload_params != "none":
+            parts.append(f"offload_params={p.offload_params}")
+        parts.append(f"activation_checkpointing={'true' if p.activation_checkpointing else 'false'}")
+        return ", ".join(parts)
+
+
+def options(base: PlanInput) -> list[Option]:
+    """Every ZeRO stage x offload x checkpointing choice at the base's scale, cheapest first.
+
+    Offload is to CPU; a pipeline keeps ZeRO 0-1 and no offload (DeepSpeed's limits)."""
+    out = []
+    stages = (0, 1) if base.pipeline_stages > 1 else (0, 1, 2, 3)
+    for stage, ckpt in itertools.product(stages, (False, True)):
+        offloads = [("none", "none")]
+        if base.pipeline_stages == 1 and stage >= 1:
+            offloads.append(("cpu", "none"))
+        if base.pipeline_stages == 1 and stage == 3:
+            offloads.append(("cpu", "cpu"))
+        for opt_off, par_off in offloads:
+            p = dataclasses.replace(base, zero_stage=stage, activation_checkpointing=ckpt,
+                                    offload_optimizer=opt_off, offload_params=par_off)
+            out.append(Option(p, estimate(p)))
+    return sorted(out, key=lambda o: (o.cost, o.plan.zero_stage, o.estimate.total))
+
+
+def first_fit(base: PlanInput) -> Option | None:
+    return next((o for o in options(base) if o.estimate.fits), None)
+
+
+def gib(n: float) -> str:
+    return f"{n / GIB:.2f}"
+
+
+def format_table(base: PlanInput) -> str:
+    """The planner's table: every option, the chosen one marked, the cheapest that fits named."""
+    m = base.model
+    head = (f"model {m.n_layer} layers x d_model {m.d_model}, {num_params(m, non_embedding=False) / 1e9:.3g}B params; "
+            f"{base.world_size} devices x {base.device_memory_gib:g} GiB "
+            f"({base.data_parallel} data-parallel x {base.pipeline_stages} pipeline); micro-batch "
+            f"{base.micro_batch} x seq {m.seq_len}; {base.precision}; {base.optimizer}")
+    cols = ("", "zero", "offload", "ckpt", "params", "grads", "master+fp32g", "optim", "gathered",
+            "activ", "total GiB", "host GiB", "fits", "cost")
+    rows = []
+    chosen = estimate(base)
+    for o in options(base):
+        p, est = o.plan, o.estimate
+        offload = "params+opt" if p.offload_params != "none" else ("opt" if p.offload_optimizer != "none" else "-")
+        mark = "*" if (p.zero_stage, p.offload_optimizer != "none", p.offload_params != "none",
+                       p.activation_checkpointing) == (base.zero_stage, base.offload_optimizer != "none",
+                                                       base.offload_params != "none",
+                                                       base.activation_checkpointing) else ""
+        rows.append((mark, str(p.zero_stage), offload, "on" if p.activation_checkpointing else "off",
+                     gib(est.params), gib(est.grads), gib(est.master), gib(est.optimizer_states),
+                     gib(est.gathered), gib(est.activations), gib(est.total), gib(est.host),
+                     "yes" if est.fits else "NO", f"{o.cost:.2f}"))
+    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
+    lines = [head, "", "  ".join(c.rjust(w) for c, w in zip(cols, widths))]
+    lines += ["  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in rows]
+    best = first_fit(base)
+    lines.append("")
+    lines.append(f"your configuration (*): {gib(chosen.total)} GiB per device, "
+                 f"{'fits' if chosen.fits else 'does NOT fit'} in {base.device_memory_gib:g} GiB")
+    if best:
+        lines.append(f"recommended (cheapest that fits): {best.describe()} -> {gib(best.estimate.total)} GiB")
+    else:
+        lines.append("nothing fits: lower the micro-batch, add devices or pipeline stages")
+    lines.append("cost: rough relative step time (checkpointing x1.33, ZeRO-3 x1.15, offload x1.5 / x2.5)")
+    return "\n".join(lines)
+
+
+# ---- the trainer's pre-launch check ---------------------------------------------------------------
+def plan_input(cfg, mcfg: GPTConfig, device_memory_gib: float) -> PlanInput:
+    """The planner's view of a run config (`cfg` is a kiln.config.RunConfig)."""
+    p, t = cfg.parallel, cfg.train
+    return PlanInput(
+        model=mcfg, world_size=p.num_workers, device_memory_gib=device_memory_gib,
+        micro_batch=t.micro_batch_size, zero_stage=p.zero_stage, offload_optimizer=p.offload_optimizer,
+        offload_params=p.offload_params, activation_checkpointing=mcfg.activation_checkpointing,
+        precision=t.precision, pipeline_stages=p.pipeline_stages, micro_batches=p.micro_batches,
+        optimizer=cfg.optim.name,
+    )
+
+
+def refuse_if_too_big(base: PlanInput, source: str) -> Estimate:
+    """Raise ConfigError naming the overflow and the first option that fits; else the estimate."""
+    from kiln.errors import ConfigError
+
+    est = estimate(base)
+    if est.fits:
+        return est
+    parts = ", ".join(f"{name} {gib(v)}" for name, v in (
+        ("params", est.params), ("grads", est.grads), ("fp32 master+grads", est.master),
+        ("optimizer", est.optimizer_states), ("gathered", est.gathered), ("activations", est.activations)) if v)
+    best = first_fit(base)
+    hint = (f"the first option that fits: parallel.{best.describe().replace(', ', ', parallel.')} "
+            f"({gib(best.estimate.total)} GiB)".replace("parallel.activation_checkpointing",
+                                                          "model.activation_checkpointing")
+            if best else "no ZeRO/offload/checkpointing option fits: lower train.micro_batch_size or add workers")
+    raise ConfigError(
+        f"the run needs an estimated {gib(est.total)} GiB per device ({parts} GiB) but {source} gives "
+        f"{base.device_memory_gib:.2f} GiB: {gib(est.total - est.device_memory)} GiB over; {hint}. "
+        f"See `kiln plan` for the table")

@@ -1,0 +1,99 @@
+"""Run several parallel configurations in one process group; rank 0 writes what each did.
+
+Started by tests/unit/train/test_parallelism.py as one process, or under torchrun with N ranks:
+
+    torchrun --nproc-per-node 2 tests/unit/train/parallel_harness.py OUT.json DATA ROOT SPECS.json
+
+SPECS.json is a list of {"name": ..., "set": ["a.b=c", ...], "dtypes": bool}. Every run uses the
+debug flavour in fp32 (unless set), fixed seeds and the same data order, through the same
+`train_loop` that Ray Train and the local launcher call. One process group serves all runs, so
+the costly start-up (torch, DeepSpeed, gloo) is paid once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+
+import torch
+
+from kiln.config import load_config
+from kiln.plan.memory import estimate, plan_input
+from kiln.train.launch import resolve_against_data
+from kiln.train.local import _world_from_env
+from kiln.train.loop import gpt_config, train_loop
+from kiln.train.parallelize import initialize, state_dtypes
+from kiln.train.pipeline import data_parallel_coords
+from kiln.train.sources import ParquetSource
+
+BASE = [
+    "model.flavour=debug", "train.precision=fp32", "train.micro_batch_size=4", "train.max_steps=20",
+    "train.eval_every=0", "train.eval_batches=2", "schedule.warmup_steps=5", "optim.lr=3e-3",
+    "logging.progress_every=100",
+]
+
+
+class Capture:
+    """The MetricLogger interface, kept in memory."""
+
+    def __init__(self):
+        self.history: dict[int, dict[str, float]] = {}
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        self.history[step] = dict(metrics)
+
+    def close(self) -> None:
+        pass
+
+
+def run_one(spec: dict, data: str, root: str, world) -> dict:
+    overrides = [*BASE, f"data.path={data}", f"parallel.num_workers={world.world_size}", *spec.get("set", [])]
+    cfg, _ = resolve_against_data(load_config(None, overrides))
+    dp_rank, dp_size = data_parallel_coords(world.rank, world.world_size, cfg.parallel.pipeline_stages)
+    source = ParquetSource(cfg_manifest(cfg), dp_rank, dp_size, cfg.train.micro_batch_size)
+    out: dict = {}
+    if spec.get("dtypes"):  # one step, then what dtypes the engine keeps
+        torch.manual_seed(cfg.train.seed)
+        engine, _ = initialize(cfg, gpt_config(cfg), dp_size, on_cuda=False, scheduler_fn=lambda o: None)
+        batch = next(source.train_batches())
+        _, loss = engine(batch[:, :-1], batch[:, 1:])
+        engine.backward(loss)
+        engine.step()
+        return {"dtypes": {k: sorted(v) for k, v in state_dtypes(engine).items()}}
+    capture = Capture()
+    final = train_loop(cfg, world, source, capture, checkpoint_root=os.path.join(root, spec["name"]))
+    out["loss"] = [capture.history[s]["loss/train"] for s in sorted(capture.history)]
+    out["steps"] = sorted(capture.history)
+    out["final"] = final
+    est = estimate(plan_input(cfg, gpt_config(cfg), 1.0))
+    out["planned"] = {"params": est.params, "optimizer_states": est.optimizer_states}
+    return out
+
+
+def cfg_manifest(cfg):
+    from kiln.data.manifest import load_manifest
+    from kiln.storage import resolve
+
+    return load_manifest(resolve(cfg.data.path))
+
+
+def main(out_path: str, data: str, root: str, specs_path: str) -> int:
+    import deepspeed
+
+    logging.basicConfig(level=logging.WARNING)
+    world = _world_from_env(use_gpu=False)
+    deepspeed.init_distributed(dist_backend="gloo")
+    results = {}
+    for spec in json.loads(open(specs_path).read()):
+        results[spec["name"]] = run_one(spec, data, root, world)
+    if world.rank == 0:
+        with open(out_path + ".tmp", "w") as f:
+            json.dump(results, f)
+        os.replace(out_path + ".tmp", out_path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(*sys.argv[1:5]))
