@@ -39,6 +39,12 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
                    help="also write the run summary (final metrics, run id) as JSON here")
 
 
+def _flavours() -> list[str]:
+    from kiln.model import FLAVOURS
+
+    return list(FLAVOURS)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kiln", description="Efficient LLM training on Ray.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -70,6 +76,29 @@ def build_parser() -> argparse.ArgumentParser:
         r.add_argument("--limit", type=int, default=50)
         if name == "compare":
             r.add_argument("--sort", default="loss/val", help="metric to rank by, ascending")
+
+    plan = sub.add_parser(
+        "plan", help="per-device memory of a training setup, and the cheapest option that fits",
+        description="Estimate per-device bytes of parameters, gradients, optimizer state and activations "
+                    "(ZeRO paper formulas, the model's shapes) for every ZeRO stage x offload x activation "
+                    "checkpointing choice, and recommend the cheapest that fits. Needs no hardware.")
+    plan.add_argument("--config", help="take model, workers, batch, precision and parallelism from this run config")
+    plan.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                      help="override a run-config field (with --config or alone)")
+    plan.add_argument("--model", help="model flavour: " + ", ".join(_flavours()))
+    plan.add_argument("--world-size", type=int, help="devices in the run (default: parallel.num_workers)")
+    plan.add_argument("--device-memory-gib", type=float, help="memory per device (default: 80, or the config's)")
+    plan.add_argument("--micro-batch", type=int, help="sequences per device per micro-step")
+    plan.add_argument("--seq-len", type=int, help="tokens per sequence (default: the flavour's)")
+    plan.add_argument("--vocab-size", type=int, help="vocabulary (default 50304, GPT-2's padded)")
+    plan.add_argument("--precision", choices=["fp32", "bf16", "fp16"])
+    plan.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3])
+    plan.add_argument("--offload", choices=["none", "optimizer", "optimizer+params"],
+                      help="ZeRO-Offload to CPU: the optimizer, or (stage 3) parameters too")
+    plan.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction, default=None)
+    plan.add_argument("--pipeline-stages", type=int)
+    plan.add_argument("--micro-batches", type=int, help="micro-batches per step in a pipeline")
+    plan.add_argument("--optimizer", choices=["adamw", "adam", "lamb", "rmsprop", "sgd"])
 
     cfg = sub.add_parser("config", help="print a run config as annotated YAML")
     cfg.add_argument("--config", help="YAML to resolve (defaults if omitted)")
@@ -106,6 +135,11 @@ def run(args: argparse.Namespace) -> int:
 
         runs = fetch_runs(args.experiment, args.tracking_uri, getattr(args, "sort", None), args.limit)
         print(format_table(runs))
+        return 0
+    if args.command == "plan":
+        from kiln.plan.cli import plan_from_args
+
+        print(plan_from_args(args))
         return 0
     if args.command == "config":
         from kiln.config import annotated_yaml, load_config

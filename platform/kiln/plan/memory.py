@@ -205,7 +205,9 @@ def options(base: PlanInput) -> list[Option]:
             p = dataclasses.replace(base, zero_stage=stage, activation_checkpointing=ckpt,
                                     offload_optimizer=opt_off, offload_params=par_off)
             out.append(Option(p, estimate(p)))
-    return sorted(out, key=lambda o: (o.cost, o.plan.zero_stage, o.estimate.total))
+    # Equal cost (ZeRO 0-2 move the same bytes as plain data parallelism): least memory first,
+    # since headroom buys a larger micro-batch.
+    return sorted(out, key=lambda o: (o.cost, o.estimate.total))
 
 
 def first_fit(base: PlanInput) -> Option | None:

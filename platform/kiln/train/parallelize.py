@@ -191,6 +191,9 @@ def inner_optimizer(engine) -> torch.optim.Optimizer:
     return opt
 
 
+MASTER_ATTRS = ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat", "fp32_groups_flat_partition")
+
+
 def engine_memory(engine) -> dict[str, float]:
     """Bytes this rank holds, from the tensors themselves (not a formula).
 
@@ -201,8 +204,14 @@ def engine_memory(engine) -> dict[str, float]:
     model_params = {id(p): p for p in engine.module.parameters()}
     params = sum(_nbytes(p.ds_tensor) if hasattr(p, "ds_tensor") else _nbytes(p) for p in model_params.values())
     opt = inner_optimizer(engine)
-    stepped = {id(p): p for g in opt.param_groups for p in g["params"]}
-    master = sum(_nbytes(p) for i, p in stepped.items() if i not in model_params)
+    # The fp32 copies the wrapper steps on (ZeRO-1/2, ZeRO-3 and bf16 name them differently;
+    # ZeRO-3 also empties the torch optimizer's param groups between steps).
+    flat = next((getattr(engine.optimizer, a) for a in MASTER_ATTRS if hasattr(engine.optimizer, a)), None)
+    if flat is not None:
+        master = sum(_nbytes(t) for t in flat if torch.is_tensor(t))
+    else:
+        stepped = {id(p): p for g in opt.param_groups for p in g["params"]}
+        master = sum(_nbytes(p) for i, p in stepped.items() if i not in model_params)
     state = sum(_nbytes(v) for s in opt.state.values() for v in s.values()
                 if torch.is_tensor(v) and v.dim() > 0)
     return {"memory/params_bytes": float(params), "memory/master_params_bytes": float(master),

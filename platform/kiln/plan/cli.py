@@ -1,0 +1,53 @@
+"""`kiln plan`: flags (or a run config) -> the planner's table."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from kiln.config import RunConfig, load_config
+from kiln.errors import ConfigError
+from kiln.model import FLAVOURS, GPTConfig, config_for
+from kiln.plan.memory import PlanInput, format_table, plan_input
+
+DEFAULT_VOCAB = 50304  # GPT-2's 50257, padded to a multiple of 64
+
+
+def plan_from_args(args: argparse.Namespace) -> str:
+    cfg: RunConfig = load_config(args.config, args.overrides)
+    flavour = args.model or cfg.model.flavour
+    if flavour not in FLAVOURS:
+        raise ConfigError(f"--model {flavour!r} is not a flavour: expected one of {list(FLAVOURS)}")
+    shape = {"vocab_size": args.vocab_size or cfg.model.vocab_size or DEFAULT_VOCAB,
+             "activation_checkpointing": cfg.model.activation_checkpointing}
+    seq = args.seq_len or cfg.model.seq_len
+    if seq:
+        shape["seq_len"] = seq
+    model: GPTConfig = config_for(flavour, **shape)
+    base = plan_input(cfg, model, cfg.parallel.device_memory_gib or 80.0)
+    offload = {"none": ("none", "none"), "optimizer": ("cpu", "none"), "optimizer+params": ("cpu", "cpu")}
+    changes = {
+        "world_size": args.world_size, "device_memory_gib": args.device_memory_gib,
+        "micro_batch": args.micro_batch, "precision": args.precision, "zero_stage": args.zero_stage,
+        "activation_checkpointing": args.activation_checkpointing, "pipeline_stages": args.pipeline_stages,
+        "micro_batches": args.micro_batches, "optimizer": args.optimizer,
+    }
+    if args.offload:
+        changes["offload_optimizer"], changes["offload_params"] = offload[args.offload]
+    base = dataclasses.replace(base, **{k: v for k, v in changes.items() if v is not None})
+    _check(base)
+    return format_table(base)
+
+
+def _check(p: PlanInput) -> None:
+    for name in ("world_size", "micro_batch", "pipeline_stages", "micro_batches"):
+        if getattr(p, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} = {getattr(p, name)}: expected an integer >= 1")
+    if p.device_memory_gib <= 0:
+        raise ConfigError(f"--device-memory-gib = {p.device_memory_gib}: expected a number > 0")
+    if p.world_size % p.pipeline_stages:
+        raise ConfigError(f"--world-size {p.world_size} is not a multiple of --pipeline-stages {p.pipeline_stages}")
+    if p.offload_params != "none" and p.zero_stage != 3:
+        raise ConfigError("--offload optimizer+params needs --zero-stage 3")
+    if p.offload_optimizer != "none" and p.zero_stage == 0:
+        raise ConfigError("--offload needs --zero-stage 1, 2 or 3")

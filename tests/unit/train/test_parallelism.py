@@ -1,0 +1,119 @@
+"""ZeRO 0-3, offload, pipeline stages and bf16 compute the same thing, and save the memory they
+promise. Real DeepSpeed engines on CPU/gloo with the debug flavour, fp32, fixed seeds and data
+order; no Ray (tests/integration runs a pipeline on a Ray cluster).
+
+All configurations run in one torchrun process group (tests/unit/train/parallel_harness.py), so
+torch, DeepSpeed and gloo start once; the single-worker reference runs in its own process.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kiln.train.local import free_port
+
+HARNESS = Path(__file__).with_name("parallel_harness.py")
+STEPS = 20
+
+# Same global batch everywhere: 8 sequences per step, as 2 ranks x 4, or 2 micro-batches x 4.
+REFERENCE = [{"name": "reference", "set": ["parallel.zero_stage=0", "train.grad_accum_steps=2"]}]
+TWO_RANKS = [
+    {"name": "zero0", "set": ["parallel.zero_stage=0"]},
+    {"name": "zero1", "set": ["parallel.zero_stage=1"]},
+    {"name": "zero2", "set": ["parallel.zero_stage=2"]},
+    {"name": "zero3", "set": ["parallel.zero_stage=3"]},
+    {"name": "zero2-offload", "set": ["parallel.zero_stage=2", "parallel.offload_optimizer=cpu"]},
+    {"name": "zero3-offload", "set": ["parallel.zero_stage=3", "parallel.offload_optimizer=cpu",
+                                      "parallel.offload_params=cpu"]},
+    {"name": "zero2-ckpt", "set": ["parallel.zero_stage=2", "model.activation_checkpointing=true"]},
+    {"name": "bf16-zero2", "set": ["parallel.zero_stage=2", "train.precision=bf16"]},
+    {"name": "bf16-zero0-dtypes", "set": ["parallel.zero_stage=0", "train.precision=bf16"], "dtypes": True},
+    {"name": "bf16-zero2-dtypes", "set": ["parallel.zero_stage=2", "train.precision=bf16"], "dtypes": True},
+    # Pipelines last: a PipelineEngine leaves DeepSpeed's process-global topology set.
+    {"name": "pp2", "set": ["parallel.zero_stage=0", "parallel.pipeline_stages=2", "parallel.micro_batches=2",
+                            "train.checkpoint_every=10"]},
+    {"name": "pp2-resumed", "set": ["parallel.zero_stage=0", "parallel.pipeline_stages=2",
+                                    "parallel.micro_batches=2", "train.resume_from={root}/pp2/step_00000010"]},
+]
+# 4 ranks = 2 data-parallel replicas x 2 stages, on 2 cores: oversubscribed on purpose.
+HYBRID = [{"name": "pp2-dp2", "set": ["parallel.zero_stage=1", "parallel.pipeline_stages=2", "parallel.micro_batches=2",
+                                      "train.max_steps=30"]}]
+
+
+def _harness(tmp: Path, name: str, specs: list, ranks: int, data: Path, timeout: int) -> dict:
+    root = tmp / "ckpt"
+    specs = json.loads(json.dumps(specs).replace("{root}", str(root)))
+    (tmp / f"{name}.json").write_text(json.dumps(specs))
+    out = tmp / f"{name}.out.json"
+    launcher = [sys.executable]
+    if ranks > 1:
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
+                    "--master-port", str(free_port())]
+    proc = subprocess.run([*launcher, str(HARNESS), str(out), str(data), str(root), str(tmp / f"{name}.json")],
+                          capture_output=True, text=True, timeout=timeout, cwd=tmp)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def runs(byte_dataset, tmp_path_factory) -> dict:
+    tmp = tmp_path_factory.mktemp("parallel")
+    results = _harness(tmp, "reference", REFERENCE, 1, byte_dataset, timeout=300)
+    results |= _harness(tmp, "two", TWO_RANKS, 2, byte_dataset, timeout=900)
+    return results
+
+
+def _max_rel(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b) > 0
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("name", ["zero0", "zero1", "zero2", "zero3", "pp2", "zero2-offload", "zero3-offload",
+                                  "zero2-ckpt"])
+def test_matches_single_worker_reference(runs, name):
+    ref, run = runs["reference"]["loss"], runs[name]["loss"]
+    assert len(run) == STEPS
+    assert _max_rel(run, ref) <= 1e-4, (run, ref)
+    assert sum(run[-5:]) < sum(run[:5]) - 2.5  # and it learns
+
+
+def test_zero_saves_the_memory_it_promises(runs):
+    def held(name, what):
+        return runs[name]["final"][f"memory/{what}_bytes"]
+
+    base_state, base_params = held("zero0", "optimizer_state"), held("zero0", "params")
+    assert held("zero1", "optimizer_state") <= 0.55 * base_state
+    assert held("zero2", "optimizer_state") <= 0.55 * base_state
+    assert held("zero3", "optimizer_state") <= 0.55 * base_state
+    assert held("zero3", "params") <= 0.55 * base_params
+    assert held("zero1", "params") == base_params  # ZeRO-1/2 keep every weight on every rank
+    # The planner, from shapes alone, within 10% of what DeepSpeed actually holds.
+    for name in ("zero0", "zero1", "zero2", "zero3"):
+        planned = runs[name]["planned"]
+        assert held(name, "optimizer_state") == pytest.approx(planned["optimizer_states"], rel=0.10), name
+        assert held(name, "params") == pytest.approx(planned["params"], rel=0.10), name
+
+
+def test_pipeline_resumes_exactly(runs):
+    full, resumed = runs["pp2"], runs["pp2-resumed"]
+    assert resumed["steps"] == list(range(11, STEPS + 1))
+    assert _max_rel(resumed["loss"], full["loss"][10:]) <= 1e-6
+
+
+def test_bf16_trains_with_fp32_master_weights_and_optimizer_state(runs):
+    loss = runs["bf16-zero2"]["loss"]
+    assert sum(loss[-5:]) < sum(loss[:5]) - 2.5
+    assert _max_rel(loss, runs["reference"]["loss"]) < 0.2  # bf16 rounding, same trajectory
+    for name in ("bf16-zero0-dtypes", "bf16-zero2-dtypes"):
+        dtypes = runs[name]["dtypes"]
+        assert dtypes["params"] == ["torch.bfloat16"], name
+        assert dtypes["stepped"] == ["torch.float32"] and dtypes["optimizer_state"] == ["torch.float32"], name
+
+
+def test_hybrid_two_replicas_by_two_stages(byte_dataset, tmp_path):
+    run = _harness(tmp_path, "hybrid", HYBRID, 4, byte_dataset, timeout=600)["pp2-dp2"]
+    assert run["steps"] == list(range(1, 31))
+    assert sum(run["loss"][-5:]) < sum(run["loss"][:5]) - 2.0, run["loss"]
