@@ -164,6 +164,9 @@ def initialize(cfg: RunConfig, mcfg: GPTConfig, data_parallel_size: int, on_cuda
     import deepspeed
 
     ds_config = deepspeed_config(cfg, data_parallel_size, mcfg.d_model)
+    # DeepSpeed's comm layer over the torch process group that Ray Train or torchrun set up (a
+    # no-op if done already); a PipelineModule needs it before deepspeed.initialize.
+    deepspeed.init_distributed(dist_backend="nccl" if on_cuda else "gloo")
     if cfg.parallel.pipeline_stages > 1:
         from kiln.train.pipeline import to_pipeline
 
