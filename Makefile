@@ -23,6 +23,9 @@ $(STAMP): pyproject.toml
 	# rather than inside the first training run.
 	$(BIN)/python -c "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder as B; B().load()" \
 		|| echo "note: DeepSpeed's shm comm op did not build; CPU allreduce falls back to gloo"
+	# And DeepSpeedCPUAdam, which optimizer offload needs (~2 min the first time, then cached).
+	$(BIN)/python -c "from deepspeed.ops.op_builder import CPUAdamBuilder as B; B().load()" \
+		|| echo "note: DeepSpeed's cpu_adam op did not build now; optimizer offload will try again when first used"
 	touch $@
 
 $(TEST_STAMP): $(STAMP)

@@ -94,3 +94,50 @@ def test_unreachable_mlflow_server(tmp_path, byte_dataset):
     out = kiln("train", "--set", f"data.path={byte_dataset}", "--set", "logging.tracking_uri=http://127.0.0.1:9",
                cwd=tmp_path)
     assert_clean_error(out, "MLflow tracking server http://127.0.0.1:9 is unreachable")
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["parallel.pipeline_stages=2", "parallel.zero_stage=2"], "parallel.zero_stage = 2 with parallel.pipeline_stages = 2"),
+    (["parallel.pipeline_stages=3", "parallel.num_workers=2"], "parallel.num_workers = 2 is not a multiple"),
+    (["parallel.offload_params=cpu", "parallel.zero_stage=2"], "parallel.offload_params = 'cpu' needs parallel.zero_stage = 3"),
+    (["parallel.offload_optimizer=gpu"], "parallel.offload_optimizer = 'gpu' is not allowed"),
+], ids=["pipeline-zero2", "workers-not-multiple", "param-offload-zero2", "bad-offload-device"])
+def test_parallel_config_mistakes(tmp_path, overrides, needle):
+    out = kiln("train", *[a for o in overrides for a in ("--set", o)], cwd=tmp_path)
+    assert_clean_error(out, needle)
+
+
+def test_nvme_offload_without_its_op_is_refused_before_launch(tmp_path, byte_dataset):
+    from kiln.train.parallelize import op_unavailable
+
+    if op_unavailable("async_io") is None:
+        pytest.skip("DeepSpeed's async_io op can be built here (libaio present)")
+    out = kiln("train", "--set", f"data.path={byte_dataset}", "--set", "parallel.zero_stage=3",
+               "--set", "parallel.offload_optimizer=nvme", "--set", f"parallel.nvme_path={tmp_path}",
+               "--set", f"logging.tracking_uri=sqlite:///{tmp_path}/m.db", cwd=tmp_path)
+    assert_clean_error(out, "needs DeepSpeed's 'async_io' op, which cannot be built here")
+    assert not (tmp_path / "m.db").exists()  # refused before MLflow or Ray started
+
+
+def test_run_too_big_for_the_device_is_refused_with_the_option_that_fits(tmp_path, byte_dataset):
+    out = kiln("train", "--set", f"data.path={byte_dataset}", "--set", "parallel.zero_stage=0",
+               "--set", "parallel.device_memory_gib=0.025", "--set", "train.micro_batch_size=16",
+               "--set", f"logging.tracking_uri=sqlite:///{tmp_path}/m.db", cwd=tmp_path)
+    assert_clean_error(out, "MiB over; the first option that fits: parallel.zero_stage=")
+    assert "parallel.device_memory_gib gives 25.6 MiB" in out.stderr
+    assert "model.activation_checkpointing=true" in out.stderr
+    assert not (tmp_path / "m.db").exists()
+
+
+def test_plan_prints_options_and_a_table(tmp_path):
+    helptext = kiln("plan", "--help", cwd=tmp_path)
+    assert helptext.returncode == 0
+    for flag in ("--model", "--world-size", "--device-memory-gib", "--micro-batch", "--seq-len", "--zero-stage",
+                 "--offload", "--activation-checkpointing", "--precision", "--pipeline-stages"):
+        assert flag in helptext.stdout, flag
+    out = kiln("plan", "--model", "13b", "--world-size", "64", "--device-memory-gib", "80", "--micro-batch", "1",
+               "--precision", "bf16", "--zero-stage", "0", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "does NOT fit in 80 GiB" in out.stdout and "recommended (cheapest that fits): zero_stage=" in out.stdout
+    bad = kiln("plan", "--model", "huge", cwd=tmp_path)
+    assert_clean_error(bad, "--model 'huge' is not a flavour")

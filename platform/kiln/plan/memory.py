@@ -150,10 +150,8 @@ def activation_bytes(p: PlanInput) -> int:
     b, s, h, V = p.micro_batch, m.seq_len, m.d_model, m.vocab_size
     layers = -(-m.n_layer // p.pipeline_stages)
     block = 17 * b * s * h * e
-    if p.activation_checkpointing:
-        per_mb = layers * b * s * h * e + block
-    else:
-        per_mb = layers * block
+    # Checkpointed: each block keeps only its input, and one block is live while recomputed.
+    per_mb = layers * b * s * h * e + block if p.activation_checkpointing else layers * block
     per_mb += b * s * h * e  # embedding output
     in_flight = min(p.pipeline_stages, p.micro_batches) if p.pipeline_stages > 1 else 1
     logits = b * s * V * (e + 8)  # on the last stage; with one stage, that stage
@@ -218,6 +216,10 @@ def gib(n: float) -> str:
     return f"{n / GIB:.2f}"
 
 
+def human(n: float) -> str:
+    return f"{n / GIB:.2f} GiB" if abs(n) >= GIB / 4 else f"{n / (1 << 20):.1f} MiB"
+
+
 def format_table(base: PlanInput) -> str:
     """The planner's table: every option, the chosen one marked, the cheapest that fits named."""
     m = base.model
@@ -275,15 +277,15 @@ def refuse_if_too_big(base: PlanInput, source: str) -> Estimate:
     est = estimate(base)
     if est.fits:
         return est
-    parts = ", ".join(f"{name} {gib(v)}" for name, v in (
+    parts = ", ".join(f"{name} {human(v)}" for name, v in (
         ("params", est.params), ("grads", est.grads), ("fp32 master+grads", est.master),
         ("optimizer", est.optimizer_states), ("gathered", est.gathered), ("activations", est.activations)) if v)
     best = first_fit(base)
     hint = (f"the first option that fits: parallel.{best.describe().replace(', ', ', parallel.')} "
-            f"({gib(best.estimate.total)} GiB)".replace("parallel.activation_checkpointing",
+            f"({human(best.estimate.total)})".replace("parallel.activation_checkpointing",
                                                           "model.activation_checkpointing")
             if best else "no ZeRO/offload/checkpointing option fits: lower train.micro_batch_size or add workers")
     raise ConfigError(
-        f"the run needs an estimated {gib(est.total)} GiB per device ({parts} GiB) but {source} gives "
-        f"{base.device_memory_gib:.2f} GiB: {gib(est.total - est.device_memory)} GiB over; {hint}. "
+        f"the run needs an estimated {human(est.total)} per device ({parts}) but {source} gives "
+        f"{human(est.device_memory)}: {human(est.total - est.device_memory)} over; {hint}. "
         f"See `kiln plan` for the table")

@@ -103,7 +103,9 @@ def op_unavailable(op: str) -> str | None:
             return f"DeepSpeed reports it incompatible with this system{extra}"
     except Exception as e:  # a builder probing for libraries can itself fail
         return f"{type(e).__name__}: {e}"
-    if builder.is_installed():  # prebuilt into the wheel (DS_BUILD_*=1)
+    from deepspeed.git_version_info import installed_ops
+
+    if installed_ops.get(builder.NAME):  # prebuilt into the wheel (DS_BUILD_*=1)
         return None
     if not shutil.which("ninja") and not _has_ninja_module():
         return "it is not prebuilt and JIT compiling needs ninja (pip install ninja)"

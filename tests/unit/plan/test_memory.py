@@ -4,7 +4,15 @@ import pytest
 
 from kiln.errors import ConfigError
 from kiln.model import config_for, largest_layer_params, num_params
-from kiln.plan.memory import GIB, PlanInput, estimate, first_fit, format_table, options, refuse_if_too_big
+from kiln.plan.memory import (
+    GIB,
+    PlanInput,
+    estimate,
+    first_fit,
+    format_table,
+    options,
+    refuse_if_too_big,
+)
 
 
 @pytest.mark.parametrize("flavour", ["gpt2-124m", "1.3b", "13b"])

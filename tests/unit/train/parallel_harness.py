@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import sys
+from pathlib import Path
 
 import torch
 
@@ -86,7 +87,7 @@ def main(out_path: str, data: str, root: str, specs_path: str) -> int:
     world = _world_from_env(use_gpu=False)
     deepspeed.init_distributed(dist_backend="gloo")
     results = {}
-    for spec in json.loads(open(specs_path).read()):
+    for spec in json.loads(Path(specs_path).read_text()):
         results[spec["name"]] = run_one(spec, data, root, world)
     if world.rank == 0:
         with open(out_path + ".tmp", "w") as f:
