@@ -4,10 +4,16 @@
 # local launcher runs the same train_loop.
 #
 #   bash bench/gpu_parallel.sh OUT_DIR [NAME ...]     (data: data/stdlib-bpe-1024, see RESULTS.md)
+#
+# CPU smoke of this script itself (bf16 runs only; fp16 is refused on CPU):
+#   CFG=jobs/configs/debug.yaml STEPS=8 EXTRA="parallel.use_gpu=false data.path=data/stdlib-bpe" \
+#     bash bench/gpu_parallel.sh /tmp/gpu-smoke zero2-bf16 zero3-bf16
 set -euo pipefail
 out=${1:?output dir}; shift
 mkdir -p "$out"
-cfg=jobs/configs/gpt2-124m.yaml
+cfg=${CFG:-jobs/configs/gpt2-124m.yaml}
+steps=${STEPS:-40}
+extra=(); for s in ${EXTRA:-}; do extra+=(--set "$s"); done
 declare -A RUNS=(
   [zero2-bf16]="parallel.zero_stage=2 train.precision=bf16"
   [zero3-bf16]="parallel.zero_stage=3 train.precision=bf16"
@@ -17,11 +23,11 @@ declare -A RUNS=(
 )
 names=("$@"); [ ${#names[@]} -gt 0 ] || names=(zero2-bf16 zero3-bf16 zero2-fp16 zero2-bf16-ckpt zero2-bf16-offload)
 for name in "${names[@]}"; do
-  sets=(); for s in ${RUNS[$name]}; do sets+=(--set "$s"); done
-  python -m kiln.cli plan --config "$cfg" "${sets[@]}" --set model.vocab_size=8192 > "$out/$name.plan.txt"
-  python -m kiln.train.local --config "$cfg" "${sets[@]}" --set train.max_steps=40 --set train.eval_every=0 \
+  sets=("${extra[@]}"); for s in ${RUNS[$name]}; do sets+=(--set "$s"); done
+  python -m kiln.cli plan --config "$cfg" "${sets[@]}" > "$out/$name.plan.txt"
+  python -m kiln.train.local --config "$cfg" "${sets[@]}" --set train.max_steps="$steps" --set train.eval_every=0 \
     --set train.eval_batches=2 --set logging.progress_every=10 --set train.storage_path=/tmp/kiln-runs \
     --summary-json "$out/$name.json" > "$out/$name.log" 2>&1 || echo "$name failed: see $name.log"
   tail -n 12 "$out/$name.log"
 done
-nvidia-smi --query-gpu=name,memory.total --format=csv > "$out/gpu.txt"
+if command -v nvidia-smi > /dev/null; then nvidia-smi --query-gpu=name,memory.total --format=csv > "$out/gpu.txt"; fi

@@ -15,6 +15,8 @@ DEFAULT_VOCAB = 50304  # GPT-2's 50257, padded to a multiple of 64
 
 def plan_from_args(args: argparse.Namespace) -> str:
     cfg: RunConfig = load_config(args.config, args.overrides)
+    if args.config and not (args.vocab_size and args.seq_len):
+        cfg = _with_data_shapes(cfg)
     flavour = args.model or cfg.model.flavour
     if flavour not in FLAVOURS:
         raise ConfigError(f"--model {flavour!r} is not a flavour: expected one of {list(FLAVOURS)}")
@@ -37,6 +39,17 @@ def plan_from_args(args: argparse.Namespace) -> str:
     base = dataclasses.replace(base, **{k: v for k, v in changes.items() if v is not None})
     _check(base)
     return format_table(base)
+
+
+def _with_data_shapes(cfg: RunConfig) -> RunConfig:
+    """The config's vocab and seq len from its dataset where that is readable from here."""
+    from kiln.errors import KilnError
+    from kiln.train.launch import resolve_against_data
+
+    try:
+        return resolve_against_data(cfg)[0]
+    except KilnError:  # planning ahead of the data: the flavour's defaults
+        return cfg
 
 
 def _check(p: PlanInput) -> None:
