@@ -51,6 +51,9 @@ class ModelConfig:
     """Dropout on attention, MLP and embeddings; 0 is right for single-pass pretraining."""
     activation_checkpointing: bool = False
     """Recompute each block's activations during backward to save memory."""
+    n_layer: int = 0
+    """0: the flavour's depth. Otherwise that many blocks of the flavour's width (a deeper debug
+    model gives a pipeline's stages something to split)."""
 
 
 @dataclass

@@ -119,6 +119,15 @@ def test_nvme_offload_without_its_op_is_refused_before_launch(tmp_path, byte_dat
     assert not (tmp_path / "m.db").exists()  # refused before MLflow or Ray started
 
 
+def test_pipeline_stage_without_a_block_is_refused_before_launch(tmp_path, byte_dataset):
+    # debug has 2 blocks: uniform over [embedding, 2 blocks, norm, head] gives stage 1 only norm + head.
+    out = kiln("train", "--set", f"data.path={byte_dataset}", "--set", "parallel.zero_stage=1",
+               "--set", "parallel.pipeline_stages=2", "--set", "parallel.partition_method=uniform",
+               "--set", f"logging.tracking_uri=sqlite:///{tmp_path}/m.db", cwd=tmp_path)
+    assert_clean_error(out, "leaves stage 1 without a transformer block (layer boundaries [0, 3, 5]")
+    assert not (tmp_path / "m.db").exists()
+
+
 def test_run_too_big_for_the_device_is_refused_with_the_option_that_fits(tmp_path, byte_dataset):
     out = kiln("train", "--set", f"data.path={byte_dataset}", "--set", "parallel.zero_stage=0",
                "--set", "parallel.device_memory_gib=0.025", "--set", "train.micro_batch_size=16",

@@ -142,7 +142,9 @@ def check_resources(cfg: RunConfig, remote_cluster: bool = False) -> None:
     from kiln.plan.memory import plan_input, refuse_if_too_big
     from kiln.train.loop import gpt_config
     from kiln.train.parallelize import check_offload_ops
+    from kiln.train.pipeline import check_partition
 
+    check_partition(gpt_config(cfg).n_layer, cfg.parallel)
     check_offload_ops(cfg)
     mem = device_memory(cfg, remote_cluster)
     if mem is None:

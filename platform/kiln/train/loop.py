@@ -47,9 +47,10 @@ def gpt_config(cfg: RunConfig) -> GPTConfig:
     """The model's shape; vocab_size and seq_len must be resolved (non-zero) by now."""
     m = cfg.model
     assert m.vocab_size > 0 and m.seq_len > 0, "resolve model.vocab_size/seq_len from the data first"
+    depth = {"n_layer": m.n_layer} if m.n_layer else {}
     return config_for(
         m.flavour, vocab_size=m.vocab_size, seq_len=m.seq_len, dropout=m.dropout,
-        activation_checkpointing=m.activation_checkpointing,
+        activation_checkpointing=m.activation_checkpointing, **depth,
     )
 
 

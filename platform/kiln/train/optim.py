@@ -24,10 +24,13 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
         # A ZeRO-3 partitioned weight is a flat shard; its real shape is `ds_shape`.
         ndim = len(getattr(p, "ds_shape", p.shape))
         (decay if ndim >= 2 and id(p) not in embeddings else no_decay).append(p)
-    return [
+    groups = [
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
+    # A pipeline stage can hold no matmul at all (say ln_f + tied head); ZeRO drops an empty
+    # group after the LR scheduler has counted it, so never hand one over.
+    return [g for g in groups if g["params"]]
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, on_cuda: bool) -> torch.optim.Optimizer:

@@ -54,12 +54,8 @@ def to_pipeline(gpt: GPT, p: ParallelConfig, activation_checkpointing: bool):
         TiedLayerSpec("embedding", EmbeddingStage, gpt, forward_fn=_output_projection,
                       tied_weight_attr="wte.weight"),
     ]
-    if p.pipeline_stages > len(layers):
-        from kiln.errors import ConfigError
-
-        raise ConfigError(f"parallel.pipeline_stages = {p.pipeline_stages} exceeds the model's "
-                          f"{len(layers)} pipeline layers (embedding, {len(gpt.blocks)} blocks, norm, head)")
-    return PipelineModule(
+    check_partition(len(gpt.blocks), p)
+    module = PipelineModule(
         layers=layers,
         num_stages=p.pipeline_stages,
         loss_fn=_loss,
@@ -69,6 +65,48 @@ def to_pipeline(gpt: GPT, p: ParallelConfig, activation_checkpointing: bool):
         activation_checkpoint_func=functools.partial(checkpoint, use_reentrant=False),
         checkpointable_layers=["Block"],
     )
+    check_stages_hold_blocks(list(module.parts), len(gpt.blocks), p)  # DeepSpeed's own split
+    return module
+
+
+def uniform_parts(num_items: int, num_parts: int) -> list[int]:
+    """Stage boundaries of DeepSpeed's 'uniform' method (deepspeed.runtime.utils.partition_uniform):
+    equal layer counts, the remainder going one each to the first stages."""
+    if num_items <= num_parts:
+        return [min(i, num_items) for i in range(num_parts + 1)]
+    chunk, residual = divmod(num_items, num_parts)
+    return [i * chunk + min(i, residual) for i in range(num_parts + 1)]
+
+
+def check_stages_hold_blocks(parts: list[int], n_layer: int, p: ParallelConfig) -> None:
+    """Every stage must run at least one transformer block. A stage holding only the norm and the
+    tied head does no useful work, and its lone parameter group desynchronises ZeRO's per-group
+    collectives with the other stages (a hang, not an error)."""
+    from kiln.errors import ConfigError
+
+    for stage in range(len(parts) - 1):
+        # Pipeline layers: 0 embedding, 1..n_layer blocks, n_layer+1 norm, n_layer+2 head.
+        blocks = range(max(parts[stage], 1), min(parts[stage + 1], n_layer + 1))
+        if len(blocks) == 0:
+            raise ConfigError(
+                f"parallel.pipeline_stages = {p.pipeline_stages} with partition_method = "
+                f"{p.partition_method!r} leaves stage {stage} without a transformer block (layer "
+                f"boundaries {parts} over embedding, {n_layer} blocks, norm, head); use fewer "
+                f"stages, partition_method = 'parameters', or a deeper model (model.n_layer)")
+
+
+def check_partition(n_layer: int, p: ParallelConfig) -> None:
+    """Before launch: stages vs. the model's depth (exact for 'uniform'; 'parameters' is checked
+    from DeepSpeed's split when the module is built)."""
+    from kiln.errors import ConfigError
+
+    if p.pipeline_stages <= 1:
+        return
+    if p.pipeline_stages > n_layer:
+        raise ConfigError(f"parallel.pipeline_stages = {p.pipeline_stages} exceeds the model's "
+                          f"{n_layer} transformer blocks; each stage needs at least one")
+    if p.partition_method == "uniform":
+        check_stages_hold_blocks(uniform_parts(n_layer + 3, p.pipeline_stages), n_layer, p)
 
 
 def data_parallel_coords(rank: int, world_size: int, stages: int) -> tuple[int, int]:

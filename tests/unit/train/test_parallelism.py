@@ -39,9 +39,10 @@ TWO_RANKS = [
                                     "parallel.micro_batches=2", "train.resume_from={root}/pp2/step_00000010"]},
 ]
 # 4 ranks = 2 data-parallel replicas x 2 stages, on 2 cores: oversubscribed on purpose. Layers
-# split uniformly here (the runs above balance parameters, the default).
+# split uniformly here (the runs above balance parameters, the default), over 4 blocks so that
+# each stage gets some: [embedding, 3 blocks | 1 block, norm, head].
 HYBRID = [{"name": "pp2-dp2", "set": ["parallel.zero_stage=1", "parallel.pipeline_stages=2", "parallel.micro_batches=2",
-                                      "parallel.partition_method=uniform", "train.max_steps=30"]}]
+                                      "parallel.partition_method=uniform", "model.n_layer=4", "train.max_steps=30"]}]
 
 
 def _harness(tmp: Path, name: str, specs: list, ranks: int, data: Path, timeout: int) -> dict:
