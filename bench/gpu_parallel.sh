@@ -25,7 +25,8 @@ names=("$@"); [ ${#names[@]} -gt 0 ] || names=(zero2-bf16 zero3-bf16 zero2-fp16 
 for name in "${names[@]}"; do
   sets=("${extra[@]}"); for s in ${RUNS[$name]}; do sets+=(--set "$s"); done
   python -m kiln.cli plan --config "$cfg" "${sets[@]}" > "$out/$name.plan.txt"
-  python -m kiln.train.local --config "$cfg" "${sets[@]}" --set train.max_steps="$steps" --set train.eval_every=0 \
+  # RUN_TIMEOUT bounds each run (0: none), so one stuck run cannot eat a whole lease.
+  timeout "${RUN_TIMEOUT:-0}" python -m kiln.train.local --config "$cfg" "${sets[@]}" --set train.max_steps="$steps" --set train.eval_every=0 \
     --set train.eval_batches=2 --set logging.progress_every=10 --set train.storage_path=/tmp/kiln-runs \
     --summary-json "$out/$name.json" > "$out/$name.log" 2>&1 || echo "$name failed: see $name.log"
   tail -n 12 "$out/$name.log"
