@@ -53,6 +53,8 @@ lint: $(TEST_STAMP)
 
 bench: $(DEMO_DATA)
 	$(BIN)/python bench/throughput.py
+	# The example sweep with ASHA and with every trial to the end (~30 min on 2 cores).
+	$(BIN)/python bench/sweep_asha.py
 
 clean:
 	rm -rf $(VENV) data runs mlflow.db mlartifacts

@@ -68,14 +68,33 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train on Ray Train + DeepSpeed, logging to MLflow")
     _add_train_args(train)
 
+    sweep = sub.add_parser("sweep", help="Ray Tune sweep: every trial a Ray Train run, all in MLflow",
+                           description="Run (or resume) a sweep file from jobs/configs/sweeps/.")
+    what = sweep.add_mutually_exclusive_group(required=True)
+    what.add_argument("--config", help="sweep YAML (jobs/configs/sweeps/*.yaml)")
+    what.add_argument("--resume", metavar="NAME", help="resume the interrupted sweep NAME")
+    sweep.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a sweep-file field, e.g. --set num_samples=4 or --set overrides.train.max_steps=40")
+    sweep.add_argument("--storage-path", default="runs/sweeps", help="with --resume: where the sweep's state is")
+    sweep.add_argument("--address", default=None, help="Ray cluster address; default $RAY_ADDRESS, else embedded")
+    sweep.add_argument("--summary-json", default=None, metavar="PATH", help="also write the ranked trials as JSON")
+
+    lr = sub.add_parser("lr", help="learning-rate schedules").add_subparsers(dest="lr_cmd", required=True)
+    plot = lr.add_parser("plot", help="write a PNG of a run config's LR schedule")
+    plot.add_argument("--config", help="run config YAML (defaults if omitted)")
+    plot.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    plot.add_argument("--out", default="lr_schedule.png", help="PNG path (default lr_schedule.png)")
+
     runs = sub.add_parser("runs", help="list or compare MLflow runs").add_subparsers(dest="runs_cmd", required=True)
     for name, helptext in (("list", "newest runs first"), ("compare", "runs ranked by a metric")):
         r = runs.add_parser(name, help=helptext)
         r.add_argument("--experiment", default="kiln")
         r.add_argument("--tracking-uri", default="", help="default $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db")
         r.add_argument("--limit", type=int, default=50)
+        r.add_argument("--sweep", default=None, help="only the trials of this sweep")
         if name == "compare":
-            r.add_argument("--sort", default="loss/val", help="metric to rank by, ascending")
+            r.add_argument("--sort", default="loss/val", help="metric to rank by")
+            r.add_argument("--desc", action="store_true", help="rank highest first (for metrics to maximise)")
 
     plan = sub.add_parser(
         "plan", help="per-device memory of a training setup, and the cheapest option that fits",
@@ -133,8 +152,32 @@ def run(args: argparse.Namespace) -> int:
     if args.command == "runs":
         from kiln.runs import fetch_runs, format_table
 
-        runs = fetch_runs(args.experiment, args.tracking_uri, getattr(args, "sort", None), args.limit)
+        runs = fetch_runs(args.experiment, args.tracking_uri, getattr(args, "sort", None), args.limit,
+                          sweep=args.sweep, descending=getattr(args, "desc", False))
         print(format_table(runs))
+        return 0
+    if args.command == "sweep":
+        from kiln.sweep.run import run_sweep
+
+        if args.resume:
+            from kiln.sweep.config import stored_sweep
+
+            summary = run_sweep(stored_sweep(args.storage_path, args.resume), address=args.address, resume=True)
+        else:
+            from kiln.sweep.config import load_sweep
+
+            summary = run_sweep(load_sweep(args.config, args.overrides), address=args.address)
+        print(summary.render())
+        if args.summary_json:
+            Path(args.summary_json).write_text(summary.to_json())
+        return 0
+    if args.command == "lr":
+        from kiln.config import load_config
+        from kiln.train.schedule import plot_schedule
+
+        cfg = load_config(args.config, args.overrides)
+        plot_schedule(cfg.schedule, cfg.optim.lr, cfg.train.max_steps, args.out)
+        print(f"wrote {args.out}: {cfg.schedule.name} over {cfg.train.max_steps} steps, peak lr {cfg.optim.lr:g}")
         return 0
     if args.command == "plan":
         from kiln.plan.cli import plan_from_args

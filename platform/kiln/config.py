@@ -90,30 +90,45 @@ class ParallelConfig:
 
 @dataclass
 class OptimConfig:
-    name: Literal["adamw", "adam", "sgd"] = "adamw"
-    """Optimizer. AdamW decouples weight decay from the gradient update."""
+    name: Literal["adamw", "adam", "sgd", "rmsprop", "lamb"] = "adamw"
+    """Optimizer. AdamW and LAMB decouple weight decay from the gradient; Adam, SGD and RMSprop
+    add it to the gradient as L2, as each defines it. LAMB is Kiln's own (kiln.train.lamb)."""
     lr: float = 1e-3
     """Peak learning rate, reached at the end of warmup."""
     weight_decay: float = 0.1
-    """Decoupled weight decay, applied to matmul weights only (not norms, biases, embeddings)."""
+    """Weight decay (decoupled for adamw and lamb, L2 for the others), on the groups no_decay leaves."""
+    no_decay: str = "norms,biases,embeddings"
+    """Comma list of parameter kinds exempt from weight decay: norms, biases, embeddings ('' decays
+    all). Decaying norm gains, biases and embeddings hurts: they are not over-parameterised."""
     beta1: float = 0.9
-    """Adam first-moment decay."""
+    """First-moment decay (Adam, AdamW, LAMB)."""
     beta2: float = 0.95
-    """Adam second-moment decay; 0.95 rather than 0.999 is steadier for LLMs (GPT-3, LLaMA)."""
+    """Second-moment decay (Adam, AdamW, LAMB); 0.95 rather than 0.999 is steadier for LLMs."""
     eps: float = 1e-8
-    """Adam epsilon."""
+    """Denominator epsilon (Adam, AdamW, LAMB, RMSprop)."""
     momentum: float = 0.9
-    """SGD momentum."""
+    """Momentum for SGD and RMSprop (0 disables it)."""
+    nesterov: bool = False
+    """Nesterov momentum for SGD (needs momentum > 0)."""
+    rmsprop_alpha: float = 0.99
+    """RMSprop's decay of the squared-gradient average (torch's default)."""
 
 
 @dataclass
 class ScheduleConfig:
-    name: Literal["cosine", "linear", "constant"] = "cosine"
-    """Shape of the learning rate after warmup."""
+    name: Literal["cosine", "linear", "constant", "exponential", "inverse_sqrt", "cosine_restarts"] = "cosine"
+    """Shape of the learning rate after warmup (kiln.train.schedule has each formula)."""
     warmup_steps: int = 20
-    """Linear warmup from 0 to optim.lr over this many optimizer steps."""
+    """Linear warmup from lr/warmup_steps to optim.lr over this many optimizer steps."""
     min_lr_ratio: float = 0.1
-    """Final LR as a fraction of optim.lr (cosine and linear decay to it)."""
+    """Floor of the LR as a fraction of optim.lr: cosine and linear end there, the others never
+    go below it."""
+    decay_rate: float = 0.01
+    """exponential: lambda in lr_t = lr * exp(-lambda * t), t counted in steps after warmup."""
+    restart_period: int = 100
+    """cosine_restarts (SGDR): steps in the first cosine cycle, T_0."""
+    restart_mult: int = 2
+    """cosine_restarts (SGDR): each cycle is this many times longer than the last, T_mult."""
 
 
 @dataclass
@@ -217,8 +232,13 @@ _RANGES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "optim.beta2": (lambda v: 0.0 <= v < 1.0, "a number in [0, 1)"),
     "optim.eps": (lambda v: v > 0.0, "a number > 0"),
     "optim.momentum": (lambda v: 0.0 <= v < 1.0, "a number in [0, 1)"),
+    "optim.rmsprop_alpha": (lambda v: 0.0 <= v < 1.0, "a number in [0, 1)"),
+    "optim.no_decay": (lambda v: _no_decay_ok(v), "a comma list of norms, biases, embeddings (or '')"),
     "schedule.warmup_steps": (lambda v: v >= 0, "an integer >= 0"),
     "schedule.min_lr_ratio": (lambda v: 0.0 <= v <= 1.0, "a number in [0, 1]"),
+    "schedule.decay_rate": (lambda v: v >= 0.0, "a number >= 0 (per step)"),
+    "schedule.restart_period": (lambda v: v >= 1, "an integer >= 1"),
+    "schedule.restart_mult": (lambda v: v >= 1, "an integer >= 1"),
     "train.max_steps": (lambda v: v >= 1, "an integer >= 1"),
     "train.micro_batch_size": (lambda v: v >= 1, "an integer >= 1"),
     "train.grad_accum_steps": (lambda v: v >= 1, "an integer >= 1"),
@@ -233,6 +253,17 @@ _RANGES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
 }
 
 
+NO_DECAY_KINDS = ("norms", "biases", "embeddings")
+
+
+def no_decay_kinds(text: str) -> set[str]:
+    return {k.strip() for k in text.split(",") if k.strip()}
+
+
+def _no_decay_ok(text: str) -> bool:
+    return no_decay_kinds(text) <= set(NO_DECAY_KINDS)
+
+
 def _check_ranges(cfg: RunConfig) -> None:
     for dotted, (ok, allowed) in _RANGES.items():
         section, name = dotted.split(".")
@@ -244,6 +275,9 @@ def _check_ranges(cfg: RunConfig) -> None:
 def _check_parallel(cfg: RunConfig) -> None:
     """Combinations DeepSpeed would reject (or silently mishandle), named before launch."""
     p, t = cfg.parallel, cfg.train
+    if cfg.optim.nesterov and (cfg.optim.name != "sgd" or cfg.optim.momentum == 0):
+        raise ConfigError(f"optim.nesterov = true with optim.name = {cfg.optim.name!r} and optim.momentum = "
+                          f"{cfg.optim.momentum}: Nesterov needs optim.name = 'sgd' and optim.momentum > 0")
     if p.num_workers % p.pipeline_stages:
         raise ConfigError(
             f"parallel.num_workers = {p.num_workers} is not a multiple of parallel.pipeline_stages = "

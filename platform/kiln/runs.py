@@ -8,7 +8,10 @@ from kiln.tracking import check_reachable, resolve_tracking_uri
 DEFAULT_METRICS = ("loss/train", "loss/val", "throughput/tokens_per_s", "mfu")
 
 
-def fetch_runs(experiment: str, tracking_uri: str = "", sort: str | None = None, limit: int = 50):
+def fetch_runs(experiment: str, tracking_uri: str = "", sort: str | None = None, limit: int = 50,
+               sweep: str | None = None, descending: bool = False):
+    """Runs of an experiment, newest first, or ranked by `sort`. Sweep parents (which hold no
+    per-step metrics) are left out of a ranking; `sweep` keeps only that sweep's trials."""
     from mlflow.tracking import MlflowClient
 
     uri = resolve_tracking_uri(tracking_uri)
@@ -18,14 +21,20 @@ def fetch_runs(experiment: str, tracking_uri: str = "", sort: str | None = None,
     if exp is None:
         names = [e.name for e in client.search_experiments()]
         raise KilnError(f"no MLflow experiment {experiment!r} at {uri}; experiments there: {names}")
-    order = [f"metrics.`{sort}` ASC"] if sort else ["attributes.start_time DESC"]
-    runs = client.search_runs([exp.experiment_id], order_by=order, max_results=limit)
+    order = [f"metrics.`{sort}` {'DESC' if descending else 'ASC'}"] if sort else ["attributes.start_time DESC"]
+    filters = []
+    if sweep:
+        filters.append(f"tags.`kiln.sweep` = '{sweep}'")
+    runs = client.search_runs([exp.experiment_id], filter_string=" and ".join(filters), order_by=order,
+                              max_results=limit)
     if sort:  # MLflow puts runs without the metric first or last depending on the store
-        runs = sorted(runs, key=lambda r: (sort not in r.data.metrics, r.data.metrics.get(sort, 0.0)))
+        runs = [r for r in runs if r.data.tags.get("kiln.role") != "sweep"]
+        sign = -1 if descending else 1
+        runs = sorted(runs, key=lambda r: (sort not in r.data.metrics, sign * r.data.metrics.get(sort, 0.0)))
     return runs
 
 
-def format_table(runs, metrics=DEFAULT_METRICS, params=("model.flavour", "optim.name", "optim.lr")) -> str:
+def format_table(runs, metrics=DEFAULT_METRICS, params=("model.flavour", "optim.name", "optim.lr", "schedule.name")) -> str:
     header = ["run", "run id", "status", *params, *metrics]
     rows = []
     for r in runs:

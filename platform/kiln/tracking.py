@@ -73,6 +73,7 @@ def ui_command(uri: str) -> str:
 
 class MetricLogger(Protocol):
     def log(self, metrics: dict[str, float], step: int) -> None: ...
+    def flush(self) -> None: ...
     def close(self) -> None: ...
 
 
@@ -80,6 +81,9 @@ class NullLogger:
     """What every rank but 0 gets: only rank 0 logs."""
 
     def log(self, metrics: dict[str, float], step: int) -> None:
+        pass
+
+    def flush(self) -> None:
         pass
 
     def close(self) -> None:
@@ -138,7 +142,10 @@ class MLflowLogger:
 class Run:
     """The driver's handle on one MLflow run."""
 
-    def __init__(self, tracking_uri: str, experiment: str, run_name: str):
+    def __init__(self, tracking_uri: str, experiment: str, run_name: str, parent_run_id: str | None = None,
+                 tags: dict | None = None, run_id: str | None = None):
+        """A new run, or (run_id given) a handle on an existing one. A child run (parent_run_id)
+        nests under its parent in the MLflow UI."""
         import mlflow
         from mlflow.tracking import MlflowClient
 
@@ -146,9 +153,14 @@ class Run:
         mlflow.set_tracking_uri(tracking_uri)
         self.client = MlflowClient(tracking_uri)
         try:
-            exp = self.client.get_experiment_by_name(experiment)
-            exp_id = exp.experiment_id if exp else self.client.create_experiment(experiment)
-            self.run_id = self.client.create_run(exp_id, run_name=run_name).info.run_id
+            if run_id:
+                self.run_id, exp_id = run_id, self.client.get_run(run_id).info.experiment_id
+            else:
+                exp_id = experiment_id(self.client, experiment)
+                all_tags = {k: str(v) for k, v in redact(tags or {}).items()}
+                if parent_run_id:
+                    all_tags["mlflow.parentRunId"] = parent_run_id
+                self.run_id = self.client.create_run(exp_id, run_name=run_name, tags=all_tags).info.run_id
         except Exception as e:  # the store's own errors are many and unhelpful
             raise KilnError(f"cannot create an MLflow run at {tracking_uri}: {e}") from None
         self.experiment_id = exp_id
@@ -170,5 +182,25 @@ class Run:
     def log_file(self, path: str | Path, artifact_path: str | None = None) -> None:
         self.client.log_artifact(self.run_id, str(path), artifact_path)
 
-    def finish(self, ok: bool) -> None:
-        self.client.set_terminated(self.run_id, "FINISHED" if ok else "FAILED")
+    def log_metrics(self, metrics: dict[str, float], step: int = 0) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()])
+
+    def finish(self, ok: bool, status: str | None = None) -> None:
+        self.client.set_terminated(self.run_id, status or ("FINISHED" if ok else "FAILED"))
+
+
+def experiment_id(client, name: str) -> str:
+    """The id of experiment `name`, created if missing (and safe against a concurrent create)."""
+    exp = client.get_experiment_by_name(name)
+    if exp is not None:
+        return exp.experiment_id
+    try:
+        return client.create_experiment(name)
+    except Exception:
+        exp = client.get_experiment_by_name(name)  # another trial created it first
+        if exp is None:
+            raise
+        return exp.experiment_id

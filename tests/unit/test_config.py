@@ -44,7 +44,7 @@ def test_override_beats_yaml(tmp_path):
     ("parallel.zero_stage=5", "parallel.zero_stage = 5 is out of range: expected one of 0, 1, 2, 3"),
     ("optim.lr=-1", "optim.lr = -1.0 is out of range"),
     ("train.max_steps=ten", "train.max_steps = 'ten' is not an integer"),
-    ("optim.name=adagrad", "optim.name = 'adagrad' is not allowed: expected one of ['adamw', 'adam', 'sgd']"),
+    ("optim.name=adagrad", "optim.name = 'adagrad' is not allowed: expected one of ['adamw', 'adam', 'sgd', 'rmsprop', 'lamb']"),
     ("model.flavour=huge", "model.flavour = 'huge' is out of range: expected one of"),
     ("train.precision=fp8", "train.precision = 'fp8' is not allowed"),
     ("optim=1", "'optim' is a section"),

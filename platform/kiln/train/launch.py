@@ -193,9 +193,14 @@ def ray_datasets(manifest: Manifest) -> dict:
     }
 
 
-def open_run(cfg: RunConfig, manifest: Manifest, tracking_uri: str, cluster: dict) -> Run:
-    """Create the MLflow run with params (redacted), tags and artifacts; return its handle."""
-    run = Run(tracking_uri, cfg.logging.experiment, cfg.logging.run_name)
+def open_run(cfg: RunConfig, manifest: Manifest, tracking_uri: str, cluster: dict,
+             parent_run_id: str | None = None, tags: dict | None = None) -> Run:
+    """Create the MLflow run with params (redacted), tags and artifacts; return its handle.
+
+    A sweep's trial passes its parent and trial tags; its params carry the same names as a
+    single run's, so trials and runs compare side by side."""
+    run = Run(tracking_uri, cfg.logging.experiment, cfg.logging.run_name, parent_run_id=parent_run_id,
+              tags=tags)
     run.log_params(flatten(cfg.to_dict()) | {
         "data.fingerprint": manifest.fingerprint, "data.tokenizer": manifest.raw["tokenizer"]["type"],
         "data.train_tokens": manifest.split("train")["tokens"],
@@ -206,7 +211,20 @@ def open_run(cfg: RunConfig, manifest: Manifest, tracking_uri: str, cluster: dic
     })
     run.log_text(cfg.to_yaml(), "config.yaml")
     run.log_text(json.dumps(manifest.raw, indent=2), "data/manifest.json")
+    log_schedule_plot(run, cfg)
     return run
+
+
+def log_schedule_plot(run: Run, cfg: RunConfig) -> None:
+    """The LR schedule this run will follow, as a PNG artifact (schedule/lr.png)."""
+    import tempfile
+
+    from kiln.train.schedule import plot_schedule
+
+    with tempfile.TemporaryDirectory(prefix="kiln-lr-") as tmp:
+        path = plot_schedule(cfg.schedule, cfg.optim.lr, cfg.train.max_steps, f"{tmp}/lr.png",
+                             title=f"{cfg.logging.run_name}: {cfg.schedule.name}, peak lr {cfg.optim.lr:g}")
+        run.log_file(path, "schedule")
 
 
 def with_run_name(cfg: RunConfig) -> RunConfig:

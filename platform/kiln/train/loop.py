@@ -226,6 +226,8 @@ def train_loop(
             engine.save_checkpoint(ckpt, tag=CHECKPOINT_TAG,
                                    client_state={"step": step, "tokens_seen": step * tokens_per_step})
         if report is not None and not is_last and ("loss/val" in metrics or save):
+            # Flush first: a scheduler (ASHA) may stop this run as soon as it sees the report.
+            logger.flush()
             report(metrics | {"step": step}, ckpt)
 
     logger.close()

@@ -1,32 +1,53 @@
-"""Optimizer and learning-rate schedule.
+"""Optimizers and their parameter groups.
 
-The schedule is a pure function of the optimizer step, so a resumed run gets exactly the LR it
-would have had. Weight decay applies to matmul weights only: decaying norms, biases and
-embeddings hurts (they are not over-parameterised in the way matmuls are).
+Weight decay applies to the groups `optim.no_decay` leaves: by default matmul weights only.
+Decaying norm gains, biases and embeddings hurts, as they are not over-parameterised the way
+matmuls are. The LR schedule is in kiln.train.schedule.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 
-from kiln.config import OptimConfig, ScheduleConfig
+from kiln.config import OptimConfig, ScheduleConfig, no_decay_kinds
+from kiln.train.lamb import Lamb
+from kiln.train.schedule import lr_multiplier
+
+NORMS = (nn.LayerNorm, nn.GroupNorm, nn.BatchNorm1d, getattr(nn, "RMSNorm", nn.LayerNorm))
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    decay, no_decay = [], []
+def parameter_kinds(model: nn.Module) -> dict[int, str]:
+    """id(param) -> 'embeddings' | 'norms' | 'biases' | 'matmuls'. A tied weight counts as an
+    embedding (it is one, shared with the output head)."""
+    kinds: dict[int, str] = {}
+    rank = {"matmuls": 0, "biases": 1, "norms": 2, "embeddings": 3}
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            if isinstance(module, nn.Embedding):
+                kind = "embeddings"
+            elif name == "bias":
+                kind = "biases"
+            elif isinstance(module, NORMS):
+                kind = "norms"
+            else:
+                # A ZeRO-3 partitioned weight is a flat shard; its real shape is `ds_shape`.
+                kind = "matmuls" if len(getattr(p, "ds_shape", p.shape)) >= 2 else "norms"
+            if rank[kind] >= rank.get(kinds.get(id(p), "matmuls"), 0):
+                kinds[id(p)] = kind
+    return kinds
+
+
+def param_groups(model: nn.Module, weight_decay: float, no_decay: str = "norms,biases,embeddings") -> list[dict]:
+    exempt = no_decay_kinds(no_decay)
+    kinds = parameter_kinds(model)
+    decay, rest = [], []
     for p in model.parameters():  # tied weights appear once
-        if not p.requires_grad:
-            continue
-        # A ZeRO-3 partitioned weight is a flat shard; its real shape is `ds_shape`.
-        ndim = len(getattr(p, "ds_shape", p.shape))
-        (decay if ndim >= 2 and id(p) not in embeddings else no_decay).append(p)
+        if p.requires_grad:
+            (rest if kinds.get(id(p), "matmuls") in exempt else decay).append(p)
     groups = [
         {"params": decay, "weight_decay": weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
+        {"params": rest, "weight_decay": 0.0},
     ]
     # A pipeline stage can hold no matmul at all (say ln_f + tied head); ZeRO drops an empty
     # group after the LR scheduler has counted it, so never hand one over.
@@ -34,33 +55,24 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, on_cuda: bool) -> torch.optim.Optimizer:
-    groups = param_groups(model, cfg.weight_decay)
+    groups = param_groups(model, cfg.weight_decay, cfg.no_decay)
     # fused kernels on CUDA (one launch for all params); foreach on CPU.
     impl = {"fused": True} if on_cuda else {"foreach": True}
+    betas = (cfg.beta1, cfg.beta2)
     if cfg.name == "adamw":
-        return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **impl)
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.eps, **impl)
     if cfg.name == "adam":
         # Adam's weight decay is L2 added to the gradient, not decoupled.
-        return torch.optim.Adam(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **impl)
+        return torch.optim.Adam(groups, lr=cfg.lr, betas=betas, eps=cfg.eps, **impl)
     if cfg.name == "sgd":
-        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, **impl)
+        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov, **impl)
+    if cfg.name == "rmsprop":
+        # torch has no fused RMSprop; foreach is its fast path on both devices.
+        return torch.optim.RMSprop(groups, lr=cfg.lr, alpha=cfg.rmsprop_alpha, eps=cfg.eps,
+                                   momentum=cfg.momentum, foreach=True)
+    if cfg.name == "lamb":
+        return Lamb(groups, lr=cfg.lr, betas=betas, eps=cfg.eps)
     raise ValueError(f"unknown optimizer {cfg.name!r}")
-
-
-def lr_multiplier(step: int, sched: ScheduleConfig, max_steps: int) -> float:
-    """LR at `step` as a fraction of the peak: linear warmup, then the named decay."""
-    if step < sched.warmup_steps:
-        return (step + 1) / sched.warmup_steps
-    if sched.name == "constant":
-        return 1.0
-    span = max(1, max_steps - sched.warmup_steps)
-    progress = min(1.0, (step - sched.warmup_steps) / span)
-    floor = sched.min_lr_ratio
-    if sched.name == "linear":
-        return floor + (1.0 - floor) * (1.0 - progress)
-    if sched.name == "cosine":
-        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
-    raise ValueError(f"unknown schedule {sched.name!r}")
 
 
 def build_scheduler(opt: torch.optim.Optimizer, sched: ScheduleConfig, max_steps: int):

@@ -156,7 +156,7 @@ def build_optimizer_for(model: nn.Module, cfg: RunConfig, on_cuda: bool) -> torc
         # The step runs on the host: DeepSpeed's vectorised CPU Adam (5-7x torch's on CPU).
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-        return DeepSpeedCPUAdam(param_groups(model, o.weight_decay), lr=o.lr, betas=(o.beta1, o.beta2),
+        return DeepSpeedCPUAdam(param_groups(model, o.weight_decay, o.no_decay), lr=o.lr, betas=(o.beta1, o.beta2),
                                 eps=o.eps, adamw_mode=o.name == "adamw")
     return build_optimizer(model, o, on_cuda=on_cuda)
 

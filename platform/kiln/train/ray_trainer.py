@@ -83,11 +83,19 @@ def _quiet_worker_logs() -> None:
         kiln_log.propagate = False
     warnings.filterwarnings("ignore", category=FutureWarning)
     logging.getLogger("mlflow").setLevel(logging.WARNING)
+    logging.getLogger("ray.train").setLevel(logging.WARNING)  # one "Reporting training result" per report
 
 
-def build_trainer(cfg: RunConfig, datasets: dict, run_name: str, tracking_uri: str, run_id: str | None) -> TorchTrainer:
+def build_trainer(cfg: RunConfig, datasets: dict, run_name: str, tracking_uri: str, run_id: str | None,
+                  callbacks: list | None = None, storage_path: str | None = None) -> TorchTrainer:
+    """The TorchTrainer of one run. A sweep's trial adds Tune's report callback and keeps its
+    checkpoints under the sweep's storage."""
     p = cfg.parallel
-    storage = cfg.train.storage_path
+    # Ray Train gives a worker group 60 s to start. Workers that each import torch and
+    # DeepSpeed on a busy small node (concurrent sweep trials) can take longer; the controller
+    # passes this from the process that calls fit() on to itself.
+    os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "300")
+    storage = storage_path or cfg.train.storage_path
     if "://" not in storage:
         storage = os.path.abspath(storage)
     return TorchTrainer(
@@ -97,6 +105,6 @@ def build_trainer(cfg: RunConfig, datasets: dict, run_name: str, tracking_uri: s
             num_workers=p.num_workers, use_gpu=p.use_gpu, resources_per_worker={"CPU": p.cpus_per_worker},
         ),
         torch_config=TorchConfig(backend="nccl" if p.use_gpu else "gloo"),
-        run_config=ray.train.RunConfig(name=run_name, storage_path=storage),
+        run_config=ray.train.RunConfig(name=run_name, storage_path=storage, callbacks=callbacks or []),
         datasets=datasets,
     )

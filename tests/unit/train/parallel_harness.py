@@ -45,6 +45,9 @@ class Capture:
     def log(self, metrics: dict[str, float], step: int) -> None:
         self.history[step] = dict(metrics)
 
+    def flush(self) -> None:
+        pass
+
     def close(self) -> None:
         pass
 

@@ -1,29 +1,9 @@
-import math
-
 import pytest
 import torch
 
-from kiln.config import OptimConfig, ScheduleConfig
+from kiln.config import OptimConfig
 from kiln.model import GPT, config_for
-from kiln.train.optim import build_optimizer, lr_multiplier, param_groups
-
-
-def test_warmup_then_cosine_to_floor():
-    s = ScheduleConfig(name="cosine", warmup_steps=10, min_lr_ratio=0.1)
-    assert lr_multiplier(0, s, 110) == pytest.approx(0.1)
-    assert lr_multiplier(9, s, 110) == pytest.approx(1.0)
-    assert lr_multiplier(10, s, 110) == pytest.approx(1.0)
-    # halfway through decay: floor + (1 - floor) * 0.5 * (1 + cos(pi/2)) = 0.55
-    assert lr_multiplier(60, s, 110) == pytest.approx(0.55)
-    assert lr_multiplier(110, s, 110) == pytest.approx(0.1)
-    assert lr_multiplier(35, s, 110) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.25)))
-
-
-def test_linear_and_constant():
-    lin = ScheduleConfig(name="linear", warmup_steps=0, min_lr_ratio=0.0)
-    assert [lr_multiplier(s, lin, 4) for s in range(5)] == pytest.approx([1, 0.75, 0.5, 0.25, 0])
-    const = ScheduleConfig(name="constant", warmup_steps=2, min_lr_ratio=0.0)
-    assert [lr_multiplier(s, const, 10) for s in range(4)] == pytest.approx([0.5, 1, 1, 1])
+from kiln.train.optim import build_optimizer, param_groups, parameter_kinds
 
 
 def test_no_decay_on_norms_biases_embeddings():
@@ -38,11 +18,12 @@ def test_no_decay_on_norms_biases_embeddings():
     assert len(decay["params"]) + len(no_decay["params"]) == n_all
 
 
-@pytest.mark.parametrize("name", ["adamw", "adam", "sgd"])
+@pytest.mark.parametrize("name", ["adamw", "adam", "sgd", "rmsprop", "lamb"])
 def test_optimizers_build_and_step(name):
     torch.manual_seed(0)
     model = GPT(config_for("debug", vocab_size=64, seq_len=16))
-    opt = build_optimizer(model, OptimConfig(name=name, lr=1e-2), on_cuda=False)
+    lr = {"sgd": 0.3, "rmsprop": 1e-3}.get(name, 1e-2)
+    opt = build_optimizer(model, OptimConfig(name=name, lr=lr), on_cuda=False)
     idx = torch.randint(0, 64, (4, 17))
     losses = []
     for _ in range(5):
@@ -52,3 +33,38 @@ def test_optimizers_build_and_step(name):
         opt.step()
         losses.append(loss.item())
     assert losses[-1] < losses[0]
+
+
+def test_no_decay_is_configurable():
+    model = GPT(config_for("debug", vocab_size=64, seq_len=16))
+    kinds = parameter_kinds(model)
+    assert kinds[id(model.wte.weight)] == "embeddings"  # tied to the head, still an embedding
+    assert kinds[id(model.blocks[0].ln_1.weight)] == "norms"
+    everything = param_groups(model, 0.1, no_decay="")
+    assert len(everything) == 1 and everything[0]["weight_decay"] == 0.1
+    only_norms = param_groups(model, 0.1, no_decay="norms")
+    decayed = {id(p) for p in only_norms[0]["params"]}
+    assert id(model.wte.weight) in decayed and id(model.blocks[0].ln_1.weight) not in decayed
+
+
+def test_sgd_nesterov_and_rmsprop_take_their_settings():
+    model = GPT(config_for("debug", vocab_size=64, seq_len=16))
+    sgd = build_optimizer(model, OptimConfig(name="sgd", momentum=0.8, nesterov=True), on_cuda=False)
+    assert sgd.defaults["nesterov"] and sgd.defaults["momentum"] == 0.8
+    rms = build_optimizer(model, OptimConfig(name="rmsprop", rmsprop_alpha=0.9, momentum=0.0), on_cuda=False)
+    assert rms.defaults["alpha"] == 0.9 and rms.defaults["momentum"] == 0.0
+    assert sgd.param_groups[0]["weight_decay"] == 0.1 and sgd.param_groups[1]["weight_decay"] == 0.0
+
+
+@pytest.mark.parametrize("sets, needle", [
+    (["optim.name=adagrad"], "optim.name = 'adagrad' is not allowed"),
+    (["optim.nesterov=true", "optim.name=adamw"], "Nesterov needs optim.name = 'sgd'"),
+    (["optim.no_decay=norms,gains"], "optim.no_decay = 'norms,gains' is out of range"),
+    (["schedule.restart_mult=0"], "schedule.restart_mult = 0 is out of range"),
+])
+def test_bad_optimizer_settings_are_named(sets, needle):
+    from kiln.config import load_config
+    from kiln.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+        load_config(None, sets)

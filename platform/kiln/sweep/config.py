@@ -1,0 +1,295 @@
+"""A sweep file: a base run config, a search space over any of its fields, and how to search.
+
+    name: optimizers-x-schedules
+    base: ../debug.yaml                 # a run config, relative to this file
+    overrides: {train.max_steps: 60}    # like --set, on the base
+    space:                              # dotted field -> one distribution
+      optim.name: {grid: [sgd, adamw]}
+      optim.lr: {loguniform: [1.0e-4, 1.0e-2]}
+    conditional:                        # fixed values whenever a sampled field takes a value
+      optim.name=sgd: {optim.lr: 0.3}
+    search: random                      # random | grid | optuna
+    scheduler: {name: asha, grace_period: 10}
+    metric: loss/val
+    mode: min
+
+Everything is checked before any trial starts: each field the space names must exist, and each
+value a trial could draw is validated against that field like a run config would be.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from kiln.config import RunConfig, _build, _set_dotted, flatten
+from kiln.errors import ConfigError
+
+KINDS = ("choice", "grid", "uniform", "loguniform", "randint")
+
+
+@dataclass
+class SchedulerConfig:
+    name: Literal["fifo", "asha", "median"] = "asha"
+    """Trial scheduler: fifo runs every trial to the end; asha (async successive halving) and
+    median (median stopping rule) stop trials that trail the others at the same step."""
+    grace_period: int = 10
+    """Optimizer steps every trial runs before it can be stopped (ASHA's first rung)."""
+    reduction_factor: float = 2.0
+    """ASHA: keep the best 1/reduction_factor of trials at each rung."""
+    min_samples_required: int = 3
+    """median: trials that must have reached a step before the rule compares at it."""
+
+
+@dataclass
+class TrialResources:
+    num_workers: int = 2
+    """Ray Train workers per trial (parallel.num_workers of every trial)."""
+    cpus_per_worker: float = 1.0
+    """Logical CPUs per worker; fractional or oversubscribed values are fine on small nodes."""
+    use_gpu: bool = False
+    """One GPU per worker."""
+
+
+@dataclass
+class SweepConfig:
+    name: str = ""
+    """Sweep name: the Tune experiment under storage_path and the MLflow parent run."""
+    base: str = ""
+    """Run config YAML every trial starts from (a path relative to the sweep file)."""
+    overrides: dict = field(default_factory=dict)
+    """Dotted field -> value, applied to the base like --set."""
+    space: dict = field(default_factory=dict)
+    """Dotted field -> {choice|grid: [values]} or {uniform|loguniform|randint: [low, high]}."""
+    conditional: dict = field(default_factory=dict)
+    """'field=value' -> {dotted field: value}: fixed settings applied when a trial draws that value
+    (say, SGD's learning rate when optim.name=sgd)."""
+    search: Literal["random", "grid", "optuna"] = "random"
+    """Search algorithm. grid needs every space entry to be grid or choice; optuna needs the
+    optuna package installed."""
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    """Early stopping of trials."""
+    num_samples: int = 1
+    """Trials to draw (random, optuna), or repeats of the whole grid."""
+    metric: str = "loss/val"
+    """Metric that ranks trials; trials report it every train.eval_every steps."""
+    mode: Literal["min", "max"] = "min"
+    """Whether lower or higher metric is better."""
+    max_concurrent_trials: int = 1
+    """Trials running at once. Each needs resources_per_trial, plus CPUs for Ray Data."""
+    resources_per_trial: TrialResources = field(default_factory=TrialResources)
+    """Workers and CPUs/GPUs of every trial (they override the base's parallel section)."""
+    storage_path: str = "runs/sweeps"
+    """Where Tune keeps the sweep's state (resume reads it from here): a local path or s3://."""
+    seed: int = 0
+    """Seed of the random search (the trials' own seed is the base's train.seed)."""
+
+
+@dataclass
+class Sweep:
+    """A loaded, validated sweep: its config plus the resolved base run-config tree."""
+
+    config: SweepConfig
+    base_tree: dict[str, Any]
+    source: str
+
+    @property
+    def base_config(self) -> RunConfig:
+        return _build(RunConfig, copy.deepcopy(self.base_tree)).validate()
+
+    def trial_config(self, params: dict[str, Any]) -> RunConfig:
+        return trial_config(self.base_tree, params, self.config.conditional)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"config": dataclasses.asdict(self.config), "base_tree": self.base_tree, "source": self.source}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Sweep:
+        return cls(_build(SweepConfig, d["config"]), d["base_tree"], d["source"])
+
+
+def trial_config(base_tree: dict[str, Any], params: dict[str, Any], conditional: dict[str, Any]) -> RunConfig:
+    """The run config of one trial: the base, the drawn params, then matching conditionals."""
+    tree = copy.deepcopy(base_tree)
+    for dotted, value in params.items():
+        _set_dotted(tree, dotted, value)
+    for cond, fixed in conditional.items():
+        key, want = cond.split("=", 1)
+        if str(params.get(key.strip())) == want.strip():
+            for dotted, value in fixed.items():
+                _set_dotted(tree, dotted, value)
+    return _build(RunConfig, tree).validate()
+
+
+def load_sweep(path: str | os.PathLike, overrides: list[str] = ()) -> Sweep:
+    """Read and validate a sweep file; `overrides` are `a.b=c` on the sweep file itself."""
+    from kiln.config import parse_override
+
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"sweep file {str(p)!r} does not exist")
+    try:
+        raw = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"sweep file {str(p)!r} is not valid YAML: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"sweep file {str(p)!r} must hold a mapping")
+    for text in overrides:
+        key, value = parse_override(text)
+        head, _, rest = key.partition(".")
+        if head in ("overrides", "space", "conditional") and rest:  # their keys are dotted fields
+            raw.setdefault(head, {})[rest] = value
+            continue
+        node = raw
+        *parents, last = key.split(".")
+        for k in parents:
+            node = node.setdefault(k, {})
+        node[last] = value
+    cfg = _build(SweepConfig, raw, "sweep")
+    if not cfg.name.strip():
+        raise ConfigError(f"sweep file {str(p)!r}: 'name' is empty; expected a name for the sweep")
+    if not cfg.base:
+        raise ConfigError(f"sweep file {str(p)!r}: 'base' is empty; expected a run config path")
+    base_path = (p.parent / cfg.base) if not os.path.isabs(cfg.base) else Path(cfg.base)
+    if not base_path.is_file():
+        raise ConfigError(f"sweep.base = {cfg.base!r}: {str(base_path)!r} does not exist; expected a run "
+                          "config YAML, relative to the sweep file")
+    try:
+        base_tree = yaml.safe_load(base_path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"sweep.base {str(base_path)!r} is not valid YAML: {e}") from None
+    for dotted, value in cfg.overrides.items():
+        _set_dotted(base_tree, dotted, value)
+    r = cfg.resources_per_trial
+    for key, value in (("num_workers", r.num_workers), ("cpus_per_worker", r.cpus_per_worker), ("use_gpu", r.use_gpu)):
+        _set_dotted(base_tree, f"parallel.{key}", value)
+    sweep = Sweep(cfg, base_tree, str(p))
+    validate(sweep)
+    return sweep
+
+
+def validate(sweep: Sweep) -> None:
+    cfg = sweep.config
+    base = sweep.base_config  # the base itself must be a valid run config
+    if not cfg.space:
+        raise ConfigError("sweep.space is empty: expected at least one field to search over")
+    for key, value in (("num_samples", cfg.num_samples), ("max_concurrent_trials", cfg.max_concurrent_trials),
+                       ("scheduler.grace_period", cfg.scheduler.grace_period),
+                       ("resources_per_trial.num_workers", cfg.resources_per_trial.num_workers)):
+        if value < 1:
+            raise ConfigError(f"sweep.{key} = {value} is out of range: expected an integer >= 1")
+    if cfg.scheduler.reduction_factor <= 1:
+        raise ConfigError(f"sweep.scheduler.reduction_factor = {cfg.scheduler.reduction_factor}: expected > 1")
+    if cfg.scheduler.grace_period > base.train.max_steps:
+        raise ConfigError(f"sweep.scheduler.grace_period = {cfg.scheduler.grace_period} exceeds train.max_steps = "
+                          f"{base.train.max_steps}: expected a step within the run")
+    if cfg.metric.startswith("loss/val") and not base.train.eval_every:
+        raise ConfigError(f"sweep.metric = {cfg.metric!r} needs train.eval_every > 0 in the base, so that trials "
+                          "report it while they train (the scheduler compares trials at those steps)")
+    for dotted, spec in cfg.space.items():
+        _check_entry(sweep, str(dotted), spec)
+        if cfg.search == "grid" and next(iter(spec)) not in ("grid", "choice"):
+            raise ConfigError(f"sweep.space.{dotted} is {next(iter(spec))}: search 'grid' needs every space "
+                              "entry to be grid or choice (or use search: random)")
+    for cond, fixed in cfg.conditional.items():
+        if "=" not in str(cond) or not isinstance(fixed, dict):
+            raise ConfigError(f"sweep.conditional.{cond}: expected 'field=value: {{field: value, ...}}'")
+        key, want = str(cond).split("=", 1)
+        _check_field(sweep, key.strip(), "sweep.conditional")
+        for dotted, value in fixed.items():
+            _try(sweep, {key.strip(): _typed(want.strip()), dotted: value}, f"sweep.conditional.{cond}.{dotted}")
+    if cfg.search == "optuna":
+        try:
+            import optuna  # noqa: F401
+        except ImportError:
+            raise ConfigError("sweep.search = 'optuna' needs the optuna package: pip install optuna") from None
+
+
+def _typed(text: str) -> Any:
+    return yaml.safe_load(text)
+
+
+def _check_field(sweep: Sweep, dotted: str, where: str) -> None:
+    try:
+        _set_dotted(copy.deepcopy(sweep.base_tree), dotted, None)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
+    if dotted not in flatten(dataclasses.asdict(sweep.base_config)):
+        raise ConfigError(f"{where}: {dotted!r} is not a field of the run config")
+
+
+def _try(sweep: Sweep, params: dict[str, Any], where: str) -> None:
+    try:
+        trial_config(sweep.base_tree, params, {})
+    except ConfigError as e:
+        raise ConfigError(f"{where}: a trial would get {e}") from None
+
+
+def _check_entry(sweep: Sweep, dotted: str, spec: Any) -> None:
+    where = f"sweep.space.{dotted}"
+    _check_field(sweep, dotted, where)
+    if not isinstance(spec, dict) or len(spec) != 1 or next(iter(spec)) not in KINDS:
+        raise ConfigError(f"{where} = {spec!r}: expected one of {{{', '.join(k + ': ...' for k in KINDS)}}}")
+    kind, arg = next(iter(spec.items()))
+    if kind in ("choice", "grid"):
+        if not isinstance(arg, list) or not arg:
+            raise ConfigError(f"{where}.{kind} = {arg!r}: expected a non-empty list of values")
+        for value in arg:
+            _try(sweep, {dotted: value}, f"{where}.{kind} value {value!r}")
+        return
+    if not (isinstance(arg, list) and len(arg) == 2 and all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                             for v in arg)):
+        raise ConfigError(f"{where}.{kind} = {arg!r}: expected [low, high] numbers")
+    low, high = arg
+    if low >= high:
+        raise ConfigError(f"{where}.{kind} = [{low}, {high}]: low must be below high")
+    if kind == "loguniform" and low <= 0:
+        raise ConfigError(f"{where}.loguniform = [{low}, {high}]: low must be > 0 for a log scale")
+    if kind == "randint":
+        if not all(isinstance(v, int) for v in arg):
+            raise ConfigError(f"{where}.randint = {arg!r}: expected integers [low, high), high exclusive")
+        high = high - 1
+    for value in (low, high):
+        _try(sweep, {dotted: value}, f"{where}.{kind} bound {value!r}")
+
+
+def param_space(cfg: SweepConfig) -> dict[str, Any]:
+    """The Tune search space: {dotted field: tune distribution}."""
+    from ray import tune
+
+    space = {}
+    for dotted, spec in cfg.space.items():
+        kind, arg = next(iter(spec.items()))
+        if kind == "grid" or (kind == "choice" and cfg.search == "grid"):
+            space[dotted] = tune.grid_search(list(arg))
+        elif kind == "choice":
+            space[dotted] = tune.choice(list(arg))
+        elif kind == "uniform":
+            space[dotted] = tune.uniform(*arg)
+        elif kind == "loguniform":
+            space[dotted] = tune.loguniform(*arg)
+        else:
+            space[dotted] = tune.randint(*arg)
+    return space
+
+
+def stored_sweep(storage_path: str, name: str) -> Sweep:
+    """The sweep as it was started, from its state file (for --resume)."""
+    import json
+
+    from kiln.sweep.run import STATE_FILE
+
+    root = storage_path if "://" in storage_path else os.path.abspath(storage_path)
+    state = os.path.join(root, name, STATE_FILE)
+    if not os.path.isfile(state):
+        found = sorted(d for d in os.listdir(root) if os.path.isfile(os.path.join(root, d, STATE_FILE))) \
+            if os.path.isdir(root) else []
+        raise ConfigError(f"no sweep {name!r} to resume under {root} (no {STATE_FILE}); sweeps there: {found}")
+    with open(state) as f:
+        return Sweep.from_dict(json.load(f)["sweep"])

@@ -1,0 +1,328 @@
+"""Run a sweep on Ray Tune, every trial a full Ray Train + DeepSpeed run, all of it in MLflow.
+
+Train V2 pattern: each Tune trial is a function that builds a `TorchTrainer` and calls `fit()`,
+with `TuneReportCallback` forwarding rank 0's reports to Tune, where the scheduler (ASHA,
+median) can stop it. MLflow: the driver opens one parent run; each trial opens a child run
+keyed by its Tune trial id. A restarted trial soft-deletes its earlier attempt, so the UI shows
+one run per trial. Every run is addressed by id through MlflowClient, never through MLflow's
+process-global "active run", so concurrent trials cannot log into each other's runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from kiln.errors import KilnError
+from kiln.sweep.config import Sweep, param_space
+from kiln.tracking import Run, check_reachable, experiment_id, resolve_tracking_uri
+
+log = logging.getLogger("kiln.sweep")
+
+STATE_FILE = "kiln-sweep.json"
+TRIAL_TAG = "kiln.sweep.trial_id"
+SWEEP_TAG = "kiln.sweep"
+
+
+def _trial(params: dict[str, Any], ctx: dict[str, Any]) -> None:
+    """One trial, on a Tune trial actor: a whole Ray Train run of the drawn config."""
+    import ray.tune
+    from ray.tune.integration.ray_train import TuneReportCallback
+
+    from kiln.train.launch import open_run, ray_datasets, resolve_against_data
+    from kiln.train.ray_trainer import build_trainer
+
+    sweep = Sweep.from_dict(ctx["sweep"])
+    tctx = ray.tune.get_context()
+    trial_id, trial_name = tctx.get_trial_id(), tctx.get_trial_name()
+    cfg = sweep.trial_config(params)
+    cfg = dataclasses.replace(cfg, logging=dataclasses.replace(cfg.logging, run_name=f"{sweep.config.name}-{trial_id}"))
+    cfg, manifest = resolve_against_data(cfg)
+    uri, parent = ctx["tracking_uri"], ctx["parent_run_id"]
+    attempt = _retire_earlier_attempts(uri, cfg.logging.experiment, parent, trial_id)
+    run = open_run(cfg, manifest, uri, {"launcher": "sweep"}, parent_run_id=parent, tags={
+        SWEEP_TAG: sweep.config.name, TRIAL_TAG: trial_id, "kiln.sweep.trial_name": trial_name,
+        "kiln.sweep.attempt": attempt, **{f"kiln.sweep.param.{k}": v for k, v in params.items()},
+    })
+    datasets = ray_datasets(manifest) if cfg.parallel.pipeline_stages == 1 else {}
+    # A unique Train run name per attempt: a restarted trial starts clean.
+    train_name = f"{cfg.logging.run_name}-a{attempt}"
+    trainer = build_trainer(cfg, datasets, train_name, uri, run.run_id, callbacks=[TuneReportCallback()],
+                            storage_path=ctx["train_storage"])
+    ok = False
+    try:
+        trainer.fit()
+        ok = True
+    finally:
+        run.finish(ok)
+
+
+def _retire_earlier_attempts(uri: str, experiment: str, parent: str, trial_id: str) -> int:
+    """Soft-delete the runs of earlier attempts of this trial; return this attempt's number."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None:
+        return 1
+    earlier = client.search_runs([exp.experiment_id], filter_string=(
+        f"tags.mlflow.parentRunId = '{parent}' and tags.`{TRIAL_TAG}` = '{trial_id}'"))
+    for r in earlier:
+        client.delete_run(r.info.run_id)
+    return len(earlier) + 1
+
+
+@dataclass
+class TrialRow:
+    trial_id: str
+    run_id: str
+    params: dict[str, Any]
+    metric: float
+    steps: int
+    status: str
+
+
+@dataclass
+class SweepSummary:
+    name: str
+    parent_run_id: str
+    tracking_uri: str
+    experiment: str
+    metric: str
+    mode: str
+    trials: list[TrialRow]
+    max_steps: int
+    best: TrialRow | None
+
+    @property
+    def trial_steps_run(self) -> int:
+        return sum(t.steps for t in self.trials)
+
+    @property
+    def trial_steps_full(self) -> int:
+        return self.max_steps * len(self.trials)
+
+    def table(self) -> str:
+        keys = sorted({k for t in self.trials for k in t.params})
+        header = ["rank", "trial", *keys, self.metric, "steps", "status", "mlflow run"]
+        rows = [[str(i + 1), t.trial_id, *(str(t.params.get(k, "")) for k in keys), f"{t.metric:.4f}",
+                 f"{t.steps}/{self.max_steps}", t.status, t.run_id[:12]] for i, t in enumerate(self.trials)]
+        widths = [max(len(x) for x in col) for col in zip(header, *rows)]
+        lines = ["| " + " | ".join(h.ljust(w) for h, w in zip(header, widths)) + " |",
+                 "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+        lines += ["| " + " | ".join(x.ljust(w) for x, w in zip(row, widths)) + " |" for row in rows]
+        return "\n".join(lines)
+
+    def render(self) -> str:
+        saved = 1 - self.trial_steps_run / max(1, self.trial_steps_full)
+        out = [f"Kiln sweep '{self.name}': {len(self.trials)} trials, ranked by {self.metric} ({self.mode})",
+               self.table(),
+               f"trial-steps run {self.trial_steps_run} of {self.trial_steps_full} "
+               f"({100 * saved:.0f}% saved by early stopping)"]
+        if self.best:
+            out.append(f"best: trial {self.best.trial_id} {self.metric} = {self.best.metric:.4f} with "
+                       + ", ".join(f"{k}={v}" for k, v in sorted(self.best.params.items())))
+        out.append(f"MLflow parent run {self.parent_run_id} (experiment '{self.experiment}')")
+        return "\n".join(out)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self) | {"trial_steps_run": self.trial_steps_run,
+                                                      "trial_steps_full": self.trial_steps_full}, indent=2)
+
+
+def _scheduler(sweep: Sweep, max_steps: int):
+    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler, MedianStoppingRule
+
+    s = sweep.config.scheduler
+    if s.name == "asha":
+        # time in optimizer steps (every report carries "step"), not in reports.
+        return ASHAScheduler(time_attr="step", max_t=max_steps, grace_period=s.grace_period,
+                             reduction_factor=s.reduction_factor)
+    if s.name == "median":
+        return MedianStoppingRule(time_attr="step", grace_period=s.grace_period,
+                                  min_samples_required=s.min_samples_required)
+    return FIFOScheduler()
+
+
+def _search_alg(sweep: Sweep):
+    cfg = sweep.config
+    if cfg.search == "optuna":
+        from ray.tune.search.optuna import OptunaSearch
+
+        return OptunaSearch(seed=cfg.seed)
+    from ray.tune.search import BasicVariantGenerator
+
+    # Tune ignores TuneConfig.max_concurrent_trials for a generator passed in: it takes its own.
+    return BasicVariantGenerator(random_state=cfg.seed, max_concurrent=cfg.max_concurrent_trials)
+
+
+def _storage(path: str) -> str:
+    return path if "://" in path else os.path.abspath(path)
+
+
+def run_sweep(sweep: Sweep, address: str | None = None, resume: bool = False) -> SweepSummary:
+    """Start (or resume) the sweep on Ray Tune and wait for it; return the ranked trials."""
+    import ray.tune
+    from ray import tune
+
+    from kiln.train.launch import (
+        check_precision,
+        check_resources,
+        connect_ray,
+        resolve_against_data,
+    )
+
+    cfg = sweep.config
+    # Tune runs each trial in its own working dir: local paths must not be relative.
+    data = sweep.base_tree.setdefault("data", {})
+    path = str(data.get("path") or sweep.base_config.data.path)
+    if "://" not in path:
+        data["path"] = os.path.abspath(path)
+    base, _ = resolve_against_data(sweep.base_config)  # the dataset must be there before any trial
+    check_precision(base)
+    check_resources(base, remote_cluster=bool(address or os.environ.get("RAY_ADDRESS")))
+    uri = resolve_tracking_uri(base.logging.tracking_uri)
+    check_reachable(uri)
+    storage = _storage(cfg.storage_path)
+    exp_dir = os.path.join(storage, cfg.name)
+    state_path = os.path.join(exp_dir, STATE_FILE)
+    if resume:
+        with open(state_path) as f:
+            state = json.load(f)
+        parent = Run(uri, base.logging.experiment, cfg.name, run_id=state["parent_run_id"])
+        parent.client.update_run(parent.run_id, status="RUNNING")
+    else:
+        if os.path.exists(exp_dir):
+            raise KilnError(f"sweep {cfg.name!r} already exists at {exp_dir}: resume it with "
+                            f"`kiln sweep --resume {cfg.name}`, or give the sweep another name")
+        parent = _open_parent(sweep, uri, base.logging.experiment)
+        os.makedirs(exp_dir, exist_ok=True)
+        tmp = state_path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump({"parent_run_id": parent.run_id, "sweep": sweep.to_dict()}, f, indent=2)
+        os.replace(tmp, state_path)
+
+    concurrent_cpus = cfg.max_concurrent_trials * base.parallel.num_workers * base.parallel.cpus_per_worker
+    connect_ray(dataclasses.replace(base, parallel=dataclasses.replace(
+        base.parallel, num_workers=math.ceil(concurrent_cpus), cpus_per_worker=1.0)), address)
+    ctx = {"sweep": sweep.to_dict(), "tracking_uri": uri, "parent_run_id": parent.run_id,
+           "train_storage": os.path.join(storage, cfg.name, "train")}
+    # The trial function only drives the trainer: a token CPU share (Tune refuses an empty request).
+    trainable = tune.with_resources(tune.with_parameters(_trial, ctx=ctx), {"cpu": 0.01})
+    ok = False
+    try:
+        if resume:
+            tuner = tune.Tuner.restore(exp_dir, trainable=trainable, resume_unfinished=True, resume_errored=True)
+        else:
+            tuner = tune.Tuner(
+                trainable, param_space=param_space(cfg),
+                tune_config=tune.TuneConfig(
+                    metric=cfg.metric, mode=cfg.mode, search_alg=_search_alg(sweep),
+                    scheduler=_scheduler(sweep, base.train.max_steps), num_samples=cfg.num_samples,
+                    max_concurrent_trials=cfg.max_concurrent_trials if cfg.search == "optuna" else None,
+                ),
+                run_config=ray.tune.RunConfig(name=cfg.name, storage_path=storage, verbose=1),
+            )
+        results = tuner.fit()
+        summary = summarise(sweep, results, parent, uri, base.train.max_steps)
+        errors = [r.error for r in results if r.error is not None]
+        if errors and len(errors) == len(summary.trials):
+            raise KilnError(f"every trial of sweep {cfg.name!r} failed; the first: {_first_line(errors[0])}")
+        _close_parent(parent, summary, sweep)
+        ok = True
+        return summary
+    finally:
+        if not ok:
+            parent.finish(False, "KILLED")
+
+
+def _first_line(error: BaseException) -> str:
+    cause = error
+    while getattr(cause, "cause", None) is not None or cause.__cause__ is not None:
+        cause = getattr(cause, "cause", None) or cause.__cause__
+    text = str(cause).strip().splitlines()
+    return text[-1] if text else type(cause).__name__
+
+
+def _open_parent(sweep: Sweep, uri: str, experiment: str) -> Run:
+    cfg = sweep.config
+    parent = Run(uri, experiment, cfg.name, tags={SWEEP_TAG: cfg.name, "kiln.role": "sweep"})
+    parent.log_params({
+        "sweep.search": cfg.search, "sweep.scheduler": cfg.scheduler.name, "sweep.num_samples": cfg.num_samples,
+        "sweep.metric": cfg.metric, "sweep.mode": cfg.mode, "sweep.max_concurrent_trials": cfg.max_concurrent_trials,
+        "sweep.space": json.dumps(cfg.space), "sweep.conditional": json.dumps(cfg.conditional),
+        "sweep.workers_per_trial": cfg.resources_per_trial.num_workers,
+    })
+    import yaml
+
+    parent.log_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False), "sweep.yaml")
+    parent.log_text(sweep.base_config.to_yaml(), "base_config.yaml")
+    return parent
+
+
+def summarise(sweep: Sweep, results, parent: Run, uri: str, max_steps: int) -> SweepSummary:
+    """Rank the trials and mark each child run: FINISHED, or KILLED when stopped early."""
+    from mlflow.tracking import MlflowClient
+
+    cfg = sweep.config
+    client = MlflowClient(uri)
+    exp_id = experiment_id(client, sweep.base_config.logging.experiment)
+    children = {r.data.tags.get(TRIAL_TAG): r for r in client.search_runs(
+        [exp_id], filter_string=f"tags.mlflow.parentRunId = '{parent.run_id}'")}
+    rows = []
+    for result in results:
+        trial_id = os.path.basename(result.path).split("_")[1] if result.path else ""
+        m = result.metrics or {}
+        trial_id = m.get("trial_id", trial_id)
+        steps = int(m.get("step", 0))
+        history = result.metrics_dataframe
+        value = m.get(cfg.metric, float("nan"))
+        if history is not None and cfg.metric in history:  # best reported value of the trial
+            col = history[cfg.metric].dropna()
+            if len(col):
+                value = float(col.min() if cfg.mode == "min" else col.max())
+        child = children.get(trial_id)
+        if result.error is not None:
+            status = "error"
+        elif steps < max_steps:
+            status = "stopped early"
+        else:
+            status = "completed"
+        if child is not None:
+            if status == "stopped early":
+                client.set_tag(child.info.run_id, "kiln.sweep.stopped_early", f"at step {steps}")
+                client.set_terminated(child.info.run_id, "KILLED")
+            elif status == "error":
+                client.set_terminated(child.info.run_id, "FAILED")
+            elif child.info.status == "RUNNING":  # Tune may stop a trial at max_t before fit() returns
+                client.set_terminated(child.info.run_id, "FINISHED")
+        params = {k: v for k, v in (result.config or {}).items()}
+        rows.append(TrialRow(trial_id, child.info.run_id if child else "", params, value, steps, status))
+    sign = 1 if cfg.mode == "min" else -1
+    rows.sort(key=lambda t: (math.isnan(t.metric), sign * t.metric if not math.isnan(t.metric) else 0))
+    best = rows[0] if rows and not math.isnan(rows[0].metric) else None
+    return SweepSummary(cfg.name, parent.run_id, uri, sweep.base_config.logging.experiment, cfg.metric, cfg.mode,
+                        rows, max_steps, best)
+
+
+def _close_parent(parent: Run, summary: SweepSummary, sweep: Sweep) -> None:
+    best = summary.best
+    metrics = {"sweep/trials": len(summary.trials), "sweep/trial_steps_run": summary.trial_steps_run,
+               "sweep/trial_steps_full": summary.trial_steps_full,
+               "sweep/trials_stopped_early": sum(t.status == "stopped early" for t in summary.trials)}
+    if best is not None:
+        metrics[f"best/{summary.metric}"] = best.metric
+        parent.client.set_tag(parent.run_id, "kiln.sweep.best_trial_id", best.trial_id)
+        parent.client.set_tag(parent.run_id, "kiln.sweep.best_run_id", best.run_id)
+        for k, v in best.params.items():
+            parent.client.set_tag(parent.run_id, f"kiln.sweep.best.{k}", str(v))
+        parent.log_text(sweep.trial_config(best.params).to_yaml(), "best_config.yaml")
+    parent.log_metrics(metrics)
+    parent.log_text(summary.table() + "\n", "trials.md")
+    parent.log_text(summary.to_json(), "summary.json")
+    parent.finish(True)

@@ -1,0 +1,83 @@
+"""Learning-rate schedules: pure functions of the optimizer step.
+
+`lr_multiplier(step, schedule, max_steps)` is the LR at `step` (0-based, the number of optimizer
+steps taken so far) as a fraction of `optim.lr`. Nothing is carried between steps, so a resumed
+run gets exactly the LR it would have had, and `kiln lr plot` draws what training will use.
+
+Warmup (all schedules): (step + 1) / warmup_steps for step < warmup_steps. After it, with
+t = step - warmup_steps, T = max_steps - warmup_steps, p = min(1, t / T) and floor = min_lr_ratio:
+
+    constant         1
+    linear           floor + (1 - floor) (1 - p)
+    cosine           floor + (1 - floor) (1 + cos(pi p)) / 2
+    exponential      max(floor, exp(-decay_rate t))                   (lr_t = lr_0 e^(-lambda t))
+    inverse_sqrt     max(floor, sqrt(w / (w + t))),  w = max(1, warmup_steps)   (Vaswani et al.)
+    cosine_restarts  floor + (1 - floor) (1 + cos(pi t_i / T_i)) / 2  (SGDR, Loshchilov & Hutter
+                     2017: cycle i lasts T_i = restart_period * restart_mult^i, t_i is the step
+                     within it, and the LR jumps back to the peak at each restart)
+"""
+
+from __future__ import annotations
+
+import math
+
+from kiln.config import ScheduleConfig
+
+
+def lr_multiplier(step: int, sched: ScheduleConfig, max_steps: int) -> float:
+    if step < sched.warmup_steps:
+        return (step + 1) / sched.warmup_steps
+    t = step - sched.warmup_steps
+    floor = sched.min_lr_ratio
+    name = sched.name
+    if name == "constant":
+        return 1.0
+    if name in ("linear", "cosine"):
+        progress = min(1.0, t / max(1, max_steps - sched.warmup_steps))
+        if name == "linear":
+            return floor + (1.0 - floor) * (1.0 - progress)
+        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    if name == "exponential":
+        return max(floor, math.exp(-sched.decay_rate * t))
+    if name == "inverse_sqrt":
+        w = max(1, sched.warmup_steps)
+        return max(floor, math.sqrt(w / (w + t)))
+    if name == "cosine_restarts":
+        t_i, period = t, sched.restart_period
+        while t_i >= period:  # integer arithmetic: restarts land on exact steps
+            t_i -= period
+            period *= sched.restart_mult
+        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * t_i / period))
+    raise ValueError(f"unknown schedule {name!r}")
+
+
+def lr_curve(sched: ScheduleConfig, peak_lr: float, max_steps: int) -> list[float]:
+    """The LR of every optimizer step of a run, in order."""
+    return [peak_lr * lr_multiplier(s, sched, max_steps) for s in range(max_steps)]
+
+
+def plot_schedule(sched: ScheduleConfig, peak_lr: float, max_steps: int, path: str, title: str = "") -> str:
+    """Write a PNG of the schedule to `path` (via a temp file and a rename); return the path."""
+    import os
+
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on servers, CI or Ray workers
+    import matplotlib.pyplot as plt
+
+    lrs = lr_curve(sched, peak_lr, max_steps)
+    fig, ax = plt.subplots(figsize=(7, 3.5), dpi=110)
+    ax.plot(range(1, max_steps + 1), lrs, lw=1.8)
+    if sched.warmup_steps:
+        ax.axvline(sched.warmup_steps, color="grey", ls=":", lw=1, label=f"end of warmup ({sched.warmup_steps})")
+        ax.legend(loc="upper right", fontsize=8)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("learning rate")
+    ax.set_title(title or f"schedule: {sched.name} (peak {peak_lr:g}, floor {sched.min_lr_ratio:g} x peak)")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    tmp = f"{path}.tmp-{os.getpid()}.png"
+    fig.savefig(tmp)
+    plt.close(fig)
+    os.replace(tmp, path)
+    return path

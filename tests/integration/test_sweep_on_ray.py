@@ -1,0 +1,100 @@
+"""A Ray Tune sweep on the shared Ray cluster: 6 trials, each a 2-worker Ray Train + DeepSpeed
+run on 2 cores (logical CPUs oversubscribed), ASHA stopping the laggards, every trial a child
+run in a real MLflow store, and `kiln runs compare` ranking them."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+from mlflow.tracking import MlflowClient
+
+REPO = Path(__file__).resolve().parents[2]
+KILN = str(Path(sys.executable).parent / "kiln")
+MAX_STEPS = 20
+
+
+def test_asha_sweep_six_trials_parent_and_children_in_mlflow(ray_cluster, byte_dataset, tmp_path):
+    address, _, env = ray_cluster
+    db = f"sqlite:///{tmp_path}/mlflow.db"
+    sweep = {
+        "name": "it-sweep",
+        "base": str(REPO / "jobs/configs/debug.yaml"),
+        "overrides": {
+            "data.path": str(byte_dataset), "train.max_steps": MAX_STEPS, "train.eval_every": 5,
+            "train.eval_batches": 2, "train.micro_batch_size": 8, "schedule.warmup_steps": 2,
+            "logging.tracking_uri": db, "logging.experiment": "sweep-it", "logging.progress_every": 10,
+        },
+        # adamw/cosine first (the grid's first point): later trials have a bar to clear; SGD at
+        # lr 0.01 trails everything, so ASHA has something to stop.
+        "space": {"optim.name": {"grid": ["adamw", "rmsprop", "sgd"]}, "schedule.name": {"grid": ["cosine", "constant"]}},
+        "conditional": {"optim.name=sgd": {"optim.lr": 0.01}, "optim.name=rmsprop": {"optim.lr": 1e-3}},
+        "search": "grid",
+        "scheduler": {"name": "asha", "grace_period": 5, "reduction_factor": 2},
+        # Two trials at a time, 2 workers each at half a logical CPU: 4 workers on 2 cores.
+        "max_concurrent_trials": 2,
+        "resources_per_trial": {"num_workers": 2, "cpus_per_worker": 0.5},
+        "storage_path": str(tmp_path / "sweeps"),
+    }
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump(sweep))
+    out = tmp_path / "summary.json"
+    proc = subprocess.run([KILN, "sweep", "--config", str(path), "--address", address, "--summary-json", str(out)],
+                          capture_output=True, text=True, env=env, timeout=1200, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    summary = json.loads(out.read_text())
+    trials = summary["trials"]
+    assert len(trials) == 6 and all(t["status"] != "error" for t in trials), trials
+
+    # ASHA stopped at least one trial before its last step, and at least one ran to the end.
+    stopped = [t for t in trials if t["status"] == "stopped early"]
+    assert stopped and all(t["steps"] < MAX_STEPS for t in stopped), trials
+    assert any(t["steps"] == MAX_STEPS for t in trials)
+    assert summary["trial_steps_run"] == sum(t["steps"] for t in trials) < 6 * MAX_STEPS
+
+    # MLflow: one parent, one child per trial, each with its params and per-step history.
+    client = MlflowClient(db)
+    exp = client.get_experiment_by_name("sweep-it")
+    runs = client.search_runs([exp.experiment_id])
+    parents = [r for r in runs if r.data.tags.get("kiln.role") == "sweep"]
+    assert len(parents) == 1
+    parent = parents[0]
+    assert parent.info.run_id == summary["parent_run_id"] and parent.info.status == "FINISHED"
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    assert len(children) == 6 == len(runs) - 1
+    by_trial = {c.data.tags["kiln.sweep.trial_id"]: c for c in children}
+    assert set(by_trial) == {t["trial_id"] for t in trials}
+    for t in trials:
+        child = by_trial[t["trial_id"]]
+        p = child.data.params
+        # the same param names as a single run's
+        assert p["optim.name"] == t["params"]["optim.name"] and p["schedule.name"] == t["params"]["schedule.name"]
+        assert p["parallel.num_workers"] == "2" and p["train.max_steps"] == str(MAX_STEPS)
+        if t["params"]["optim.name"] == "sgd":
+            assert float(p["optim.lr"]) == 0.01  # the conditional applied
+        hist = sorted(m.step for m in client.get_metric_history(child.info.run_id, "loss/train"))
+        assert hist == list(range(1, t["steps"] + 1)), (t, hist)
+        val = client.get_metric_history(child.info.run_id, "loss/val")
+        assert min(m.value for m in val) == t["metric"]
+        assert child.info.status == ("KILLED" if t["status"] == "stopped early" else "FINISHED")
+
+    # The parent carries the best trial and a summary table.
+    best = min(trials, key=lambda t: t["metric"])
+    assert summary["best"]["trial_id"] == best["trial_id"]
+    assert parent.data.metrics["best/loss/val"] == best["metric"]
+    assert parent.data.tags["kiln.sweep.best_run_id"] == by_trial[best["trial_id"]].info.run_id
+    assert parent.data.tags["kiln.sweep.best.optim.name"] == best["params"]["optim.name"]
+    artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
+    assert {"trials.md", "best_config.yaml", "sweep.yaml", "summary.json"} <= artifacts
+    # Every trial logged its LR schedule as a PNG.
+    assert [a.path for a in client.list_artifacts(children[0].info.run_id, "schedule")] == ["schedule/lr.png"]
+
+    # `kiln runs compare` lists the trials in metric order.
+    cmp = subprocess.run([KILN, "runs", "compare", "--experiment", "sweep-it", "--sweep", "it-sweep",
+                          "--tracking-uri", db, "--sort", "loss/val"], capture_output=True, text=True, timeout=120)
+    assert cmp.returncode == 0, cmp.stderr
+    lines = cmp.stdout.strip().splitlines()[2:]
+    listed = [line.split()[1] for line in lines]  # the run-id column (12 chars)
+    expected = sorted(children, key=lambda c: c.data.metrics["loss/val"])
+    assert listed == [c.info.run_id[:12] for c in expected]
