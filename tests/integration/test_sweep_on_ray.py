@@ -1,12 +1,16 @@
 """A Ray Tune sweep on the shared Ray cluster: 6 trials, each a 2-worker Ray Train + DeepSpeed
 run on 2 cores (logical CPUs oversubscribed), ASHA stopping the laggards, every trial a child
-run in a real MLflow store, and `kiln runs compare` ranking them."""
+run in a real MLflow store, and `kiln runs compare` ranking them. Midway the driver gets Ctrl-C
+and the sweep is resumed with `kiln sweep --resume`: one run per trial all the same."""
 
 import json
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 
@@ -15,6 +19,7 @@ KILN = str(Path(sys.executable).parent / "kiln")
 MAX_STEPS = 20
 
 
+@pytest.mark.timeout(1800)  # 6 Ray Train runs plus a restart, on 2 cores
 def test_asha_sweep_six_trials_parent_and_children_in_mlflow(ray_cluster, byte_dataset, tmp_path):
     address, _, env = ray_cluster
     db = f"sqlite:///{tmp_path}/mlflow.db"
@@ -40,7 +45,20 @@ def test_asha_sweep_six_trials_parent_and_children_in_mlflow(ray_cluster, byte_d
     path = tmp_path / "sweep.yaml"
     path.write_text(yaml.safe_dump(sweep))
     out = tmp_path / "summary.json"
-    proc = subprocess.run([KILN, "sweep", "--config", str(path), "--address", address, "--summary-json", str(out)],
+    # Ctrl-C once the third trial has started (two ran, one or two are running).
+    log = (tmp_path / "first.log").open("w")
+    first = subprocess.Popen([KILN, "sweep", "--config", str(path), "--address", address], stdout=log,
+                             stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path)
+    deadline = time.time() + 900
+    while len(_trial_runs(db)) < 3 and first.poll() is None:  # the third trial's MLflow run exists
+        assert time.time() < deadline, "the third trial never started"
+        time.sleep(2)
+    first.send_signal(signal.SIGINT)
+    assert first.wait(timeout=300) == 2
+    said = (tmp_path / "first.log").read_text()
+    assert "kiln: error: sweep 'it-sweep' interrupted" in said and "kiln sweep --resume it-sweep" in said, said[-3000:]
+    proc = subprocess.run([KILN, "sweep", "--resume", "it-sweep", "--storage-path", str(tmp_path / "sweeps"),
+                           "--address", address, "--summary-json", str(out)],
                           capture_output=True, text=True, env=env, timeout=1200, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     summary = json.loads(out.read_text())
@@ -62,7 +80,8 @@ def test_asha_sweep_six_trials_parent_and_children_in_mlflow(ray_cluster, byte_d
     parent = parents[0]
     assert parent.info.run_id == summary["parent_run_id"] and parent.info.status == "FINISHED"
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
-    assert len(children) == 6 == len(runs) - 1
+    assert len(children) == 6 == len(runs) - 1  # a restarted trial replaced its first attempt
+    assert any(c.data.tags["kiln.sweep.attempt"] == "2" for c in children)
     by_trial = {c.data.tags["kiln.sweep.trial_id"]: c for c in children}
     assert set(by_trial) == {t["trial_id"] for t in trials}
     for t in trials:
@@ -98,3 +117,11 @@ def test_asha_sweep_six_trials_parent_and_children_in_mlflow(ray_cluster, byte_d
     listed = [line.split()[1] for line in lines]  # the run-id column (12 chars)
     expected = sorted(children, key=lambda c: c.data.metrics["loss/val"])
     assert listed == [c.info.run_id[:12] for c in expected]
+
+
+def _trial_runs(db: str) -> list:
+    client = MlflowClient(db)
+    exp = client.get_experiment_by_name("sweep-it")
+    if exp is None:
+        return []
+    return [r for r in client.search_runs([exp.experiment_id]) if "kiln.sweep.trial_id" in r.data.tags]

@@ -36,9 +36,10 @@ KINDS = ("choice", "grid", "uniform", "loguniform", "randint")
 
 @dataclass
 class SchedulerConfig:
-    name: Literal["fifo", "asha", "median"] = "asha"
+    name: Literal["fifo", "asha", "median", "pbt"] = "asha"
     """Trial scheduler: fifo runs every trial to the end; asha (async successive halving) and
-    median (median stopping rule) stop trials that trail the others at the same step."""
+    median (median stopping rule) stop trials that trail the others at the same step. pbt is
+    refused for now (see validate)."""
     grace_period: int = 10
     """Optimizer steps every trial runs before it can be stopped (ASHA's first rung)."""
     reduction_factor: float = 2.0
@@ -184,6 +185,10 @@ def validate(sweep: Sweep) -> None:
                        ("resources_per_trial.num_workers", cfg.resources_per_trial.num_workers)):
         if value < 1:
             raise ConfigError(f"sweep.{key} = {value} is out of range: expected an integer >= 1")
+    if cfg.scheduler.name == "pbt":
+        raise ConfigError("sweep.scheduler.name = 'pbt' is not supported yet: PBT copies one trial's checkpoint "
+                          "into another, and Ray Train V2's TuneReportCallback hands Tune metrics only, not "
+                          "checkpoints; use asha or median")
     if cfg.scheduler.reduction_factor <= 1:
         raise ConfigError(f"sweep.scheduler.reduction_factor = {cfg.scheduler.reduction_factor}: expected > 1")
     if cfg.scheduler.grace_period > base.train.max_steps:

@@ -229,6 +229,12 @@ def run_sweep(sweep: Sweep, address: str | None = None, resume: bool = False) ->
                 run_config=ray.tune.RunConfig(name=cfg.name, storage_path=storage, verbose=1),
             )
         results = tuner.fit()
+        # Ctrl-C: Tune saves its state and returns with trials left unfinished.
+        unfinished = [t for t in results._experiment_analysis.trials if t.status not in ("TERMINATED", "ERROR")]
+        if unfinished:
+            raise KilnError(f"sweep {cfg.name!r} interrupted with {len(unfinished)} trial(s) unfinished; its state "
+                            f"is saved: resume it with `kiln sweep --resume {cfg.name}`"
+                            + (f" --storage-path {cfg.storage_path}" if cfg.storage_path != "runs/sweeps" else ""))
         summary = summarise(sweep, results, parent, uri, base.train.max_steps)
         errors = [r.error for r in results if r.error is not None]
         if errors and len(errors) == len(summary.trials):

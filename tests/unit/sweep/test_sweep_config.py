@@ -66,6 +66,7 @@ def test_distributions_map_to_tune(tmp_path):
      "search 'grid' needs every space entry to be grid or choice"),
     ({"space": {}}, "sweep.space is empty"),
     ({"scheduler": {"name": "hyperband"}}, "sweep.scheduler.name = 'hyperband' is not allowed"),
+    ({"scheduler": {"name": "pbt"}}, "sweep.scheduler.name = 'pbt' is not supported yet"),
     ({"scheduler": {"grace_period": 500}}, "grace_period = 500 exceeds train.max_steps = 200"),
     ({"num_samples": 0}, "sweep.num_samples = 0 is out of range"),
     ({"overrides": {"train.eval_every": 0}}, "sweep.metric = 'loss/val' needs train.eval_every > 0"),
