@@ -15,6 +15,8 @@ import json
 import logging
 import math
 import os
+import signal
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -228,12 +230,12 @@ def run_sweep(sweep: Sweep, address: str | None = None, resume: bool = False) ->
                 ),
                 run_config=ray.tune.RunConfig(name=cfg.name, storage_path=storage, verbose=1),
             )
-        results = tuner.fit()
-        # Ctrl-C: Tune saves its state and returns with trials left unfinished.
-        unfinished = [t for t in results._experiment_analysis.trials if t.status not in ("TERMINATED", "ERROR")]
-        if unfinished:
-            raise KilnError(f"sweep {cfg.name!r} interrupted with {len(unfinished)} trial(s) unfinished; its state "
-                            f"is saved: resume it with `kiln sweep --resume {cfg.name}`"
+        with _InterruptBridge() as interrupt:
+            results = tuner.fit()
+        if interrupt.seen:
+            # Tune stopped the running trials after saving its state, so their status no longer tells.
+            raise KilnError(f"sweep {cfg.name!r} interrupted; its state is saved: resume it with "
+                            f"`kiln sweep --resume {cfg.name}`"
                             + (f" --storage-path {cfg.storage_path}" if cfg.storage_path != "runs/sweeps" else ""))
         summary = summarise(sweep, results, parent, uri, base.train.max_steps)
         errors = [r.error for r in results if r.error is not None]
@@ -245,6 +247,46 @@ def run_sweep(sweep: Sweep, address: str | None = None, resume: bool = False) ->
     finally:
         if not ok:
             parent.finish(False, "KILLED")
+
+
+class _InterruptBridge:
+    """Know whether Ctrl-C stopped the sweep, and still let Tune stop it gracefully.
+
+    Tune's own SIGINT handler saves the experiment state and returns from fit() with the running
+    trials marked TERMINATED, which a caller cannot tell from a finished sweep. So Kiln owns SIGINT:
+    the first one is recorded and forwarded as SIGUSR1, Tune's other graceful-stop signal; a second
+    one raises KeyboardInterrupt, for a user who does not want to wait for the final save.
+    """
+
+    def __init__(self):
+        self.seen = False
+        self._previous = None
+        self._env = None
+
+    def _handle(self, signum, frame):
+        if self.seen:
+            raise KeyboardInterrupt
+        self.seen = True
+        if not callable(signal.getsignal(signal.SIGUSR1)):  # Tune's loop has not started yet
+            raise KeyboardInterrupt
+        log.warning("Ctrl-C: stopping the sweep after saving its state (Ctrl-C again to abort)")
+        signal.raise_signal(signal.SIGUSR1)
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():  # signal handlers live there only
+            self._env = os.environ.get("TUNE_DISABLE_SIGINT_HANDLER")
+            os.environ["TUNE_DISABLE_SIGINT_HANDLER"] = "1"
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+            if self._env is None:
+                os.environ.pop("TUNE_DISABLE_SIGINT_HANDLER", None)
+            else:
+                os.environ["TUNE_DISABLE_SIGINT_HANDLER"] = self._env
+        return False
 
 
 def _first_line(error: BaseException) -> str:
@@ -293,6 +335,15 @@ def summarise(sweep: Sweep, results, parent: Run, uri: str, max_steps: int) -> S
             if len(col):
                 value = float(col.min() if cfg.mode == "min" else col.max())
         child = children.get(trial_id)
+        if child is not None:
+            # Workers keep training while a stop decision travels back to them, so the child run
+            # may hold steps past the last one Tune saw: count what was actually trained.
+            logged = client.get_metric_history(child.info.run_id, "loss/train")
+            steps = max([steps] + [h.step for h in logged])
+            seen = [h.value for h in client.get_metric_history(child.info.run_id, cfg.metric)]
+            if seen:  # likewise an evaluation Tune never saw is still the trial's result
+                seen += [] if math.isnan(value) else [value]
+                value = float(min(seen) if cfg.mode == "min" else max(seen))
         if result.error is not None:
             status = "error"
         elif steps < max_steps:

@@ -163,6 +163,7 @@ def connect_ray(cfg: RunConfig, address: str | None = None) -> None:
     if address:
         log.info("connecting to the Ray cluster at %s", address)
         ray.init(address=address, log_to_driver=True)
+        reclaim_orphaned_placement_groups()
         return
     # Embedded local Ray. Logical CPUs: one per worker as configured, plus two for Ray Data's
     # read tasks, so data never waits behind training workers for a CPU slot.
@@ -171,6 +172,35 @@ def connect_ray(cfg: RunConfig, address: str | None = None) -> None:
     # The dashboard backs Ray's state API, which Ray Train's placement-group cleaner polls; it
     # binds to loopback only.
     ray.init(num_cpus=max(os.cpu_count() or 1, need), dashboard_host="127.0.0.1", log_to_driver=True)
+
+
+def orphaned_placement_groups(groups: list, jobs: list) -> list[str]:
+    """Ids of live, non-detached placement groups whose creating job has ended.
+
+    Ray removes a job's placement groups when the job ends, except one whose creation raced
+    with the job's end: a sweep interrupted while a trial's Ray Train controller was reserving
+    its workers left such a group holding CPUs, and the resumed sweep's data tasks then waited
+    for them forever. `groups` and `jobs` are rows of Ray's state API.
+    """
+    ended = {j.job_id for j in jobs if str(j.status).rsplit(".", 1)[-1] in ("SUCCEEDED", "FAILED", "STOPPED")}
+    return [g.placement_group_id for g in groups
+            if g.creator_job_id in ended and not g.is_detached and g.state in ("CREATED", "PENDING", "RESCHEDULING")]
+
+
+def reclaim_orphaned_placement_groups() -> None:
+    """Give back the CPUs that a dead driver's leaked placement groups still hold."""
+    import ray
+    from ray.util.placement_group import PlacementGroup
+    from ray.util.state import list_jobs, list_placement_groups
+
+    try:
+        ids = orphaned_placement_groups(list_placement_groups(detail=True, limit=10_000), list_jobs())
+    except Exception as e:  # noqa: BLE001 - the state API needs the dashboard; this is best effort
+        log.debug("could not list placement groups: %s", e)
+        return
+    for pg_id in ids:
+        log.warning("removing placement group %s: the job that created it has ended", pg_id)
+        ray.util.remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))))
 
 
 def ray_datasets(manifest: Manifest) -> dict:

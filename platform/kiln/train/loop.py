@@ -245,13 +245,28 @@ def train_loop(
 
 
 def _prefetch_first(it: Iterator[torch.Tensor]) -> Iterator[torch.Tensor]:
-    """Fetch the first item on a thread at once; yield it, then the rest as usual."""
+    """Fetch the first item on a thread at once; yield it, then the rest as usual.
+
+    Whatever the fetch raises (a Ray Data error, an exhausted shard) is re-raised to the
+    consumer, so the run fails with its real cause rather than a missing item.
+    """
     box: dict = {}
-    thread = threading.Thread(target=lambda: box.update(item=next(it)), daemon=True)
+
+    def fetch():
+        try:
+            box["item"] = next(it)
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer thread
+            box["error"] = e
+
+    thread = threading.Thread(target=fetch, daemon=True)
     thread.start()
 
     def gen():
         thread.join()
+        if isinstance(box.get("error"), StopIteration):
+            return
+        if "error" in box:
+            raise box["error"]
         yield box["item"]
         yield from it
 
