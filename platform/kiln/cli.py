@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from kiln.errors import KilnError
+from kiln.errors import ConfigError, KilnError
 
 
 def process_start() -> float:
@@ -119,6 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--micro-batches", type=int, help="micro-batches per step in a pipeline")
     plan.add_argument("--optimizer", choices=["adamw", "adam", "lamb", "rmsprop", "sgd"])
 
+    cluster = sub.add_parser("cluster", help="Ray cluster files").add_subparsers(dest="cluster_cmd", required=True)
+    check = cluster.add_parser("check", help="validate cluster launcher YAMLs and KubeRay manifests before `ray up`")
+    check.add_argument("files", nargs="+", metavar="FILE", help="e.g. cluster/aws-gpu.yaml cluster/kuberay/*.yaml")
+
     cfg = sub.add_parser("config", help="print a run config as annotated YAML")
     cfg.add_argument("--config", help="YAML to resolve (defaults if omitted)")
     cfg.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
@@ -183,6 +187,18 @@ def run(args: argparse.Namespace) -> int:
         from kiln.plan.cli import plan_from_args
 
         print(plan_from_args(args))
+        return 0
+    if args.command == "cluster":
+        from kiln.cluster.check import check_cluster_file
+
+        failed = []
+        for f in args.files:
+            try:
+                print(f"{f}: ok, {check_cluster_file(f)}")
+            except KilnError as e:
+                failed.append(str(e))
+        if failed:
+            raise ConfigError("\n  ".join(failed))
         return 0
     if args.command == "config":
         from kiln.config import annotated_yaml, load_config

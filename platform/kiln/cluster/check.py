@@ -1,0 +1,158 @@
+"""`kiln cluster check`: validate a cluster file before `ray up` or `kubectl apply`.
+
+Two kinds of file live in cluster/:
+- Ray cluster launcher YAMLs, checked against the JSON schema that ships inside the `ray`
+  package (the one `ray up` itself validates with), then against what Kiln needs on top:
+  token auth on every node, Kiln installed the way `make demo` installs it, a consistent
+  head node type and worker counts.
+- KubeRay `RayCluster` / `RayJob` manifests (apiVersion ray.io/v1). KubeRay publishes its CRDs
+  with the operator, not with Ray, so these are checked against the fields KubeRay documents:
+  the required keys, replica bounds, and token auth.
+
+Every problem is reported at once, each with its path in the file.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from importlib import resources
+from pathlib import Path
+
+import yaml
+
+from kiln.errors import ConfigError
+
+KUBERAY_KINDS = ("RayCluster", "RayJob")
+
+
+def ray_schema() -> dict:
+    """The cluster-config schema of the installed Ray."""
+    return json.loads(resources.files("ray.autoscaler").joinpath("ray-schema.json").read_text())
+
+
+def check_launcher(cfg: dict) -> list[str]:
+    """Problems of a Ray cluster launcher config: Ray's schema first, then Kiln's needs."""
+    import jsonschema
+
+    validator = jsonschema.Draft7Validator(ray_schema())
+    problems = [f"{'.'.join(map(str, e.absolute_path)) or '(top level)'}: {e.message}"
+                for e in sorted(validator.iter_errors(cfg), key=lambda e: list(map(str, e.absolute_path)))]
+    if problems:
+        return problems  # the rest assumes the shapes the schema guarantees
+    try:  # what `ray up` runs before it contacts the provider: fill in its defaults, validate again
+        from ray.autoscaler._private.util import prepare_config, validate_config
+    except ImportError:  # a private API; the schema check above is the public contract
+        pass
+    else:
+        try:
+            validate_config(prepare_config(copy.deepcopy(cfg)))
+        except Exception as e:  # noqa: BLE001 - Ray raises ValueError, RuntimeError or schema errors
+            problems.append(f"ray up would refuse it: {str(e).splitlines()[0]}")
+
+    types = cfg.get("available_node_types", {})
+    head = cfg.get("head_node_type")
+    if types and head not in types:
+        problems.append(f"head_node_type: {head!r} is not one of available_node_types ({', '.join(types)})")
+    for name, node in types.items():
+        lo, hi = node.get("min_workers", 0), node.get("max_workers", cfg.get("max_workers", 0))
+        if lo > hi:
+            problems.append(f"available_node_types.{name}: min_workers {lo} > max_workers {hi}")
+    if cfg["provider"]["type"] == "local" and not cfg["provider"].get("head_ip"):
+        problems.append("provider.head_ip: a local cluster needs the head machine's address")
+
+    setup = " ".join(cfg.get("setup_commands", []) + cfg.get("head_setup_commands", []))
+    if "make install" not in setup and "pip install" not in setup:
+        problems.append("setup_commands: nothing installs Kiln; use `cd ~/kiln && make install`, as "
+                        "`make demo` does (torch first, then DeepSpeed, then Kiln)")
+    for key in ("head_start_ray_commands", "worker_start_ray_commands"):
+        cmds = " ".join(cfg.get(key, []))
+        if "ray start" in cmds and "RAY_AUTH_MODE=token" not in cmds:
+            problems.append(f"{key}: `ray start` without RAY_AUTH_MODE=token; Kiln keeps Ray's token "
+                            "auth on on every node")
+    if "dashboard-host=0.0.0.0" in " ".join(cfg.get("head_start_ray_commands", [])):
+        problems.append("head_start_ray_commands: the dashboard binds to 0.0.0.0; bind it to 127.0.0.1 "
+                        "and reach it with `ray dashboard <file>`")
+    return problems
+
+
+def _containers(template: dict, where: str, problems: list[str]) -> list[dict]:
+    containers = ((template or {}).get("spec") or {}).get("containers")
+    if not containers:
+        problems.append(f"{where}.template.spec.containers: at least one container is required")
+        return []
+    for i, c in enumerate(containers):
+        for key in ("name", "image"):
+            if not c.get(key):
+                problems.append(f"{where}.template.spec.containers[{i}].{key}: required")
+    return containers
+
+
+def _check_cluster_spec(spec: dict, where: str, problems: list[str]) -> None:
+    if not isinstance(spec, dict):
+        problems.append(f"{where}: expected a mapping")
+        return
+    envs = []
+    head = spec.get("headGroupSpec")
+    if not isinstance(head, dict):
+        problems.append(f"{where}.headGroupSpec: required")
+    else:
+        envs += _containers(head.get("template"), f"{where}.headGroupSpec", problems)
+    for i, group in enumerate(spec.get("workerGroupSpecs") or []):
+        w = f"{where}.workerGroupSpecs[{i}]"
+        if not group.get("groupName"):
+            problems.append(f"{w}.groupName: required")
+        envs += _containers(group.get("template"), w, problems)
+        lo, n, hi = group.get("minReplicas", 0), group.get("replicas", 0), group.get("maxReplicas", 2**31)
+        if not lo <= n <= hi:
+            problems.append(f"{w}: expected minReplicas <= replicas <= maxReplicas, got {lo}, {n}, {hi}")
+    token_env = any(e.get("name") == "RAY_AUTH_MODE" and e.get("value") == "token"
+                    for c in envs for e in c.get("env") or [])
+    if (spec.get("authOptions") or {}).get("mode") != "token" and not token_env:
+        problems.append(f"{where}.authOptions.mode: expected `token` (or RAY_AUTH_MODE=token on every "
+                        "container); Kiln keeps Ray's token auth on")
+
+
+def check_kuberay(doc: dict) -> list[str]:
+    """Problems of a KubeRay RayCluster or RayJob manifest."""
+    problems: list[str] = []
+    if doc.get("apiVersion") != "ray.io/v1":
+        problems.append(f"apiVersion: expected ray.io/v1, got {doc.get('apiVersion')!r}")
+    kind = doc.get("kind")
+    if kind not in KUBERAY_KINDS:
+        return problems + [f"kind: expected one of {', '.join(KUBERAY_KINDS)}, got {kind!r}"]
+    if not (doc.get("metadata") or {}).get("name"):
+        problems.append("metadata.name: required")
+    spec = doc.get("spec")
+    if not isinstance(spec, dict):
+        return problems + ["spec: required"]
+    if kind == "RayCluster":
+        _check_cluster_spec(spec, "spec", problems)
+    else:
+        if not spec.get("entrypoint"):
+            problems.append("spec.entrypoint: required (the command the job runs, e.g. python jobs/pretrain.py ...)")
+        if "rayClusterSpec" in spec:
+            _check_cluster_spec(spec["rayClusterSpec"], "spec.rayClusterSpec", problems)
+        elif not spec.get("clusterSelector"):
+            problems.append("spec: a RayJob needs rayClusterSpec (a new cluster) or clusterSelector (an existing one)")
+    return problems
+
+
+def check_cluster_file(path: str | Path) -> str:
+    """Validate one cluster file; return what it is, or raise ConfigError listing every problem."""
+    path = Path(path)
+    try:
+        doc = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such cluster file") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level")
+    if "apiVersion" in doc or "kind" in doc:
+        what, problems = f"KubeRay {doc.get('kind')}", check_kuberay(doc)
+    else:
+        what, problems = f"Ray cluster launcher config ({(doc.get('provider') or {}).get('type')})", check_launcher(doc)
+    if problems:
+        raise ConfigError(f"{path} ({what}): " + "; ".join(problems))
+    return what

@@ -1,0 +1,105 @@
+"""Every shipped cluster file validates; each kind of mistake in one is caught and named."""
+
+import copy
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kiln.cluster.check import check_cluster_file, check_kuberay, check_launcher, ray_schema
+
+REPO = Path(__file__).resolve().parents[3]
+LAUNCHERS = sorted((REPO / "cluster").glob("*.yaml"))
+KUBERAY = sorted((REPO / "cluster" / "kuberay").glob("*.yaml"))
+
+
+def load(path: Path) -> dict:
+    return yaml.safe_load(path.read_text())
+
+
+def test_the_files_the_issue_asks_for_are_shipped():
+    assert {p.name for p in LAUNCHERS} >= {"aws-gpu.yaml", "gcp-gpu.yaml", "onprem.yaml"}
+    assert {load(p)["kind"] for p in KUBERAY} == {"RayCluster", "RayJob"}
+    assert "cluster_name" in ray_schema()["required"]  # the schema inside the installed ray
+
+
+@pytest.mark.parametrize("path", LAUNCHERS + KUBERAY, ids=lambda p: p.name)
+def test_shipped_file_validates(path):
+    assert check_cluster_file(path)
+
+
+@pytest.mark.parametrize("path", LAUNCHERS, ids=lambda p: p.name)
+def test_launchers_keep_token_auth_and_install_kiln_like_make_demo(path):
+    cfg = load(path)
+    assert all("RAY_AUTH_MODE=token" in " ".join(cfg[k]) for k in ("head_start_ray_commands", "worker_start_ray_commands"))
+    assert any("make install" in c for c in cfg["setup_commands"])
+    assert "~/.ray/auth_token" in cfg["file_mounts"]
+
+
+AWS = load(REPO / "cluster" / "aws-gpu.yaml")
+
+
+def mutated(cfg: dict, path: str, value) -> dict:
+    cfg = copy.deepcopy(cfg)
+    *parents, leaf = path.split(".")
+    node = cfg
+    for p in parents:
+        node = node[p]
+    if value is None:
+        del node[leaf]
+    else:
+        node[leaf] = value
+    return cfg
+
+
+@pytest.mark.parametrize("path,value,expected", [
+    ("max_worker", 3, "'max_worker' was unexpected"),                       # typo: Ray's schema
+    ("available_node_types.gpu-spot.resources", None, "'resources' is a required property"),
+    ("available_node_types.gpu-spot.min_workers", "2", "'2' is not of type 'integer'"),
+    ("provider", None, "'provider' is a required property"),
+    ("head_node_type", "cpu-head", "'cpu-head' is not one of available_node_types"),
+    ("available_node_types.gpu-spot.min_workers", 9, "min_workers 9 > max_workers 8"),
+    ("worker_start_ray_commands", ["ray start --address=$RAY_HEAD_IP:6379"], "without RAY_AUTH_MODE=token"),
+    ("head_start_ray_commands", ["RAY_AUTH_MODE=token ray start --head --dashboard-host=0.0.0.0"], "binds to 0.0.0.0"),
+    ("setup_commands", ["echo hi"], "nothing installs Kiln"),
+])
+def test_launcher_mistakes_are_named(path, value, expected):
+    problems = check_launcher(mutated(AWS, path, value))
+    assert any(expected in p for p in problems), problems
+
+
+CLUSTER = load(REPO / "cluster" / "kuberay" / "raycluster.yaml")
+JOB = load(REPO / "cluster" / "kuberay" / "rayjob.yaml")
+
+
+@pytest.mark.parametrize("doc,path,value,expected", [
+    (CLUSTER, "apiVersion", "ray.io/v1alpha1", "expected ray.io/v1"),
+    (CLUSTER, "kind", "RayService", "expected one of RayCluster, RayJob"),
+    (CLUSTER, "spec.headGroupSpec", None, "spec.headGroupSpec: required"),
+    (CLUSTER, "spec.authOptions", None, "expected `token`"),
+    (CLUSTER, "spec.workerGroupSpecs", [{"groupName": "gpu", "replicas": 9, "maxReplicas": 8,
+                                         "template": {"spec": {"containers": [{"name": "w", "image": "i"}]}}}],
+     "minReplicas <= replicas <= maxReplicas"),
+    (CLUSTER, "spec.workerGroupSpecs", [{"groupName": "gpu", "template": {"spec": {"containers": [{"name": "w"}]}}}],
+     "containers[0].image: required"),
+    (JOB, "spec.entrypoint", None, "spec.entrypoint: required"),
+    (JOB, "spec.rayClusterSpec", None, "needs rayClusterSpec"),
+])
+def test_kuberay_mistakes_are_named(doc, path, value, expected):
+    problems = check_kuberay(mutated(doc, path, value))
+    assert any(expected in p for p in problems), problems
+
+
+def test_cli_checks_every_file_and_reports_each_problem_without_traceback(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(mutated(AWS, "max_worker", 3)))
+    missing = tmp_path / "missing.yaml"
+    proc = subprocess.run([sys.executable, "-m", "kiln.cli", "cluster", "check", str(REPO / "cluster" / "onprem.yaml"),
+                           str(bad), str(missing)], capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert "onprem.yaml: ok" in proc.stdout
+    assert "bad.yaml" in proc.stderr and "'max_worker' was unexpected" in proc.stderr
+    assert "missing.yaml: no such cluster file" in proc.stderr
+    assert "Traceback" not in proc.stderr
