@@ -118,6 +118,12 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--pipeline-stages", type=int)
     plan.add_argument("--micro-batches", type=int, help="micro-batches per step in a pipeline")
     plan.add_argument("--optimizer", choices=["adamw", "adam", "lamb", "rmsprop", "sgd"])
+    plan.add_argument("--cluster", help="a Ray launcher YAML (cluster/aws-gpu.yaml): also estimate tokens/s, "
+                      "time to --target-tokens and cost on its GPU nodes")
+    plan.add_argument("--nodes", type=int, help="GPU nodes to plan for (default: the node type's max_workers)")
+    plan.add_argument("--mfu", type=float, default=0.40, help="assumed model FLOPs utilisation (default 0.40)")
+    plan.add_argument("--target-tokens", type=float, help="token budget (default: 20 per parameter, Chinchilla)")
+    plan.add_argument("--usd-per-hour", type=float, help="the cluster's price per hour (default: on-demand list)")
 
     cluster = sub.add_parser("cluster", help="Ray cluster files").add_subparsers(dest="cluster_cmd", required=True)
     check = cluster.add_parser("check", help="validate cluster launcher YAMLs and KubeRay manifests before `ray up`")

@@ -26,6 +26,15 @@ def plan_from_args(args: argparse.Namespace) -> str:
     if seq:
         shape["seq_len"] = seq
     model: GPTConfig = config_for(flavour, **shape)
+    cluster = None
+    if args.cluster:
+        from kiln.plan.throughput import DEVICES, cluster_from_yaml
+
+        if not 0 < args.mfu <= 1:
+            raise ConfigError(f"--mfu = {args.mfu}: expected a fraction in (0, 1]")
+        cluster = cluster_from_yaml(args.cluster, args.nodes)
+        args.world_size = args.world_size or cluster.world_size
+        args.device_memory_gib = args.device_memory_gib or DEVICES[cluster.node.device].memory_gib
     base = plan_input(cfg, model, cfg.parallel.device_memory_gib or 80.0)
     offload = {"none": ("none", "none"), "optimizer": ("cpu", "none"), "optimizer+params": ("cpu", "cpu")}
     changes = {
@@ -38,7 +47,15 @@ def plan_from_args(args: argparse.Namespace) -> str:
         changes["offload_optimizer"], changes["offload_params"] = offload[args.offload]
     base = dataclasses.replace(base, **{k: v for k, v in changes.items() if v is not None})
     _check(base)
-    return format_table(base)
+    if cluster is None:
+        return format_table(base)
+    from kiln.plan.throughput import format_estimate
+
+    if base.world_size > cluster.world_size:
+        raise ConfigError(f"--world-size {base.world_size} is more than the {cluster.world_size} devices of "
+                          f"{cluster.source}")
+    return format_table(base) + "\n\n" + format_estimate(base, cluster, args.mfu, args.target_tokens,
+                                                         args.usd_per_hour, cfg.train.grad_accum_steps)
 
 
 def _with_data_shapes(cfg: RunConfig) -> RunConfig:

@@ -1,0 +1,186 @@
+"""Scaling on paper: tokens/s, time to a token budget and cost of a run on a cluster.
+
+A roofline-style model with one step = compute + the communication that cannot hide + the
+pipeline bubble. It is meant to rank setups and size a budget before renting hardware, not to
+replace a measurement; bench/RESULTS.md holds measured MFU to calibrate `mfu` against (34.8% for
+gpt2-124m ZeRO-2 bf16 on one H100).
+
+Formulas and sources:
+- Compute: flops_per_token(model) = 6N + 12·L·d·T (Kaplan et al. 2020; PaLM, Chowdhery et al.
+  2022, appendix B) at `mfu` of the device's dense peak. Activation checkpointing reruns the
+  forward: x(1 + 1/3) compute (Chen et al. 2016; Korthikanti et al. 2022).
+- Data-parallel gradient traffic per device and step: a ring all-reduce of Ψ gradients sends
+  2(n-1)/n · Ψ elements (Patarasuk & Yuan 2009). ZeRO-1/2 replace it with a reduce-scatter plus an
+  all-gather of the same volume, 2Ψ; ZeRO-3 adds a parameter all-gather in the backward, 3Ψ in
+  all (Rajbhandari et al. 2020, ZeRO, section 7). With P pipeline stages each device holds Ψ/P.
+- Bandwidth: inside a node the NVLink/ICI bus bandwidth; across nodes the ring is bounded by the
+  node's network bandwidth shared by its devices (NCCL's bus-bandwidth model).
+- Overlap: DeepSpeed's overlap_comm reduces buckets while the backward runs, so communication
+  hides up to the backward time (2/3 of compute); ZeRO-3's forward gathers do not hide here.
+- Pipeline bubble (GPipe/1F1B): the step takes (m + P - 1)/m of its ideal time for m
+  micro-batches (Huang et al. 2019; Narayanan et al. 2021).
+- Token budget: 20 tokens per parameter by default, the compute-optimal ratio of Hoffmann et al.
+  2022 (Chinchilla).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from kiln.errors import ConfigError
+from kiln.model import GPTConfig, flops_per_token, num_params
+from kiln.plan.memory import PlanInput, bytes_per_element
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str
+    peak_tflops: float
+    """Dense bf16/fp16 tensor-core peak (vendor datasheets, no sparsity)."""
+    memory_gib: float
+    intra_node_gbps: float
+    """Per-device bus bandwidth inside a node in GB/s (NVLink; PCIe where there is none)."""
+
+
+DEVICES = {
+    "A100-40GB": Device("A100-40GB", 312, 40, 300),   # NVLink 3: 600 GB/s bidirectional
+    "A100-80GB": Device("A100-80GB", 312, 80, 300),
+    "H100-80GB": Device("H100-80GB", 989, 80, 450),   # NVLink 4: 900 GB/s bidirectional
+    "H200-141GB": Device("H200-141GB", 989, 141, 450),
+    "L4-24GB": Device("L4-24GB", 121, 24, 32),        # PCIe 4 x16, no NVLink
+}
+
+
+@dataclass(frozen=True)
+class NodeType:
+    device: str
+    devices: int
+    network_gbps: float
+    """The node's network bandwidth in Gb/s (EFA, GPUDirect-TCPX, InfiniBand)."""
+    usd_per_hour: float
+    """On-demand list price (us-east-1 / us-central1, 2024); pass your own with --usd-per-hour."""
+
+
+INSTANCES = {
+    "p4d.24xlarge": NodeType("A100-40GB", 8, 400, 32.77),
+    "p4de.24xlarge": NodeType("A100-80GB", 8, 400, 40.97),
+    "p5.48xlarge": NodeType("H100-80GB", 8, 3200, 98.32),
+    "p5e.48xlarge": NodeType("H200-141GB", 8, 3200, 120.0),
+    "g6.48xlarge": NodeType("L4-24GB", 8, 100, 13.35),
+    "a2-highgpu-8g": NodeType("A100-40GB", 8, 100, 29.39),
+    "a2-ultragpu-8g": NodeType("A100-80GB", 8, 100, 40.44),
+    "a3-highgpu-8g": NodeType("H100-80GB", 8, 1000, 88.25),
+}
+
+
+@dataclass(frozen=True)
+class Cluster:
+    node: NodeType
+    nodes: int
+    source: str
+
+    @property
+    def world_size(self) -> int:
+        return self.node.devices * self.nodes
+
+
+def cluster_from_yaml(path: str | Path, nodes: int | None = None) -> Cluster:
+    """The GPU node type of a Ray launcher YAML and its node count (max_workers unless given)."""
+    path = Path(path)
+    try:
+        cfg = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise ConfigError(f"--cluster {path}: cannot read it: {e}") from None
+    types = (cfg or {}).get("available_node_types") or {}
+    gpu = []
+    for name, t in types.items():
+        nc = t.get("node_config") or {}
+        instance = nc.get("InstanceType") or nc.get("machineType")
+        if instance in INSTANCES and (t.get("resources") or {}).get("GPU", 0):
+            gpu.append((t.get("priority", 0), name, instance, t.get("max_workers", 0)))
+    if not gpu:
+        known = ", ".join(INSTANCES)
+        raise ConfigError(f"--cluster {path}: no GPU node type with a known instance type ({known}); "
+                          "describe it with --device/--devices-per-node/--nodes instead")
+    _, name, instance, max_workers = max(gpu)  # the preferred group, as the autoscaler would pick
+    count = nodes or max_workers
+    if count < 1:
+        raise ConfigError(f"--cluster {path}: node type {name!r} has max_workers {max_workers}; pass --nodes")
+    return Cluster(INSTANCES[instance], count, f"{path.name}: {count} x {instance} ({name})")
+
+
+@dataclass(frozen=True)
+class Throughput:
+    tokens_per_step: int
+    compute_s: float
+    comm_s: float
+    exposed_comm_s: float
+    bubble_s: float
+
+    @property
+    def step_s(self) -> float:
+        return self.compute_s + self.exposed_comm_s + self.bubble_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.step_s
+
+
+def throughput(p: PlanInput, cluster: Cluster, mfu: float = 0.40, grad_accum: int = 1) -> Throughput:
+    """One optimizer step of `p` on `cluster`, in seconds; see the module docstring."""
+    m: GPTConfig = p.model
+    dev = DEVICES[cluster.node.device]
+    dp, pp = p.data_parallel, p.pipeline_stages
+    micro_steps = p.micro_batches if pp > 1 else grad_accum
+    tokens_per_device = p.micro_batch * m.seq_len * micro_steps  # per data-parallel replica's stage
+    flops = flops_per_token(m) * tokens_per_device / pp
+    if p.activation_checkpointing:
+        flops *= 4 / 3
+    compute = flops / (dev.peak_tflops * 1e12 * mfu)
+
+    grad_bytes = num_params(m, non_embedding=False) / pp * bytes_per_element(p.precision)
+    volume = (3 if p.zero_stage == 3 else 2) * (dp - 1) / dp * grad_bytes if dp > 1 else 0.0
+    # A ring spanning nodes moves at the slower of NVLink and the node's network share per device.
+    bw = dev.intra_node_gbps * 1e9
+    if dp * pp > cluster.node.devices:
+        bw = min(bw, cluster.node.network_gbps / 8 * 1e9 / cluster.node.devices)
+    comm = volume / bw
+    hideable = 2 / 3 * compute  # the backward share of compute
+    if p.zero_stage == 3:  # the forward's all-gather (1/3 of the volume) waits for nothing to hide behind
+        exposed = comm / 3 + max(0.0, 2 / 3 * comm - hideable)
+    else:
+        exposed = max(0.0, comm - hideable)
+    bubble = compute * (pp - 1) / micro_steps if pp > 1 else 0.0
+    return Throughput(p.micro_batch * m.seq_len * micro_steps * dp, compute, comm, exposed, bubble)
+
+
+def duration(seconds: float) -> str:
+    if seconds < 3600:
+        return f"{seconds / 60:.1f} min"
+    if seconds < 48 * 3600:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.1f} days"
+
+
+def format_estimate(p: PlanInput, cluster: Cluster, mfu: float, target_tokens: float | None,
+                    usd_per_hour: float | None, grad_accum: int = 1) -> str:
+    t = throughput(p, cluster, mfu, grad_accum)
+    n = num_params(p.model, non_embedding=False)
+    target = target_tokens or 20 * n
+    seconds = target / t.tokens_per_s
+    price = usd_per_hour if usd_per_hour is not None else cluster.node.usd_per_hour * cluster.nodes
+    dev = DEVICES[cluster.node.device]
+    lines = [
+        f"throughput on {cluster.source}: {cluster.world_size} x {dev.name} "
+        f"({dev.peak_tflops:g} TFLOP/s peak at {mfu:.0%} MFU), {cluster.node.network_gbps:g} Gb/s per node",
+        f"  step: {t.tokens_per_step:,} tokens in {t.step_s * 1e3:.1f} ms = compute {t.compute_s * 1e3:.1f} ms"
+        f" + exposed comm {t.exposed_comm_s * 1e3:.1f} ms (of {t.comm_s * 1e3:.1f} ms"
+        f"{', ZeRO-3 3Ψ' if p.zero_stage == 3 else ', 2Ψ'}) + pipeline bubble {t.bubble_s * 1e3:.1f} ms",
+        f"  tokens/s: {t.tokens_per_s:,.0f} ({t.tokens_per_s / p.world_size:,.0f} per device)",
+        f"  {target:.3g} tokens{' (20 per parameter, Chinchilla)' if not target_tokens else ''}: "
+        f"{duration(seconds)}, ${price * seconds / 3600:,.0f} at ${price:,.2f}/h",
+    ]
+    return "\n".join(lines)

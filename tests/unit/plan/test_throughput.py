@@ -1,0 +1,74 @@
+"""The scaling-on-paper model against hand-computed numbers."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kiln.errors import ConfigError
+from kiln.model import config_for, flops_per_token, num_params
+from kiln.plan.memory import PlanInput
+from kiln.plan.throughput import INSTANCES, Cluster, cluster_from_yaml, throughput
+
+REPO = Path(__file__).resolve().parents[3]
+M = config_for("1.3b", vocab_size=50304)
+N = num_params(M, non_embedding=False)
+P5 = INSTANCES["p5.48xlarge"]  # 8 x H100: 989 TFLOP/s, NVLink 450 GB/s per device, 3200 Gb/s per node
+
+
+def plan(**kw) -> PlanInput:
+    return PlanInput(model=M, precision="bf16", **({"micro_batch": 8} | kw))
+
+
+def test_one_node_compute_time_and_hidden_allreduce():
+    t = throughput(plan(world_size=8, zero_stage=2), Cluster(P5, 1, "x"), mfu=0.5)
+    tokens = 8 * 2048
+    assert t.compute_s == pytest.approx(flops_per_token(M) * tokens / (989e12 * 0.5))
+    # ring: 2 (n-1)/n x 2-byte grads over NVLink's 450 GB/s
+    assert t.comm_s == pytest.approx(2 * 7 / 8 * N * 2 / 450e9)
+    assert t.comm_s < 2 / 3 * t.compute_s and t.exposed_comm_s == 0  # hidden behind the backward
+    assert t.tokens_per_step == tokens * 8 and t.tokens_per_s == pytest.approx(tokens * 8 / t.compute_s)
+
+
+def test_across_nodes_the_network_share_per_device_bounds_the_ring():
+    p4d = INSTANCES["p4d.24xlarge"]  # 400 Gb/s per node = 6.25 GB/s per device
+    t = throughput(plan(world_size=16, zero_stage=2, micro_batch=1), Cluster(p4d, 2, "x"), mfu=0.4)
+    assert t.comm_s == pytest.approx(2 * 15 / 16 * N * 2 / 6.25e9)
+    assert t.exposed_comm_s == pytest.approx(t.comm_s - 2 / 3 * t.compute_s)
+    assert t.step_s == pytest.approx(t.compute_s + t.exposed_comm_s)
+
+
+def test_zero3_moves_one_and_a_half_times_the_data_and_its_forward_gather_is_exposed():
+    c = Cluster(P5, 1, "x")
+    z2, z3 = throughput(plan(world_size=8, zero_stage=2), c), throughput(plan(world_size=8, zero_stage=3), c)
+    assert z3.comm_s == pytest.approx(1.5 * z2.comm_s)
+    assert z3.exposed_comm_s == pytest.approx(z3.comm_s / 3)  # the rest hides behind this backward
+
+
+def test_pipeline_bubble_and_checkpointing():
+    c = Cluster(P5, 1, "x")
+    t = throughput(plan(world_size=8, pipeline_stages=4, micro_batches=8), c)
+    assert t.bubble_s == pytest.approx(t.compute_s * 3 / 8)  # (P-1)/m
+    base = throughput(plan(world_size=8), c)
+    ckpt = throughput(plan(world_size=8, activation_checkpointing=True), c)
+    assert ckpt.compute_s == pytest.approx(base.compute_s * 4 / 3)
+
+
+def test_cluster_yaml_gives_the_preferred_gpu_group_and_its_size():
+    c = cluster_from_yaml(REPO / "cluster" / "aws-gpu.yaml")
+    assert (c.node, c.nodes, c.world_size) == (INSTANCES["p4d.24xlarge"], 8, 64)
+    assert "gpu-spot" in c.source
+    assert cluster_from_yaml(REPO / "cluster" / "gcp-gpu.yaml", nodes=2).world_size == 16
+    with pytest.raises(ConfigError, match="no GPU node type with a known instance type"):
+        cluster_from_yaml(REPO / "cluster" / "onprem.yaml")
+
+
+def test_kiln_plan_cluster_prints_throughput_time_and_cost():
+    proc = subprocess.run([sys.executable, "-m", "kiln.cli", "plan", "--cluster", str(REPO / "cluster/aws-gpu.yaml"),
+                           "--model", "1.3b", "--precision", "bf16", "--micro-batch", "4", "--zero-stage", "2",
+                           "--target-tokens", "1e9", "--usd-per-hour", "100"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "64 x A100-40GB" in out and "tokens/s:" in out
+    assert "1e+09 tokens" in out and "at $100.00/h" in out
