@@ -129,6 +129,19 @@ def build_parser() -> argparse.ArgumentParser:
     check = cluster.add_parser("check", help="validate cluster launcher YAMLs and KubeRay manifests before `ray up`")
     check.add_argument("files", nargs="+", metavar="FILE", help="e.g. cluster/aws-gpu.yaml cluster/kuberay/*.yaml")
 
+    services = sub.add_parser("services", help="a shared MLflow server (and Prometheus) on this machine")
+    svc = services.add_subparsers(dest="services_cmd", required=True)
+    for name, helptext in (("up", "start them"), ("down", "stop them"), ("status", "show what runs")):
+        s = svc.add_parser(name, help=helptext)
+        s.add_argument("--dir", default="runs/services", help="state, logs, SQLite store and artifacts")
+        if name == "up":
+            s.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
+            s.add_argument("--port", type=int, default=5000)
+            s.add_argument("--backend-store-uri", help="default sqlite:///<dir>/mlflow.db; e.g. postgresql://...")
+            s.add_argument("--artifacts-destination", help="default <dir>/artifacts; e.g. s3://bucket/mlflow")
+            s.add_argument("--prometheus", action="store_true", help="also run Prometheus on Ray's metrics")
+            s.add_argument("--prometheus-port", type=int, default=9090)
+
     cfg = sub.add_parser("config", help="print a run config as annotated YAML")
     cfg.add_argument("--config", help="YAML to resolve (defaults if omitted)")
     cfg.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
@@ -205,6 +218,25 @@ def run(args: argparse.Namespace) -> int:
                 failed.append(str(e))
         if failed:
             raise ConfigError("\n  ".join(failed))
+        return 0
+    if args.command == "services":
+        from kiln import services
+
+        if args.services_cmd == "up":
+            started = services.up(args.dir, args.host, args.port, args.backend_store_uri,
+                                  args.artifacts_destination, args.prometheus, args.prometheus_port)
+            for s in started:
+                print(f"{s.name}: {s.url} (pid {s.pid}, log {s.log})")
+            print(f"point runs at it: export MLFLOW_TRACKING_URI={started[0].url}")
+        elif args.services_cmd == "down":
+            stopped = services.down(args.dir)
+            print("stopped " + (", ".join(f"{s.name} (pid {s.pid})" for s in stopped) or "nothing"))
+        else:
+            rows = services.status(args.dir)
+            for s, alive in rows:
+                print(f"{s.name}: {s.url} pid {s.pid} {'running' if alive else 'NOT running'}")
+            if not rows:
+                print(f"no services recorded in {args.dir}")
         return 0
     if args.command == "config":
         from kiln.config import annotated_yaml, load_config

@@ -1,0 +1,188 @@
+"""`kiln services up|down|status`: the shared services a small team needs, on one machine.
+
+- An MLflow tracking server: runs in SQLite under the services dir (or any backend store URI,
+  e.g. postgresql://...), artifacts served through the server (`--serve-artifacts`) from a local
+  folder or an s3:// destination, so clients never need the store's credentials.
+- Optionally Prometheus, scraping Ray's metrics through the service-discovery file every Ray
+  head writes.
+
+Both bind to 127.0.0.1 unless `--host` says otherwise: a tracking server holds every run's
+params and artifacts, and neither has authentication of its own. The processes run detached, in
+their own sessions; their pids, addresses and logs are recorded in `<dir>/services.json`
+(written to a temp file, then renamed), which `down` and `status` read.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from kiln.errors import KilnError
+
+log = logging.getLogger("kiln.services")
+STATE = "services.json"
+# Ray's head writes the addresses of every node's metrics agent here (Ray's Prometheus docs).
+RAY_SD_FILE = "/tmp/ray/prom_metrics_service_discovery.json"
+
+
+@dataclass
+class Service:
+    name: str
+    pid: int
+    url: str
+    log: str
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie child of this process still answers kill(0): reap it if it is ours.
+    try:
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        return done == 0
+    except ChildProcessError:
+        return True
+
+
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def _wait_http(url: str, proc: subprocess.Popen, timeout: float, log_path: Path) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            break
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    os.killpg(proc.pid, signal.SIGTERM) if proc.poll() is None else None
+    tail = log_path.read_text(errors="replace").strip().splitlines()[-5:] if log_path.exists() else []
+    raise KilnError(f"{url} did not come up within {timeout:.0f} s; the last lines of {log_path}:\n  "
+                    + "\n  ".join(tail))
+
+
+def _load(root: Path) -> list[Service]:
+    try:
+        return [Service(**s) for s in json.loads((root / STATE).read_text())]
+    except FileNotFoundError:
+        return []
+    except (json.JSONDecodeError, TypeError) as e:
+        raise KilnError(f"{root / STATE} is not a services state file ({e}); remove it and stop the "
+                        "processes by hand") from None
+
+
+def _save(root: Path, services: list[Service]) -> None:
+    tmp = root / (STATE + ".tmp")
+    tmp.write_text(json.dumps([asdict(s) for s in services], indent=2))
+    os.replace(tmp, root / STATE)
+
+
+def _spawn(cmd: list[str], log_path: Path) -> subprocess.Popen:
+    with open(log_path, "ab") as out:
+        # Own session: Ctrl-C in this terminal does not reach it, and `down` stops its whole group.
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+
+
+def up(root: str | Path = "runs/services", host: str = "127.0.0.1", port: int = 5000,
+       backend_store_uri: str | None = None, artifacts_destination: str | None = None,
+       prometheus: bool = False, prometheus_port: int = 9090, timeout: float = 120.0) -> list[Service]:
+    root = Path(root).resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    running = [s for s in _load(root) if _alive(s.pid)]
+    if running:
+        raise KilnError(f"services already running from {root}: "
+                        + ", ".join(f"{s.name} at {s.url} (pid {s.pid})" for s in running)
+                        + "; `kiln services down` first")
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("binding to %s: anyone who can reach this address can read and write every run", host)
+    for name, p in (("MLflow", port),) + ((("Prometheus", prometheus_port),) if prometheus else ()):
+        if not _port_free(host, p):
+            raise KilnError(f"port {p} on {host} is in use; pick another for {name} with "
+                            f"--{'port' if name == 'MLflow' else 'prometheus-port'}")
+    prom_bin = shutil.which("prometheus") if prometheus else None
+    if prometheus and not prom_bin:
+        raise KilnError("--prometheus: no `prometheus` binary on PATH; install Debian's package "
+                        "(apt-get install prometheus) or leave --prometheus off")
+
+    started: list[Service] = []
+    try:
+        backend = backend_store_uri or f"sqlite:///{root / 'mlflow.db'}"
+        artifacts = artifacts_destination or str(root / "artifacts")
+        mlflow_log = root / "mlflow.log"
+        cmd = [str(Path(sys.executable).parent / "mlflow"), "server", "--host", host, "--port", str(port),
+               "--backend-store-uri", backend, "--serve-artifacts", "--artifacts-destination", artifacts,
+               "--workers", "2"]
+        proc = _spawn(cmd, mlflow_log)
+        url = f"http://{host}:{port}"
+        started.append(Service("mlflow", proc.pid, url, str(mlflow_log)))
+        _wait_http(f"{url}/health", proc, timeout, mlflow_log)
+        if prometheus:
+            cfg = root / "prometheus.yml"
+            cfg.write_text(
+                "global: {scrape_interval: 10s, evaluation_interval: 10s}\n"
+                "scrape_configs:\n"
+                "  - job_name: ray\n"
+                f"    file_sd_configs: [{{files: ['{RAY_SD_FILE}']}}]\n")
+            prom_log = root / "prometheus.log"
+            proc = _spawn([prom_bin, f"--config.file={cfg}", f"--storage.tsdb.path={root / 'prometheus-data'}",
+                           f"--web.listen-address={host}:{prometheus_port}"], prom_log)
+            purl = f"http://{host}:{prometheus_port}"
+            started.append(Service("prometheus", proc.pid, purl, str(prom_log)))
+            _wait_http(f"{purl}/-/ready", proc, timeout, prom_log)
+    except BaseException:
+        _stop(started)
+        raise
+    _save(root, started)
+    return started
+
+
+def _stop(services: list[Service], timeout: float = 30.0) -> None:
+    for s in services:
+        try:
+            os.killpg(s.pid, signal.SIGTERM)  # the server and its gunicorn/uvicorn workers
+        except ProcessLookupError:
+            continue
+    deadline = time.time() + timeout
+    for s in services:
+        while _alive(s.pid) and time.time() < deadline:
+            time.sleep(0.2)
+        if _alive(s.pid):
+            os.killpg(s.pid, signal.SIGKILL)
+
+
+def down(root: str | Path = "runs/services") -> list[Service]:
+    root = Path(root).resolve()
+    services = _load(root)
+    _stop(services)
+    (root / STATE).unlink(missing_ok=True)
+    return services
+
+
+def status(root: str | Path = "runs/services") -> list[tuple[Service, bool]]:
+    return [(s, _alive(s.pid)) for s in _load(Path(root).resolve())]
