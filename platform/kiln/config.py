@@ -158,6 +158,10 @@ class TrainConfig:
     resume_from: str = ""
     """A Kiln checkpoint directory (.../step_N) to start from: weights, optimizer, LR schedule and
     step; data continues after the batches those steps consumed."""
+    max_failures: int = 0
+    """Restarts Ray Train may make after a worker or its node dies (FailureConfig); each restart
+    resumes from the newest reported checkpoint, losing only the steps since. -1: no limit.
+    Set train.checkpoint_every too, or a restart begins again from step 0."""
 
 
 @dataclass
@@ -246,6 +250,7 @@ _RANGES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "train.eval_every": (lambda v: v >= 0, "an integer >= 0"),
     "train.eval_batches": (lambda v: v >= 0, "an integer >= 0"),
     "train.checkpoint_every": (lambda v: v >= 0, "an integer >= 0"),
+    "train.max_failures": (lambda v: v >= -1, "an integer >= -1 (-1: no limit)"),
     "train.peak_flops": (lambda v: v >= 0.0, "a number >= 0"),
     "logging.experiment": (lambda v: bool(v.strip()), "a non-empty name"),
     "logging.log_every": (lambda v: v >= 1, "an integer >= 1"),

@@ -7,6 +7,7 @@ checkpoints via `ray.train.report`.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -16,7 +17,7 @@ from typing import Any
 
 import ray
 import ray.train
-from ray.train import Checkpoint, ScalingConfig
+from ray.train import Checkpoint, FailureConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from kiln.config import RunConfig, config_from_dict
@@ -40,6 +41,14 @@ def _worker_entry(loop_config: dict[str, Any]) -> None:
     run_id = loop_config.get("mlflow_run_id")
     logger = MLflowLogger(loop_config["tracking_uri"], run_id) if world.rank == 0 and run_id else NullLogger()
     local_ckpt_root = tempfile.mkdtemp(prefix="kiln-ckpt-")
+    restored = ray.train.get_checkpoint()  # set when Ray Train restarts the group after a failure
+    if restored is not None:
+        # Every rank copies the whole checkpoint (all ranks' shards) and loads its own part.
+        resume_dir = os.path.join(local_ckpt_root, "restored")
+        restored.to_directory(resume_dir)
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, resume_from=resume_dir))
+        if world.rank == 0 and run_id:
+            _record_restart(loop_config["tracking_uri"], run_id, restored.path)
 
     def report(metrics: dict, ckpt_dir: str | None) -> None:
         checkpoint = Checkpoint.from_directory(ckpt_dir) if ckpt_dir else None
@@ -51,6 +60,18 @@ def _worker_entry(loop_config: dict[str, Any]) -> None:
         train_loop(cfg, world, source, logger, report=report, checkpoint_root=local_ckpt_root)
     finally:
         shutil.rmtree(local_ckpt_root, ignore_errors=True)
+
+
+def _record_restart(tracking_uri: str, run_id: str, checkpoint: str) -> None:
+    """The same MLflow run continues after a restart; say so on it."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri)
+    restarts = int(client.get_run(run_id).data.tags.get("kiln.restarts", "0")) + 1
+    client.set_tag(run_id, "kiln.restarts", str(restarts))
+    client.set_tag(run_id, f"kiln.restart.{restarts}", f"resumed from {checkpoint}")
+    logging.getLogger("kiln.train").warning("restart %d after a worker failure: resuming from %s",
+                                            restarts, checkpoint)
 
 
 def _source(cfg: RunConfig, world: WorldInfo):
@@ -105,6 +126,7 @@ def build_trainer(cfg: RunConfig, datasets: dict, run_name: str, tracking_uri: s
             num_workers=p.num_workers, use_gpu=p.use_gpu, resources_per_worker={"CPU": p.cpus_per_worker},
         ),
         torch_config=TorchConfig(backend="nccl" if p.use_gpu else "gloo"),
-        run_config=ray.train.RunConfig(name=run_name, storage_path=storage, callbacks=callbacks or []),
+        run_config=ray.train.RunConfig(name=run_name, storage_path=storage, callbacks=callbacks or [],
+                                       failure_config=FailureConfig(max_failures=cfg.train.max_failures)),
         datasets=datasets,
     )
