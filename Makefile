@@ -46,7 +46,7 @@ demo: $(DEMO_DATA)
 
 test: $(TEST_STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest tests
+	$(BIN)/python -m pytest tests --durations=12
 
 lint: $(TEST_STAMP)
 	$(BIN)/ruff check .

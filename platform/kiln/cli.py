@@ -7,7 +7,6 @@ their traceback.
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 import time
 from collections.abc import Callable
@@ -251,7 +250,9 @@ def run_reporting_errors(command: Callable[[], int]) -> int:
     try:
         return command()
     except KilnError as e:
-        print(f"kiln: error: {e}", file=sys.stderr)
+        from kiln.tracking import scrub
+
+        print(f"kiln: error: {scrub(str(e))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("kiln: interrupted", file=sys.stderr)
@@ -259,7 +260,9 @@ def run_reporting_errors(command: Callable[[], int]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    from kiln.tracking import configure_logging
+
+    configure_logging()
     args = build_parser().parse_args(argv)
     return run_reporting_errors(lambda: run(args))
 

@@ -64,6 +64,10 @@ class ParallelConfig:
     """One GPU per worker, NCCL backend. False: CPU workers with gloo."""
     cpus_per_worker: float = 1.0
     """Logical CPUs Ray reserves per worker; also the worker's torch thread count."""
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    """How Ray places the workers' bundles on nodes. PACK (Ray's default) fills few nodes, so
+    ranks talk over shared memory; STRICT_SPREAD puts every worker on its own node, and waits
+    until the cluster has that many nodes."""
     zero_stage: int = 2
     """DeepSpeed ZeRO stage 0-3: 1 shards optimizer state, 2 also gradients, 3 also weights."""
     offload_optimizer: Literal["none", "cpu", "nvme"] = "none"
@@ -149,10 +153,16 @@ class TrainConfig:
     """Validation micro-batches per worker per evaluation; 0: the whole validation split."""
     checkpoint_every: int = 0
     """Save a DeepSpeed checkpoint every this many steps; 0: only at the end."""
+    checkpoint_every_minutes: float = 0.0
+    """Also save once this many minutes have passed since the last save (0: off): bounds the work
+    a failure can cost when step times vary. Ranks decide together, on their mean clock."""
     seed: int = 1337
     """Seeds model init and any randomness in training."""
-    storage_path: str = "runs"
-    """Where Ray Train keeps checkpoints and results (local dir or s3://; shared on a cluster)."""
+    storage_path: str = ""
+    """Where Ray Train keeps checkpoints and results: a local dir, or s3://bucket/prefix (through
+    data.s3_endpoint and data.s3_region). On a multi-node cluster it must be shared storage, so a
+    worker restarted on another node finds the checkpoint. Empty: $KILN_STORAGE_PATH (the files
+    in cluster/ set it to the cluster's bucket), else ./runs."""
     peak_flops: float = 0.0
     """Per-device peak FLOP/s for MFU. 0: looked up for known GPUs, measured on CPU."""
     resume_from: str = ""
@@ -161,7 +171,7 @@ class TrainConfig:
     max_failures: int = 0
     """Restarts Ray Train may make after a worker or its node dies (FailureConfig); each restart
     resumes from the newest reported checkpoint, losing only the steps since. -1: no limit.
-    Set train.checkpoint_every too, or a restart begins again from step 0."""
+    Set train.checkpoint_every (or _minutes) too, or a restart begins again from step 0."""
 
 
 @dataclass
@@ -225,6 +235,7 @@ _RANGES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "model.seq_len": (lambda v: v >= 0, "0 (from the data) or a positive integer"),
     "model.dropout": (lambda v: 0.0 <= v < 1.0, "a number in [0, 1)"),
     "parallel.num_workers": (lambda v: v >= 1, "an integer >= 1"),
+    "train.checkpoint_every_minutes": (lambda v: v >= 0, "a number of minutes >= 0 (0: off)"),
     "parallel.cpus_per_worker": (lambda v: v > 0, "a number > 0"),
     "parallel.zero_stage": (lambda v: v in (0, 1, 2, 3), "one of 0, 1, 2, 3"),
     "parallel.pipeline_stages": (lambda v: v >= 1, "an integer >= 1"),

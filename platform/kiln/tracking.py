@@ -47,14 +47,62 @@ def check_reachable(uri: str, timeout: float = 5.0) -> None:
             pass
     except OSError as e:
         raise KilnError(
-            f"MLflow tracking server {uri} is unreachable ({e.strerror or e}); start it, or set "
+            f"MLflow tracking server {scrub(uri)} is unreachable ({e.strerror or e}); start it, or set "
             "logging.tracking_uri / $MLFLOW_TRACKING_URI to a reachable server or sqlite:///mlflow.db"
         ) from None
 
 
+# user:password@ inside any URL (an S3 endpoint, a Postgres backend store, a tracking server)
+URL_PASSWORD = re.compile(r"(?P<head>[a-zA-Z][a-zA-Z0-9+.-]*://[^/\s:@]+:)[^/\s@]+@")
+
+
 def redact(params: dict[str, Any]) -> dict[str, Any]:
-    """Drop the value of any key that looks like a credential."""
-    return {k: (REDACTED if SECRET_PATTERN.search(k) else v) for k, v in params.items()}
+    """Drop the value of any key that looks like a credential; scrub the rest (`scrub`)."""
+    return {k: (REDACTED if SECRET_PATTERN.search(k) else scrub(v) if isinstance(v, str) else v)
+            for k, v in params.items()}
+
+
+def redact_tree(tree: Any) -> Any:
+    """`redact` through nested dicts and lists: a config as a whole, before it becomes YAML."""
+    if isinstance(tree, dict):
+        return {k: (REDACTED if isinstance(k, str) and SECRET_PATTERN.search(k) else redact_tree(v))
+                for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [redact_tree(v) for v in tree]
+    return scrub(tree) if isinstance(tree, str) else tree
+
+
+def scrub(text: str) -> str:
+    """Text with URL passwords masked and the value of every credential-named environment
+    variable (AWS keys, MLflow and Ray tokens, ...) replaced by ***."""
+    text = URL_PASSWORD.sub(lambda m: m.group("head") + REDACTED + "@", text)
+    for value in _environment_secrets():
+        text = text.replace(value, REDACTED)
+    return text
+
+
+def _environment_secrets() -> list[str]:
+    # Short values ("1", "true", "token" as RAY_AUTH_MODE) are settings, not secrets.
+    return sorted({v for k, v in os.environ.items() if SECRET_PATTERN.search(k) and len(v) >= 8},
+                  key=len, reverse=True)
+
+
+def configure_logging() -> None:
+    """INFO to stderr for a command front end, with every line passed through `scrub`."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(ScrubFilter())
+
+
+class ScrubFilter(logging.Filter):
+    """Masks secrets in log records on their way to a handler (see `scrub`)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        cleaned = scrub(message)
+        if cleaned != message:
+            record.msg, record.args = cleaned, None
+        return True
 
 
 def git_commit(path: str | os.PathLike = ".") -> str:
@@ -67,8 +115,8 @@ def git_commit(path: str | os.PathLike = ".") -> str:
 
 def ui_command(uri: str) -> str:
     if uri.startswith(("http://", "https://")):
-        return f"open {uri}"
-    return f"mlflow ui --backend-store-uri {uri} --host 127.0.0.1 --port 5000"
+        return f"open {scrub(uri)}"
+    return f"mlflow ui --backend-store-uri {scrub(uri)} --host 127.0.0.1 --port 5000"
 
 
 class MetricLogger(Protocol):
@@ -177,7 +225,7 @@ class Run:
             self.client.set_tag(self.run_id, k, str(v))
 
     def log_text(self, text: str, artifact_file: str) -> None:
-        self.client.log_text(self.run_id, text, artifact_file)
+        self.client.log_text(self.run_id, scrub(text), artifact_file)
 
     def log_file(self, path: str | Path, artifact_path: str | None = None) -> None:
         self.client.log_artifact(self.run_id, str(path), artifact_path)

@@ -15,6 +15,7 @@ import pytest
 from kiln.train.local import free_port
 
 BIN = Path(sys.executable).parent
+KILN = str(BIN / "kiln")
 S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
 
 
@@ -59,7 +60,7 @@ def ray_cluster(tmp_path_factory):
     subprocess.run([str(BIN / "ray"), "stop", "--force"], env=env, capture_output=True)
     start = subprocess.run(
         [str(BIN / "ray"), "start", "--head", f"--port={gcs_port}", f"--dashboard-port={dash_port}",
-         "--dashboard-host=127.0.0.1", "--num-cpus=4", "--disable-usage-stats",
+         "--dashboard-host=127.0.0.1", "--num-cpus=4", '--resources={"kiln_head": 1}', "--disable-usage-stats",
          f"--ray-client-server-port={free_port()}"],
         env=env, capture_output=True, text=True, timeout=180,
     )
@@ -80,3 +81,17 @@ def ray_cluster(tmp_path_factory):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+@pytest.fixture(scope="session")
+def s3_dataset(s3_server, ray_cluster, corpus, tmp_path_factory):
+    """A BPE dataset prepared into the loopback S3 bucket; its s3:// URI."""
+    _, _, env = ray_cluster
+    out = subprocess.run(
+        [KILN, "data", "prepare", "--input", corpus[0], "--input", corpus[1], "--input", corpus[3],
+         "--output", "s3://kiln-test/stdlib-bpe", "--tokenizer", "bpe", "--vocab-size", "512", "--seq-len", "64",
+         "--shard-tokens", "16384", "--s3-endpoint", s3_server],
+        capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path_factory.mktemp("prep"),
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return "s3://kiln-test/stdlib-bpe"

@@ -17,19 +17,6 @@ REPO = Path(__file__).resolve().parents[2]
 KILN = str(Path(sys.executable).parent / "kiln")
 
 
-@pytest.fixture(scope="module")
-def s3_dataset(s3_server, ray_cluster, corpus, tmp_path_factory):
-    _, _, env = ray_cluster
-    out = subprocess.run(
-        [KILN, "data", "prepare", "--input", corpus[0], "--input", corpus[1], "--input", corpus[3],
-         "--output", "s3://kiln-test/stdlib-bpe", "--tokenizer", "bpe", "--vocab-size", "512", "--seq-len", "64",
-         "--shard-tokens", "16384", "--s3-endpoint", s3_server],
-        capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path_factory.mktemp("prep"),
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    return "s3://kiln-test/stdlib-bpe"
-
-
 def test_zero2_two_workers_from_s3_to_mlflow(ray_cluster, s3_server, s3_dataset, tmp_path):
     address, _, _ = ray_cluster
     db = f"sqlite:///{tmp_path}/mlflow.db"

@@ -20,3 +20,18 @@ def test_tracking_uri_resolution(monkeypatch, tmp_path):
     assert resolve_tracking_uri() == "http://127.0.0.1:5000"
     assert resolve_tracking_uri("sqlite:///rel.db") == f"sqlite:///{os.path.abspath('rel.db')}"
     assert ui_command("sqlite:////a/b.db").startswith("mlflow ui --backend-store-uri sqlite:////a/b.db")
+
+
+def test_url_passwords_and_environment_secrets_are_scrubbed(monkeypatch):
+    from kiln.tracking import redact_tree, scrub
+
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wJalrXUtnFEMI/K7MDENG")
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")  # a setting, not a secret: left alone
+    assert scrub("postgresql://mlflow:hunter22@db:5432/mlflow") == "postgresql://mlflow:***@db:5432/mlflow"
+    assert scrub("https://kiln:p4ss@minio.internal:9000/x") == "https://kiln:***@minio.internal:9000/x"
+    assert scrub("s3://bucket/path and http://host:5000") == "s3://bucket/path and http://host:5000"
+    assert scrub("key wJalrXUtnFEMI/K7MDENG leaked; mode token") == "key *** leaked; mode token"
+    tree = {"parallel": {"deepspeed": {"wandb": {"api_key": "k-123456789", "project": "p"}}},
+            "data": {"s3_endpoint": "http://u:pw123456@minio:9000"}, "list": ["wJalrXUtnFEMI/K7MDENG"]}
+    assert redact_tree(tree) == {"parallel": {"deepspeed": {"wandb": {"api_key": REDACTED, "project": "p"}}},
+                                 "data": {"s3_endpoint": "http://u:***@minio:9000"}, "list": [REDACTED]}

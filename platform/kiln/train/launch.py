@@ -14,13 +14,22 @@ import os
 import time
 from dataclasses import dataclass
 
+import yaml
+
 import kiln
 from kiln.config import RunConfig, flatten
 from kiln.data.manifest import TOKENS, Manifest, check_shards, load_manifest
 from kiln.errors import ConfigError, DataError
 from kiln.model import padded_vocab
 from kiln.storage import resolve
-from kiln.tracking import Run, check_reachable, git_commit, resolve_tracking_uri, ui_command
+from kiln.tracking import (
+    Run,
+    check_reachable,
+    git_commit,
+    redact_tree,
+    resolve_tracking_uri,
+    ui_command,
+)
 
 log = logging.getLogger(__name__)
 
@@ -154,6 +163,23 @@ def check_resources(cfg: RunConfig, remote_cluster: bool = False) -> None:
     log.info("memory plan: %.2f GiB per device estimated of %.2f GiB", est.total / (1 << 30), mem[0])
 
 
+def check_storage(cfg: RunConfig) -> None:
+    """An s3:// train.storage_path must be reachable and its bucket must exist before launch:
+    otherwise the first checkpoint, minutes in, is where the run would fail."""
+    if not cfg.train.storage_path.startswith("s3://"):
+        return
+    from kiln.errors import StorageError
+
+    loc = resolve(cfg.train.storage_path, cfg.data.s3_endpoint, cfg.data.s3_region)
+    bucket = loc.path.split("/", 1)[0]
+    try:
+        found = loc.fs.get_file_info(bucket).type
+    except OSError as e:
+        raise StorageError(f"train.storage_path: cannot reach {loc.uri} (S3 endpoint {loc.endpoint or 'AWS'}): {e}") from None
+    if found.name == "NotFound":
+        raise StorageError(f"train.storage_path: bucket '{bucket}' of {loc.uri} does not exist; create it first")
+
+
 def connect_ray(cfg: RunConfig, address: str | None = None) -> None:
     import ray
 
@@ -239,7 +265,7 @@ def open_run(cfg: RunConfig, manifest: Manifest, tracking_uri: str, cluster: dic
         "kiln.version": kiln.__version__, "kiln.git_commit": git_commit(os.path.dirname(kiln.__file__)),
         "kiln.num_workers": cfg.parallel.num_workers, **{f"kiln.{k}": v for k, v in cluster.items()},
     })
-    run.log_text(cfg.to_yaml(), "config.yaml")
+    run.log_text(yaml.safe_dump(redact_tree(cfg.to_dict()), sort_keys=False), "config.yaml")
     run.log_text(json.dumps(manifest.raw, indent=2), "data/manifest.json")
     log_schedule_plot(run, cfg)
     return run
@@ -258,8 +284,11 @@ def log_schedule_plot(run: Run, cfg: RunConfig) -> None:
 
 
 def with_run_name(cfg: RunConfig) -> RunConfig:
+    """Fill in what the driver decides once for all workers: the run name and where it is stored."""
     name = cfg.logging.run_name or f"{cfg.model.flavour}-{time.strftime('%Y%m%d-%H%M%S')}"
-    return dataclasses.replace(cfg, logging=dataclasses.replace(cfg.logging, run_name=name))
+    storage = cfg.train.storage_path or os.environ.get("KILN_STORAGE_PATH") or "runs"
+    return dataclasses.replace(cfg, logging=dataclasses.replace(cfg.logging, run_name=name),
+                               train=dataclasses.replace(cfg.train, storage_path=storage))
 
 
 def train(cfg: RunConfig, address: str | None = None, started: float | None = None) -> Summary:
@@ -272,6 +301,7 @@ def train(cfg: RunConfig, address: str | None = None, started: float | None = No
     check_resources(cfg, remote_cluster=bool(address))
     tracking_uri = resolve_tracking_uri(cfg.logging.tracking_uri)
     check_reachable(tracking_uri)
+    check_storage(cfg)  # after with_run_name, which fills in $KILN_STORAGE_PATH
     connect_ray(cfg, address)
     import ray
 

@@ -105,7 +105,9 @@ def run_local(cfg: RunConfig, started: float | None = None) -> Summary | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    from kiln.tracking import configure_logging
+
+    configure_logging()
     p = argparse.ArgumentParser(prog="python -m kiln.train.local", description=__doc__.splitlines()[0])
     p.add_argument("--config")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")

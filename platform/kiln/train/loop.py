@@ -22,6 +22,7 @@ import torch.distributed as dist
 from kiln.config import RunConfig
 from kiln.model import GPTConfig, config_for, flops_per_token, num_params
 from kiln.tracking import MetricLogger
+from kiln.train import checkpoint
 from kiln.train.metrics import datasheet_peak_flops, measured_peak_flops, memory_metrics
 from kiln.train.optim import build_scheduler
 from kiln.train.parallelize import engine_memory, initialize
@@ -31,7 +32,6 @@ from kiln.train.sources import BatchSource
 log = logging.getLogger("kiln.train")
 
 Report = Callable[[dict, "str | None"], None]
-CHECKPOINT_TAG = "state"
 WARMUP_STEPS_EXCLUDED = 5  # steady-state throughput ignores the first steps (allocator, JIT, caches)
 
 
@@ -134,10 +134,11 @@ def train_loop(
         check_coords(engine, world.rank, world.world_size, cfg.parallel.pipeline_stages)
     done = 0
     if t.resume_from:
-        _, client = engine.load_checkpoint(t.resume_from, tag=CHECKPOINT_TAG)
+        resume_dir, _ = checkpoint.resolve_resume(t.resume_from, world.world_size)
+        _, client = engine.load_checkpoint(resume_dir, tag=checkpoint.TAG)
         done = int(client["step"])
         if world.rank == 0:
-            log.info("resumed from %s at step %d", t.resume_from, done)
+            log.info("resumed from %s at step %d", resume_dir, done)
     # Start reading now so the pipeline's start-up overlaps the first step; skip what the
     # resumed steps consumed.
     source.prefetch()
@@ -152,6 +153,7 @@ def train_loop(
     first_step_unix = 0.0
     held: dict[str, float] = {}
     skipped_before = 0
+    last_save = time.monotonic()
     if world.rank == 0:
         log.info("training %s (%.2fM params) for %d steps, %d tokens/step on %d worker(s)%s",
                  cfg.model.flavour, num_params(mcfg, non_embedding=False) / 1e6, t.max_steps,
@@ -169,7 +171,9 @@ def train_loop(
             first_step_unix = time.time()
             held = engine_memory(engine)  # optimizer state exists after the first step
 
-        loss_train, wait = _mean_over_ranks([loss_mean.item(), data_wait], device)
+        # The time since the last save rides along, so every rank takes the same save decision.
+        loss_train, wait, since_save = _mean_over_ranks(
+            [loss_mean.item(), data_wait, time.monotonic() - last_save], device)
         tok_s = tokens_per_step / step_time
         grad_norm = engine.get_global_grad_norm()
         metrics = {
@@ -219,12 +223,13 @@ def train_loop(
             steady_wait += data_wait
             steady_steps += 1
 
-        save = (t.checkpoint_every and step % t.checkpoint_every == 0) or is_last
+        save = ((t.checkpoint_every and step % t.checkpoint_every == 0) or is_last
+                or (t.checkpoint_every_minutes and since_save >= 60 * t.checkpoint_every_minutes))
         ckpt = None
         if save and checkpoint_root is not None:
-            ckpt = f"{checkpoint_root}/step_{step:08d}"
-            engine.save_checkpoint(ckpt, tag=CHECKPOINT_TAG,
+            ckpt = checkpoint.save(engine, checkpoint_root, step, world.rank, world.world_size,
                                    client_state={"step": step, "tokens_seen": step * tokens_per_step})
+            last_save = time.monotonic()
         if report is not None and not is_last and ("loss/val" in metrics or save):
             # Flush first: a scheduler (ASHA) may stop this run as soon as it sees the report.
             logger.flush()

@@ -21,7 +21,7 @@ from ray.train import Checkpoint, FailureConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from kiln.config import RunConfig, config_from_dict
-from kiln.tracking import MLflowLogger, NullLogger
+from kiln.tracking import MLflowLogger, NullLogger, ScrubFilter
 from kiln.train.loop import WorldInfo, train_loop
 from kiln.train.sources import RayShardSource
 
@@ -39,6 +39,9 @@ def _worker_entry(loop_config: dict[str, Any]) -> None:
     )
     source = _source(cfg, world)
     run_id = loop_config.get("mlflow_run_id")
+    placement = _placement(world)
+    logging.getLogger("kiln.train").info("rank %d of %d on node %s", world.rank, world.world_size,
+                                         placement[world.rank])
     logger = MLflowLogger(loop_config["tracking_uri"], run_id) if world.rank == 0 and run_id else NullLogger()
     local_ckpt_root = tempfile.mkdtemp(prefix="kiln-ckpt-")
     restored = ray.train.get_checkpoint()  # set when Ray Train restarts the group after a failure
@@ -49,6 +52,8 @@ def _worker_entry(loop_config: dict[str, Any]) -> None:
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, resume_from=resume_dir))
         if world.rank == 0 and run_id:
             _record_restart(loop_config["tracking_uri"], run_id, restored.path)
+    if world.rank == 0 and run_id:
+        _record_placement(loop_config["tracking_uri"], run_id, placement)
 
     def report(metrics: dict, ckpt_dir: str | None) -> None:
         checkpoint = Checkpoint.from_directory(ckpt_dir) if ckpt_dir else None
@@ -60,6 +65,25 @@ def _worker_entry(loop_config: dict[str, Any]) -> None:
         train_loop(cfg, world, source, logger, report=report, checkpoint_root=local_ckpt_root)
     finally:
         shutil.rmtree(local_ckpt_root, ignore_errors=True)
+
+
+def _placement(world: WorldInfo) -> list[str]:
+    """Every rank's Ray node id, gathered over the process group Ray Train has set up."""
+    import torch.distributed as dist
+
+    node = ray.get_runtime_context().get_node_id()
+    if world.world_size == 1 or not dist.is_initialized():
+        return [node]
+    nodes: list = [None] * world.world_size
+    dist.all_gather_object(nodes, node)
+    return nodes
+
+
+def _record_placement(tracking_uri: str, run_id: str, nodes: list[str]) -> None:
+    """Which node each rank runs on (updated after a restart): `kiln.placement`, rank order."""
+    from mlflow.tracking import MlflowClient
+
+    MlflowClient(tracking_uri).set_tag(run_id, "kiln.placement", ",".join(nodes))
 
 
 def _record_restart(tracking_uri: str, run_id: str, checkpoint: str) -> None:
@@ -99,6 +123,7 @@ def _quiet_worker_logs() -> None:
     if not kiln_log.handlers:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s"))
+        handler.addFilter(ScrubFilter())
         kiln_log.addHandler(handler)
         kiln_log.setLevel(logging.INFO)
         kiln_log.propagate = False
@@ -116,17 +141,31 @@ def build_trainer(cfg: RunConfig, datasets: dict, run_name: str, tracking_uri: s
     # DeepSpeed on a busy small node (concurrent sweep trials) can take longer; the controller
     # passes this from the process that calls fit() on to itself.
     os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "300")
-    storage = storage_path or cfg.train.storage_path
-    if "://" not in storage:
-        storage = os.path.abspath(storage)
+    storage, filesystem = train_storage(storage_path or cfg.train.storage_path or "runs", cfg)
     return TorchTrainer(
         train_loop_per_worker=_worker_entry,
         train_loop_config={"config": cfg.to_dict(), "tracking_uri": tracking_uri, "mlflow_run_id": run_id},
         scaling_config=ScalingConfig(
             num_workers=p.num_workers, use_gpu=p.use_gpu, resources_per_worker={"CPU": p.cpus_per_worker},
+            placement_strategy=p.placement_strategy,
         ),
         torch_config=TorchConfig(backend="nccl" if p.use_gpu else "gloo"),
-        run_config=ray.train.RunConfig(name=run_name, storage_path=storage, callbacks=callbacks or [],
+        run_config=ray.train.RunConfig(name=run_name, storage_path=storage, storage_filesystem=filesystem,
+                                       callbacks=callbacks or [],
                                        failure_config=FailureConfig(max_failures=cfg.train.max_failures)),
         datasets=datasets,
     )
+
+
+def train_storage(storage: str, cfg: RunConfig):
+    """(storage_path, filesystem) for Ray Train's RunConfig. An s3:// path gets Kiln's own
+    S3 filesystem, so a custom endpoint (MinIO, a loopback server) reaches the workers too;
+    Ray then wants the path without its scheme."""
+    from kiln.storage import resolve
+
+    if storage.startswith("s3://"):
+        loc = resolve(storage, cfg.data.s3_endpoint, cfg.data.s3_region)
+        return loc.path, loc.fs
+    if "://" in storage:
+        return storage, None  # another scheme pyarrow knows (gs://, hdfs://): Ray resolves it
+    return os.path.abspath(storage), None

@@ -1,14 +1,22 @@
-"""The training loop is a plain function: run it in this process with DeepSpeed, no Ray."""
+"""The training loop is a plain function: run it in this process with DeepSpeed, no Ray. The
+same runs carry planted credentials, and nothing they log may contain one."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from kiln.train import checkpoint
 from kiln.train.local import free_port
 
 REPO = Path(__file__).resolve().parents[3]
+# Credentials as users hand them over: in the environment, and inside a URL in the config.
+PLANTED_ENV = {"AWS_SECRET_ACCESS_KEY": "planted-aws-secret-0001", "AWS_SESSION_TOKEN": "planted-aws-session-0002",
+               "MLFLOW_TRACKING_TOKEN": "planted-mlflow-token-0003", "RAY_AUTH_TOKEN": "planted-ray-token-0004"}
+PLANTED_ENDPOINT = "https://kiln:planted-endpoint-pw-0005@minio.invalid:9000"
+PLANTED = [*PLANTED_ENV.values(), "planted-endpoint-pw-0005"]
 
 
 def _run_local(byte_dataset, tmp_path, *overrides, ranks=1):
@@ -20,13 +28,17 @@ def _run_local(byte_dataset, tmp_path, *overrides, ranks=1):
            "--set", f"data.path={byte_dataset}", "--set", "train.max_steps=30", "--set", "train.eval_every=15",
            "--set", "schedule.warmup_steps=5", "--set", "train.micro_batch_size=8",
            "--set", f"logging.tracking_uri=sqlite:///{tmp_path}/mlflow.db", "--set", "logging.experiment=local",
-           "--set", f"train.storage_path={tmp_path}/runs", *[a for o in overrides for a in ("--set", o)]]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+           "--set", f"train.storage_path={tmp_path}/runs", "--set", f"data.s3_endpoint={PLANTED_ENDPOINT}",
+           *[a for o in overrides for a in ("--set", o)]]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                          env=dict(os.environ, **PLANTED_ENV))
 
 
 @pytest.mark.parametrize("zero_stage, ranks", [(3, 1), (2, 2)], ids=["single-process-zero3", "torchrun-2-ranks-zero2"])
 def test_loop_trains_without_ray(byte_dataset, tmp_path, zero_stage, ranks):
-    out = _run_local(byte_dataset, tmp_path, f"parallel.zero_stage={zero_stage}", ranks=ranks)
+    # The 2-rank run also saves every 3 s of wall clock, into one directory both ranks share.
+    timed = ["train.checkpoint_every_minutes=0.05"] if ranks > 1 else []
+    out = _run_local(byte_dataset, tmp_path, f"parallel.zero_stage={zero_stage}", *timed, ranks=ranks)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "import ray" not in out.stderr
     from mlflow.tracking import MlflowClient
@@ -39,5 +51,25 @@ def test_loop_trains_without_ray(byte_dataset, tmp_path, zero_stage, ranks):
     assert run.data.params["parallel.zero_stage"] == str(zero_stage)
     assert run.data.tags["kiln.launcher"] == "local"
     assert run.data.params["parallel.num_workers"] == str(ranks)  # the world size torchrun gave
-    assert (tmp_path / "runs" / run.info.run_name / "step_00000030" / "latest").is_file()
+    root = tmp_path / "runs" / run.info.run_name
+    assert (root / "step_00000030" / "latest").is_file()
+    saved = sorted(p.name for p in root.iterdir())
+    assert all(checkpoint.is_complete(str(root / name)) for name in saved), saved  # none partial
+    if ranks > 1:
+        assert len(saved) > 1, saved  # the timed saves happened before the last step's
+        assert (root / saved[0] / checkpoint.MARKER.format(rank=1)).is_file()
     assert "val loss" in out.stdout and "unigram entropy" in out.stdout
+    _assert_no_planted_secret(client, run, out, tmp_path)
+
+
+def _assert_no_planted_secret(client, run, out, tmp_path) -> None:
+    """Search everything the run logged: params, tags, metric names, every artifact, the console."""
+    assert run.data.params["data.s3_endpoint"] == "https://kiln:***@minio.invalid:9000"  # logged, masked
+    logged = [out.stdout, out.stderr, *run.data.params, *run.data.params.values(), *run.data.tags,
+              *run.data.tags.values(), *run.data.metrics]
+    artifacts = Path(client.download_artifacts(run.info.run_id, "", str(tmp_path / "artifacts")))
+    files = [p for p in artifacts.rglob("*") if p.is_file()]
+    assert any(p.name == "config.yaml" for p in files), files
+    logged += [p.read_bytes().decode("latin-1") for p in files]
+    for secret in PLANTED:
+        assert not any(secret in text for text in logged), f"{secret} reached what the run logged"

@@ -1,0 +1,131 @@
+"""Checkpoints that count only once complete.
+
+DeepSpeed writes each rank's shards with plain `torch.save` and points its `latest` file at a
+tag before every rank has finished, so a writer killed midway leaves a directory that looks like
+a checkpoint and is not one. Kiln therefore:
+
+- writes a checkpoint into `step_N.partial/` and renames it to `step_N/` only after this rank's
+  DeepSpeed files are closed and its completion marker is written (a rename is atomic on a local
+  filesystem; under Ray Train the directory then goes to storage through `ray.train.report`,
+  which registers it only after the upload);
+- writes one marker per rank, `kiln_complete.rank<r>.json`, last, holding the step and the
+  world size; a checkpoint is complete when every rank's marker is there and agrees;
+- resumes only from complete checkpoints: `latest_complete(root)` skips partial or unmarked
+  ones, and an explicit `train.resume_from` that is incomplete is refused with its name.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+
+from kiln.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+TAG = "state"  # DeepSpeed's tag: the subdirectory holding the shards
+MARKER = "kiln_complete.rank{rank}.json"
+STEP_DIR = re.compile(r"^step_(\d{8})$")
+
+
+def step_dir(root: str, step: int) -> str:
+    return os.path.join(root, f"step_{step:08d}")
+
+
+def save(engine, root: str, step: int, rank: int, world_size: int, client_state: dict) -> str:
+    """Write the engine's state for `step` under `root`; return the completed directory."""
+    final = step_dir(root, step)
+    partial = final + ".partial"
+    if rank == 0 and os.path.isdir(partial):
+        shutil.rmtree(partial, ignore_errors=True)  # a writer killed earlier at this step
+    _barrier(world_size)
+    engine.save_checkpoint(partial, tag=TAG, client_state=client_state)
+    marker = {"step": step, "world_size": world_size, "rank": rank, "tag": TAG}
+    _write_synced(os.path.join(partial, MARKER.format(rank=rank)), json.dumps(marker))
+    _barrier(world_size)  # every rank's marker is written before the directory appears
+    try:
+        os.rename(partial, final)
+    except FileNotFoundError:
+        if not os.path.isdir(final):  # another rank sharing this directory renamed it already
+            raise
+    except OSError:
+        if not os.path.isdir(final):
+            raise
+    _barrier(world_size)
+    return final
+
+
+def is_complete(directory: str) -> bool:
+    return _markers(directory) is not None
+
+
+def _markers(directory: str) -> dict | None:
+    """The agreed {step, world_size} of a complete checkpoint, else None."""
+    first = _read_marker(os.path.join(directory, MARKER.format(rank=0)))
+    if first is None or not os.path.isdir(os.path.join(directory, first.get("tag", TAG))):
+        return None
+    for rank in range(1, int(first["world_size"])):
+        other = _read_marker(os.path.join(directory, MARKER.format(rank=rank)))
+        if other is None or (other["step"], other["world_size"]) != (first["step"], first["world_size"]):
+            return None
+    return first
+
+
+def latest_complete(root: str) -> str | None:
+    """The newest complete `step_N` directory under root, or None."""
+    if not os.path.isdir(root):
+        return None
+    names = sorted(name for name in os.listdir(root) if STEP_DIR.match(name))  # zero-padded: sorts by step
+    for name in reversed(names):
+        directory = os.path.join(root, name)
+        if is_complete(directory):
+            return directory
+        log.warning("skipping %s: it is not a complete checkpoint (a writer died while saving it)", directory)
+    return None
+
+
+def resolve_resume(path: str, world_size: int) -> tuple[str, int]:
+    """(checkpoint directory, its step) for train.resume_from: a `step_N` directory, or a run's
+    checkpoint root whose newest complete checkpoint is taken. Refuses anything incomplete."""
+    if not os.path.isdir(path):
+        raise ConfigError(f"train.resume_from = {path!r}: no such directory")
+    directory = path if (os.path.exists(os.path.join(path, MARKER.format(rank=0)))
+                         or os.path.isdir(os.path.join(path, TAG))) else latest_complete(path)
+    if directory is None:
+        raise ConfigError(f"train.resume_from = {path!r}: holds no complete Kiln checkpoint "
+                          "(expected a step_N directory with a kiln_complete marker per rank)")
+    marker = _markers(directory)
+    if marker is None:
+        raise ConfigError(f"train.resume_from = {directory!r} is incomplete: its writer died before every "
+                          "rank's kiln_complete marker was written; pick an earlier checkpoint")
+    if int(marker["world_size"]) != world_size:
+        raise ConfigError(f"train.resume_from = {directory!r} was written by {marker['world_size']} ranks; "
+                          f"this run has {world_size}. DeepSpeed's ZeRO shards load only into the same "
+                          "number of ranks")
+    return directory, int(marker["step"])
+
+
+def _read_marker(path: str) -> dict | None:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _write_synced(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _barrier(world_size: int) -> None:
+    if world_size > 1:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.barrier()

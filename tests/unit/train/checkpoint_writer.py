@@ -1,0 +1,56 @@
+"""Test helper for test_checkpoint_kill.py: a real DeepSpeed engine (debug GPT, ZeRO-2, Adam
+state) that checkpoints through kiln.train.checkpoint.
+
+    python checkpoint_writer.py write ROOT        # save step 1, 2, ... until killed
+    python checkpoint_writer.py load ROOT...      # resume each root; print {root: step} as JSON
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import sys
+
+import torch
+
+from kiln.config import load_config
+from kiln.train import checkpoint
+from kiln.train.local import _world_from_env
+from kiln.train.loop import gpt_config
+from kiln.train.optim import build_scheduler
+from kiln.train.parallelize import initialize
+
+
+def engine():
+    cfg = load_config(None, ["model.flavour=debug", "model.vocab_size=512", "model.seq_len=64",
+                             "parallel.num_workers=1", "parallel.zero_stage=2", "train.precision=fp32"])
+    _world_from_env(use_gpu=False)
+    eng, _ = initialize(cfg, gpt_config(cfg), 1, on_cuda=False,
+                        scheduler_fn=lambda opt: build_scheduler(opt, cfg.schedule, cfg.train.max_steps))
+    # One real step, so the checkpoint carries Adam's moments as well as the weights.
+    x = torch.randint(0, 512, (2, 65))
+    _, loss = eng(x[:, :-1], x[:, 1:])
+    eng.backward(loss)
+    eng.step()
+    return eng
+
+
+def main() -> None:
+    mode, roots = sys.argv[1], sys.argv[2:]
+    eng = engine()
+    if mode == "write":
+        print("ready", flush=True)
+        for step in itertools.count(1):
+            checkpoint.save(eng, roots[0], step, rank=0, world_size=1, client_state={"step": step})
+            print(f"saved {step}", flush=True)
+    loaded = {}
+    for root in roots:
+        directory, step = checkpoint.resolve_resume(root, world_size=1)
+        _, client = eng.load_checkpoint(directory, tag=checkpoint.TAG)
+        assert client["step"] == step, (client["step"], step)
+        loaded[root] = step
+    print(json.dumps(loaded), flush=True)
+
+
+if __name__ == "__main__":
+    main()

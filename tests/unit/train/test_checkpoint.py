@@ -1,0 +1,62 @@
+"""Which directories count as checkpoints: complete ones only, from the same world size."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kiln.errors import ConfigError
+from kiln.train import checkpoint
+
+
+def _fake(root, step: int, world: int, markers: int | None = None, partial: bool = False):
+    d = root / (f"step_{step:08d}" + (".partial" if partial else ""))
+    (d / checkpoint.TAG).mkdir(parents=True)
+    (d / "latest").write_text(checkpoint.TAG)  # what DeepSpeed writes, complete or not
+    for rank in range(world if markers is None else markers):
+        (d / checkpoint.MARKER.format(rank=rank)).write_text(
+            json.dumps({"step": step, "world_size": world, "rank": rank, "tag": checkpoint.TAG}))
+    return d
+
+
+def test_latest_complete_skips_unmarked_partial_and_missing_rank_checkpoints(tmp_path):
+    _fake(tmp_path, 10, world=2)
+    _fake(tmp_path, 20, world=2, markers=1)  # rank 1 died before its marker
+    _fake(tmp_path, 30, world=2, markers=0)  # DeepSpeed's files and `latest`, no marker at all
+    _fake(tmp_path, 40, world=2, partial=True)  # never renamed
+    assert checkpoint.latest_complete(str(tmp_path)) == str(tmp_path / "step_00000010")
+
+
+def test_a_marker_from_another_step_does_not_complete_a_checkpoint(tmp_path):
+    d = _fake(tmp_path, 20, world=2)
+    (d / checkpoint.MARKER.format(rank=1)).write_text(json.dumps({"step": 10, "world_size": 2, "rank": 1}))
+    assert not checkpoint.is_complete(str(d))
+    (d / checkpoint.MARKER.format(rank=1)).write_text("{truncated")
+    assert not checkpoint.is_complete(str(d))
+
+
+def test_resume_from_a_root_takes_the_newest_complete_step(tmp_path):
+    _fake(tmp_path, 10, world=2)
+    _fake(tmp_path, 20, world=2)
+    assert checkpoint.resolve_resume(str(tmp_path), world_size=2) == (str(tmp_path / "step_00000020"), 20)
+
+
+def test_resume_from_an_incomplete_step_is_refused_by_name(tmp_path):
+    d = _fake(tmp_path, 20, world=2, markers=1)
+    with pytest.raises(ConfigError, match=r"step_00000020.*incomplete"):
+        checkpoint.resolve_resume(str(d), world_size=2)
+
+
+def test_resume_into_another_world_size_is_refused(tmp_path):
+    d = _fake(tmp_path, 10, world=2)
+    with pytest.raises(ConfigError, match=r"written by 2 ranks; this run has 4"):
+        checkpoint.resolve_resume(str(d), world_size=4)
+
+
+def test_resume_from_nothing_usable_names_the_path(tmp_path):
+    with pytest.raises(ConfigError, match=r"no such directory"):
+        checkpoint.resolve_resume(str(tmp_path / "missing"), world_size=1)
+    _fake(tmp_path, 10, world=1, partial=True)
+    with pytest.raises(ConfigError, match=r"holds no complete Kiln checkpoint"):
+        checkpoint.resolve_resume(str(tmp_path), world_size=1)
