@@ -1,8 +1,14 @@
-"""Multi-node, proven on one machine: a second Ray node joins the session's head with
-`ray start --address`, a `ray job submit` run puts one ZeRO-2 worker on each node
-(STRICT_SPREAD), checkpoints to the loopback S3 server and logs to a real `mlflow server`.
-The second node is then killed mid-run and started again; the job resumes from the last
-checkpoint on S3 and completes, in one MLflow run."""
+"""Multi-node and failures, proven on one machine, in one `ray job submit` run.
+
+A second Ray node joins the session's head with `ray start --address`, with its own logical
+CPUs and a custom resource. `jobs/pretrain.py` is submitted with one ZeRO-2 worker per node
+(STRICT_SPREAD), checkpoints on the loopback S3 server and MLflow on a real `mlflow server`.
+Mid-run, first the training worker on the head is SIGKILLed, then the whole second node (its
+raylet and everything under it); the node is started again. Each time Ray Train restarts the
+worker group and every rank resumes from the newest checkpoint on S3; the job completes, and
+MLflow shows one run that records both restarts. The MLflow server is started and stopped with
+`kiln services up|down`, as a team would.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import boto3
@@ -19,17 +26,17 @@ import psutil
 import pytest
 from mlflow.tracking import MlflowClient
 
-from kiln import services
 from kiln.train.local import free_port
 
 BIN = Path(sys.executable).parent
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 60
 LABEL = "kiln_node_b"  # the second node's custom resource: how the test tells the nodes apart
+PREFIX = "cluster-runs/spread/"  # the run's directory in the bucket (train.storage_path/run name)
 
 
 class SecondNode:
-    """A worker node on this machine with its own logical CPUs and label. Its ports are fixed
+    """A worker node on this machine with its own logical CPUs and label. Its ports are chosen
     per start, so its raylet can be found (and killed) by its node-manager port."""
 
     def __init__(self, gcs_address: str, env: dict):
@@ -47,22 +54,20 @@ class SecondNode:
             env=self.env, capture_output=True, text=True, timeout=180)
         assert out.returncode == 0, out.stdout + out.stderr
 
+    def raylet(self) -> psutil.Process:
+        found = [p for p in psutil.process_iter(["cmdline"])
+                 if f"--node_manager_port={self.manager_port}" in " ".join(p.info["cmdline"] or [])]
+        assert len(found) == 1, f"expected one raylet on port {self.manager_port}, found {len(found)}"
+        return found[0]
+
     def kill(self) -> int:
-        """SIGKILL the raylet and everything under it (its workers, agents): a lost machine.
-        Returns how many processes died."""
-        raylets = [p for p in psutil.process_iter(["cmdline"])
-                   if p.info["cmdline"] and f"--node_manager_port={self.manager_port}" in " ".join(p.info["cmdline"])]
-        assert len(raylets) == 1, f"expected one raylet on port {self.manager_port}, found {len(raylets)}"
-        victims = [*raylets[0].children(recursive=True), raylets[0]]
+        """SIGKILL the raylet and everything under it (its workers, agents): a lost machine."""
+        raylet = self.raylet()
+        victims = [*raylet.children(recursive=True), raylet]
         for p in victims:
             with contextlib.suppress(psutil.NoSuchProcess):
                 p.send_signal(signal.SIGKILL)
         return len(victims)
-
-
-def _checkpoints(endpoint: str, prefix: str) -> set[str]:
-    keys = _keys(endpoint, prefix)
-    return {k[len(prefix):].split("/")[0] for k in keys if k[len(prefix):].startswith("checkpoint_")}
 
 
 def _keys(endpoint: str, prefix: str) -> list[str]:
@@ -72,77 +77,131 @@ def _keys(endpoint: str, prefix: str) -> list[str]:
             for o in page.get("Contents", [])]
 
 
-def _nodes(dashboard: str) -> list:
-    from ray.util.state import list_nodes
+def _checkpoints(endpoint: str) -> list[str]:
+    # directories only: Ray also keeps checkpoint_manager_snapshot.json beside them
+    return sorted({k[len(PREFIX):].split("/")[0] for k in _keys(endpoint, PREFIX)
+                   if k[len(PREFIX):].startswith("checkpoint_") and "/" in k[len(PREFIX):]})
 
-    return list_nodes(address=dashboard, detail=True, limit=100)
+
+def _wait_for_checkpoints(n: int, endpoint: str, job: subprocess.Popen, log: Path) -> None:
+    deadline = time.time() + 600
+    while len(_checkpoints(endpoint)) < n:
+        assert job.poll() is None, log.read_text()[-4000:]
+        assert time.time() < deadline, f"fewer than {n} checkpoints reached S3"
+        time.sleep(1)
 
 
-@pytest.mark.timeout(1200)
-def test_job_spread_over_two_nodes_survives_losing_one(ray_cluster, s3_server, s3_dataset, tmp_path):
+def _head_worker(node: SecondNode) -> psutil.Process:
+    """The Ray Train worker that is not under the second node's raylet: the one on the head."""
+    on_b = {p.pid for p in node.raylet().children(recursive=True)}
+    workers = [p for p in psutil.process_iter(["cmdline"])
+               if (p.info["cmdline"] or [""])[0].startswith("ray::RayTrainWorker") and p.pid not in on_b]
+    assert len(workers) == 1, [(p.pid, p.info["cmdline"]) for p in workers]
+    return workers[0]
+
+
+def _services(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kiln.cli", "services", *map(str, args)],
+                          capture_output=True, text=True, timeout=180)
+
+
+@pytest.mark.timeout(1500)
+def test_job_spread_over_two_nodes_survives_a_dead_worker_and_a_dead_node(ray_cluster, s3_server, s3_dataset,
+                                                                          tmp_path):
+    """The MLflow server is the team's `kiln services up`, checked on the way."""
     gcs, dashboard, env = ray_cluster
-    mlflow_url = services.up(tmp_path / "services", port=free_port())[0].url
+    root, port = tmp_path / "services", free_port()
+    up = _services("up", "--dir", root, "--port", port)
+    assert up.returncode == 0, up.stderr
+    mlflow_url = f"http://127.0.0.1:{port}"
     try:
-        _submit_kill_and_check(gcs, dashboard, env, s3_server, s3_dataset, mlflow_url, tmp_path)
+        assert f"export MLFLOW_TRACKING_URI={mlflow_url}" in up.stdout
+        _check_services_guards(root, port, tmp_path)
+        out = _submit_and_kill(SecondNode(gcs, env), dashboard, env, s3_server, s3_dataset, mlflow_url, tmp_path)
+        _check(out, dashboard, s3_server, mlflow_url)
+        # the run's artifacts went through the server into the services directory
+        assert list((root / "artifacts").rglob("config.yaml")) and (root / "mlflow.db").exists()
     finally:
-        services.down(tmp_path / "services")
+        down = _services("down", "--dir", root)
+    assert down.returncode == 0 and "stopped mlflow" in down.stdout, down.stdout + down.stderr
+    with pytest.raises(OSError):
+        urllib.request.urlopen(f"{mlflow_url}/health", timeout=2)  # nothing answers any more
+    assert not (root / "services.json").exists()
 
 
-def _submit_kill_and_check(gcs, dashboard, env, s3_server, s3_dataset, mlflow_url, tmp_path) -> None:
-    node = SecondNode(gcs, env)
+def _check_services_guards(root: Path, port: int, tmp_path: Path) -> None:
+    """Bound to loopback only; a second `up` and a busy port are refused in one line."""
+    ss = subprocess.run(["ss", "-ltnH", f"sport = :{port}"], capture_output=True, text=True).stdout
+    local = [line.split()[3] for line in ss.splitlines()]
+    assert local and all(a.startswith("127.0.0.1:") for a in local), ss
+    again = _services("up", "--dir", root, "--port", port)
+    assert again.returncode == 2 and "already running" in again.stderr and "Traceback" not in again.stderr
+    busy = _services("up", "--dir", tmp_path / "other", "--port", port)
+    assert busy.returncode == 2 and f"port {port} on 127.0.0.1 is in use" in busy.stderr
+    assert "running" in _services("status", "--dir", root).stdout
+
+
+def _submit_and_kill(node, dashboard, env, s3_server, s3_dataset, mlflow_url, tmp_path) -> str:
     node.start()
     log_path = tmp_path / "job.log"
+    cmd = [str(BIN / "ray"), "job", "submit", "--address", dashboard, "--working-dir", str(REPO), "--",
+           sys.executable, "jobs/pretrain.py", "--config", "jobs/configs/debug.yaml",
+           "--set", f"data.path={s3_dataset}", "--set", f"data.s3_endpoint={s3_server}",
+           "--set", "parallel.num_workers=2", "--set", "parallel.zero_stage=2",
+           "--set", "parallel.placement_strategy=STRICT_SPREAD",
+           "--set", f"train.max_steps={STEPS}", "--set", "train.checkpoint_every=10",
+           "--set", "train.max_failures=2", "--set", "train.eval_every=0", "--set", "train.eval_batches=2",
+           "--set", "train.micro_batch_size=8", "--set", "schedule.warmup_steps=2",
+           "--set", "train.storage_path=s3://kiln-test/cluster-runs",
+           "--set", f"logging.tracking_uri={mlflow_url}", "--set", "logging.experiment=two-nodes",
+           "--set", "logging.run_name=spread"]
+    job = None
     try:
-        cmd = [str(BIN / "ray"), "job", "submit", "--address", dashboard, "--working-dir", str(REPO), "--",
-               sys.executable, "jobs/pretrain.py", "--config", "jobs/configs/debug.yaml",
-               "--set", f"data.path={s3_dataset}", "--set", f"data.s3_endpoint={s3_server}",
-               "--set", "parallel.num_workers=2", "--set", "parallel.zero_stage=2",
-               "--set", "parallel.placement_strategy=STRICT_SPREAD",
-               "--set", f"train.max_steps={STEPS}", "--set", "train.checkpoint_every=10",
-               "--set", "train.max_failures=1", "--set", "train.eval_every=0", "--set", "train.eval_batches=2",
-               "--set", "train.micro_batch_size=8", "--set", "schedule.warmup_steps=2",
-               "--set", "train.storage_path=s3://kiln-test/cluster-runs",
-               "--set", f"logging.tracking_uri={mlflow_url}", "--set", "logging.experiment=two-nodes",
-               "--set", "logging.run_name=spread"]
         with log_path.open("w") as log:
             job = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
-            deadline = time.time() + 600
-            # Kill the node once two checkpoints are on S3: Ray Train has registered one by then.
-            while len(_checkpoints(s3_server, "cluster-runs/spread/")) < 2:
-                assert job.poll() is None, log_path.read_text()[-4000:]
-                assert time.time() < deadline, "no checkpoint reached S3"
-                time.sleep(1)
-            assert node.kill() >= 2  # the raylet and at least the training worker on it
+            # Two checkpoints on S3 means Ray Train has registered the first at least.
+            _wait_for_checkpoints(2, s3_server, job, log_path)
+            _head_worker(node).send_signal(signal.SIGKILL)  # one training process dies
+            # Two more after the restart, then the whole second node goes.
+            _wait_for_checkpoints(4, s3_server, job, log_path)
+            assert node.kill() >= 2  # the raylet and at least the training worker under it
             time.sleep(3)
-            node.start()  # the machine comes back (as a new Ray node)
+            node.start()  # the machine comes back, as a new Ray node
             rc = job.wait(timeout=900)
         out = log_path.read_text()
         assert rc == 0 and "succeeded" in out, out[-5000:]
+        return out
     finally:
-        if "job" in locals() and job.poll() is None:
+        if job is not None and job.poll() is None:
             job.kill()
         with contextlib.suppress(AssertionError):
             node.kill()  # leave the session cluster as it was: one node
 
+
+def _check(out: str, dashboard: str, s3_server: str, mlflow_url: str) -> None:
+    assert "unigram entropy" in out and "steps on 2 worker(s)" in out  # the job printed its summary
     client = MlflowClient(mlflow_url)
     runs = client.search_runs([client.get_experiment_by_name("two-nodes").experiment_id])
-    assert len(runs) == 1, [r.info.run_name for r in runs]
+    assert len(runs) == 1, [r.info.run_name for r in runs]  # both restarts continued the same run
     run = runs[0]
     assert run.info.status == "FINISHED"
-    assert run.data.tags["kiln.restarts"] == "1" and "checkpoint_" in run.data.tags["kiln.restart.1"]
+    tags = run.data.tags
+    assert tags["kiln.restarts"] == "2", tags
+    assert "checkpoint_" in tags["kiln.restart.1"] and "checkpoint_" in tags["kiln.restart.2"]
     steps = [m.step for m in client.get_metric_history(run.info.run_id, "loss/train")]
-    assert set(steps) == set(range(1, STEPS + 1))
-    # The restarted group placed one rank on the head and one on the second node's new incarnation.
-    nodes = _nodes(dashboard)
+    # every step logged; the steps after each restored checkpoint twice at most
+    assert set(steps) == set(range(1, STEPS + 1)) and len(steps) < 2 * STEPS
+    # The last worker group had one rank on the head and one on the second node's new incarnation.
+    from ray.util.state import list_nodes
+
+    nodes = list_nodes(address=dashboard, detail=True, limit=100)
     head = [n.node_id for n in nodes if "kiln_head" in n.resources_total]
-    seconds = [n for n in nodes if LABEL in n.resources_total]
-    assert len(head) == 1 and len(seconds) == 2, [(n.node_id, n.state) for n in nodes]
-    placement = run.data.tags["kiln.placement"].split(",")
-    assert len(placement) == 2 and head[0] in placement
-    newest = max(seconds, key=lambda n: n.start_time_ms)
-    assert newest.node_id in placement and newest.node_id != head[0]
-    # The final checkpoint is on shared storage, with both ranks' ZeRO shards.
-    assert len(_checkpoints(s3_server, "cluster-runs/spread/")) >= STEPS // 10
-    final = sorted(_checkpoints(s3_server, "cluster-runs/spread/"))[-1]
-    names = {k.rsplit("/", 1)[-1] for k in _keys(s3_server, f"cluster-runs/spread/{final}/")}
-    assert {"zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"} <= names, names
+    seconds = sorted((n for n in nodes if LABEL in n.resources_total), key=lambda n: n.start_time_ms)
+    assert len(head) == 1 and len(seconds) == 2, [(n.node_id, n.state, n.resources_total) for n in nodes]
+    placement = tags["kiln.placement"].split(",")
+    assert sorted(placement) == sorted([head[0], seconds[-1].node_id]), (placement, head, seconds)
+    # Every checkpoint is on shared storage, the last with both ranks' ZeRO shards and markers.
+    final = _checkpoints(s3_server)[-1]
+    names = {k.rsplit("/", 1)[-1] for k in _keys(s3_server, f"{PREFIX}{final}/")}
+    assert {"zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt",
+            "kiln_complete.rank0.json", "kiln_complete.rank1.json"} <= names, names
