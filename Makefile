@@ -9,7 +9,7 @@ STDLIB := $(shell $(PY) -c 'import sysconfig; print(sysconfig.get_paths()["stdli
 
 DEMO_DATA := data/stdlib-bpe/manifest.json
 
-.PHONY: install install-test demo test lint bench clean
+.PHONY: install install-test demo test lint bench clean prometheus-tools
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -44,7 +44,14 @@ $(DEMO_DATA): $(STAMP)
 demo: $(DEMO_DATA)
 	$(BIN)/kiln train --config jobs/configs/debug.yaml
 
-test: $(TEST_STAMP)
+# Debian's Prometheus (prometheus + promtool) for the dashboard and alert tests.
+prometheus-tools:
+	@command -v promtool >/dev/null && command -v prometheus >/dev/null || { \
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		$$SUDO apt-get install -y -qq --no-install-recommends prometheus >/dev/null 2>&1 \
+		|| { $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq --no-install-recommends prometheus; }; }
+
+test: $(TEST_STAMP) prometheus-tools
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest tests --durations=12
 

@@ -36,6 +36,9 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
                    help="Ray cluster address; default $RAY_ADDRESS, else an embedded local Ray")
     p.add_argument("--summary-json", default=None, metavar="PATH",
                    help="also write the run summary (final metrics, run id) as JSON here")
+    p.add_argument("--profile", action="store_true",
+                   help="profile 3 steps on rank 0 after warm-up (train.profile.start_step=min(10, max_steps-2)); "
+                        "trace and top operators go to the run's MLflow artifacts under profile/")
 
 
 def _flavours() -> list[str]:
@@ -165,7 +168,11 @@ def run(args: argparse.Namespace) -> int:
         from kiln.config import load_config
         from kiln.train.launch import train
 
-        cfg = load_config(args.config, args.overrides)  # validated before anything starts
+        overrides = list(args.overrides)
+        if getattr(args, "profile", False):
+            steps = load_config(args.config, overrides).train.max_steps
+            overrides.append(f"train.profile.start_step={max(1, min(10, steps - 2))}")
+        cfg = load_config(args.config, overrides)  # validated before anything starts
         summary = train(cfg, address=args.address, started=_STARTED)
         print(summary.render())
         if args.summary_json:

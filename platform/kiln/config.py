@@ -25,6 +25,7 @@ import yaml
 
 from kiln.errors import ConfigError
 from kiln.model import FLAVOURS
+from kiln.train.profiling import ProfileConfig
 
 
 @dataclass
@@ -172,6 +173,9 @@ class TrainConfig:
     """Restarts Ray Train may make after a worker or its node dies (FailureConfig); each restart
     resumes from the newest reported checkpoint, losing only the steps since. -1: no limit.
     Set train.checkpoint_every (or _minutes) too, or a restart begins again from step 0."""
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    """A torch.profiler window (start_step, steps, ranks): Chrome trace and top operators into
+    the run's MLflow artifacts under profile/. Off unless start_step > 0."""
 
 
 @dataclass
@@ -209,6 +213,7 @@ class RunConfig:
         """Check every value against its allowed range; raise ConfigError naming the field."""
         _check_ranges(self)
         _check_parallel(self)
+        _check_profile(self)
         return self
 
     @property
@@ -286,6 +291,22 @@ def _check_ranges(cfg: RunConfig) -> None:
         value = getattr(getattr(cfg, section), name)
         if not ok(value):
             raise ConfigError(f"{dotted} = {value!r} is out of range: expected {allowed}")
+
+
+def _check_profile(cfg: RunConfig) -> None:
+    p = cfg.train.profile
+    if p.start_step < 0 or p.steps < 1:
+        raise ConfigError(f"train.profile: start_step = {p.start_step}, steps = {p.steps}: expected "
+                          "start_step >= 0 (0: off) and steps >= 1")
+    if p.start_step and p.start_step + p.steps - 1 > cfg.train.max_steps:
+        raise ConfigError(f"train.profile: steps {p.start_step}-{p.start_step + p.steps - 1} run past "
+                          f"train.max_steps = {cfg.train.max_steps}")
+    try:
+        ranks = p.rank_set(cfg.parallel.num_workers)
+    except ValueError:
+        raise ConfigError(f"train.profile.ranks = {p.ranks!r}: expected comma-separated ranks or 'all'") from None
+    if any(r < 0 or r >= cfg.parallel.num_workers for r in ranks):
+        raise ConfigError(f"train.profile.ranks = {p.ranks!r}: ranks run 0..{cfg.parallel.num_workers - 1}")
 
 
 def _check_parallel(cfg: RunConfig) -> None:
@@ -512,7 +533,9 @@ def annotated_yaml(cfg: RunConfig | None = None) -> str:
         for f in dataclasses.fields(value):
             if f.name in docs:
                 lines.extend(f"  # {line}" for line in textwrap.wrap(docs[f.name], 94))
-            dumped = yaml.safe_dump({f.name: getattr(value, f.name)}, default_flow_style=True)
+            v = getattr(value, f.name)
+            v = dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v
+            dumped = yaml.safe_dump({f.name: v}, default_flow_style=True)
             lines.append("  " + dumped.strip()[1:-1])
         lines.append("")
     return "\n".join(lines)

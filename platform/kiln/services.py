@@ -144,9 +144,11 @@ def up(root: str | Path = "runs/services", host: str = "127.0.0.1", port: int = 
         _wait_http(f"{url}/health", proc, timeout, mlflow_log)
         if prometheus:
             cfg = root / "prometheus.yml"
+            alerts = Path(__file__).resolve().parents[2] / "dashboards" / "alerts.yml"  # in a checkout
             cfg.write_text(
-                "global: {scrape_interval: 10s, evaluation_interval: 10s}\n"
-                "scrape_configs:\n"
+                "global: {scrape_interval: 5s, evaluation_interval: 15s}\n"
+                + (f"rule_files: ['{alerts}']\n" if alerts.is_file() else "")
+                + "scrape_configs:\n"
                 "  - job_name: ray\n"
                 f"    file_sd_configs: [{{files: ['{RAY_SD_FILE}']}}]\n")
             prom_log = root / "prometheus.log"

@@ -12,12 +12,14 @@ import os
 import re
 import socket
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import urlparse
 
 from kiln.errors import KilnError
+from kiln.train.plots import PLOTTED, training_plots
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +123,7 @@ def ui_command(uri: str) -> str:
 
 class MetricLogger(Protocol):
     def log(self, metrics: dict[str, float], step: int) -> None: ...
+    def log_artifacts(self, local_dir: str, artifact_path: str) -> None: ...
     def flush(self) -> None: ...
     def close(self) -> None: ...
 
@@ -132,6 +135,9 @@ class NullLogger:
         pass
 
     def flush(self) -> None:
+        pass
+
+    def log_artifacts(self, local_dir: str, artifact_path: str) -> None:
         pass
 
     def close(self) -> None:
@@ -163,12 +169,15 @@ class MLflowLogger:
         self._buffer: list = []
         self._last_flush = time.monotonic()
         self._steps = 0
+        self._history: dict[str, list[tuple[int, float]]] = {}  # what the end-of-run plots need
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
         self._buffer.extend(Metric(k, float(v), now, step) for k, v in metrics.items())
+        for k in PLOTTED.intersection(metrics):
+            self._history.setdefault(k, []).append((step, float(metrics[k])))
         self._steps += 1
         if self._steps % self._flush_every == 0 or time.monotonic() - self._last_flush > self._flush_secs:
             self.flush()
@@ -180,11 +189,35 @@ class MLflowLogger:
             self._client.log_batch(self._run_id, metrics=chunk)
         self._last_flush = time.monotonic()
 
+    def log_artifacts(self, local_dir: str, artifact_path: str) -> None:
+        self._client.log_artifacts(self._run_id, local_dir, artifact_path)
+
     def close(self) -> None:
         self.flush()
+        if self._history:
+            with tempfile.TemporaryDirectory(prefix="kiln-plots-") as tmp:
+                try:
+                    if training_plots(self._history, tmp):
+                        self.log_artifacts(tmp, "plots")
+                except Exception as e:  # noqa: BLE001 - a plot must not fail a finished run
+                    log.warning("end-of-run plots not logged: %s", scrub(str(e)))
+            self._history = {}
         if self._monitor is not None:
             self._monitor.finish()
             self._monitor = None
+
+
+
+class ArtifactLogger(NullLogger):
+    """For a rank other than 0 that has files to hand in (a profile): artifacts, no metrics."""
+
+    def __init__(self, tracking_uri: str, run_id: str):
+        from mlflow.tracking import MlflowClient
+
+        self._client, self._run_id = MlflowClient(tracking_uri), run_id
+
+    def log_artifacts(self, local_dir: str, artifact_path: str) -> None:
+        self._client.log_artifacts(self._run_id, local_dir, artifact_path)
 
 
 class Run:

@@ -49,13 +49,41 @@ def s3_server():
         proc.wait(timeout=30)
 
 
+@pytest.fixture
+def prometheus(tmp_path):
+    """Debian's Prometheus on loopback, with dashboards/prometheus.yml's scrape of Ray's
+    service-discovery file and the alert rules, scraping every second. Yields its URL."""
+    binary = shutil.which("prometheus")
+    if binary is None:
+        pytest.fail("no `prometheus` on PATH: `make test` installs Debian's package (apt-get install prometheus)")
+    import yaml
+
+    repo = Path(__file__).resolve().parents[2]
+    cfg = yaml.safe_load((repo / "dashboards/prometheus.yml").read_text())
+    cfg["global"]["scrape_interval"] = "1s"
+    cfg["rule_files"] = [str(repo / "dashboards/alerts.yml")]
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(cfg))
+    port = free_port()
+    log = (tmp_path / "prometheus.log").open("w")
+    proc = subprocess.Popen([binary, f"--config.file={tmp_path / 'prometheus.yml'}",
+                             f"--storage.tsdb.path={tmp_path / 'prom-data'}", f"--web.listen-address=127.0.0.1:{port}"],
+                            stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_for_port(port)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
 @pytest.fixture(scope="session")
 def ray_cluster(tmp_path_factory):
     """A head node started like a user would: `ray start --head`, token auth on, dashboard on
     loopback for job submission. Yields (gcs_address, dashboard_url, env)."""
     if shutil.which("ray", path=str(BIN)) is None:
         pytest.fail("ray CLI not found next to the interpreter")
-    env = dict(os.environ, RAY_AUTH_MODE="token", **S3_ENV)
+    # Workers report metrics every 2 s (Ray's default 10 s would leave a short run few points).
+    env = dict(os.environ, RAY_AUTH_MODE="token", RAY_metrics_report_interval_ms="2000", **S3_ENV)
     gcs_port, dash_port = free_port(), free_port()
     subprocess.run([str(BIN / "ray"), "stop", "--force"], env=env, capture_output=True)
     start = subprocess.run(

@@ -5,6 +5,7 @@ import json
 import math
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -14,20 +15,29 @@ from kiln.config import load_config
 from kiln.train.launch import train
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).parent))
+from prom_queries import dashboard_queries_without_data  # noqa: E402
+
 KILN = str(Path(sys.executable).parent / "kiln")
 
 
-def test_zero2_two_workers_from_s3_to_mlflow(ray_cluster, s3_server, s3_dataset, tmp_path):
+def test_zero2_two_workers_from_s3_to_mlflow(ray_cluster, s3_server, s3_dataset, prometheus, tmp_path):
     address, _, _ = ray_cluster
     db = f"sqlite:///{tmp_path}/mlflow.db"
     cfg = load_config(REPO / "jobs/configs/debug.yaml", [
         f"data.path={s3_dataset}", f"data.s3_endpoint={s3_server}",
         "train.max_steps=40", "train.eval_every=20", "schedule.warmup_steps=5", "train.micro_batch_size=8",
         f"logging.tracking_uri={db}", "logging.experiment=integration", "logging.run_name=zero2-s3",
-        f"train.storage_path={tmp_path}/runs",
+        f"train.storage_path={tmp_path}/runs", "train.checkpoint_every=20",
+        "train.profile.start_step=10", "train.profile.steps=2", "train.profile.ranks=all",
     ])
     assert cfg.parallel.num_workers == 2 and cfg.parallel.zero_stage == 2
+    started = time.time()
     summary = train(cfg, address=address)
+
+    # A real Prometheus scraped Ray's endpoint during the run: every dashboard query has data.
+    empty = dashboard_queries_without_data(prometheus, "zero2-s3", started, time.time())
+    assert not empty, empty
 
     client = MlflowClient(db)
     run = client.get_run(summary.run_id)
@@ -51,6 +61,13 @@ def test_zero2_two_workers_from_s3_to_mlflow(ray_cluster, s3_server, s3_dataset,
     arts = {a.path for a in client.list_artifacts(run.info.run_id)} | {
         a.path for a in client.list_artifacts(run.info.run_id, "data")}
     assert {"config.yaml", "data/manifest.json"} <= arts
+    # the profiling window of both ranks, and the end-of-run plots
+    profile = {a.path for a in client.list_artifacts(run.info.run_id, "profile")}
+    assert {f"profile/{f}_rank{r}.{x}" for r in (0, 1) for f, x in (("trace", "json"), ("top_ops", "txt"))} <= profile
+    trace = json.loads(Path(client.download_artifacts(run.info.run_id, "profile/trace_rank0.json", str(tmp_path))).read_text())
+    assert any(str(e.get("name", "")).startswith("aten::") for e in trace["traceEvents"])
+    plots = {a.path for a in client.list_artifacts(run.info.run_id, "plots")}
+    assert plots == {f"plots/{n}.png" for n in ("loss", "lr", "throughput", "step_time")}
     manifest = json.loads(Path(client.download_artifacts(run.info.run_id, "data/manifest.json", str(tmp_path))).read_text())
     assert manifest["tokenizer"]["vocab_size"] == 512
     # the DeepSpeed checkpoint went through ray.train.report into storage_path, from both ranks

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -23,10 +24,12 @@ from kiln.config import RunConfig
 from kiln.model import GPTConfig, config_for, flops_per_token, num_params
 from kiln.tracking import MetricLogger
 from kiln.train import checkpoint
+from kiln.train.live_metrics import LiveMetrics, NullLive
 from kiln.train.metrics import datasheet_peak_flops, measured_peak_flops, memory_metrics
 from kiln.train.optim import build_scheduler
 from kiln.train.parallelize import engine_memory, initialize
 from kiln.train.pipeline import check_coords
+from kiln.train.profiling import StepProfiler
 from kiln.train.sources import BatchSource
 
 log = logging.getLogger("kiln.train")
@@ -81,28 +84,44 @@ def evaluate(engine, source: BatchSource, max_batches: int, device: torch.device
 
 
 def _train_step(engine, batches: Iterator[torch.Tensor], micro_batches: int, device: torch.device,
-                pipeline: bool) -> tuple[torch.Tensor, float]:
-    """One optimizer step over `micro_batches` micro-batches: (mean loss, seconds waiting for data)."""
-    data_wait = 0.0
+                pipeline: bool) -> tuple[torch.Tensor, dict[str, float]]:
+    """One optimizer step over `micro_batches` micro-batches: (mean loss, seconds spent per phase).
+
+    The phases are data wait, forward, backward (gradient all-reduce included) and optimizer.
+    On a GPU each phase ends in a synchronize so its kernels are counted in it; a pipeline runs
+    all of them inside DeepSpeed's schedule, so only the data wait is split out there.
+    """
+    times = {"time/data_wait_s": 0.0}
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    clock = time.perf_counter
 
     def next_batch() -> torch.Tensor:
-        nonlocal data_wait
-        wait_start = time.perf_counter()
+        wait_start = clock()
         batch = next(batches).to(device, non_blocking=True)
-        data_wait += time.perf_counter() - wait_start
+        times["time/data_wait_s"] += clock() - wait_start
         return batch
 
     if pipeline:  # DeepSpeed runs the whole 1F1B schedule (and the step) in train_batch
         pairs = [(b[:, :-1], b[:, 1:]) for b in (next_batch() for _ in range(micro_batches))]
-        return engine.train_batch(data_iter=iter(pairs)).detach().float(), data_wait
+        return engine.train_batch(data_iter=iter(pairs)).detach().float(), times
+    times.update({"time/forward_s": 0.0, "time/backward_s": 0.0, "time/optimizer_s": 0.0})
     loss_sum = torch.zeros((), device=device)
     for _ in range(micro_batches):
         batch = next_batch()
+        t0 = clock()
         _, loss = engine(batch[:, :-1], batch[:, 1:])
+        sync()
+        t1 = clock()
         engine.backward(loss)
-        engine.step()
+        sync()
+        t2 = clock()
+        engine.step()  # steps the optimizer at the accumulation boundary only
+        sync()
+        times["time/forward_s"] += t1 - t0
+        times["time/backward_s"] += t2 - t1
+        times["time/optimizer_s"] += clock() - t2
         loss_sum += loss.detach()
-    return loss_sum / micro_batches, data_wait
+    return loss_sum / micro_batches, times
 
 
 def train_loop(
@@ -112,9 +131,11 @@ def train_loop(
     logger: MetricLogger,
     report: Report | None = None,
     checkpoint_root: str | None = None,
+    live: LiveMetrics | None = None,
 ) -> dict[str, float]:
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     t, device = cfg.train, world.device
+    live = live or NullLive()
     torch.manual_seed(t.seed)
     if device.type == "cpu":
         torch.set_num_threads(max(1, int(cfg.parallel.cpus_per_worker)))
@@ -160,13 +181,20 @@ def train_loop(
                  tokens_per_step, world.world_size,
                  f" ({dp_size} data-parallel x {cfg.parallel.pipeline_stages} pipeline stages)" if pipeline else "")
 
+    profiler = StepProfiler(t.profile, world.rank, world.world_size, device)
     for step in range(done + 1, t.max_steps + 1):
+        profiler.begin(step)
         start = time.perf_counter()
         lr = scheduler.get_last_lr()[0]
-        loss_mean, data_wait = _train_step(engine, batches, micro_batches, device, pipeline)
+        loss_mean, phase_times = _train_step(engine, batches, micro_batches, device, pipeline)
+        data_wait = phase_times["time/data_wait_s"]
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         step_time = time.perf_counter() - start
+        window = profiler.end(step)
+        if window is not None:
+            logger.log_artifacts(str(window), "profile")
+            shutil.rmtree(window, ignore_errors=True)
         if step == done + 1:
             first_step_unix = time.time()
             held = engine_memory(engine)  # optimizer state exists after the first step
@@ -182,6 +210,7 @@ def train_loop(
             "throughput/tokens_per_s": tok_s,
             "throughput/tokens_per_s_per_device": tok_s / world.world_size,
             "time/step_s": step_time,
+            **phase_times,
             "time/data_wait_s": wait,
             "tokens/seen": float(step * tokens_per_step),
         }
@@ -210,8 +239,9 @@ def train_loop(
             eval_start = time.perf_counter()
             metrics["loss/val"] = evaluate(engine, source, t.eval_batches, device, pipeline)
             eval_time = time.perf_counter() - eval_start
+        metrics.update(memory_metrics(device))
+        live.observe(metrics, step)
         if step % cfg.logging.log_every == 0 or is_last or "loss/val" in metrics:
-            metrics.update(memory_metrics(device))
             logger.log(metrics, step)
         if world.rank == 0 and (step % cfg.logging.progress_every == 0 or step == 1 or is_last):
             _progress(step, t.max_steps, metrics, steady_time / max(steady_steps, 1))
@@ -227,8 +257,10 @@ def train_loop(
                 or (t.checkpoint_every_minutes and since_save >= 60 * t.checkpoint_every_minutes))
         ckpt = None
         if save and checkpoint_root is not None:
+            save_start = time.perf_counter()
             ckpt = checkpoint.save(engine, checkpoint_root, step, world.rank, world.world_size,
                                    client_state={"step": step, "tokens_seen": step * tokens_per_step})
+            live.checkpointed(time.perf_counter() - save_start)
             last_save = time.monotonic()
         if report is not None and not is_last and ("loss/val" in metrics or save):
             # Flush first: a scheduler (ASHA) may stop this run as soon as it sees the report.
@@ -236,6 +268,7 @@ def train_loop(
             report(metrics | {"step": step}, ckpt)
 
     logger.close()
+    live.close()
     final = dict(last)
     final["throughput/tokens_per_s"] = tokens_per_step * steady_steps / max(steady_time, 1e-9)
     if peak is not None:

@@ -21,7 +21,8 @@ from ray.train import Checkpoint, FailureConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from kiln.config import RunConfig, config_from_dict
-from kiln.tracking import MLflowLogger, NullLogger, ScrubFilter
+from kiln.tracking import ArtifactLogger, MLflowLogger, NullLogger, ScrubFilter
+from kiln.train.live_metrics import RayLive, device_limit_bytes
 from kiln.train.loop import WorldInfo, train_loop
 from kiln.train.sources import RayShardSource
 
@@ -42,7 +43,12 @@ def _worker_entry(loop_config: dict[str, Any]) -> None:
     placement = _placement(world)
     logging.getLogger("kiln.train").info("rank %d of %d on node %s", world.rank, world.world_size,
                                          placement[world.rank])
-    logger = MLflowLogger(loop_config["tracking_uri"], run_id) if world.rank == 0 and run_id else NullLogger()
+    if world.rank == 0 and run_id:
+        logger = MLflowLogger(loop_config["tracking_uri"], run_id)
+    elif run_id and world.rank in cfg.train.profile.rank_set(world.world_size) and cfg.train.profile.start_step:
+        logger = ArtifactLogger(loop_config["tracking_uri"], run_id)  # hands in its profile
+    else:
+        logger = NullLogger()
     local_ckpt_root = tempfile.mkdtemp(prefix="kiln-ckpt-")
     restored = ray.train.get_checkpoint()  # set when Ray Train restarts the group after a failure
     if restored is not None:
@@ -61,8 +67,10 @@ def _worker_entry(loop_config: dict[str, Any]) -> None:
         if ckpt_dir:  # uploaded to storage_path by now (synchronous upload)
             shutil.rmtree(ckpt_dir, ignore_errors=True)
 
+    live = RayLive(cfg.logging.run_name, cfg.logging.experiment, world.rank, cfg.train.max_steps,
+                   device_limit_bytes(world.device))
     try:
-        train_loop(cfg, world, source, logger, report=report, checkpoint_root=local_ckpt_root)
+        train_loop(cfg, world, source, logger, report=report, checkpoint_root=local_ckpt_root, live=live)
     finally:
         shutil.rmtree(local_ckpt_root, ignore_errors=True)
 
