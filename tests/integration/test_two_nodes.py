@@ -3,10 +3,9 @@
 A second Ray node joins the session's head with `ray start --address`, with its own logical
 CPUs and a custom resource. `jobs/pretrain.py` is submitted with one ZeRO-2 worker per node
 (STRICT_SPREAD), checkpoints on the loopback S3 server and MLflow on a real `mlflow server`.
-Mid-run, first the training worker on the head is SIGKILLed, then the whole second node (its
-raylet and everything under it); the node is started again. Each time Ray Train restarts the
-worker group and every rank resumes from the newest checkpoint on S3; the job completes, and
-MLflow shows one run that records both restarts. The MLflow server is started and stopped with
+Mid-run the whole second node dies (its raylet and everything under it, the training worker
+included) and is started again. Ray Train restarts the worker group, every rank resumes from the
+newest checkpoint on S3, the job completes, and MLflow shows one run that records the restart. The MLflow server is started and stopped with
 `kiln services up|down`, as a team would.
 """
 
@@ -30,7 +29,7 @@ from kiln.train.local import free_port
 
 BIN = Path(sys.executable).parent
 REPO = Path(__file__).resolve().parents[2]
-STEPS = 60
+STEPS = 40
 LABEL = "kiln_node_b"  # the second node's custom resource: how the test tells the nodes apart
 PREFIX = "cluster-runs/spread/"  # the run's directory in the bucket (train.storage_path/run name)
 
@@ -91,22 +90,13 @@ def _wait_for_checkpoints(n: int, endpoint: str, job: subprocess.Popen, log: Pat
         time.sleep(1)
 
 
-def _head_worker(node: SecondNode) -> psutil.Process:
-    """The Ray Train worker that is not under the second node's raylet: the one on the head."""
-    on_b = {p.pid for p in node.raylet().children(recursive=True)}
-    workers = [p for p in psutil.process_iter(["cmdline"])
-               if (p.info["cmdline"] or [""])[0].startswith("ray::RayTrainWorker") and p.pid not in on_b]
-    assert len(workers) == 1, [(p.pid, p.info["cmdline"]) for p in workers]
-    return workers[0]
-
-
 def _services(*args) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "kiln.cli", "services", *map(str, args)],
                           capture_output=True, text=True, timeout=180)
 
 
 @pytest.mark.timeout(1500)
-def test_job_spread_over_two_nodes_survives_a_dead_worker_and_a_dead_node(ray_cluster, s3_server, s3_dataset,
+def test_job_spread_over_two_nodes_survives_a_dead_node(ray_cluster, s3_server, s3_dataset,
                                                                           tmp_path):
     """The MLflow server is the team's `kiln services up`, checked on the way."""
     gcs, dashboard, env = ray_cluster
@@ -150,7 +140,7 @@ def _submit_and_kill(node, dashboard, env, s3_server, s3_dataset, mlflow_url, tm
            "--set", "parallel.num_workers=2", "--set", "parallel.zero_stage=2",
            "--set", "parallel.placement_strategy=STRICT_SPREAD",
            "--set", f"train.max_steps={STEPS}", "--set", "train.checkpoint_every=10",
-           "--set", "train.max_failures=2", "--set", "train.eval_every=0", "--set", "train.eval_batches=2",
+           "--set", "train.max_failures=1", "--set", "train.eval_every=0", "--set", "train.eval_batches=2",
            "--set", "train.micro_batch_size=8", "--set", "schedule.warmup_steps=2",
            "--set", "train.storage_path=s3://kiln-test/cluster-runs",
            "--set", f"logging.tracking_uri={mlflow_url}", "--set", "logging.experiment=two-nodes",
@@ -161,9 +151,6 @@ def _submit_and_kill(node, dashboard, env, s3_server, s3_dataset, mlflow_url, tm
             job = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
             # Two checkpoints on S3 means Ray Train has registered the first at least.
             _wait_for_checkpoints(2, s3_server, job, log_path)
-            _head_worker(node).send_signal(signal.SIGKILL)  # one training process dies
-            # Two more after the restart, then the whole second node goes.
-            _wait_for_checkpoints(4, s3_server, job, log_path)
             assert node.kill() >= 2  # the raylet and at least the training worker under it
             time.sleep(3)
             node.start()  # the machine comes back, as a new Ray node
@@ -182,14 +169,14 @@ def _check(out: str, dashboard: str, s3_server: str, mlflow_url: str) -> None:
     assert "unigram entropy" in out and "steps on 2 worker(s)" in out  # the job printed its summary
     client = MlflowClient(mlflow_url)
     runs = client.search_runs([client.get_experiment_by_name("two-nodes").experiment_id])
-    assert len(runs) == 1, [r.info.run_name for r in runs]  # both restarts continued the same run
+    assert len(runs) == 1, [r.info.run_name for r in runs]  # the restart continued the same run
     run = runs[0]
     assert run.info.status == "FINISHED"
     tags = run.data.tags
-    assert tags["kiln.restarts"] == "2", tags
-    assert "checkpoint_" in tags["kiln.restart.1"] and "checkpoint_" in tags["kiln.restart.2"]
+    assert tags["kiln.restarts"] == "1", tags
+    assert "checkpoint_" in tags["kiln.restart.1"]
     steps = [m.step for m in client.get_metric_history(run.info.run_id, "loss/train")]
-    # every step logged; the steps after each restored checkpoint twice at most
+    # every step logged; the steps after the restored checkpoint twice at most
     assert set(steps) == set(range(1, STEPS + 1)) and len(steps) < 2 * STEPS
     # The last worker group had one rank on the head and one on the second node's new incarnation.
     from ray.util.state import list_nodes
