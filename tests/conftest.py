@@ -8,6 +8,12 @@ from pathlib import Path
 
 import pytest
 
+# Ray reads RAY_AUTH_MODE once per process and caches it, and importing some of Ray's modules
+# (ray.train does, at collection time) is enough to fix it. The session's head uses token auth,
+# so the mode must be set before any test module is imported, or every in-process driver
+# connects without its token.
+os.environ.setdefault("RAY_AUTH_MODE", "token")
+
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 REPO = Path(__file__).resolve().parents[1]
 
