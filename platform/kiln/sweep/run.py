@@ -356,7 +356,10 @@ def summarise(sweep: Sweep, results, parent: Run, uri: str, max_steps: int) -> S
                 client.set_terminated(child.info.run_id, "KILLED")
             elif status == "error":
                 client.set_terminated(child.info.run_id, "FAILED")
-            elif child.info.status == "RUNNING":  # Tune may stop a trial at max_t before fit() returns
+            elif child.info.status != "FINISHED":
+                # Tune stops a trial that reached max_t, sometimes before its fit() returns: the
+                # run is then left RUNNING, or marked FAILED by the interrupted trial. It ran every
+                # step without an error, so it finished.
                 client.set_terminated(child.info.run_id, "FINISHED")
         params = {k: v for k, v in (result.config or {}).items()}
         rows.append(TrialRow(trial_id, child.info.run_id if child else "", params, value, steps, status))
