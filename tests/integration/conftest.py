@@ -86,6 +86,10 @@ def ray_cluster(tmp_path_factory):
     env = dict(os.environ, RAY_AUTH_MODE="token", RAY_metrics_report_interval_ms="2000", **S3_ENV)
     gcs_port, dash_port = free_port(), free_port()
     subprocess.run([str(BIN / "ray"), "stop", "--force"], env=env, capture_output=True)
+    # With RAY_AUTH_MODE=token, `ray start` wants a token to exist; a fresh machine has none.
+    # This creates ~/.ray/auth_token only when missing (output captured: it prints the token).
+    subprocess.run([str(BIN / "ray"), "get-auth-token", "--generate"], env=env, capture_output=True,
+                   check=True, timeout=60)
     start = subprocess.run(
         [str(BIN / "ray"), "start", "--head", f"--port={gcs_port}", f"--dashboard-port={dash_port}",
          "--dashboard-host=127.0.0.1", "--num-cpus=4", '--resources={"kiln_head": 1}', "--disable-usage-stats",

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import sys
-import urllib.parse
-import urllib.request
 from pathlib import Path
 
 import torch
@@ -13,14 +11,7 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "dashboards"))
 from build_dashboard import GPU_ONLY, OUT  # noqa: E402
-
-
-def query_range(prom: str, expr: str, start: float, end: float, step: str = "2s") -> list:
-    qs = urllib.parse.urlencode({"query": expr, "start": start, "end": end, "step": step})
-    with urllib.request.urlopen(f"{prom}/api/v1/query_range?{qs}", timeout=30) as r:
-        body = json.loads(r.read())
-    assert body["status"] == "success", (expr, body)
-    return body["data"]["result"]
+from render_panels import panel_expr, query_range  # noqa: E402
 
 
 def dashboard_queries_without_data(prom: str, run: str, start: float, end: float) -> list[str]:
@@ -30,7 +21,7 @@ def dashboard_queries_without_data(prom: str, run: str, start: float, end: float
     empty = []
     for panel in dashboard["panels"]:
         for target in panel["targets"]:
-            expr = target["expr"].replace("$run", run).replace("$__rate_interval", "10s")
+            expr = panel_expr(target["expr"], run)
             if any(g in expr for g in GPU_ONLY) and not torch.cuda.is_available():
                 continue  # no GPU here to report them; on a GPU node they are checked like the rest
             if not query_range(prom, expr, start - 5, end + 30):

@@ -1,6 +1,7 @@
 """A 2-worker DeepSpeed ZeRO-2 run on a real Ray cluster, reading Parquet from loopback S3,
 logging to a real MLflow store. One run proves several things, to keep the suite short."""
 
+import io
 import json
 import math
 import subprocess
@@ -17,8 +18,14 @@ from kiln.train.launch import train
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).parent))
 from prom_queries import dashboard_queries_without_data  # noqa: E402
+from render_panels import render as render_panels  # noqa: E402
 
 KILN = str(Path(sys.executable).parent / "kiln")
+
+
+class FakeTerminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
 
 
 def test_zero2_two_workers_from_s3_to_mlflow(ray_cluster, s3_server, s3_dataset, prometheus, tmp_path):
@@ -33,11 +40,19 @@ def test_zero2_two_workers_from_s3_to_mlflow(ray_cluster, s3_server, s3_dataset,
     ])
     assert cfg.parallel.num_workers == 2 and cfg.parallel.zero_stage == 2
     started = time.time()
-    summary = train(cfg, address=address)
+    terminal = FakeTerminal()  # the driver draws its progress bar from rank 0's posts
+    summary = train(cfg, address=address, progress_stream=terminal)
+    frames = [f for f in terminal.getvalue().split("\r\x1b[K") if f]
+    assert len(frames) >= 2 and "step 40/40" in frames[-1] and "tok/s" in frames[-1], frames[-3:]
 
     # A real Prometheus scraped Ray's endpoint during the run: every dashboard query has data.
-    empty = dashboard_queries_without_data(prometheus, "zero2-s3", started, time.time())
+    ended = time.time()
+    empty = dashboard_queries_without_data(prometheus, "zero2-s3", started, ended)
     assert not empty, empty
+    # ... and the same panels render to one PNG from that data (the README's screenshot path)
+    drawn = render_panels(prometheus, "zero2-s3", started - 5, ended + 30, tmp_path / "dashboard.png")
+    assert {t for t, n in drawn.items() if n == 0} <= {"Node GPU"}, drawn
+    assert (tmp_path / "dashboard.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     client = MlflowClient(db)
     run = client.get_run(summary.run_id)

@@ -16,6 +16,7 @@ import logging
 import math
 import os
 import signal
+import sys
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +24,7 @@ from typing import Any
 from kiln.errors import KilnError
 from kiln.sweep.config import Sweep, param_space
 from kiln.tracking import Run, check_reachable, experiment_id, resolve_tracking_uri
+from kiln.train.progress import is_terminal
 
 log = logging.getLogger("kiln.sweep")
 
@@ -172,6 +174,7 @@ def run_sweep(sweep: Sweep, address: str | None = None, resume: bool = False) ->
     import ray.tune
     from ray import tune
 
+    from kiln.sweep.progress import SweepProgress, SweepState, expected_trials
     from kiln.train.launch import (
         check_precision,
         check_resources,
@@ -216,6 +219,8 @@ def run_sweep(sweep: Sweep, address: str | None = None, resume: bool = False) ->
            "train_storage": os.path.join(storage, cfg.name, "train")}
     # The trial function only drives the trainer: a token CPU share (Tune refuses an empty request).
     trainable = tune.with_resources(tune.with_parameters(_trial, ctx=ctx), {"cpu": 0.01})
+    progress = [SweepProgress(SweepState(expected_trials(cfg), base.train.max_steps, cfg.metric, cfg.mode))
+                ] if is_terminal(sys.stderr) else []
     ok = False
     try:
         if resume:
@@ -228,7 +233,9 @@ def run_sweep(sweep: Sweep, address: str | None = None, resume: bool = False) ->
                     scheduler=_scheduler(sweep, base.train.max_steps), num_samples=cfg.num_samples,
                     max_concurrent_trials=cfg.max_concurrent_trials if cfg.search == "optuna" else None,
                 ),
-                run_config=ray.tune.RunConfig(name=cfg.name, storage_path=storage, verbose=1),
+                # On a terminal Kiln's one-line progress replaces Tune's periodic status table.
+                run_config=ray.tune.RunConfig(name=cfg.name, storage_path=storage,
+                                              verbose=0 if progress else 1, callbacks=progress),
             )
         with _InterruptBridge() as interrupt:
             results = tuner.fit()

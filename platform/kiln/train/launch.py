@@ -6,13 +6,16 @@ MLflow reachability) is checked here before any worker starts.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass
+from typing import IO
 
 import yaml
 
@@ -30,6 +33,7 @@ from kiln.tracking import (
     resolve_tracking_uri,
     ui_command,
 )
+from kiln.train.progress import TerminalBar, is_terminal
 
 log = logging.getLogger(__name__)
 
@@ -190,6 +194,7 @@ def connect_ray(cfg: RunConfig, address: str | None = None) -> None:
         log.info("connecting to the Ray cluster at %s", address)
         ray.init(address=address, log_to_driver=True)
         reclaim_orphaned_placement_groups()
+        warn_if_no_cpu_left_for_data(cfg)
         return
     # Embedded local Ray. Logical CPUs: one per worker as configured, plus two for Ray Data's
     # read tasks, so data never waits behind training workers for a CPU slot.
@@ -198,6 +203,23 @@ def connect_ray(cfg: RunConfig, address: str | None = None) -> None:
     # The dashboard backs Ray's state API, which Ray Train's placement-group cleaner polls; it
     # binds to loopback only.
     ray.init(num_cpus=max(os.cpu_count() or 1, need), dashboard_host="127.0.0.1", log_to_driver=True)
+
+
+def warn_if_no_cpu_left_for_data(cfg: RunConfig) -> None:
+    """Ray Data's read tasks need a CPU the training workers do not hold. On a cluster whose
+    CPUs the workers take up entirely, the run waits forever for its first batch (an
+    autoscaling cluster may still add a node, so this warns rather than refuses)."""
+    import ray
+
+    if cfg.parallel.pipeline_stages > 1:  # pipeline workers read their shards themselves
+        return
+    workers = cfg.parallel.num_workers * cfg.parallel.cpus_per_worker
+    cpus = ray.cluster_resources().get("CPU", 0.0)
+    if cpus - workers < 1:
+        log.warning("the cluster has %g CPU(s) and the %d training workers take %g: none is left for "
+                    "Ray Data's reads, so the run will wait for its first batch until the cluster "
+                    "grows. Lower parallel.cpus_per_worker or add CPUs (ray start --num-cpus)",
+                    cpus, cfg.parallel.num_workers, workers)
 
 
 def orphaned_placement_groups(groups: list, jobs: list) -> list[str]:
@@ -291,8 +313,12 @@ def with_run_name(cfg: RunConfig) -> RunConfig:
                                train=dataclasses.replace(cfg.train, storage_path=storage))
 
 
-def train(cfg: RunConfig, address: str | None = None, started: float | None = None) -> Summary:
-    """Validate everything, then train on Ray Train (embedded local Ray or a cluster)."""
+def train(cfg: RunConfig, address: str | None = None, started: float | None = None,
+          progress_stream: IO[str] | None = None) -> Summary:
+    """Validate everything, then train on Ray Train (embedded local Ray or a cluster).
+
+    On a terminal (`progress_stream`, stderr by default) the driver draws a live progress bar;
+    elsewhere rank 0 logs a progress line every `logging.progress_every` steps."""
     started = started or time.time()
     cfg, manifest = resolve_against_data(cfg)
     check_precision(cfg)
@@ -305,6 +331,7 @@ def train(cfg: RunConfig, address: str | None = None, started: float | None = No
     connect_ray(cfg, address)
     import ray
 
+    from kiln.train.ray_progress import BoardWatcher, ProgressBoard
     from kiln.train.ray_trainer import build_trainer
 
     resources = ray.cluster_resources()
@@ -317,8 +344,12 @@ def train(cfg: RunConfig, address: str | None = None, started: float | None = No
         # A pipeline's stages must read the same batches: its workers read the shards by
         # data-parallel rank themselves (kiln.train.sources.ParquetSource), not a Ray Data split.
         datasets = ray_datasets(manifest) if cfg.parallel.pipeline_stages == 1 else {}
-        trainer = build_trainer(cfg, datasets, cfg.logging.run_name, tracking_uri, run.run_id)
-        result = trainer.fit()
+        stream = progress_stream or sys.stderr
+        board = ProgressBoard.remote() if is_terminal(stream) else None
+        trainer = build_trainer(cfg, datasets, cfg.logging.run_name, tracking_uri, run.run_id,
+                                progress_board=board)
+        with BoardWatcher(board, TerminalBar(stream)) if board is not None else contextlib.nullcontext():
+            result = trainer.fit()
         ok = True
     finally:
         run.finish(ok)

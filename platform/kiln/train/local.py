@@ -35,6 +35,7 @@ from kiln.train.launch import (
 )
 from kiln.train.loop import WorldInfo, train_loop
 from kiln.train.pipeline import data_parallel_coords
+from kiln.train.progress import sink_for
 from kiln.train.sources import ParquetSource
 
 log = logging.getLogger(__name__)
@@ -93,7 +94,9 @@ def run_local(cfg: RunConfig, started: float | None = None) -> Summary | None:
     ckpt_root = os.path.join(os.path.abspath(cfg.train.storage_path), cfg.logging.run_name)
     ok = False
     try:
-        final = train_loop(cfg, world, source, logger, checkpoint_root=ckpt_root)
+        # The local launcher's rank 0 owns the terminal itself: the bar when there is one.
+        progress = sink_for(sys.stderr, cfg.logging.progress_every) if world.rank == 0 else None
+        final = train_loop(cfg, world, source, logger, checkpoint_root=ckpt_root, progress=progress)
         ok = True
     finally:
         if run is not None:

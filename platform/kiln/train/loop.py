@@ -30,6 +30,7 @@ from kiln.train.optim import build_scheduler
 from kiln.train.parallelize import engine_memory, initialize
 from kiln.train.pipeline import check_coords
 from kiln.train.profiling import StepProfiler
+from kiln.train.progress import LogLines, Progress, ProgressSink
 from kiln.train.sources import BatchSource
 
 log = logging.getLogger("kiln.train")
@@ -132,10 +133,12 @@ def train_loop(
     report: Report | None = None,
     checkpoint_root: str | None = None,
     live: LiveMetrics | None = None,
+    progress: ProgressSink | None = None,
 ) -> dict[str, float]:
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     t, device = cfg.train, world.device
     live = live or NullLive()
+    progress = progress or LogLines(cfg.logging.progress_every)  # what rank 0 shows of each step
     torch.manual_seed(t.seed)
     if device.type == "cpu":
         torch.set_num_threads(max(1, int(cfg.parallel.cpus_per_worker)))
@@ -243,8 +246,12 @@ def train_loop(
         live.observe(metrics, step)
         if step % cfg.logging.log_every == 0 or is_last or "loss/val" in metrics:
             logger.log(metrics, step)
-        if world.rank == 0 and (step % cfg.logging.progress_every == 0 or step == 1 or is_last):
-            _progress(step, t.max_steps, metrics, steady_time / max(steady_steps, 1))
+        if world.rank == 0:
+            # No ETA until steady-state steps are timed: the first step carries the start-up.
+            per_step = steady_time / steady_steps if steady_steps else 0.0
+            progress.update(Progress(step, t.max_steps, metrics["loss/train"],
+                                     metrics["throughput/tokens_per_s"], metrics["lr"], per_step,
+                                     metrics.get("loss/val")))
         last.update(metrics)
         # Steady-state throughput counts every second of the iteration (metric reduction and
         # logging included) except validation and checkpointing, and skips the first steps.
@@ -269,6 +276,7 @@ def train_loop(
 
     logger.close()
     live.close()
+    progress.close()
     final = dict(last)
     final["throughput/tokens_per_s"] = tokens_per_step * steady_steps / max(steady_time, 1e-9)
     if peak is not None:
@@ -309,14 +317,3 @@ def _prefetch_first(it: Iterator[torch.Tensor]) -> Iterator[torch.Tensor]:
         yield from it
 
     return gen()
-
-
-def _progress(step: int, total: int, m: dict[str, float], mean_step_s: float) -> None:
-    eta = int(mean_step_s * (total - step))
-    width = 24
-    filled = int(width * step / total)
-    bar = "#" * filled + "-" * (width - filled)
-    val = f" | val {m['loss/val']:.3f}" if "loss/val" in m else ""
-    log.info("[%s] step %d/%d | loss %.3f%s | %s tok/s | lr %.2e | eta %dm%02ds",
-             bar, step, total, m["loss/train"], val, f"{m['throughput/tokens_per_s']:,.0f}",
-             m["lr"], eta // 60, eta % 60)

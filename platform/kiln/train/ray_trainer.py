@@ -24,6 +24,7 @@ from kiln.config import RunConfig, config_from_dict
 from kiln.tracking import ArtifactLogger, MLflowLogger, NullLogger, ScrubFilter
 from kiln.train.live_metrics import RayLive, device_limit_bytes
 from kiln.train.loop import WorldInfo, train_loop
+from kiln.train.ray_progress import BoardSink
 from kiln.train.sources import RayShardSource
 
 
@@ -67,10 +68,13 @@ def _worker_entry(loop_config: dict[str, Any]) -> None:
         if ckpt_dir:  # uploaded to storage_path by now (synchronous upload)
             shutil.rmtree(ckpt_dir, ignore_errors=True)
 
+    board = loop_config.get("progress_board")  # set when the driver draws a bar on its terminal
+    progress = BoardSink(board) if board is not None and world.rank == 0 else None
     live = RayLive(cfg.logging.run_name, cfg.logging.experiment, world.rank, cfg.train.max_steps,
                    device_limit_bytes(world.device))
     try:
-        train_loop(cfg, world, source, logger, report=report, checkpoint_root=local_ckpt_root, live=live)
+        train_loop(cfg, world, source, logger, report=report, checkpoint_root=local_ckpt_root, live=live,
+                   progress=progress)
     finally:
         shutil.rmtree(local_ckpt_root, ignore_errors=True)
 
@@ -141,9 +145,11 @@ def _quiet_worker_logs() -> None:
 
 
 def build_trainer(cfg: RunConfig, datasets: dict, run_name: str, tracking_uri: str, run_id: str | None,
-                  callbacks: list | None = None, storage_path: str | None = None) -> TorchTrainer:
+                  callbacks: list | None = None, storage_path: str | None = None,
+                  progress_board=None) -> TorchTrainer:
     """The TorchTrainer of one run. A sweep's trial adds Tune's report callback and keeps its
-    checkpoints under the sweep's storage."""
+    checkpoints under the sweep's storage; `progress_board` (a `ProgressBoard` actor) is where
+    rank 0 posts each step for the driver's progress bar."""
     p = cfg.parallel
     # Ray Train gives a worker group 60 s to start. Workers that each import torch and
     # DeepSpeed on a busy small node (concurrent sweep trials) can take longer; the controller
@@ -152,7 +158,8 @@ def build_trainer(cfg: RunConfig, datasets: dict, run_name: str, tracking_uri: s
     storage, filesystem = train_storage(storage_path or cfg.train.storage_path or "runs", cfg)
     return TorchTrainer(
         train_loop_per_worker=_worker_entry,
-        train_loop_config={"config": cfg.to_dict(), "tracking_uri": tracking_uri, "mlflow_run_id": run_id},
+        train_loop_config={"config": cfg.to_dict(), "tracking_uri": tracking_uri, "mlflow_run_id": run_id,
+                           "progress_board": progress_board},
         scaling_config=ScalingConfig(
             num_workers=p.num_workers, use_gpu=p.use_gpu, resources_per_worker={"CPU": p.cpus_per_worker},
             placement_strategy=p.placement_strategy,

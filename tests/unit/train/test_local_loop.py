@@ -2,8 +2,10 @@
 same runs carry planted credentials, and nothing they log may contain one."""
 
 import os
+import pty
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -19,7 +21,7 @@ PLANTED_ENDPOINT = "https://kiln:planted-endpoint-pw-0005@minio.invalid:9000"
 PLANTED = [*PLANTED_ENV.values(), "planted-endpoint-pw-0005"]
 
 
-def _run_local(byte_dataset, tmp_path, *overrides, ranks=1):
+def _run_local(byte_dataset, tmp_path, *overrides, ranks=1, tty=False):
     launcher = [sys.executable, "-m", "kiln.train.local"]
     if ranks > 1:  # torchrun sets RANK/WORLD_SIZE/MASTER_* for each process
         launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
@@ -30,16 +32,48 @@ def _run_local(byte_dataset, tmp_path, *overrides, ranks=1):
            "--set", f"logging.tracking_uri=sqlite:///{tmp_path}/mlflow.db", "--set", "logging.experiment=local",
            "--set", f"train.storage_path={tmp_path}/runs", "--set", f"data.s3_endpoint={PLANTED_ENDPOINT}",
            *[a for o in overrides for a in ("--set", o)]]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path,
-                          env=dict(os.environ, **PLANTED_ENV))
+    env = dict(os.environ, **PLANTED_ENV)
+    if not tty:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
+    # stderr on a real pseudo-terminal, as when a user runs it in a shell; stdout stays a pipe.
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=slave, text=True, cwd=tmp_path, env=env)
+    os.close(slave)
+    chunks: list[bytes] = []
+
+    def pump():  # drain the terminal while the run writes to it, or it blocks on a full buffer
+        while True:
+            try:
+                data = os.read(master, 65536)
+            except OSError:  # EIO: the child closed its end
+                return
+            if not data:
+                return
+            chunks.append(data)
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    stdout, _ = proc.communicate(timeout=600)
+    reader.join(timeout=10)
+    os.close(master)
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, b"".join(chunks).decode(errors="replace"))
 
 
 @pytest.mark.parametrize("zero_stage, ranks", [(3, 1), (2, 2)], ids=["single-process-zero3", "torchrun-2-ranks-zero2"])
 def test_loop_trains_without_ray(byte_dataset, tmp_path, zero_stage, ranks):
-    # The 2-rank run also saves every 3 s of wall clock, into one directory both ranks share.
-    timed = ["train.checkpoint_every_minutes=0.05"] if ranks > 1 else []
-    out = _run_local(byte_dataset, tmp_path, f"parallel.zero_stage={zero_stage}", *timed, ranks=ranks)
+    # The 2-rank run also saves by wall clock (every 6 ms: in effect after every step, so the
+    # test does not hang on how fast this machine is), into one directory both ranks share.
+    timed = ["train.checkpoint_every_minutes=0.0001"] if ranks > 1 else []
+    # The single process has its stderr on a terminal: it draws the progress bar there.
+    out = _run_local(byte_dataset, tmp_path, f"parallel.zero_stage={zero_stage}", *timed, ranks=ranks,
+                     tty=ranks == 1)
     assert out.returncode == 0, out.stderr[-3000:]
+    frames = [f for f in out.stderr.split("\r\x1b[K") if f.startswith("[")]
+    if ranks == 1:  # redrawn in place (carriage return, erase line), the last frame kept
+        assert len(frames) >= 2 and "step 30/30" in frames[-1] and "eta 0s" in frames[-1], frames[-3:]
+    else:  # no terminal: plain log lines every logging.progress_every steps, no escape codes
+        assert not frames and "\x1b[K" not in out.stderr
+        assert "step 20/30" in out.stderr and "step 30/30" in out.stderr
     assert "import ray" not in out.stderr
     from mlflow.tracking import MlflowClient
 

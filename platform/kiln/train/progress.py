@@ -1,0 +1,114 @@
+"""Live progress: a one-line bar redrawn in place on a terminal, periodic log lines elsewhere.
+
+`kiln train` (and the local launcher) draw the bar when stderr is a terminal. Under Ray the
+workers have no terminal, so rank 0 pushes each step to a small `ProgressBoard` actor that the
+driver polls and draws (`kiln.train.ray_progress`). In CI, in a pipe or under `ray job logs`
+nothing is a terminal, and rank 0 logs a line every `logging.progress_every` steps instead.
+Nothing here imports torch or Ray.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import shutil
+import time
+from typing import IO, Protocol
+
+log = logging.getLogger("kiln.train")
+
+
+@dataclasses.dataclass(frozen=True)
+class Progress:
+    """Where a run stands after one step; what the bar and the log line show."""
+
+    step: int
+    total: int
+    loss: float
+    tokens_per_s: float
+    lr: float
+    mean_step_s: float
+    """Mean seconds per steady-state step; drives the ETA (0: not measured yet, no ETA)."""
+    val: float | None = None
+
+    @property
+    def eta_s(self) -> float:
+        return max(0.0, self.mean_step_s * (self.total - self.step))
+
+
+def duration(seconds: float) -> str:
+    """`1h02m`, `4m05s` or `9s`: short enough for one terminal line."""
+    s = int(round(seconds))
+    if s >= 3600:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    if s >= 60:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s}s"
+
+
+def format_line(p: Progress, width: int = 24) -> str:
+    filled = min(width, int(width * p.step / max(p.total, 1)))
+    bar = "#" * filled + "-" * (width - filled)
+    val = f" | val {p.val:.3f}" if p.val is not None else ""
+    return (f"[{bar}] step {p.step}/{p.total} | loss {p.loss:.3f}{val} | {p.tokens_per_s:,.0f} tok/s"
+            f" | lr {p.lr:.2e} | eta {duration(p.eta_s) if p.mean_step_s > 0 else '--'}")
+
+
+class ProgressSink(Protocol):
+    def update(self, p: Progress) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class LogLines:
+    """A log line on the first step, every `every` steps and on the last: readable in CI logs
+    and `ray job logs`, where a redrawn line would be one line per frame."""
+
+    def __init__(self, every: int):
+        self.every = max(1, every)
+
+    def update(self, p: Progress) -> None:
+        if p.step == 1 or p.step % self.every == 0 or p.step == p.total:
+            log.info("%s", format_line(p))
+
+    def close(self) -> None:
+        pass
+
+
+class TerminalBar:
+    """Redraws one line in place (carriage return, erase line), at most every `min_interval_s`
+    so a fast run does not spend its time writing to the terminal; the last step always draws."""
+
+    def __init__(self, stream: IO[str], prefix: str = "", min_interval_s: float = 0.1):
+        self.stream, self.prefix, self.min_interval_s = stream, prefix, min_interval_s
+        self._last_draw = float("-inf")  # the first frame always draws
+        self._drawn = False
+
+    def update(self, p: Progress) -> None:
+        self.draw(format_line(p), force=p.step >= p.total)
+
+    def draw(self, text: str, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._last_draw < self.min_interval_s:
+            return
+        columns = shutil.get_terminal_size((120, 24)).columns
+        self.stream.write("\r\x1b[K" + (self.prefix + text)[: max(20, columns - 1)])
+        self.stream.flush()
+        self._last_draw, self._drawn = now, True
+
+    def close(self) -> None:
+        if self._drawn:  # leave the last frame on screen and move past it
+            self.stream.write("\n")
+            self.stream.flush()
+            self._drawn = False
+
+
+def is_terminal(stream: IO[str]) -> bool:
+    isatty = getattr(stream, "isatty", None)
+    return bool(isatty and isatty()) and os.environ.get("TERM", "") != "dumb"
+
+
+def sink_for(stream: IO[str], every: int) -> ProgressSink:
+    """The bar on a terminal, log lines anywhere else."""
+    return TerminalBar(stream) if is_terminal(stream) else LogLines(every)
