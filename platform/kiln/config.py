@@ -157,6 +157,9 @@ class TrainConfig:
     checkpoint_every_minutes: float = 0.0
     """Also save once this many minutes have passed since the last save (0: off): bounds the work
     a failure can cost when step times vary. Ranks decide together, on their mean clock."""
+    keep_checkpoints: int = 0
+    """Keep only the newest this many complete checkpoints (0: keep all). Ray Train deletes older
+    ones from storage_path (CheckpointConfig.num_to_keep); the local launcher prunes its own."""
     seed: int = 1337
     """Seeds model init and any randomness in training."""
     storage_path: str = ""
@@ -241,6 +244,7 @@ _RANGES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "model.dropout": (lambda v: 0.0 <= v < 1.0, "a number in [0, 1)"),
     "parallel.num_workers": (lambda v: v >= 1, "an integer >= 1"),
     "train.checkpoint_every_minutes": (lambda v: v >= 0, "a number of minutes >= 0 (0: off)"),
+    "train.keep_checkpoints": (lambda v: v >= 0, "an integer >= 0 (0: keep all)"),
     "parallel.cpus_per_worker": (lambda v: v > 0, "a number > 0"),
     "parallel.zero_stage": (lambda v: v in (0, 1, 2, 3), "one of 0, 1, 2, 3"),
     "parallel.pipeline_stages": (lambda v: v >= 1, "an integer >= 1"),

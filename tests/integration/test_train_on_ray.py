@@ -35,7 +35,7 @@ def test_zero2_two_workers_from_s3_to_mlflow(ray_cluster, s3_server, s3_dataset,
         f"data.path={s3_dataset}", f"data.s3_endpoint={s3_server}",
         "train.max_steps=40", "train.eval_every=20", "schedule.warmup_steps=5", "train.micro_batch_size=8",
         f"logging.tracking_uri={db}", "logging.experiment=integration", "logging.run_name=zero2-s3",
-        f"train.storage_path={tmp_path}/runs", "train.checkpoint_every=20",
+        f"train.storage_path={tmp_path}/runs", "train.checkpoint_every=20", "train.keep_checkpoints=1",
         "train.profile.start_step=10", "train.profile.steps=2", "train.profile.ranks=all",
     ])
     assert cfg.parallel.num_workers == 2 and cfg.parallel.zero_stage == 2
@@ -88,6 +88,8 @@ def test_zero2_two_workers_from_s3_to_mlflow(ray_cluster, s3_server, s3_dataset,
     # the DeepSpeed checkpoint went through ray.train.report into storage_path, from both ranks
     ckpt = Path(summary.checkpoint)
     assert ckpt.is_relative_to(tmp_path / "runs")
+    # keep_checkpoints=1: Ray Train deleted step 20's once step 40's was registered
+    assert [p for p in ckpt.parent.iterdir() if p.name.startswith("checkpoint_")] == [ckpt]
     files = {p.name for p in ckpt.rglob("*") if p.is_file()}
     assert "latest" in files and {"zero_pp_rank_0_mp_rank_00_optim_states.pt",
                                   "zero_pp_rank_1_mp_rank_00_optim_states.pt"} <= files

@@ -58,6 +58,23 @@ def save(engine, root: str, step: int, rank: int, world_size: int, client_state:
     return final
 
 
+def prune(root: str, keep: int) -> list[str]:
+    """Delete all but the newest `keep` complete checkpoints under root (keep 0: none deleted);
+    return what was deleted. Incomplete directories are left for `save` to clear or a human to
+    inspect, and never count towards `keep`."""
+    if keep <= 0 or not os.path.isdir(root):
+        return []
+    complete = [os.path.join(root, n) for n in sorted(os.listdir(root))
+                if STEP_DIR.match(n) and is_complete(os.path.join(root, n))]
+    doomed = complete[:-keep]
+    for directory in doomed:
+        # Rename first: a crash mid-delete leaves a `.partial`, never a half-deleted step_N.
+        trash = directory + ".partial"
+        os.rename(directory, trash)
+        shutil.rmtree(trash, ignore_errors=True)
+    return doomed
+
+
 def is_complete(directory: str) -> bool:
     return _markers(directory) is not None
 

@@ -268,6 +268,8 @@ def train_loop(
             ckpt = checkpoint.save(engine, checkpoint_root, step, world.rank, world.world_size,
                                    client_state={"step": step, "tokens_seen": step * tokens_per_step})
             live.checkpointed(time.perf_counter() - save_start)
+            if world.rank == 0:  # after save's final barrier: every rank is done with the old ones
+                checkpoint.prune(checkpoint_root, t.keep_checkpoints)
             last_save = time.monotonic()
         if report is not None and not is_last and ("loss/val" in metrics or save):
             # Flush first: a scheduler (ASHA) may stop this run as soon as it sees the report.

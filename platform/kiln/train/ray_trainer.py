@@ -17,7 +17,7 @@ from typing import Any
 
 import ray
 import ray.train
-from ray.train import Checkpoint, FailureConfig, ScalingConfig
+from ray.train import Checkpoint, CheckpointConfig, FailureConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from kiln.config import RunConfig, config_from_dict
@@ -167,7 +167,9 @@ def build_trainer(cfg: RunConfig, datasets: dict, run_name: str, tracking_uri: s
         torch_config=TorchConfig(backend="nccl" if p.use_gpu else "gloo"),
         run_config=ray.train.RunConfig(name=run_name, storage_path=storage, storage_filesystem=filesystem,
                                        callbacks=callbacks or [],
-                                       failure_config=FailureConfig(max_failures=cfg.train.max_failures)),
+                                       failure_config=FailureConfig(max_failures=cfg.train.max_failures),
+                                       checkpoint_config=CheckpointConfig(
+                                           num_to_keep=cfg.train.keep_checkpoints or None)),
         datasets=datasets,
     )
 

@@ -60,3 +60,14 @@ def test_resume_from_nothing_usable_names_the_path(tmp_path):
     _fake(tmp_path, 10, world=1, partial=True)
     with pytest.raises(ConfigError, match=r"holds no complete Kiln checkpoint"):
         checkpoint.resolve_resume(str(tmp_path), world_size=1)
+
+
+def test_prune_keeps_the_newest_complete_and_leaves_incomplete_ones(tmp_path):
+    for step in (10, 20, 30, 40):
+        _fake(tmp_path, step, world=2)
+    _fake(tmp_path, 50, world=2, markers=1)  # a writer died: not complete, not counted, not deleted
+    deleted = checkpoint.prune(str(tmp_path), keep=2)
+    assert [p.rsplit("/", 1)[1] for p in deleted] == ["step_00000010", "step_00000020"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000030", "step_00000040", "step_00000050"]
+    assert checkpoint.prune(str(tmp_path), keep=0) == []  # 0 keeps everything
+    assert checkpoint.latest_complete(str(tmp_path)).endswith("step_00000040")

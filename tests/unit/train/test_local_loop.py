@@ -63,7 +63,8 @@ def _run_local(byte_dataset, tmp_path, *overrides, ranks=1, tty=False):
 def test_loop_trains_without_ray(byte_dataset, tmp_path, zero_stage, ranks):
     # The 2-rank run also saves by wall clock (every 6 ms: in effect after every step, so the
     # test does not hang on how fast this machine is), into one directory both ranks share.
-    timed = ["train.checkpoint_every_minutes=0.0001"] if ranks > 1 else []
+    # It keeps only the newest two.
+    timed = ["train.checkpoint_every_minutes=0.0001", "train.keep_checkpoints=2"] if ranks > 1 else []
     # The single process has its stderr on a terminal: it draws the progress bar there.
     out = _run_local(byte_dataset, tmp_path, f"parallel.zero_stage={zero_stage}", *timed, ranks=ranks,
                      tty=ranks == 1)
@@ -90,7 +91,8 @@ def test_loop_trains_without_ray(byte_dataset, tmp_path, zero_stage, ranks):
     saved = sorted(p.name for p in root.iterdir())
     assert all(checkpoint.is_complete(str(root / name)) for name in saved), saved  # none partial
     if ranks > 1:
-        assert len(saved) > 1, saved  # the timed saves happened before the last step's
+        # timed saves happened before the last step's, and all but the newest two were pruned
+        assert len(saved) == 2 and saved[-1] == "step_00000030", saved
         assert (root / saved[0] / checkpoint.MARKER.format(rank=1)).is_file()
     assert "val loss" in out.stdout and "unigram entropy" in out.stdout
     _assert_no_planted_secret(client, run, out, tmp_path)
