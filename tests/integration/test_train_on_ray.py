@@ -89,7 +89,7 @@ def test_zero2_two_workers_from_s3_to_mlflow(ray_cluster, s3_server, s3_dataset,
     ckpt = Path(summary.checkpoint)
     assert ckpt.is_relative_to(tmp_path / "runs")
     # keep_checkpoints=1: Ray Train deleted step 20's once step 40's was registered
-    assert [p for p in ckpt.parent.iterdir() if p.name.startswith("checkpoint_")] == [ckpt]
+    assert [p for p in ckpt.parent.iterdir() if p.is_dir() and p.name.startswith("checkpoint_")] == [ckpt]
     files = {p.name for p in ckpt.rglob("*") if p.is_file()}
     assert "latest" in files and {"zero_pp_rank_0_mp_rank_00_optim_states.pt",
                                   "zero_pp_rank_1_mp_rank_00_optim_states.pt"} <= files
