@@ -23,7 +23,9 @@ from kiln.train.plots import PLOTTED, training_plots
 
 log = logging.getLogger(__name__)
 
-SECRET_PATTERN = re.compile(r"(secret|token|password|passwd|credential|api[_-]?key|access[_-]?key|auth)", re.I)
+# "token" as in a credential, not the tokenizer or a count of tokens (data.tokenizer, data.train_tokens).
+SECRET_PATTERN = re.compile(r"(secret|token(?!izer|s(?![a-z]))|password|passwd|credential|api[_-]?key|"
+                            r"access[_-]?key|auth)", re.I)
 REDACTED = "***"
 
 

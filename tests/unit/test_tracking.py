@@ -5,11 +5,15 @@ from kiln.tracking import REDACTED, redact, resolve_tracking_uri, ui_command
 
 def test_secrets_are_redacted():
     params = {"optim.lr": 0.1, "data.s3_secret_access_key": "abc", "logging.api_token": "t",
-              "x.password": "p", "aws_access_key_id": "AKIA", "data.path": "s3://b/p"}
+              "x.password": "p", "aws_access_key_id": "AKIA", "data.path": "s3://b/p", "HF_TOKEN": "hf",
+              "x.tokens_secret": "s", "data.tokenizer": "bpe", "data.train_tokens": 1339392, "data.val_tokens": 9}
     out = redact(params)
     assert out["optim.lr"] == 0.1 and out["data.path"] == "s3://b/p"
+    # the tokenizer and token counts are plain settings, not credentials
+    assert out["data.tokenizer"] == "bpe" and out["data.train_tokens"] == 1339392
     assert {k for k, v in out.items() if v == REDACTED} == {"data.s3_secret_access_key", "logging.api_token",
-                                                            "x.password", "aws_access_key_id"}
+                                                            "x.password", "aws_access_key_id", "HF_TOKEN",
+                                                            "x.tokens_secret"}
 
 
 def test_tracking_uri_resolution(monkeypatch, tmp_path):
