@@ -18,7 +18,8 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-DASHBOARD = Path(__file__).resolve().parent / "grafana" / "kiln-training.json"
+from build_dashboard import OUT as DASHBOARD  # the committed dashboard JSON (beside this file)
+
 # Grafana units -> (scale, axis label)
 UNITS = {"percentunit": (100.0, "%"), "percent": (1.0, "%"), "bytes": (1 / 2**30, "GiB"),
          "s": (1.0, "s"), "Bps": (1 / 2**20, "MiB/s"), "none": (1.0, "")}

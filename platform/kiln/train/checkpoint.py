@@ -62,11 +62,9 @@ def prune(root: str, keep: int) -> list[str]:
     """Delete all but the newest `keep` complete checkpoints under root (keep 0: none deleted);
     return what was deleted. Incomplete directories are left for `save` to clear or a human to
     inspect, and never count towards `keep`."""
-    if keep <= 0 or not os.path.isdir(root):
+    if keep <= 0:
         return []
-    complete = [os.path.join(root, n) for n in sorted(os.listdir(root))
-                if STEP_DIR.match(n) and is_complete(os.path.join(root, n))]
-    doomed = complete[:-keep]
+    doomed = [d for d in _step_dirs(root) if is_complete(d)][:-keep]
     for directory in doomed:
         # Rename first: a crash mid-delete leaves a `.partial`, never a half-deleted step_N.
         trash = directory + ".partial"
@@ -93,15 +91,18 @@ def _markers(directory: str) -> dict | None:
 
 def latest_complete(root: str) -> str | None:
     """The newest complete `step_N` directory under root, or None."""
-    if not os.path.isdir(root):
-        return None
-    names = sorted(name for name in os.listdir(root) if STEP_DIR.match(name))  # zero-padded: sorts by step
-    for name in reversed(names):
-        directory = os.path.join(root, name)
+    for directory in reversed(_step_dirs(root)):
         if is_complete(directory):
             return directory
         log.warning("skipping %s: it is not a complete checkpoint (a writer died while saving it)", directory)
     return None
+
+
+def _step_dirs(root: str) -> list[str]:
+    """Every `step_N` directory under root (complete or not), oldest first; [] if root is missing."""
+    if not os.path.isdir(root):
+        return []
+    return [os.path.join(root, n) for n in sorted(os.listdir(root)) if STEP_DIR.match(n)]  # zero-padded
 
 
 def resolve_resume(path: str, world_size: int) -> tuple[str, int]:

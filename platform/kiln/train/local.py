@@ -94,8 +94,8 @@ def run_local(cfg: RunConfig, started: float | None = None) -> Summary | None:
     ckpt_root = os.path.join(os.path.abspath(cfg.train.storage_path), cfg.logging.run_name)
     ok = False
     try:
-        # The local launcher's rank 0 owns the terminal itself: the bar when there is one.
-        progress = sink_for(sys.stderr, cfg.logging.progress_every) if world.rank == 0 else None
+        # The loop shows progress on rank 0 only: a bar when stderr is a terminal, else log lines.
+        progress = sink_for(sys.stderr, cfg.logging.progress_every)
         final = train_loop(cfg, world, source, logger, checkpoint_root=ckpt_root, progress=progress)
         ok = True
     finally:

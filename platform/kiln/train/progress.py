@@ -80,8 +80,8 @@ class TerminalBar:
     """Redraws one line in place (carriage return, erase line), at most every `min_interval_s`
     so a fast run does not spend its time writing to the terminal; the last step always draws."""
 
-    def __init__(self, stream: IO[str], prefix: str = "", min_interval_s: float = 0.1):
-        self.stream, self.prefix, self.min_interval_s = stream, prefix, min_interval_s
+    def __init__(self, stream: IO[str], min_interval_s: float = 0.1):
+        self.stream, self.min_interval_s = stream, min_interval_s
         self._last_draw = float("-inf")  # the first frame always draws
         self._drawn = False
 
@@ -93,7 +93,7 @@ class TerminalBar:
         if not force and now - self._last_draw < self.min_interval_s:
             return
         columns = shutil.get_terminal_size((120, 24)).columns
-        self.stream.write("\r\x1b[K" + (self.prefix + text)[: max(20, columns - 1)])
+        self.stream.write("\r\x1b[K" + text[: max(20, columns - 1)])
         self.stream.flush()
         self._last_draw, self._drawn = now, True
 

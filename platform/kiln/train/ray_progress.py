@@ -58,8 +58,6 @@ class BoardWatcher:
         self.board, self.bar, self.interval_s = board, bar, interval_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kiln-progress", daemon=True)
-        self.frames = 0
-        """How many distinct steps were drawn; tests read it."""
         self._shown: dict | None = None
 
     def __enter__(self) -> BoardWatcher:
@@ -84,5 +82,4 @@ class BoardWatcher:
             return
         if latest and latest != self._shown:
             self._shown = latest
-            self.frames += 1
             self.bar.draw(format_line(Progress(**latest)), force=True)
