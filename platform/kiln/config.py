@@ -193,6 +193,10 @@ class LoggingConfig:
     """Log per-step metrics every this many steps (buffered, sent in batches)."""
     progress_every: int = 10
     """Print a progress line every this many steps."""
+    outage_wait_s: float = 300.0
+    """How long a finished run waits for an unreachable MLflow server to answer again before it
+    writes the metrics it still holds to `undelivered-metrics-<run id>.jsonl` beside its
+    checkpoints. Training itself never waits for MLflow."""
 
 
 @dataclass
@@ -275,6 +279,7 @@ _RANGES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "logging.experiment": (lambda v: bool(v.strip()), "a non-empty name"),
     "logging.log_every": (lambda v: v >= 1, "an integer >= 1"),
     "logging.progress_every": (lambda v: v >= 1, "an integer >= 1"),
+    "logging.outage_wait_s": (lambda v: v >= 0, "a number of seconds >= 0"),
 }
 
 

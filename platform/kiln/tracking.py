@@ -149,14 +149,17 @@ class NullLogger:
 class MLflowLogger:
     """Per-step metrics into an existing MLflow run, buffered and sent with log_batch.
 
-    One HTTP/SQL round trip per `flush_every` steps instead of one per metric keeps logging off
-    the training step's critical path.
+    One round trip per `flush_every` steps instead of one per metric, made by a background
+    sender (kiln.mlflow_sender) so that neither a slow nor a dead tracking server stalls a
+    training step; what the server misses is delivered when it answers again.
     """
 
     def __init__(self, tracking_uri: str, run_id: str, flush_every: int = 20, flush_secs: float = 10.0,
-                 system_metrics: bool = True):
+                 system_metrics: bool = True, spill_dir: str = ".", outage_wait_s: float = 300.0):
         import mlflow
         from mlflow.tracking import MlflowClient
+
+        from kiln.mlflow_sender import Sender
 
         self._client = MlflowClient(tracking_uri)
         self._monitor = None
@@ -167,6 +170,9 @@ class MLflowLogger:
             self._monitor = SystemMetricsMonitor(run_id, sampling_interval=10)
             self._monitor.start()
         self._run_id = run_id
+        self._sender = Sender(self._client, run_id, tracking_uri)
+        self._spill_path = os.path.join(spill_dir, f"undelivered-metrics-{run_id}.jsonl")
+        self._outage_wait_s = outage_wait_s
         self._flush_every, self._flush_secs = flush_every, flush_secs
         self._buffer: list = []
         self._last_flush = time.monotonic()
@@ -182,20 +188,27 @@ class MLflowLogger:
             self._history.setdefault(k, []).append((step, float(metrics[k])))
         self._steps += 1
         if self._steps % self._flush_every == 0 or time.monotonic() - self._last_flush > self._flush_secs:
-            self.flush()
+            self._hand_over()
 
-    def flush(self) -> None:
+    def _hand_over(self) -> None:
         # log_batch takes at most 1000 metrics per call.
         while self._buffer:
             chunk, self._buffer = self._buffer[:1000], self._buffer[1000:]
-            self._client.log_batch(self._run_id, metrics=chunk)
+            self._sender.send_metrics(chunk)
         self._last_flush = time.monotonic()
 
+    def flush(self, timeout: float = 30.0) -> None:
+        """Deliver what is buffered before going on (a Tune scheduler may stop this run once it
+        sees the next report). While the server is away this does not wait: the sender keeps it."""
+        self._hand_over()
+        if not self._sender.in_outage:
+            self._sender.wait_idle(timeout)
+
     def log_artifacts(self, local_dir: str, artifact_path: str) -> None:
-        self._client.log_artifacts(self._run_id, local_dir, artifact_path)
+        self._sender.send_artifacts(local_dir, artifact_path)
 
     def close(self) -> None:
-        self.flush()
+        self._hand_over()
         if self._history:
             with tempfile.TemporaryDirectory(prefix="kiln-plots-") as tmp:
                 try:
@@ -204,10 +217,10 @@ class MLflowLogger:
                 except Exception as e:  # noqa: BLE001 - a plot must not fail a finished run
                     log.warning("end-of-run plots not logged: %s", scrub(str(e)))
             self._history = {}
+        self._sender.close(self._outage_wait_s, self._spill_path)
         if self._monitor is not None:
             self._monitor.finish()
             self._monitor = None
-
 
 
 class ArtifactLogger(NullLogger):

@@ -63,6 +63,29 @@ def _world_from_env(use_gpu: bool) -> WorldInfo:
     return WorldInfo(rank=rank, world_size=world, local_rank=local, device=device)
 
 
+def agree_on_run_name(cfg: RunConfig, world: WorldInfo) -> RunConfig:
+    """Take rank 0's run name and storage path on every rank.
+
+    Under torchrun each rank names the run from its own clock, to the second; ranks that start
+    either side of a second would write their checkpoint shards into different directories,
+    and neither would be complete. (Under Ray the driver names the run once for all workers.)
+    """
+    if world.world_size == 1:
+        return cfg
+    import torch.distributed as dist
+
+    chosen = [(cfg.logging.run_name, cfg.train.storage_path)]
+    dist.broadcast_object_list(chosen, src=0)
+    name, storage = chosen[0]
+    return dataclasses.replace(cfg, logging=dataclasses.replace(cfg.logging, run_name=name),
+                               train=dataclasses.replace(cfg.train, storage_path=storage))
+
+
+def _run_root(cfg: RunConfig) -> str:
+    """Where this run's checkpoints (and any metrics MLflow never took) are written."""
+    return os.path.join(os.path.abspath(cfg.train.storage_path), cfg.logging.run_name)
+
+
 def run_local(cfg: RunConfig, started: float | None = None) -> Summary | None:
     """Train in this process; returns the summary on rank 0 (None on other ranks)."""
     import deepspeed
@@ -77,6 +100,7 @@ def run_local(cfg: RunConfig, started: float | None = None) -> Summary | None:
     world = _world_from_env(cfg.parallel.use_gpu)
     cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, num_workers=world.world_size)).validate()
     deepspeed.init_distributed(dist_backend="nccl" if world.device.type == "cuda" else "gloo")
+    cfg = agree_on_run_name(cfg, world)
 
     run, logger = None, NullLogger()
     if world.rank == 0:
@@ -88,10 +112,11 @@ def run_local(cfg: RunConfig, started: float | None = None) -> Summary | None:
             from kiln.tracking import MLflowLogger
 
             run = open_run(cfg, manifest, tracking_uri, {"num_nodes": 1, "launcher": "local"})
-            logger = MLflowLogger(tracking_uri, run.run_id)
+            logger = MLflowLogger(tracking_uri, run.run_id, spill_dir=_run_root(cfg),
+                                  outage_wait_s=cfg.logging.outage_wait_s)
     dp_rank, dp_size = data_parallel_coords(world.rank, world.world_size, cfg.parallel.pipeline_stages)
     source = ParquetSource(manifest, dp_rank, dp_size, cfg.train.micro_batch_size)
-    ckpt_root = os.path.join(os.path.abspath(cfg.train.storage_path), cfg.logging.run_name)
+    ckpt_root = _run_root(cfg)
     ok = False
     try:
         # The loop shows progress on rank 0 only: a bar when stderr is a terminal, else log lines.

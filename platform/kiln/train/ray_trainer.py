@@ -45,7 +45,10 @@ def _worker_entry(loop_config: dict[str, Any]) -> None:
     logging.getLogger("kiln.train").info("rank %d of %d on node %s", world.rank, world.world_size,
                                          placement[world.rank])
     if world.rank == 0 and run_id:
-        logger = MLflowLogger(loop_config["tracking_uri"], run_id)
+        # Metrics MLflow never took land beside local checkpoints, else in this node's temp dir.
+        spill = cfg.train.storage_path if "://" not in cfg.train.storage_path else tempfile.gettempdir()
+        logger = MLflowLogger(loop_config["tracking_uri"], run_id, spill_dir=os.path.join(spill, cfg.logging.run_name),
+                              outage_wait_s=cfg.logging.outage_wait_s)
     elif run_id and world.rank in cfg.train.profile.rank_set(world.world_size) and cfg.train.profile.start_step:
         logger = ArtifactLogger(loop_config["tracking_uri"], run_id)  # hands in its profile
     else:

@@ -109,3 +109,33 @@ def _assert_no_planted_secret(client, run, out, tmp_path) -> None:
     logged += [p.read_bytes().decode("latin-1") for p in files]
     for secret in PLANTED:
         assert not any(secret in text for text in logged), f"{secret} reached what the run logged"
+
+
+def _name_as_rank(rank: int, tmp: str) -> None:
+    import dataclasses
+
+    import torch
+    import torch.distributed as dist
+
+    from kiln.config import load_config
+    from kiln.train.local import agree_on_run_name
+    from kiln.train.loop import WorldInfo
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=2)
+    cfg = load_config(str(REPO / "jobs/configs/debug.yaml"))
+    # As if the ranks had read their clocks either side of a second.
+    cfg = dataclasses.replace(cfg, logging=dataclasses.replace(cfg.logging, run_name=f"debug-2026112{rank}"),
+                              train=dataclasses.replace(cfg.train, storage_path=f"{tmp}/runs{rank}"))
+    agreed = agree_on_run_name(cfg, WorldInfo(rank=rank, world_size=2, local_rank=rank, device=torch.device("cpu")))
+    Path(tmp, f"rank{rank}").write_text(f"{agreed.logging.run_name} {agreed.train.storage_path}")
+    dist.destroy_process_group()
+
+
+def test_torchrun_ranks_agree_on_rank0s_run_name(tmp_path):
+    # Each torchrun rank names the run by its own clock; they must all use rank 0's name, or
+    # their checkpoint shards land in different directories and no checkpoint is complete.
+    import torch.multiprocessing as mp
+
+    mp.spawn(_name_as_rank, args=(str(tmp_path),), nprocs=2)
+    said = {(tmp_path / f"rank{r}").read_text() for r in (0, 1)}
+    assert said == {f"debug-20261120 {tmp_path}/runs0"}

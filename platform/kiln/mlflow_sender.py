@@ -1,0 +1,185 @@
+"""Deliver a run's metrics and artifacts to MLflow from a background thread, through outages.
+
+MLflow's synchronous client retries a dead server for about four minutes and then raises, and
+its async logging drops what it cannot send: the first stalls training, the second loses data.
+So rank 0 hands each batch to this sender and goes on training. The sender delivers in order,
+keeps whatever failed at the head of its queue, tries again with backoff, and warns once per
+outage, naming the server. A run that ends while the server is still away waits a bounded time
+for it, then writes the metrics it still holds to a JSON-lines file and names that file.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import os
+import shutil
+import socket
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from urllib.parse import urlparse
+
+from kiln.tracking import scrub
+
+log = logging.getLogger(__name__)
+
+STALL_WARN_S = 10.0  # a call that has not returned in this long is an outage, not a slow server
+MAX_BACKOFF_S = 10.0  # between attempts while the server is away: a return is noticed this fast
+
+
+@dataclass
+class _Batch:
+    metrics: list = field(default_factory=list)  # mlflow.entities.Metric
+    artifacts: tuple[str, str] | None = None  # (a private copy of the directory, artifact path)
+
+
+class Sender:
+    """An ordered queue of MLflow writes for one run, drained by a daemon thread."""
+
+    def __init__(self, client, run_id: str, uri: str, stall_warn_s: float = STALL_WARN_S):
+        self._client, self._run_id, self._uri = client, run_id, scrub(uri)
+        parsed = urlparse(uri)
+        self._address = ((parsed.hostname, parsed.port or (443 if parsed.scheme == "https" else 80))
+                         if parsed.scheme in ("http", "https") else None)
+        self._stall_warn_s = stall_warn_s
+        self._queue: collections.deque[_Batch] = collections.deque()
+        self._cv = threading.Condition()
+        self._busy_since: float | None = None  # when the call in flight started
+        self._outage_since: float | None = None  # set once an outage has been announced
+        self._closing = False
+        self._thread = threading.Thread(target=self._run, name="kiln-mlflow-sender", daemon=True)
+        self._thread.start()
+
+    # -- the training thread's side: never blocks on the server -------------------------------
+
+    def send_metrics(self, metrics: list) -> None:
+        if metrics:
+            self._put(_Batch(metrics=list(metrics)))
+
+    def send_artifacts(self, local_dir: str, artifact_path: str) -> None:
+        # The caller may delete its directory as soon as this returns: send a copy.
+        copy = tempfile.mkdtemp(prefix="kiln-artifacts-")
+        shutil.copytree(local_dir, copy, dirs_exist_ok=True)
+        self._put(_Batch(artifacts=(copy, artifact_path)))
+
+    def pending_metrics(self) -> int:
+        with self._cv:
+            return sum(len(b.metrics) for b in self._queue)
+
+    @property
+    def in_outage(self) -> bool:
+        self._check_stall()
+        return self._outage_since is not None
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait until everything queued is delivered; False if `timeout` passed first."""
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while self._queue:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cv.wait(min(left, 1.0))
+                self._check_stall_locked()
+        return True
+
+    def close(self, timeout: float, spill_path: str) -> None:
+        """Deliver what is left, waiting at most `timeout` for a server that is away; then write
+        the undelivered metrics to `spill_path` and say so."""
+        if self.in_outage and self._queue:
+            log.warning("waiting up to %.0f s for MLflow at %s to come back: %d metrics are not delivered yet",
+                        timeout, self._uri, self.pending_metrics())
+        delivered = self.wait_idle(timeout)
+        with self._cv:
+            self._closing = True
+            left = list(self._queue)
+            self._queue.clear()
+            self._cv.notify_all()
+        if delivered:
+            self._thread.join(timeout=5)
+            return
+        # The thread may still be inside MLflow's own retries; it is a daemon and dies with us.
+        metrics = [m for b in left for m in b.metrics]
+        tmp = spill_path + ".partial"
+        os.makedirs(os.path.dirname(os.path.abspath(spill_path)), exist_ok=True)
+        with open(tmp, "w") as f:
+            for m in metrics:
+                f.write(json.dumps({"key": m.key, "value": m.value, "timestamp": m.timestamp, "step": m.step}) + "\n")
+        os.replace(tmp, spill_path)
+        lost_artifacts = [b.artifacts[1] for b in left if b.artifacts]
+        log.error("MLflow at %s did not come back within %.0f s: %d metrics of run %s are in %s "
+                  "(one JSON object per line: key, value, timestamp, step)%s", self._uri, timeout, len(metrics),
+                  self._run_id, spill_path, f"; artifacts not logged: {lost_artifacts}" if lost_artifacts else "")
+        for b in left:
+            if b.artifacts:
+                shutil.rmtree(b.artifacts[0], ignore_errors=True)
+
+    def _put(self, batch: _Batch) -> None:
+        with self._cv:
+            self._queue.append(batch)
+            self._cv.notify_all()
+            self._check_stall_locked()
+
+    def _check_stall(self) -> None:
+        with self._cv:
+            self._check_stall_locked()
+
+    def _check_stall_locked(self) -> None:
+        busy = self._busy_since
+        if busy is not None and self._outage_since is None and time.monotonic() - busy > self._stall_warn_s:
+            self._outage_since = busy
+            log.warning("MLflow at %s has not answered for %.0f s: training goes on, and its metrics are kept "
+                        "(%d queued) and delivered when the server answers again", self._uri,
+                        time.monotonic() - busy, sum(len(b.metrics) for b in self._queue))
+
+    # -- the sender thread ---------------------------------------------------------------------
+
+    def _run(self) -> None:
+        backoff = 1.0
+        while True:
+            with self._cv:
+                while not self._queue and not self._closing:
+                    self._cv.wait()
+                if self._closing:
+                    return
+                batch = self._queue[0]
+                self._busy_since = time.monotonic()
+            try:
+                self._probe()
+                self._deliver(batch)
+            except Exception as e:  # noqa: BLE001 - any failure is retried; the queue keeps the batch
+                with self._cv:
+                    self._busy_since = None
+                    if self._outage_since is None:
+                        self._outage_since = time.monotonic()
+                        log.warning("MLflow at %s failed (%s): training goes on, and its metrics are kept "
+                                    "and delivered when the server answers again", self._uri, scrub(str(e))[:300])
+                    self._cv.wait(backoff)  # wakes early only to close
+                backoff = min(2 * backoff, MAX_BACKOFF_S)
+                continue
+            with self._cv:
+                self._queue.popleft()
+                self._busy_since = None
+                if self._outage_since is not None:
+                    log.warning("MLflow at %s answers again after %.0f s; the buffered metrics are being delivered",
+                                self._uri, time.monotonic() - self._outage_since)
+                    self._outage_since = None
+                self._cv.notify_all()
+            backoff = 1.0
+
+    def _probe(self) -> None:
+        """Connect first: MLflow's client would spend minutes retrying a server that is not
+        listening, and a server that comes back would then wait out its backoff."""
+        if self._address is not None:
+            socket.create_connection(self._address, timeout=5).close()
+
+    def _deliver(self, batch: _Batch) -> None:
+        if batch.metrics:
+            self._client.log_batch(self._run_id, metrics=batch.metrics)
+        if batch.artifacts:
+            local_dir, artifact_path = batch.artifacts
+            self._client.log_artifacts(self._run_id, local_dir, artifact_path)
+            shutil.rmtree(local_dir, ignore_errors=True)

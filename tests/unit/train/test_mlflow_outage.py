@@ -1,0 +1,108 @@
+"""The tracking server goes away mid-run: training goes on, and every step's metrics reach MLflow
+once it is back. A real `mlflow server` on loopback (started by `kiln services up`) is killed
+and started again under a local-launcher run; no Ray."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from mlflow.entities import Metric
+from mlflow.tracking import MlflowClient
+
+from kiln import services
+from kiln.mlflow_sender import Sender
+from kiln.train.local import free_port
+
+REPO = Path(__file__).resolve().parents[3]
+STEPS = 600  # about 40 ms each: the outage falls inside training
+
+
+def test_training_goes_on_through_an_mlflow_outage_and_loses_no_metric(byte_dataset, tmp_path):
+    port = free_port()
+    root = tmp_path / "services"
+    services.up(root, port=port)
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "kiln.train.local", "--config", str(REPO / "jobs/configs/debug.yaml"),
+           "--set", f"data.path={byte_dataset}", "--set", f"train.max_steps={STEPS}",
+           "--set", "train.eval_every=0", "--set", "train.micro_batch_size=4", "--set", "schedule.warmup_steps=5",
+           "--set", f"logging.tracking_uri={url}", "--set", "logging.experiment=outage",
+           "--set", "logging.progress_every=5", "--set", f"train.storage_path={tmp_path}/runs"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
+    reader.start()
+    try:
+        _wait_for_step(lines, proc, 30)
+        for server, _ in services.status(root):  # the server dies mid-run, as in a crash
+            os.killpg(server.pid, signal.SIGKILL)
+        down_at, step_at_down = time.time(), _last_step(lines)
+        time.sleep(12)  # long enough to notice, short enough that training is still going
+        step_at_up = _last_step(lines)
+        services.up(root, port=port)  # the same store, back on the same port
+        up_at = time.time()
+        stdout, _ = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        services.down(root)
+    reader.join(timeout=10)
+    err = "".join(lines)
+    assert proc.returncode == 0, err[-3000:]
+    # Training did not stall while the server was away.
+    assert step_at_up - step_at_down >= min(20, STEPS - step_at_down), (step_at_down, step_at_up)
+    assert f"MLflow at {url} failed" in err or f"MLflow at {url} has not answered" in err, err[-3000:]
+    assert "answers again" in err, err[-3000:]
+    assert "val loss" in stdout
+
+    # What the server stored, read from its backend store directly.
+    client = MlflowClient(f"sqlite:///{root / 'mlflow.db'}")
+    run = client.search_runs([client.get_experiment_by_name("outage").experiment_id])[0]
+    history = client.get_metric_history(run.info.run_id, "loss/train")
+    assert sorted(m.step for m in history) == list(range(1, STEPS + 1))  # none lost, none twice
+    # Steps trained while the server was down are there, stamped with when they trained.
+    during = [m for m in history if down_at * 1000 <= m.timestamp <= up_at * 1000]
+    assert len(during) >= min(20, STEPS - step_at_down), (len(during), step_at_down, step_at_up)
+    assert run.info.status == "FINISHED"
+    assert not list((tmp_path / "runs").glob("*/undelivered-metrics-*.jsonl"))
+
+
+def _wait_for_step(lines: list[str], proc: subprocess.Popen, step: int) -> None:
+    deadline = time.time() + 300
+    while _last_step(lines) < step:
+        assert proc.poll() is None, "".join(lines)[-3000:]
+        assert time.time() < deadline, "".join(lines)[-3000:]
+        time.sleep(0.2)
+
+
+def _last_step(lines: list[str]) -> int:
+    steps = [int(m.group(1)) for line in list(lines) for m in re.finditer(r"step (\d+)/", line)]
+    return max(steps, default=0)
+
+
+def test_metrics_that_never_reach_mlflow_are_written_to_a_file(tmp_path, caplog):
+    # A server that never answers: the sender warns, and at the end writes what it holds.
+    url = f"http://127.0.0.1:{free_port()}"
+    sender = Sender(MlflowClient(url), "0123abcd", url, stall_warn_s=0.5)
+    caplog.set_level(logging.WARNING, logger="kiln.mlflow_sender")
+    sender.send_metrics([Metric("loss/train", 5.0 - s, 1000 + s, s) for s in range(1, 4)])
+    deadline = time.time() + 30
+    while not sender.in_outage:
+        assert time.time() < deadline
+        time.sleep(0.1)
+    assert sender.pending_metrics() == 3
+    spill = tmp_path / "runs" / "undelivered-metrics-0123abcd.jsonl"
+    sender.close(timeout=1.0, spill_path=str(spill))
+    lines = spill.read_text().splitlines()
+    assert [json.loads(line) for line in lines][0] == {"key": "loss/train", "value": 4.0, "timestamp": 1001, "step": 1}
+    assert [json.loads(line)["step"] for line in lines] == [1, 2, 3]
+    said = caplog.text
+    assert f"MLflow at {url}" in said and str(spill) in said and "3 metrics" in said
