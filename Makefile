@@ -60,6 +60,7 @@ lint: $(TEST_STAMP)
 
 bench: $(DEMO_DATA)
 	$(BIN)/python bench/throughput.py
+	$(BIN)/python bench/checkpoint_overhead.py
 	# The example sweep with ASHA and with every trial to the end (~30 min on 2 cores).
 	$(BIN)/python bench/sweep_asha.py
 

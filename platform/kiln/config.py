@@ -25,6 +25,7 @@ import yaml
 
 from kiln.errors import ConfigError
 from kiln.model import FLAVOURS
+from kiln.train.health import HealthConfig
 from kiln.train.profiling import ProfileConfig
 
 
@@ -179,6 +180,9 @@ class TrainConfig:
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     """A torch.profiler window (start_step, steps, ranks): Chrome trace and top operators into
     the run's MLflow artifacts under profile/. Off unless start_step > 0."""
+    health: HealthConfig = field(default_factory=HealthConfig)
+    """The training-health guard: what a non-finite or spiking loss does (stop, skip the
+    micro-batch, or roll back to the last checkpoint); every event is tagged in MLflow."""
 
 
 @dataclass
@@ -221,6 +225,7 @@ class RunConfig:
         _check_ranges(self)
         _check_parallel(self)
         _check_profile(self)
+        _check_health(self)
         return self
 
     @property
@@ -316,6 +321,23 @@ def _check_profile(cfg: RunConfig) -> None:
         raise ConfigError(f"train.profile.ranks = {p.ranks!r}: expected comma-separated ranks or 'all'") from None
     if any(r < 0 or r >= cfg.parallel.num_workers for r in ranks):
         raise ConfigError(f"train.profile.ranks = {p.ranks!r}: ranks run 0..{cfg.parallel.num_workers - 1}")
+
+
+def _check_health(cfg: RunConfig) -> None:
+    h = cfg.train.health
+    if h.spike_factor < 0 or (h.spike_factor and h.spike_factor <= 1):
+        raise ConfigError(f"train.health.spike_factor = {h.spike_factor}: expected 0 (off) or a number > 1")
+    if h.spike_window < 1 or h.max_in_a_row < 1:
+        raise ConfigError(f"train.health: spike_window = {h.spike_window}, max_in_a_row = {h.max_in_a_row}: "
+                          "expected integers >= 1")
+    try:
+        h.injections()
+    except ValueError as e:
+        raise ConfigError(f"train.health.inject = {h.inject!r}: {e} is not nan@STEP or spike@STEP") from None
+    if h.policy == "skip" and cfg.parallel.pipeline_stages > 1:
+        raise ConfigError("train.health.policy = 'skip' with parallel.pipeline_stages > 1: DeepSpeed's pipeline "
+                          "engine runs forward, backward and the step in one call, so a micro-batch cannot be "
+                          "left out; expected 'stop' or 'rollback'")
 
 
 def _check_parallel(cfg: RunConfig) -> None:

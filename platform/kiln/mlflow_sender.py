@@ -33,6 +33,7 @@ MAX_BACKOFF_S = 10.0  # between attempts while the server is away: a return is n
 @dataclass
 class _Batch:
     metrics: list = field(default_factory=list)  # mlflow.entities.Metric
+    tags: list = field(default_factory=list)  # mlflow.entities.RunTag
     artifacts: tuple[str, str] | None = None  # (a private copy of the directory, artifact path)
 
 
@@ -58,6 +59,10 @@ class Sender:
     def send_metrics(self, metrics: list) -> None:
         if metrics:
             self._put(_Batch(metrics=list(metrics)))
+
+    def send_tags(self, tags: list) -> None:
+        if tags:
+            self._put(_Batch(tags=list(tags)))
 
     def send_artifacts(self, local_dir: str, artifact_path: str) -> None:
         # The caller may delete its directory as soon as this returns: send a copy.
@@ -110,9 +115,11 @@ class Sender:
                 f.write(json.dumps({"key": m.key, "value": m.value, "timestamp": m.timestamp, "step": m.step}) + "\n")
         os.replace(tmp, spill_path)
         lost_artifacts = [b.artifacts[1] for b in left if b.artifacts]
+        lost_tags = [t.key for b in left for t in b.tags]
         log.error("MLflow at %s did not come back within %.0f s: %d metrics of run %s are in %s "
                   "(one JSON object per line: key, value, timestamp, step)%s", self._uri, timeout, len(metrics),
-                  self._run_id, spill_path, f"; artifacts not logged: {lost_artifacts}" if lost_artifacts else "")
+                  self._run_id, spill_path, f"; not logged: artifacts {lost_artifacts}, tags {lost_tags}"
+                  if lost_artifacts or lost_tags else "")
         for b in left:
             if b.artifacts:
                 shutil.rmtree(b.artifacts[0], ignore_errors=True)
@@ -177,8 +184,8 @@ class Sender:
             socket.create_connection(self._address, timeout=5).close()
 
     def _deliver(self, batch: _Batch) -> None:
-        if batch.metrics:
-            self._client.log_batch(self._run_id, metrics=batch.metrics)
+        if batch.metrics or batch.tags:
+            self._client.log_batch(self._run_id, metrics=batch.metrics, tags=batch.tags)
         if batch.artifacts:
             local_dir, artifact_path = batch.artifacts
             self._client.log_artifacts(self._run_id, local_dir, artifact_path)

@@ -125,6 +125,7 @@ def ui_command(uri: str) -> str:
 
 class MetricLogger(Protocol):
     def log(self, metrics: dict[str, float], step: int) -> None: ...
+    def set_tag(self, key: str, value: str) -> None: ...
     def log_artifacts(self, local_dir: str, artifact_path: str) -> None: ...
     def flush(self) -> None: ...
     def close(self) -> None: ...
@@ -134,6 +135,9 @@ class NullLogger:
     """What every rank but 0 gets: only rank 0 logs."""
 
     def log(self, metrics: dict[str, float], step: int) -> None:
+        pass
+
+    def set_tag(self, key: str, value: str) -> None:
         pass
 
     def flush(self) -> None:
@@ -189,6 +193,12 @@ class MLflowLogger:
         self._steps += 1
         if self._steps % self._flush_every == 0 or time.monotonic() - self._last_flush > self._flush_secs:
             self._hand_over()
+
+    def set_tag(self, key: str, value: str) -> None:
+        from mlflow.entities import RunTag
+
+        self._hand_over()  # keeps the order: the metrics logged before the tag go first
+        self._sender.send_tags([RunTag(key, scrub(str(value))[:5000])])
 
     def _hand_over(self) -> None:
         # log_batch takes at most 1000 metrics per call.

@@ -37,6 +37,8 @@ def test_zero2_two_workers_from_s3_to_mlflow(ray_cluster, s3_server, s3_dataset,
         f"logging.tracking_uri={db}", "logging.experiment=integration", "logging.run_name=zero2-s3",
         f"train.storage_path={tmp_path}/runs", "train.checkpoint_every=20", "train.keep_checkpoints=1",
         "train.profile.start_step=10", "train.profile.steps=2", "train.profile.ranks=all",
+        # the health guard under Ray: a NaN in rank 0's loss at step 15 is left out on both ranks
+        "train.health.policy=skip", "train.health.inject=nan@15",
     ])
     assert cfg.parallel.num_workers == 2 and cfg.parallel.zero_stage == 2
     started = time.time()
@@ -62,6 +64,8 @@ def test_zero2_two_workers_from_s3_to_mlflow(ray_cluster, s3_server, s3_dataset,
     assert run.data.params["data.path"] == s3_dataset
     assert run.data.params["model.vocab_size"] == "512" and run.data.params["model.seq_len"] == "64"
     assert run.data.tags["kiln.num_workers"] == "2" and run.data.tags["kiln.version"]
+    assert run.data.tags["kiln.health.1"] == "step 15: skipped a micro-batch: loss is not finite on 1 of 2 rank(s)"
+    assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "health/skipped_batches")] == [(15, 1.0)]
     # metric history: one point per step, and the loss falls
     hist = sorted(client.get_metric_history(run.info.run_id, "loss/train"), key=lambda m: m.step)
     assert [m.step for m in hist] == list(range(1, 41))

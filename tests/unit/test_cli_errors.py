@@ -150,3 +150,10 @@ def test_plan_prints_options_and_a_table(tmp_path):
     assert "does NOT fit in 80 GiB" in out.stdout and "recommended (cheapest that fits): zero_stage=" in out.stdout
     bad = kiln("plan", "--model", "huge", cwd=tmp_path)
     assert_clean_error(bad, "--model 'huge' is not a flavour")
+
+
+def test_rollback_under_ray_is_refused_before_launch(tmp_path, byte_dataset):
+    out = kiln("train", "--set", f"data.path={byte_dataset}", "--set", "train.health.policy=rollback",
+               "--set", f"logging.tracking_uri=sqlite:///{tmp_path}/m.db", cwd=tmp_path)
+    assert_clean_error(out, "train.health.policy = 'rollback' runs under the local launcher only")
+    assert not (tmp_path / "m.db").exists()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import shutil
 import threading
 import time
@@ -21,9 +22,11 @@ import torch
 import torch.distributed as dist
 
 from kiln.config import RunConfig
+from kiln.errors import KilnError
 from kiln.model import GPTConfig, config_for, flops_per_token, num_params
 from kiln.tracking import MetricLogger
 from kiln.train import checkpoint
+from kiln.train.health import BadLoss, HealthGuard
 from kiln.train.live_metrics import LiveMetrics, NullLive
 from kiln.train.metrics import datasheet_peak_flops, measured_peak_flops, memory_metrics
 from kiln.train.optim import build_scheduler
@@ -37,6 +40,10 @@ log = logging.getLogger("kiln.train")
 
 Report = Callable[[dict, "str | None"], None]
 WARMUP_STEPS_EXCLUDED = 5  # steady-state throughput ignores the first steps (allocator, JIT, caches)
+
+
+class TrainingUnhealthy(KilnError):
+    """The health guard ended the run (policy stop, nothing to roll back to, or divergence)."""
 
 
 @dataclass(frozen=True)
@@ -85,12 +92,15 @@ def evaluate(engine, source: BatchSource, max_batches: int, device: torch.device
 
 
 def _train_step(engine, batches: Iterator[torch.Tensor], micro_batches: int, device: torch.device,
-                pipeline: bool) -> tuple[torch.Tensor, dict[str, float]]:
+                pipeline: bool, guard: HealthGuard, step: int) -> tuple[torch.Tensor, dict[str, float]]:
     """One optimizer step over `micro_batches` micro-batches: (mean loss, seconds spent per phase).
 
     The phases are data wait, forward, backward (gradient all-reduce included) and optimizer.
     On a GPU each phase ends in a synchronize so its kernels are counted in it; a pipeline runs
     all of them inside DeepSpeed's schedule, so only the data wait is split out there.
+    The guard sees each micro-batch's loss before its backward pass (a pipeline's, after the
+    step): a bad one is left out and replaced by the next, and under rollback or stop the step
+    ends in BadLoss once it is complete, so DeepSpeed's accumulation count stays whole.
     """
     times = {"time/data_wait_s": 0.0}
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -104,13 +114,29 @@ def _train_step(engine, batches: Iterator[torch.Tensor], micro_batches: int, dev
 
     if pipeline:  # DeepSpeed runs the whole 1F1B schedule (and the step) in train_batch
         pairs = [(b[:, :-1], b[:, 1:]) for b in (next_batch() for _ in range(micro_batches))]
-        return engine.train_batch(data_iter=iter(pairs)).detach().float(), times
+        loss = guard.inject(engine.train_batch(data_iter=iter(pairs)).detach().float(), step)
+        reason = guard.check(loss, step)
+        if reason is not None:
+            raise BadLoss(step, reason)
+        return loss, times
     times.update({"time/forward_s": 0.0, "time/backward_s": 0.0, "time/optimizer_s": 0.0})
     loss_sum = torch.zeros((), device=device)
-    for _ in range(micro_batches):
+    done, bad = 0, None
+    while done < micro_batches:
         batch = next_batch()
         t0 = clock()
         _, loss = engine(batch[:, :-1], batch[:, 1:])
+        loss = guard.inject(loss, step)
+        reason = guard.check(loss, step)
+        if reason is not None:
+            if guard.cfg.policy == "stop":
+                raise BadLoss(step, reason)
+            if guard.cfg.policy == "skip":
+                guard.skipped += 1
+                guard.events.append(f"step {step}: skipped a micro-batch: {reason}")
+            bad = bad or reason
+            del loss  # no backward: its graph is freed and the next micro-batch takes its place
+            continue
         sync()
         t1 = clock()
         engine.backward(loss)
@@ -122,6 +148,9 @@ def _train_step(engine, batches: Iterator[torch.Tensor], micro_batches: int, dev
         times["time/backward_s"] += t2 - t1
         times["time/optimizer_s"] += clock() - t2
         loss_sum += loss.detach()
+        done += 1
+    if bad is not None and guard.cfg.policy == "rollback":
+        raise BadLoss(step, bad)
     return loss_sum / micro_batches, times
 
 
@@ -172,6 +201,7 @@ def train_loop(
     flops_tok = flops_per_token(mcfg)
     peak = datasheet_peak_flops(device, t.precision, t.peak_flops)
     steady_time = steady_wait = 0.0
+    steady_save_time = 0.0  # checkpoint saves within the steady-state steps, the last one excluded
     steady_steps = 0
     last: dict[str, float] = {}
     first_step_unix = 0.0
@@ -185,11 +215,21 @@ def train_loop(
                  f" ({dp_size} data-parallel x {cfg.parallel.pipeline_stages} pipeline stages)" if pipeline else "")
 
     profiler = StepProfiler(t.profile, world.rank, world.world_size, device)
-    for step in range(done + 1, t.max_steps + 1):
+    guard = HealthGuard(t.health, world.rank, device)
+    last_good = resume_dir if t.resume_from else None  # what a rollback reloads
+    step = done
+    while step < t.max_steps:
+        step += 1
         profiler.begin(step)
         start = time.perf_counter()
         lr = scheduler.get_last_lr()[0]
-        loss_mean, phase_times = _train_step(engine, batches, micro_batches, device, pipeline)
+        try:
+            loss_mean, phase_times = _train_step(engine, batches, micro_batches, device, pipeline, guard, step)
+        except BadLoss as bad:
+            step = _after_bad_loss(bad, guard, engine, last_good, world.rank, logger)
+            continue
+        if guard.events:
+            _record_health(guard, logger, step, world.rank)
         data_wait = phase_times["time/data_wait_s"]
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -267,10 +307,14 @@ def train_loop(
             save_start = time.perf_counter()
             ckpt = checkpoint.save(engine, checkpoint_root, step, world.rank, world.world_size,
                                    client_state={"step": step, "tokens_seen": step * tokens_per_step})
-            live.checkpointed(time.perf_counter() - save_start)
+            save_time = time.perf_counter() - save_start
+            live.checkpointed(save_time)
+            if not is_last and step > done + WARMUP_STEPS_EXCLUDED:
+                steady_save_time += save_time
             if world.rank == 0:  # after save's final barrier: every rank is done with the old ones
                 checkpoint.prune(checkpoint_root, t.keep_checkpoints)
             last_save = time.monotonic()
+            last_good = ckpt
         if report is not None and not is_last and ("loss/val" in metrics or save):
             # Flush first: a scheduler (ASHA) may stop this run as soon as it sees the report.
             logger.flush()
@@ -281,15 +325,51 @@ def train_loop(
     progress.close()
     final = dict(last)
     final["throughput/tokens_per_s"] = tokens_per_step * steady_steps / max(steady_time, 1e-9)
+    # What checkpointing costs: the same steps with the time their saves took counted in.
+    final["throughput/tokens_per_s_with_checkpoints"] = (
+        tokens_per_step * steady_steps / max(steady_time + steady_save_time, 1e-9))
     if peak is not None:
         final["mfu"] = flops_tok * final["throughput/tokens_per_s"] / (peak * world.world_size)
     final["time/data_wait_share"] = steady_wait / max(steady_time, 1e-9)
     final["time/first_step_unix"] = first_step_unix
     final["step"] = t.max_steps
     final.update(held)
+    if guard.active:
+        final.update(guard.metrics())
     if report is not None:  # the last report carries the final checkpoint and the summary metrics
         report(final, ckpt)
     return final
+
+
+def _after_bad_loss(bad: BadLoss, guard: HealthGuard, engine, last_good: str | None, rank: int,
+                    logger: MetricLogger) -> int:
+    """Roll back to `last_good` and return its step, or end the run with the reason."""
+    if guard.cfg.policy == "rollback" and not bad.fatal and last_good is not None:
+        _, client = engine.load_checkpoint(last_good, tag=checkpoint.TAG)
+        back_to = int(client["step"])
+        guard.rollbacks += 1
+        guard.events.append(f"step {bad.step}: rolled back to {os.path.basename(last_good)}, skipping the "
+                            f"data of steps {back_to + 1}-{bad.step}: {bad.reason}")
+        _record_health(guard, logger, bad.step, rank)
+        return back_to
+    why = {"stop": "train.health.policy = stop", "rollback": "no checkpoint to roll back to yet"}
+    guard.events.append(f"step {bad.step}: stopped: {bad.reason}")
+    _record_health(guard, logger, bad.step, rank)
+    logger.flush()
+    raise TrainingUnhealthy(f"training stopped at step {bad.step}: {bad.reason} "
+                            f"({'divergence' if bad.fatal else why.get(guard.cfg.policy, guard.cfg.policy)}); "
+                            f"the newest complete checkpoint is {last_good or 'none'}")
+
+
+def _record_health(guard: HealthGuard, logger: MetricLogger, step: int, rank: int) -> None:
+    """Each event as a warning, an MLflow tag (kiln.health.<n>) and the running counts (rank 0)."""
+    if rank == 0:
+        for event in guard.events:
+            guard.recorded += 1
+            log.warning("train.health: %s", event)
+            logger.set_tag(f"kiln.health.{guard.recorded}", event)
+        logger.log(guard.metrics(), step)
+    guard.events.clear()
 
 
 def _prefetch_first(it: Iterator[torch.Tensor]) -> Iterator[torch.Tensor]:

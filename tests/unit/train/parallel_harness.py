@@ -41,9 +41,13 @@ class Capture:
 
     def __init__(self):
         self.history: dict[int, dict[str, float]] = {}
+        self.tags: dict[str, str] = {}
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        self.history[step] = dict(metrics)
+        self.history.setdefault(step, {}).update(metrics)
+
+    def set_tag(self, key: str, value: str) -> None:
+        self.tags[key] = value
 
     def flush(self) -> None:
         pass

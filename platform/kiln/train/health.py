@@ -1,0 +1,137 @@
+"""Training-health guard: a non-finite or spiking loss never reaches the optimizer unnoticed.
+
+Each micro-batch's loss is checked right after its forward pass and before its backward pass,
+and every rank takes the same decision (one all-reduce of two numbers), so the ranks' later
+collectives stay paired. A loss is bad when it is not finite on some rank, or when the ranks'
+mean exceeds `spike_factor` times the median of the last `spike_window` good losses.
+
+What happens then is the policy:
+- skip: the micro-batch gets no backward pass and the next one from the stream takes its place,
+  so the optimizer step is made of good micro-batches only;
+- rollback: the newest complete checkpoint is loaded and training goes on from its step with
+  the data after the bad batch (the window between the checkpoint and the bad batch is skipped);
+- stop: the run ends with the step, the loss and the reason.
+A pipeline runs forward, backward and the step inside DeepSpeed's schedule, so there the check
+sees the loss after the step: rollback and stop work, skip is refused when the config is loaded.
+"""
+
+from __future__ import annotations
+
+import collections
+import statistics
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+from kiln.errors import ConfigError
+
+MIN_HISTORY = 10  # good losses seen before a spike can be called: the first steps fall fast
+
+
+@dataclass
+class HealthConfig:
+    policy: Literal["stop", "skip", "rollback", "off"] = "stop"
+    """What a bad loss does: `stop` the run (the default: never train on garbage), `skip` the
+    micro-batch, `rollback` to the newest complete checkpoint, or `off` (no check, no all-reduce)."""
+    spike_factor: float = 0.0
+    """A loss above this many times the running median of recent good losses is bad too; 0: only
+    a non-finite loss is. 3 is a sensible value once a run's loss has settled."""
+    spike_window: int = 50
+    """How many recent good micro-batch losses the running median covers."""
+    max_in_a_row: int = 10
+    """Stop after this many bad micro-batches in a row under skip or rollback: that is
+    divergence, not a bad batch."""
+    inject: str = ""
+    """For testing the guard: comma-separated `nan@S` or `spike@S` make rank 0's first
+    micro-batch loss of step S NaN, or 100 times larger."""
+
+    def injections(self) -> dict[int, str]:
+        """{step: 'nan' | 'spike'}; raises ValueError on anything else."""
+        out: dict[int, str] = {}
+        for item in filter(None, (s.strip() for s in self.inject.split(","))):
+            kind, _, step = item.partition("@")
+            if kind not in ("nan", "spike") or not step.isdigit() or int(step) < 1:
+                raise ValueError(item)
+            out[int(step)] = kind
+        return out
+
+
+def refuse_rollback_on_ray(policy: str) -> None:
+    if policy == "rollback":
+        raise ConfigError("train.health.policy = 'rollback' runs under the local launcher only (python -m "
+                          "kiln.train.local, or torchrun): under Ray Train each worker keeps only its own shards of "
+                          "a checkpoint on local disk, so none can reload a whole one mid-run; expected 'stop' or "
+                          "'skip' under Ray")
+
+
+class BadLoss(Exception):
+    """Raised inside a step when the policy is rollback or stop; the loop decides what follows."""
+
+    def __init__(self, step: int, reason: str, fatal: bool = False):
+        super().__init__(f"step {step}: {reason}")
+        self.step, self.reason, self.fatal = step, reason, fatal  # fatal: stop whatever the policy
+
+
+class HealthGuard:
+    def __init__(self, cfg: HealthConfig, rank: int, device: torch.device):
+        self.cfg, self.rank, self.device = cfg, rank, device
+        self._recent: collections.deque[float] = collections.deque(maxlen=cfg.spike_window)
+        self._pending = cfg.injections()
+        self.in_a_row = 0
+        self.skipped = 0
+        self.rollbacks = 0
+        self.events: list[str] = []  # what happened since the loop last looked, for the run's tags
+        self.recorded = 0  # events tagged so far (rank 0)
+
+    @property
+    def active(self) -> bool:
+        return self.cfg.policy != "off"
+
+    def inject(self, loss: torch.Tensor, step: int) -> torch.Tensor:
+        """Apply a fault planted for this step, once (rank 0 only: the others must notice anyway)."""
+        kind = self._pending.pop(step, None) if self.rank == 0 else None
+        if kind == "nan":
+            return loss * float("nan")
+        if kind == "spike":
+            return loss * 100.0
+        return loss
+
+    def check(self, loss: torch.Tensor, step: int) -> str | None:
+        """None if this micro-batch's loss is good, else why not. Every rank must call it for
+        every micro-batch: the verdict is reached together."""
+        if not self.active:
+            return None
+        value = float(loss.detach().float())
+        finite = value == value and abs(value) != float("inf")
+        both = torch.tensor([0.0 if finite else 1.0, value if finite else 0.0], dtype=torch.float64,
+                            device=self.device)
+        world = 1
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(both)
+            world = dist.get_world_size()
+        nonfinite, total = both.tolist()
+        reason = None
+        if nonfinite:
+            reason = f"loss is not finite on {int(nonfinite)} of {world} rank(s)"
+        else:
+            mean = total / world
+            if self.cfg.spike_factor and len(self._recent) >= MIN_HISTORY:
+                median = statistics.median(self._recent)
+                if mean > self.cfg.spike_factor * median:
+                    reason = (f"loss {mean:.4g} is {mean / median:.1f}x the running median {median:.4g} "
+                              f"(train.health.spike_factor = {self.cfg.spike_factor:g})")
+            if reason is None:
+                self._recent.append(mean)
+                self.in_a_row = 0
+                return None
+        self.in_a_row += 1
+        if self.in_a_row > self.cfg.max_in_a_row:
+            raise BadLoss(step, f"{reason}; {self.in_a_row} bad micro-batches in a row "
+                                f"(train.health.max_in_a_row = {self.cfg.max_in_a_row}): the run diverged",
+                          fatal=True)
+        return reason
+
+    def metrics(self) -> dict[str, float]:
+        return {"health/skipped_batches": float(self.skipped), "health/rollbacks": float(self.rollbacks)}

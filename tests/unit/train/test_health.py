@@ -1,0 +1,139 @@
+"""The training-health guard: its verdicts on their own, its config errors, and each policy on a
+real DeepSpeed run (local launcher, no Ray) with a NaN and a spike planted in rank 0's loss."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+
+from kiln.config import load_config
+from kiln.errors import ConfigError
+from kiln.train import checkpoint
+from kiln.train.health import MIN_HISTORY, BadLoss, HealthConfig, HealthGuard
+
+REPO = Path(__file__).resolve().parents[3]
+CPU = torch.device("cpu")
+
+
+def _guard(**kw) -> HealthGuard:
+    return HealthGuard(HealthConfig(**kw), rank=0, device=CPU)
+
+
+def test_verdicts_nan_inf_and_spikes_over_the_running_median():
+    guard = _guard(policy="skip", spike_factor=3.0, max_in_a_row=2)
+    assert "not finite on 1 of 1" in guard.check(torch.tensor(float("nan")), 1)
+    assert "not finite" in guard.check(torch.tensor(float("inf")), 1)
+    for i in range(MIN_HISTORY - 1):  # too little history to call anything a spike
+        assert guard.check(torch.tensor(10.0 if i == 0 else 2.0), 2) is None
+    assert guard.check(torch.tensor(7.0), 3) is None  # the MIN_HISTORY-th good loss
+    said = guard.check(torch.tensor(7.0), 4)  # median 2.0: 3.5x
+    assert said is not None and "3.5x the running median 2" in said
+    assert guard.check(torch.tensor(5.9), 5) is None  # 2.95x: fine, and it resets the count
+    guard.check(torch.tensor(float("nan")), 6)
+    guard.check(torch.tensor(float("nan")), 6)
+    with pytest.raises(BadLoss, match="3 bad micro-batches in a row") as bad:
+        guard.check(torch.tensor(float("nan")), 6)
+    assert bad.value.fatal
+    assert _guard(policy="off").check(torch.tensor(float("nan")), 1) is None
+
+
+def test_injections_hit_rank_0_once():
+    guard = _guard(inject="nan@3, spike@5")
+    loss = torch.tensor(2.0)
+    assert guard.inject(loss, 2) is loss
+    assert math.isnan(guard.inject(loss, 3).item()) and guard.inject(loss, 3).item() == 2.0
+    assert guard.inject(loss, 5).item() == 200.0
+    other = HealthGuard(HealthConfig(inject="nan@3"), rank=1, device=CPU)
+    assert other.inject(loss, 3).item() == 2.0
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["train.health.policy=retry"], "train.health.policy = 'retry' is not allowed"),
+    (["train.health.inject=nan@0"], "train.health.inject = 'nan@0': nan@0 is not nan@STEP or spike@STEP"),
+    (["train.health.spike_factor=0.5"], "train.health.spike_factor = 0.5: expected 0 (off) or a number > 1"),
+    (["train.health.policy=skip", "parallel.pipeline_stages=2", "parallel.zero_stage=1"],
+     "train.health.policy = 'skip' with parallel.pipeline_stages > 1"),
+])
+def test_config_mistakes_are_named(overrides, needle):
+    with pytest.raises(ConfigError) as e:
+        load_config(str(REPO / "jobs/configs/debug.yaml"), overrides)
+    assert needle in str(e.value)
+
+
+def test_each_policy_on_a_real_run(byte_dataset, tmp_path):
+    # One process each, 2 micro-batches a step, all three at once. (Two ranks that must agree to
+    # leave out a micro-batch whose loss is NaN on one of them: the ZeRO-2 run on Ray.)
+    runs = {
+        "skip": ["train.health.spike_factor=3", "train.health.inject=nan@6,spike@10"],
+        "rollback": ["train.checkpoint_every=4", "train.health.inject=nan@6"],
+        "stop": ["train.checkpoint_every=4", "train.health.inject=nan@6"],
+    }
+    procs = {name: _start(byte_dataset, tmp_path / name, [f"train.health.policy={name}", *sets])
+             for name, sets in runs.items()}
+    out = {name: (p.communicate(timeout=600), p.returncode) for name, p in procs.items()}
+
+    (_, err), rc = out["skip"]
+    assert rc == 0, err[-3000:]
+    run, client = _run(tmp_path / "skip")
+    tags = _health_tags(run)
+    assert tags[0] == "step 6: skipped a micro-batch: loss is not finite on 1 of 1 rank(s)", tags
+    assert tags[1].startswith("step 10: skipped a micro-batch: loss ") and "x the running median" in tags[1], tags
+    skipped = client.get_metric_history(run.info.run_id, "health/skipped_batches")
+    assert sorted((m.step, m.value) for m in skipped) == [(6, 1.0), (10, 2.0)]
+    losses = _losses(client, run)
+    assert [s for s, _ in losses] == list(range(1, 15)) and all(math.isfinite(v) for _, v in losses)
+    assert losses[-1][1] < losses[0][1] - 0.5
+
+    (_, err), rc = out["rollback"]
+    assert rc == 0, err[-3000:]
+    run, client = _run(tmp_path / "rollback")
+    tags = _health_tags(run)
+    assert tags == ["step 6: rolled back to step_00000004, skipping the data of steps 5-6: "
+                    "loss is not finite on 1 of 1 rank(s)"], tags
+    assert [m.value for m in client.get_metric_history(run.info.run_id, "health/rollbacks")] == [1.0]
+    losses = _losses(client, run)  # steps 5 and 6 were trained twice (on different data)
+    assert sorted({s for s, _ in losses}) == list(range(1, 15)) and all(math.isfinite(v) for _, v in losses)
+    assert [s for s, _ in losses].count(5) == 2 and run.info.status == "FINISHED"
+
+    (_, err), rc = out["stop"]
+    assert rc == 2, err[-3000:]
+    assert "kiln: error: training stopped at step 6: loss is not finite on 1 of 1 rank(s) " \
+           "(train.health.policy = stop); the newest complete checkpoint is " in err, err[-3000:]
+    assert "Traceback" not in err
+    run, client = _run(tmp_path / "stop")
+    assert run.info.status == "FAILED" and _health_tags(run) == ["step 6: stopped: loss is not finite on 1 of 1 rank(s)"]
+    root = tmp_path / "stop" / "runs" / run.info.run_name
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000004"]
+    assert checkpoint.is_complete(str(root / "step_00000004"))
+
+
+def _start(byte_dataset, where: Path, sets: list[str]) -> subprocess.Popen:
+    where.mkdir()
+    overrides = [f"data.path={byte_dataset}", "train.max_steps=14", "train.eval_every=0", "train.micro_batch_size=8",
+                 "train.grad_accum_steps=2", "schedule.warmup_steps=2", "logging.progress_every=1",
+                 f"logging.tracking_uri=sqlite:///{where}/mlflow.db", f"train.storage_path={where}/runs", *sets]
+    return subprocess.Popen([sys.executable, "-m", "kiln.train.local", "--config", str(REPO / "jobs/configs/debug.yaml"),
+                             *[a for o in overrides for a in ("--set", o)]],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=where)
+
+
+def _run(where: Path):
+    client = MlflowClient(f"sqlite:///{where}/mlflow.db")
+    (run,) = client.search_runs([client.get_experiment_by_name("kiln-demo").experiment_id])
+    return run, client
+
+
+def _health_tags(run) -> list[str]:
+    tags = {int(k.rsplit(".", 1)[1]): v for k, v in run.data.tags.items() if k.startswith("kiln.health.")}
+    return [tags[n] for n in sorted(tags)]
+
+
+def _losses(client, run) -> list[tuple[int, float]]:
+    history = client.get_metric_history(run.info.run_id, "loss/train")
+    return [(m.step, m.value) for m in sorted(history, key=lambda m: (m.step, m.timestamp))]
