@@ -20,9 +20,8 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
-from urllib.parse import urlparse
 
-from kiln.tracking import scrub
+from kiln.tracking import scrub, server_address
 
 log = logging.getLogger(__name__)
 
@@ -42,9 +41,7 @@ class Sender:
 
     def __init__(self, client, run_id: str, uri: str, stall_warn_s: float = STALL_WARN_S):
         self._client, self._run_id, self._uri = client, run_id, scrub(uri)
-        parsed = urlparse(uri)
-        self._address = ((parsed.hostname, parsed.port or (443 if parsed.scheme == "https" else 80))
-                         if parsed.scheme in ("http", "https") else None)
+        self._address = server_address(uri)  # None for a local store: nothing to probe
         self._stall_warn_s = stall_warn_s
         self._queue: collections.deque[_Batch] = collections.deque()
         self._cv = threading.Condition()
@@ -72,7 +69,10 @@ class Sender:
 
     def pending_metrics(self) -> int:
         with self._cv:
-            return sum(len(b.metrics) for b in self._queue)
+            return self._pending_locked()
+
+    def _pending_locked(self) -> int:
+        return sum(len(b.metrics) for b in self._queue)
 
     @property
     def in_outage(self) -> bool:
@@ -140,7 +140,7 @@ class Sender:
             self._outage_since = busy
             log.warning("MLflow at %s has not answered for %.0f s: training goes on, and its metrics are kept "
                         "(%d queued) and delivered when the server answers again", self._uri,
-                        time.monotonic() - busy, sum(len(b.metrics) for b in self._queue))
+                        time.monotonic() - busy, self._pending_locked())
 
     # -- the sender thread ---------------------------------------------------------------------
 
@@ -164,7 +164,8 @@ class Sender:
                         self._outage_since = time.monotonic()
                         log.warning("MLflow at %s failed (%s): training goes on, and its metrics are kept "
                                     "and delivered when the server answers again", self._uri, scrub(str(e))[:300])
-                    self._cv.wait(backoff)  # wakes early only to close
+                    # Wakes early when closing or when more is queued: the probe is cheap.
+                    self._cv.wait(backoff)
                 backoff = min(2 * backoff, MAX_BACKOFF_S)
                 continue
             with self._cv:

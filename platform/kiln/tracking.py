@@ -40,14 +40,21 @@ def resolve_tracking_uri(configured: str = "") -> str:
     return uri
 
 
-def check_reachable(uri: str, timeout: float = 5.0) -> None:
-    """Fail fast with a clear message if an HTTP tracking server does not answer."""
+def server_address(uri: str) -> tuple[str, int] | None:
+    """(host, port) of an HTTP(S) tracking server; None for a local store (sqlite, file)."""
     parsed = urlparse(uri)
     if parsed.scheme not in ("http", "https"):
+        return None
+    return parsed.hostname, parsed.port or (443 if parsed.scheme == "https" else 80)
+
+
+def check_reachable(uri: str, timeout: float = 5.0) -> None:
+    """Fail fast with a clear message if an HTTP tracking server does not answer."""
+    address = server_address(uri)
+    if address is None:
         return
-    port = parsed.port or (443 if parsed.scheme == "https" else 80)
     try:
-        with socket.create_connection((parsed.hostname, port), timeout=timeout):
+        with socket.create_connection(address, timeout=timeout):
             pass
     except OSError as e:
         raise KilnError(

@@ -18,14 +18,15 @@ sees the loss after the step: rollback and stop work, skip is refused when the c
 from __future__ import annotations
 
 import collections
+import math
 import statistics
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
-import torch.distributed as dist
 
 from kiln.errors import ConfigError
+from kiln.train.metrics import mean_over_ranks, ranks
 
 MIN_HISTORY = 10  # good losses seen before a spike can be called: the first steps fall fast
 
@@ -104,19 +105,13 @@ class HealthGuard:
         if not self.active:
             return None
         value = float(loss.detach().float())
-        finite = value == value and abs(value) != float("inf")
-        both = torch.tensor([0.0 if finite else 1.0, value if finite else 0.0], dtype=torch.float64,
-                            device=self.device)
-        world = 1
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(both)
-            world = dist.get_world_size()
-        nonfinite, total = both.tolist()
+        finite = math.isfinite(value)
+        share_bad, mean = mean_over_ranks([0.0 if finite else 1.0, value if finite else 0.0], self.device)
         reason = None
-        if nonfinite:
-            reason = f"loss is not finite on {int(nonfinite)} of {world} rank(s)"
+        if share_bad:
+            world = ranks()
+            reason = f"loss is not finite on {round(share_bad * world)} of {world} rank(s)"
         else:
-            mean = total / world
             if self.cfg.spike_factor and len(self._recent) >= MIN_HISTORY:
                 median = statistics.median(self._recent)
                 if mean > self.cfg.spike_factor * median:
@@ -132,6 +127,11 @@ class HealthGuard:
                                 f"(train.health.max_in_a_row = {self.cfg.max_in_a_row}): the run diverged",
                           fatal=True)
         return reason
+
+    def skip(self, step: int, reason: str) -> None:
+        """A micro-batch left out under the skip policy: counted, and an event for the run."""
+        self.skipped += 1
+        self.events.append(f"step {step}: skipped a micro-batch: {reason}")
 
     def metrics(self) -> dict[str, float]:
         return {"health/skipped_batches": float(self.skipped), "health/rollbacks": float(self.rollbacks)}

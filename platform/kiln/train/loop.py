@@ -19,7 +19,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from kiln.config import RunConfig
 from kiln.errors import KilnError
@@ -28,7 +27,12 @@ from kiln.tracking import MetricLogger
 from kiln.train import checkpoint
 from kiln.train.health import BadLoss, HealthGuard
 from kiln.train.live_metrics import LiveMetrics, NullLive
-from kiln.train.metrics import datasheet_peak_flops, measured_peak_flops, memory_metrics
+from kiln.train.metrics import (
+    datasheet_peak_flops,
+    mean_over_ranks,
+    measured_peak_flops,
+    memory_metrics,
+)
 from kiln.train.optim import build_scheduler
 from kiln.train.parallelize import engine_memory, initialize
 from kiln.train.pipeline import check_coords
@@ -65,14 +69,6 @@ def gpt_config(cfg: RunConfig) -> GPTConfig:
     )
 
 
-def _mean_over_ranks(values: list[float], device: torch.device) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t)
-        t /= dist.get_world_size()
-    return t.tolist()
-
-
 @torch.no_grad()
 def evaluate(engine, source: BatchSource, max_batches: int, device: torch.device, pipeline: bool) -> float:
     engine.eval()
@@ -87,7 +83,7 @@ def evaluate(engine, source: BatchSource, max_batches: int, device: torch.device
             _, loss = engine(batch[:, :-1], batch[:, 1:])
         total, count = total + loss.item(), count + 1
     engine.train()
-    (mean_total, mean_count) = _mean_over_ranks([total, float(count)], device)
+    (mean_total, mean_count) = mean_over_ranks([total, float(count)], device)
     return mean_total / max(mean_count, 1e-9)
 
 
@@ -132,8 +128,7 @@ def _train_step(engine, batches: Iterator[torch.Tensor], micro_batches: int, dev
             if guard.cfg.policy == "stop":
                 raise BadLoss(step, reason)
             if guard.cfg.policy == "skip":
-                guard.skipped += 1
-                guard.events.append(f"step {step}: skipped a micro-batch: {reason}")
+                guard.skip(step, reason)
             bad = bad or reason
             del loss  # no backward: its graph is freed and the next micro-batch takes its place
             continue
@@ -243,7 +238,7 @@ def train_loop(
             held = engine_memory(engine)  # optimizer state exists after the first step
 
         # The time since the last save rides along, so every rank takes the same save decision.
-        loss_train, wait, since_save = _mean_over_ranks(
+        loss_train, wait, since_save = mean_over_ranks(
             [loss_mean.item(), data_wait, time.monotonic() - last_save], device)
         tok_s = tokens_per_step / step_time
         grad_norm = engine.get_global_grad_norm()
@@ -352,12 +347,16 @@ def _after_bad_loss(bad: BadLoss, guard: HealthGuard, engine, last_good: str | N
                             f"data of steps {back_to + 1}-{bad.step}: {bad.reason}")
         _record_health(guard, logger, bad.step, rank)
         return back_to
-    why = {"stop": "train.health.policy = stop", "rollback": "no checkpoint to roll back to yet"}
+    if bad.fatal:
+        why = "divergence"
+    elif guard.cfg.policy == "stop":
+        why = "train.health.policy = stop"
+    else:
+        why = "no checkpoint to roll back to yet"
     guard.events.append(f"step {bad.step}: stopped: {bad.reason}")
     _record_health(guard, logger, bad.step, rank)
     logger.flush()
-    raise TrainingUnhealthy(f"training stopped at step {bad.step}: {bad.reason} "
-                            f"({'divergence' if bad.fatal else why.get(guard.cfg.policy, guard.cfg.policy)}); "
+    raise TrainingUnhealthy(f"training stopped at step {bad.step}: {bad.reason} ({why}); "
                             f"the newest complete checkpoint is {last_good or 'none'}")
 
 

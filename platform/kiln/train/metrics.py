@@ -6,6 +6,22 @@ import time
 
 import psutil
 import torch
+import torch.distributed as dist
+
+
+def ranks() -> int:
+    """Processes in the default process group; 1 without one."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def mean_over_ranks(values: list[float], device: torch.device) -> list[float]:
+    """Each value averaged over all ranks (one all-reduce); every rank gets the same numbers."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if ranks() > 1:
+        dist.all_reduce(t)
+        t /= ranks()
+    return t.tolist()
+
 
 # Dense peak FLOP/s per GPU from vendor datasheets (SXM parts; no sparsity).
 _GPU_PEAK = {

@@ -22,7 +22,6 @@ from ray.train.torch import TorchConfig, TorchTrainer
 
 from kiln.config import RunConfig, config_from_dict
 from kiln.tracking import ArtifactLogger, MLflowLogger, NullLogger, ScrubFilter
-from kiln.train.health import refuse_rollback_on_ray
 from kiln.train.live_metrics import RayLive, device_limit_bytes
 from kiln.train.loop import WorldInfo, train_loop
 from kiln.train.ray_progress import BoardSink
@@ -154,7 +153,6 @@ def build_trainer(cfg: RunConfig, datasets: dict, run_name: str, tracking_uri: s
     """The TorchTrainer of one run. A sweep's trial adds Tune's report callback and keeps its
     checkpoints under the sweep's storage; `progress_board` (a `ProgressBoard` actor) is where
     rank 0 posts each step for the driver's progress bar."""
-    refuse_rollback_on_ray(cfg.train.health.policy)  # a sweep's trials come here too
     p = cfg.parallel
     # Ray Train gives a worker group 60 s to start. Workers that each import torch and
     # DeepSpeed on a busy small node (concurrent sweep trials) can take longer; the controller
