@@ -157,3 +157,13 @@ def test_rollback_under_ray_is_refused_before_launch(tmp_path, byte_dataset):
                "--set", f"logging.tracking_uri=sqlite:///{tmp_path}/m.db", cwd=tmp_path)
     assert_clean_error(out, "train.health.policy = 'rollback' runs under the local launcher only")
     assert not (tmp_path / "m.db").exists()
+
+
+def test_no_ray_cluster_at_the_address(tmp_path, byte_dataset):
+    """A mistyped address would leave `ray.init` waiting for ever; it is one line, and no run."""
+    for address, needle in (("127.0.0.1:9", "no Ray cluster answers at 127.0.0.1:9"),
+                            ("head-node", "Ray address 'head-node': expected host:port")):
+        out = kiln("train", "--address", address, "--set", f"data.path={byte_dataset}",
+                   "--set", f"logging.tracking_uri=sqlite:///{tmp_path}/m.db", cwd=tmp_path)
+        assert_clean_error(out, needle)
+    assert not (tmp_path / "m.db").exists()

@@ -12,6 +12,7 @@ import json
 import logging
 import math
 import os
+import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ import yaml
 import kiln
 from kiln.config import RunConfig, flatten
 from kiln.data.manifest import TOKENS, Manifest, check_shards, load_manifest
-from kiln.errors import ConfigError, DataError
+from kiln.errors import ConfigError, DataError, KilnError
 from kiln.model import padded_vocab
 from kiln.storage import resolve
 from kiln.tracking import (
@@ -193,7 +194,13 @@ def connect_ray(cfg: RunConfig, address: str | None = None) -> None:
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
         log.info("connecting to the Ray cluster at %s", address)
-        ray.init(address=address, log_to_driver=True)
+        check_ray_address(address)
+        try:
+            ray.init(address=address, log_to_driver=True)
+        except ConnectionError as e:
+            raise KilnError(
+                f"could not join the Ray cluster at {address}: {e}. A cluster started with `ray start "
+                "--head` uses token auth: set RAY_AUTH_MODE=token (its token is in ~/.ray/auth_token)") from None
         reclaim_orphaned_placement_groups()
         warn_if_no_cpu_left_for_data(cfg)
         return
@@ -204,6 +211,22 @@ def connect_ray(cfg: RunConfig, address: str | None = None) -> None:
     # The dashboard backs Ray's state API, which Ray Train's placement-group cleaner polls; it
     # binds to loopback only.
     ray.init(num_cpus=max(os.cpu_count() or 1, need), dashboard_host="127.0.0.1", log_to_driver=True)
+
+
+def check_ray_address(address: str, timeout: float = 5.0) -> None:
+    """Refuse an address where nothing listens: `ray.init` would wait for it without end."""
+    if address == "auto" or address.startswith("local"):
+        return
+    host, _, port = address.split("://", 1)[-1].rpartition(":")
+    if not port.isdigit():
+        raise KilnError(f"Ray address {address!r}: expected host:port (the head's GCS port, 6379 by "
+                        "default) or ray://host:port")
+    try:
+        with socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout):
+            pass
+    except OSError as e:
+        raise KilnError(f"no Ray cluster answers at {address} ({e.strerror or e}): start one with "
+                        "`ray start --head`, or correct --address / $RAY_ADDRESS") from None
 
 
 def warn_if_no_cpu_left_for_data(cfg: RunConfig) -> None:
@@ -264,6 +287,12 @@ def ray_datasets(manifest: Manifest) -> dict:
     ctx = DataContext.get_current()
     ctx.enable_progress_bars = False  # Kiln prints its own progress
     ctx.print_on_execution_start = False
+    # Ray Data's V2 Parquet reader starts a pool of FooterReader actors (new processes) every time
+    # a dataset executes, and a streaming split executes once per epoch and per evaluation: on a
+    # small cluster that cost more CPU than the training of a small model. The V1 reader reads
+    # footers on the driver once, when the dataset is created; Kiln's shard lists come from the
+    # manifest, so there is no directory listing for V2 to spread out either.
+    ctx.use_datasource_v2 = False
     return {
         split: ray.data.read_parquet(
             [loc.path for loc in manifest.shard_locations(split)], filesystem=manifest.location.fs,
