@@ -187,6 +187,12 @@ def _check(out: str, dashboard: str, s3_server: str, mlflow_url: str) -> None:
     assert len(head) == 1 and len(seconds) == 2, [(n.node_id, n.state, n.resources_total) for n in nodes]
     placement = tags["kiln.placement"].split(",")
     assert sorted(placement) == sorted([head[0], seconds[-1].node_id]), (placement, head, seconds)
+    # MLflow has system metrics of both nodes: rank 0's as system/..., the second node's under its id.
+    from kiln.train.ray_trainer import node_label
+
+    assert "system/cpu_utilization_percentage" in run.data.metrics, sorted(run.data.metrics)
+    per_node = {f"system/{node_label(n.node_id)}/cpu_utilization_percentage" for n in seconds}
+    assert per_node & set(run.data.metrics), (per_node, sorted(run.data.metrics))
     # Every checkpoint is on shared storage, the last with both ranks' ZeRO shards and markers.
     final = _checkpoints(s3_server)[-1]
     names = {k.rsplit("/", 1)[-1] for k in _keys(s3_server, f"{PREFIX}{final}/")}

@@ -23,7 +23,7 @@ import yaml
 import kiln
 from kiln.config import RunConfig, flatten
 from kiln.data.manifest import TOKENS, Manifest, check_shards, load_manifest
-from kiln.errors import ConfigError, DataError, KilnError
+from kiln.errors import ConfigError, DataError, KilnError, user_error_in
 from kiln.model import padded_vocab
 from kiln.storage import resolve
 from kiln.tracking import (
@@ -380,7 +380,13 @@ def train(cfg: RunConfig, address: str | None = None, started: float | None = No
         trainer = build_trainer(cfg, datasets, cfg.logging.run_name, tracking_uri, run.run_id,
                                 progress_board=board)
         with BoardWatcher(board, TerminalBar(stream)) if board is not None else contextlib.nullcontext():
-            result = trainer.fit()
+            try:
+                result = trainer.fit()
+            except Exception as e:
+                cause = user_error_in(e)  # e.g. the health guard stopped it: one line, not Ray's dump
+                if cause is None:
+                    raise
+                raise KilnError(f"run {cfg.logging.run_name!r} failed: {cause}") from None
         ok = True
     finally:
         run.finish(ok)

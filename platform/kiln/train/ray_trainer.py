@@ -75,10 +75,13 @@ def _worker_entry(loop_config: dict[str, Any]) -> None:
     progress = BoardSink(board) if board is not None and world.rank == 0 else None
     live = RayLive(cfg.logging.run_name, cfg.logging.experiment, world.rank, cfg.train.max_steps,
                    device_limit_bytes(world.device))
+    node_monitor = _node_system_metrics(world, placement, loop_config["tracking_uri"], run_id)
     try:
         train_loop(cfg, world, source, logger, report=report, checkpoint_root=local_ckpt_root, live=live,
                    progress=progress)
     finally:
+        if node_monitor is not None:
+            node_monitor.finish()
         shutil.rmtree(local_ckpt_root, ignore_errors=True)
 
 
@@ -92,6 +95,32 @@ def _placement(world: WorldInfo) -> list[str]:
     nodes: list = [None] * world.world_size
     dist.all_gather_object(nodes, node)
     return nodes
+
+
+def _node_system_metrics(world: WorldInfo, placement: list[str], tracking_uri: str, run_id: str | None):
+    """MLflow system metrics of every node, not just rank 0's: on a run that spans nodes, the
+    first rank on each other node logs its node's CPU, memory, disk, network (and GPU) as
+    `system/node-<id>/...` (rank 0's logger keeps `system/...` for its own node). Returns the
+    started monitor, or None on the ranks that do not monitor."""
+    if not run_id or not monitors_its_node(world.rank, placement):
+        return None
+    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+    monitor = SystemMetricsMonitor(run_id, sampling_interval=10, node_id=node_label(placement[world.rank]),
+                                   tracking_uri=tracking_uri)
+    monitor.start()
+    return monitor
+
+
+def monitors_its_node(rank: int, placement: list[str]) -> bool:
+    """Whether `rank` is the first rank on a node other than rank 0's (`placement`: node per rank)."""
+    node = placement[rank]
+    return node != placement[0] and placement.index(node) == rank
+
+
+def node_label(node_id: str) -> str:
+    """How a Ray node appears in metric names: its id's first 8 hex digits, enough to tell apart."""
+    return f"node-{node_id[:8]}"
 
 
 def _record_placement(tracking_uri: str, run_id: str, nodes: list[str]) -> None:

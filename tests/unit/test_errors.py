@@ -1,0 +1,34 @@
+"""A user mistake found on a Ray worker reaches the driver as one KilnError, not Ray's dump."""
+
+import pickle
+
+from ray.train import WorkerGroupError
+from ray.train.v2._internal.exceptions import UserExceptionWithTraceback
+
+from kiln.errors import DataError, KilnError, user_error_in
+from kiln.train.loop import TrainingUnhealthy
+
+
+def _as_ray_reports_it(failures: dict) -> WorkerGroupError:
+    """Wrapped as Ray Train wraps a worker's exception, and pickled across processes as it is."""
+    wrapped = {rank: UserExceptionWithTraceback(e, traceback_str=f"Traceback ...\n{e!r}") for rank, e in failures.items()}
+    return pickle.loads(pickle.dumps(WorkerGroupError("worker errors", wrapped)))
+
+
+def test_the_kiln_error_of_a_worker_is_found():
+    err = _as_ray_reports_it({1: RuntimeError("gloo: connection reset"),
+                              0: TrainingUnhealthy("step 15: loss is nan on 1 of 2 rank(s)")})
+    found = user_error_in(err)
+    assert isinstance(found, TrainingUnhealthy) and "step 15: loss is nan" in str(found)
+
+
+def test_a_chained_cause_is_found_and_a_bug_is_not_taken_for_a_user_error():
+    try:
+        try:
+            raise DataError("shard train/00003.parquet is truncated")
+        except DataError as e:
+            raise RuntimeError("read task failed") from e
+    except RuntimeError as chained:
+        assert isinstance(user_error_in(chained), DataError)
+    assert user_error_in(_as_ray_reports_it({0: ZeroDivisionError("a bug")})) is None
+    assert isinstance(user_error_in(KilnError("plain")), KilnError)
