@@ -67,6 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="if the output already holds a dataset (default: error)")
     prep.add_argument("--s3-endpoint", default="", help="S3-compatible endpoint URL (default $AWS_ENDPOINT_URL)")
 
+    verify = data.add_parser("verify", help="check every shard of a dataset against its manifest's SHA-256")
+    verify.add_argument("path", help="dataset directory or s3://bucket/prefix")
+    verify.add_argument("--s3-endpoint", default="", help="S3-compatible endpoint URL (default $AWS_ENDPOINT_URL)")
+
     train = sub.add_parser("train", help="train on Ray Train + DeepSpeed, logging to MLflow")
     _add_train_args(train)
 
@@ -151,6 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.command == "data" and args.data_cmd == "verify":
+        return verify_dataset(args.path, args.s3_endpoint)
     if args.command == "data":
         from kiln.data.prepare import PrepareConfig, prepare
 
@@ -250,6 +256,21 @@ def run(args: argparse.Namespace) -> int:
         print(annotated_yaml(load_config(args.config, args.overrides)))
         return 0
     raise AssertionError(args.command)
+
+
+def verify_dataset(path: str, s3_endpoint: str = "") -> int:
+    """`kiln data verify`: every shard's bytes against the SHA-256 the manifest recorded."""
+    from kiln.data.manifest import find_corrupt_shards, load_manifest
+    from kiln.errors import DataError
+    from kiln.storage import resolve
+
+    manifest = load_manifest(resolve(path, s3_endpoint))
+    problems, _ = find_corrupt_shards(manifest)
+    if problems:
+        raise DataError(f"{len(problems)} bad shard(s) in {manifest.location.uri}: " + "; ".join(problems))
+    shards = sum(len(manifest.split(s)["shards"]) for s in ("train", "val"))
+    print(f"dataset {manifest.location.uri}: all {shards} shards match their manifest")
+    return 0
 
 
 def run_reporting_errors(command: Callable[[], int]) -> int:

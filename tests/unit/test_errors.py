@@ -32,3 +32,29 @@ def test_a_chained_cause_is_found_and_a_bug_is_not_taken_for_a_user_error():
         assert isinstance(user_error_in(chained), DataError)
     assert user_error_in(_as_ray_reports_it({0: ZeroDivisionError("a bug")})) is None
     assert isinstance(user_error_in(KilnError("plain")), KilnError)
+
+
+def test_a_failed_read_on_a_ray_worker_names_the_corrupt_shard(tmp_path, byte_dataset):
+    """What a Ray worker raises when a read task hits a bad shard: Ray's error for the task
+    (an OSError subclass, as Ray Data re-raises it), explained by a checksum pass."""
+    import json
+    import shutil
+
+    from ray.exceptions import RayTaskError
+
+    from kiln.data.manifest import load_manifest, read_failure
+    from kiln.storage import resolve
+    from kiln.train.sources import READ_ERRORS
+
+    ds = tmp_path / "ds"
+    shutil.copytree(byte_dataset, ds)
+    shard = ds / json.loads((ds / "manifest.json").read_text())["splits"]["val"]["shards"][0]["path"]
+    shard.write_bytes(shard.read_bytes()[:-1] + b"\x00")
+    raised = RayTaskError("ReadParquet", "Traceback ...", OSError("Unexpected end of stream")).as_instanceof_cause()
+    assert isinstance(raised, READ_ERRORS)
+    err = read_failure(load_manifest(resolve(str(ds))), "val", raised)
+    assert isinstance(err, DataError)
+    assert str(err).startswith("reading the val split failed (OSError: Unexpected end of stream); shard ")
+    assert f"shard {shard} does not match the SHA-256" in str(err)
+    clean = read_failure(load_manifest(resolve(str(byte_dataset))), "val", raised)
+    assert "every shard still matches its manifest" in str(clean)

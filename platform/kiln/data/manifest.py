@@ -7,7 +7,9 @@ shard with its size and SHA-256, so that a corrupt or replaced shard is caught b
 
 from __future__ import annotations
 
+import hashlib
 import json
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,7 +75,7 @@ def check_shards(manifest: Manifest) -> None:
     """Read every shard's Parquet footer and compare it with the manifest.
 
     Costs one small read per shard, catches a missing, truncated, corrupt or foreign file, and
-    names it. (Full checksums are verified by `kiln data verify`.)
+    names it. (Full checksums are verified by `kiln data verify`, `find_corrupt_shards`.)
     """
     want = pa.list_(pa.int32(), manifest.seq_len + 1)
     for split in ("train", "val"):
@@ -100,3 +102,43 @@ def check_shards(manifest: Manifest) -> None:
                 raise DataError(
                     f"shard {loc.uri} has {meta.num_rows} rows but the manifest says {entry['rows']}"
                 )
+
+
+def find_corrupt_shards(manifest: Manifest, splits: tuple[str, ...] = ("train", "val"),
+                        budget_s: float | None = None) -> tuple[list[str], bool]:
+    """Hash every shard and compare it with the SHA-256 its manifest recorded.
+
+    Returns the problems found (one line each, naming the shard) and whether every shard was
+    checked: with `budget_s` it stops when time is up, since it reads the whole dataset."""
+    problems: list[str] = []
+    deadline = None if budget_s is None else time.monotonic() + budget_s
+    for split in splits:
+        for entry, loc in zip(manifest.split(split)["shards"], manifest.shard_locations(split)):
+            if deadline is not None and time.monotonic() > deadline:
+                return problems, False
+            digest = hashlib.sha256()
+            try:
+                with loc.fs.open_input_stream(loc.path) as f:
+                    while chunk := f.read(1 << 22):
+                        digest.update(chunk)
+            except (OSError, pa.ArrowInvalid) as e:
+                problems.append(f"shard {loc.uri} cannot be read: {e}")
+                return problems, False  # storage itself failing: the next shards would too
+            if digest.hexdigest() != entry["sha256"]:
+                problems.append(f"shard {loc.uri} does not match the SHA-256 in its manifest: it was "
+                                "corrupted or replaced after `kiln data prepare` wrote it")
+    return problems, True
+
+
+def read_failure(manifest: Manifest, split: str, error: BaseException, budget_s: float = 120.0) -> DataError:
+    """The DataError for a read of `split` that failed mid-run, naming the culprit shard if a
+    checksum pass over the split finds it (Ray Data's read errors do not say which file)."""
+    root = getattr(error, "cause", None) or error  # Ray's RayTaskError keeps the reader's own error
+    lines = str(root).strip().splitlines()
+    what = f"{type(root).__name__}: {lines[0] if lines else ''}"
+    problems, complete = find_corrupt_shards(manifest, (split,), budget_s)
+    if problems:
+        return DataError(f"reading the {split} split failed ({what}); " + "; ".join(problems))
+    where = "every shard still matches its manifest" if complete else \
+        f"no bad shard found in {budget_s:.0f} s: run `kiln data verify {manifest.location.uri}` to check them all"
+    return DataError(f"reading the {split} split of {manifest.location.uri} failed ({what}); {where}")

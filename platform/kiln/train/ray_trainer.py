@@ -155,9 +155,16 @@ def _source(cfg: RunConfig, world: WorldInfo):
         manifest = load_manifest(resolve(cfg.data.path, cfg.data.s3_endpoint, cfg.data.s3_region))
         dp_rank, dp_size = data_parallel_coords(world.rank, world.world_size, cfg.parallel.pipeline_stages)
         return ParquetSource(manifest, dp_rank, dp_size, cfg.train.micro_batch_size)
+    def explain(split: str, error: BaseException) -> Exception:
+        from kiln.data.manifest import load_manifest, read_failure
+        from kiln.storage import resolve
+
+        return read_failure(load_manifest(resolve(cfg.data.path, cfg.data.s3_endpoint, cfg.data.s3_region)),
+                            split, error)
+
     return RayShardSource(
         ray.train.get_dataset_shard("train"), ray.train.get_dataset_shard("val"),
-        cfg.train.micro_batch_size, cfg.data.prefetch_batches, cfg.train.eval_batches,
+        cfg.train.micro_batch_size, cfg.data.prefetch_batches, cfg.train.eval_batches, explain=explain,
     )
 
 

@@ -7,14 +7,19 @@ number of batches per epoch, so no rank waits in a collective for one that ran o
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Protocol
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from kiln.data.manifest import TOKENS, Manifest
+from kiln.data.manifest import TOKENS, Manifest, read_failure
+
+# What a shard that cannot be read raises, also when Ray Data re-raises it from a read task
+# (its RayTaskError subclasses the original type). A lost actor or node is not among them.
+READ_ERRORS = (OSError, pa.ArrowException)
 
 
 class BatchSource(Protocol):
@@ -31,11 +36,14 @@ class BatchSource(Protocol):
 class RayShardSource:
     """This worker's `get_dataset_shard` iterators (Ray Data streaming split, equal=True)."""
 
-    def __init__(self, train_it, val_it, micro_batch: int, prefetch: int = 2, max_val_batches: int = 0):
+    def __init__(self, train_it, val_it, micro_batch: int, prefetch: int = 2, max_val_batches: int = 0,
+                 explain: Callable[[str, BaseException], Exception] | None = None):
         self.train_it, self.val_it = train_it, val_it
+        self.explain = explain  # turns a failed read into an error that names the shard
         self.micro_batch, self.prefetch_batches = micro_batch, prefetch
         self.max_val_batches = max_val_batches
         self._val_cache: list[torch.Tensor] = []
+        self._val_error: Exception | None = None
         self._val_thread: threading.Thread | None = None
 
     def prefetch(self) -> None:
@@ -46,16 +54,24 @@ class RayShardSource:
         self._val_thread.start()
 
     def _fill_val_cache(self) -> None:
-        for batch in self._iter(self.val_it):
-            self._val_cache.append(batch)
-            if self.max_val_batches and len(self._val_cache) >= self.max_val_batches:
-                break
+        try:
+            for batch in self._iter(self.val_it, "val"):
+                self._val_cache.append(batch)
+                if self.max_val_batches and len(self._val_cache) >= self.max_val_batches:
+                    break
+        except Exception as e:  # noqa: BLE001 - handed to the training thread in val_batches()
+            self._val_error = e
 
-    def _iter(self, it) -> Iterator[torch.Tensor]:
-        for batch in it.iter_torch_batches(
-            batch_size=self.micro_batch, drop_last=True, prefetch_batches=self.prefetch_batches
-        ):
-            yield batch[TOKENS].long()
+    def _iter(self, it, split: str) -> Iterator[torch.Tensor]:
+        try:
+            for batch in it.iter_torch_batches(
+                batch_size=self.micro_batch, drop_last=True, prefetch_batches=self.prefetch_batches
+            ):
+                yield batch[TOKENS].long()
+        except READ_ERRORS as e:
+            if self.explain is None:
+                raise
+            raise self.explain(split, e) from None
 
     def train_batches(self, skip: int = 0) -> Iterator[torch.Tensor]:
         # Ray Data iterators cannot seek (ray-project/ray#37633): skipping reads and drops.
@@ -65,12 +81,14 @@ class RayShardSource:
 
     def _endless(self) -> Iterator[torch.Tensor]:
         while True:
-            yield from self._iter(self.train_it)
+            yield from self._iter(self.train_it, "train")
 
     def val_batches(self) -> Iterable[torch.Tensor]:
         if self._val_thread is None:
             self.prefetch()
         self._val_thread.join()
+        if self._val_error is not None:
+            raise self._val_error
         return self._val_cache
 
 
@@ -94,8 +112,11 @@ class ParquetSource:
     def _load(manifest: Manifest, split: str, rank: int, world: int) -> torch.Tensor:
         parts = []
         for loc in manifest.shard_locations(split):
-            with loc.fs.open_input_file(loc.path) as f:
-                col = pq.read_table(f, columns=[TOKENS]).column(TOKENS).combine_chunks()
+            try:
+                with loc.fs.open_input_file(loc.path) as f:
+                    col = pq.read_table(f, columns=[TOKENS]).column(TOKENS).combine_chunks()
+            except READ_ERRORS as e:
+                raise read_failure(manifest, split, e) from None
             parts.append(col.values.to_numpy().reshape(len(col), -1))
         rows = np.concatenate(parts)
         per_rank = len(rows) // world
