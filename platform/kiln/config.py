@@ -327,9 +327,9 @@ def _check_health(cfg: RunConfig) -> None:
     h = cfg.train.health
     if h.spike_factor < 0 or (h.spike_factor and h.spike_factor <= 1):
         raise ConfigError(f"train.health.spike_factor = {h.spike_factor}: expected 0 (off) or a number > 1")
-    if h.spike_window < 1 or h.max_in_a_row < 1:
-        raise ConfigError(f"train.health: spike_window = {h.spike_window}, max_in_a_row = {h.max_in_a_row}: "
-                          "expected integers >= 1")
+    if h.spike_window < 1 or h.max_in_a_row < 1 or h.max_rollbacks < 1:
+        raise ConfigError(f"train.health: spike_window = {h.spike_window}, max_in_a_row = {h.max_in_a_row}, "
+                          f"max_rollbacks = {h.max_rollbacks}: expected integers >= 1")
     try:
         h.injections()
     except ValueError as e:

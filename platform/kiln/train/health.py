@@ -44,6 +44,9 @@ class HealthConfig:
     max_in_a_row: int = 10
     """Stop after this many bad micro-batches in a row under skip or rollback: that is
     divergence, not a bad batch."""
+    max_rollbacks: int = 5
+    """Stop once the run has rolled back this many times in all: a run that keeps meeting bad
+    losses needs a lower LR or cleaner data, not more rollbacks."""
     inject: str = ""
     """For testing the guard: comma-separated `nan@S` or `spike@S` make rank 0's first
     micro-batch loss of step S NaN, or 100 times larger."""

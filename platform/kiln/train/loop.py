@@ -339,7 +339,8 @@ def train_loop(
 def _after_bad_loss(bad: BadLoss, guard: HealthGuard, engine, last_good: str | None, rank: int,
                     logger: MetricLogger) -> int:
     """Roll back to `last_good` and return its step, or end the run with the reason."""
-    if guard.cfg.policy == "rollback" and not bad.fatal and last_good is not None:
+    capped = guard.rollbacks >= guard.cfg.max_rollbacks
+    if guard.cfg.policy == "rollback" and not bad.fatal and last_good is not None and not capped:
         _, client = engine.load_checkpoint(last_good, tag=checkpoint.TAG)
         back_to = int(client["step"])
         guard.rollbacks += 1
@@ -351,6 +352,8 @@ def _after_bad_loss(bad: BadLoss, guard: HealthGuard, engine, last_good: str | N
         why = "divergence"
     elif guard.cfg.policy == "stop":
         why = "train.health.policy = stop"
+    elif capped and last_good is not None:
+        why = f"{guard.rollbacks} rollback(s) already, train.health.max_rollbacks = {guard.cfg.max_rollbacks}"
     else:
         why = "no checkpoint to roll back to yet"
     guard.events.append(f"step {bad.step}: stopped: {bad.reason}")

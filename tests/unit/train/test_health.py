@@ -57,6 +57,7 @@ def test_injections_hit_rank_0_once():
     (["train.health.policy=retry"], "train.health.policy = 'retry' is not allowed"),
     (["train.health.inject=nan@0"], "train.health.inject = 'nan@0': nan@0 is not nan@STEP or spike@STEP"),
     (["train.health.spike_factor=0.5"], "train.health.spike_factor = 0.5: expected 0 (off) or a number > 1"),
+    (["train.health.max_rollbacks=0"], "max_rollbacks = 0: expected integers >= 1"),
     (["train.health.policy=skip", "parallel.pipeline_stages=2", "parallel.zero_stage=1"],
      "train.health.policy = 'skip' with parallel.pipeline_stages > 1"),
 ])
@@ -73,8 +74,11 @@ def test_each_policy_on_a_real_run(byte_dataset, tmp_path):
         "skip": ["train.health.spike_factor=3", "train.health.inject=nan@6,spike@10"],
         "rollback": ["train.checkpoint_every=4", "train.health.inject=nan@6"],
         "stop": ["train.checkpoint_every=4", "train.health.inject=nan@6"],
+        # a second bad loss once the one rollback allowed is spent stops the run
+        "capped": ["train.checkpoint_every=4", "train.health.inject=nan@6,nan@9", "train.health.max_rollbacks=1"],
     }
-    procs = {name: _start(byte_dataset, tmp_path / name, [f"train.health.policy={name}", *sets])
+    procs = {name: _start(byte_dataset, tmp_path / name,
+                          [f"train.health.policy={'rollback' if name == 'capped' else name}", *sets])
              for name, sets in runs.items()}
     out = {name: (p.communicate(timeout=600), p.returncode) for name, p in procs.items()}
 
@@ -111,6 +115,16 @@ def test_each_policy_on_a_real_run(byte_dataset, tmp_path):
     root = tmp_path / "stop" / "runs" / run.info.run_name
     assert sorted(p.name for p in root.iterdir()) == ["step_00000004"]
     assert checkpoint.is_complete(str(root / "step_00000004"))
+
+    (_, err), rc = out["capped"]
+    assert rc == 2, err[-3000:]
+    assert "kiln: error: training stopped at step 9: loss is not finite on 1 of 1 rank(s) (1 rollback(s) " \
+           "already, train.health.max_rollbacks = 1); the newest complete checkpoint is " in err, err[-3000:]
+    run, client = _run(tmp_path / "capped")
+    assert _health_tags(run) == ["step 6: rolled back to step_00000004, skipping the data of steps 5-6: "
+                                 "loss is not finite on 1 of 1 rank(s)",
+                                 "step 9: stopped: loss is not finite on 1 of 1 rank(s)"], _health_tags(run)
+    assert run.info.status == "FAILED"
 
 
 def _start(byte_dataset, where: Path, sets: list[str]) -> subprocess.Popen:
