@@ -7,14 +7,29 @@ and are never passed through Kiln's config, so they cannot leak into logged para
 
 from __future__ import annotations
 
+import logging
 import os
 import posixpath
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 from urllib.parse import urlparse
 
 import pyarrow.fs as pafs
 
 from kiln.errors import StorageError
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# S3 errors that pass: throttling, a dropped connection, a 5xx. Ray Data retries reads that fail
+# with these (Kiln hands it this list); the local launcher's reads retry them in `retry_transient`.
+TRANSIENT_ERRORS = (
+    "AWS Error INTERNAL_FAILURE", "AWS Error NETWORK_CONNECTION", "AWS Error SLOW_DOWN",
+    "AWS Error UNKNOWN (HTTP status 500)", "AWS Error UNKNOWN (HTTP status 502)",
+    "AWS Error UNKNOWN (HTTP status 503)", "AWS Error SERVICE_UNAVAILABLE",
+)
 
 
 @dataclass(frozen=True)
@@ -113,3 +128,25 @@ def _storage_error(loc: Location, err: OSError) -> StorageError:
         endpoint = loc.endpoint or "AWS"
         return StorageError(f"cannot access {loc.uri} (S3 endpoint {endpoint}): {err}")
     return StorageError(f"cannot access {loc.uri}: {err}")
+
+
+def is_transient(error: BaseException) -> bool:
+    return isinstance(error, OSError) and any(marker in str(error) for marker in TRANSIENT_ERRORS)
+
+
+def retry_transient(read: Callable[[], T], what: str, attempts: int = 6, first_wait_s: float = 1.0,
+                    max_wait_s: float = 16.0) -> T:
+    """`read()`, again after 1, 2, 4, ... s (at most `max_wait_s`) while it fails with a transient
+    S3 error; any other error, or the last attempt's, is raised at once."""
+    wait = first_wait_s
+    for attempt in range(1, attempts + 1):
+        try:
+            return read()
+        except OSError as e:
+            if attempt == attempts or not is_transient(e):
+                raise
+            log.warning("%s failed (attempt %d of %d), retrying in %.1f s: %s", what, attempt, attempts, wait,
+                        str(e).splitlines()[0])
+            time.sleep(wait)
+            wait = min(2 * wait, max_wait_s)
+    raise AssertionError("unreachable")

@@ -25,7 +25,7 @@ from kiln.config import RunConfig, flatten
 from kiln.data.manifest import TOKENS, Manifest, check_shards, load_manifest
 from kiln.errors import ConfigError, DataError, KilnError, user_error_in
 from kiln.model import padded_vocab
-from kiln.storage import resolve
+from kiln.storage import TRANSIENT_ERRORS, resolve
 from kiln.tracking import (
     Run,
     check_reachable,
@@ -293,6 +293,9 @@ def ray_datasets(manifest: Manifest) -> dict:
     # footers on the driver once, when the dataset is created; Kiln's shard lists come from the
     # manifest, so there is no directory listing for V2 to spread out either.
     ctx.use_datasource_v2 = False
+    # Ray Data retries a read that fails with one of these (with backoff); Kiln's list adds S3's
+    # 500 and 502 to Ray's own.
+    ctx.retried_io_errors = sorted(set(ctx.retried_io_errors) | set(TRANSIENT_ERRORS))
     return {
         split: ray.data.read_parquet(
             [loc.path for loc in manifest.shard_locations(split)], filesystem=manifest.location.fs,

@@ -16,6 +16,7 @@ import pyarrow.parquet as pq
 import torch
 
 from kiln.data.manifest import TOKENS, Manifest, read_failure
+from kiln.storage import retry_transient
 
 # What a shard that cannot be read raises, also when Ray Data re-raises it from a read task
 # (its RayTaskError subclasses the original type). A lost actor or node is not among them.
@@ -112,9 +113,12 @@ class ParquetSource:
     def _load(manifest: Manifest, split: str, rank: int, world: int) -> torch.Tensor:
         parts = []
         for loc in manifest.shard_locations(split):
-            try:
+            def read(loc=loc):
                 with loc.fs.open_input_file(loc.path) as f:
-                    col = pq.read_table(f, columns=[TOKENS]).column(TOKENS).combine_chunks()
+                    return pq.read_table(f, columns=[TOKENS]).column(TOKENS).combine_chunks()
+
+            try:
+                col = retry_transient(read, f"reading shard {loc.uri}")
             except READ_ERRORS as e:
                 raise read_failure(manifest, split, e) from None
             parts.append(col.values.to_numpy().reshape(len(col), -1))

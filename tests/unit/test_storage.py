@@ -1,0 +1,73 @@
+"""Transient S3 errors are retried with backoff; anything else fails at once. Against a real
+S3-compatible server (moto_server) on loopback that comes up only after the first attempts."""
+
+import logging
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from kiln.storage import is_transient, resolve, retry_transient
+from kiln.train.local import free_port
+
+MOTO = str(Path(sys.executable).parent / "moto_server")
+
+
+@pytest.fixture
+def s3_env(monkeypatch):
+    for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(k, v)
+
+
+def test_a_read_retries_while_s3_is_away_and_goes_on_when_it_is_back(s3_env, caplog):
+    port = free_port()
+    loc = resolve("s3://kiln-retry/ds", f"http://127.0.0.1:{port}")
+    server: list[subprocess.Popen] = []
+    late = threading.Timer(2.5, lambda: server.append(subprocess.Popen(
+        [MOTO, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)))
+    caplog.set_level(logging.WARNING, logger="kiln.storage")
+    calls = []
+
+    def read():
+        calls.append(time.monotonic())
+        return loc.fs.get_file_info("kiln-retry")
+
+    late.start()
+    try:
+        info = retry_transient(read, "listing the bucket", attempts=8, first_wait_s=0.5, max_wait_s=2)
+    finally:
+        late.cancel()
+        late.join()
+        for proc in server:
+            proc.terminate()
+            proc.wait(timeout=30)
+    assert info.type.name == "NotFound"  # the server answered: there is no such bucket
+    assert len(calls) >= 2, calls  # the first attempts met no server and were retried
+    assert "listing the bucket failed (attempt 1 of 8), retrying in 0.5 s: " in caplog.text
+    assert "AWS Error NETWORK_CONNECTION" in caplog.text
+
+
+def test_other_errors_and_the_last_attempt_are_raised_at_once(s3_env):
+    calls = []
+
+    def missing():
+        calls.append(1)
+        raise FileNotFoundError("s3://kiln-retry/ds/part-00000.parquet")
+
+    with pytest.raises(FileNotFoundError):
+        retry_transient(missing, "reading a shard")
+    assert calls == [1]
+    assert is_transient(OSError("AWS Error SLOW_DOWN during GetObject operation: Please reduce your request rate."))
+    assert not is_transient(OSError("Parquet magic bytes not found in footer"))
+
+    def always_down():
+        calls.append(1)
+        raise OSError("AWS Error NETWORK_CONNECTION during GetObject operation: curlCode: 7")
+
+    calls.clear()
+    with pytest.raises(OSError, match="NETWORK_CONNECTION"):
+        retry_transient(always_down, "reading a shard", attempts=3, first_wait_s=0.01)
+    assert len(calls) == 3
