@@ -159,8 +159,13 @@ class TrainConfig:
     """Also save once this many minutes have passed since the last save (0: off): bounds the work
     a failure can cost when step times vary. Ranks decide together, on their mean clock."""
     keep_checkpoints: int = 0
-    """Keep only the newest this many complete checkpoints (0: keep all). Ray Train deletes older
-    ones from storage_path (CheckpointConfig.num_to_keep); the local launcher prunes its own."""
+    """Keep only this many complete checkpoints (0: keep all), chosen by keep_checkpoints_by. Ray
+    Train deletes the others from storage_path (CheckpointConfig.num_to_keep); the local launcher
+    prunes its own."""
+    keep_checkpoints_by: Literal["newest", "loss/val"] = "newest"
+    """Which to keep: the `newest`, or the best by `loss/val` (lowest). With `loss/val` every save
+    evaluates first, so each checkpoint carries its own score, and the newest is kept as well,
+    since a resume starts there."""
     seed: int = 1337
     """Seeds model init and any randomness in training."""
     storage_path: str = ""

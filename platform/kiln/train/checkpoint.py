@@ -29,14 +29,17 @@ log = logging.getLogger(__name__)
 TAG = "state"  # DeepSpeed's tag: the subdirectory holding the shards
 MARKER = "kiln_complete.rank{rank}.json"
 STEP_DIR = re.compile(r"^step_(\d{8})$")
+SCORE = "loss/val"  # what `keep_checkpoints_by: loss/val` ranks by, lowest best
 
 
 def step_dir(root: str, step: int) -> str:
     return os.path.join(root, f"step_{step:08d}")
 
 
-def save(engine, root: str, step: int, rank: int, world_size: int, client_state: dict) -> str:
-    """Write the engine's state for `step` under `root`; return the completed directory."""
+def save(engine, root: str, step: int, rank: int, world_size: int, client_state: dict,
+         score: float | None = None) -> str:
+    """Write the engine's state for `step` under `root`; return the completed directory.
+    `score` (the validation loss at this step) goes into the marker, for `prune(by="loss/val")`."""
     final = step_dir(root, step)
     partial = final + ".partial"
     if rank == 0 and os.path.isdir(partial):
@@ -44,6 +47,8 @@ def save(engine, root: str, step: int, rank: int, world_size: int, client_state:
     _barrier(world_size)
     engine.save_checkpoint(partial, tag=TAG, client_state=client_state)
     marker = {"step": step, "world_size": world_size, "rank": rank, "tag": TAG}
+    if score is not None:
+        marker[SCORE] = score
     _write_synced(os.path.join(partial, MARKER.format(rank=rank)), json.dumps(marker))
     _barrier(world_size)  # every rank's marker is written before the directory appears
     try:
@@ -58,13 +63,24 @@ def save(engine, root: str, step: int, rank: int, world_size: int, client_state:
     return final
 
 
-def prune(root: str, keep: int) -> list[str]:
-    """Delete all but the newest `keep` complete checkpoints under root (keep 0: none deleted);
-    return what was deleted. Incomplete directories are left for `save` to clear or a human to
-    inspect, and never count towards `keep`."""
+def prune(root: str, keep: int, by: str = "newest") -> list[str]:
+    """Delete all but `keep` complete checkpoints under root (keep 0: none deleted); return what
+    was deleted. `by="newest"` keeps the newest; `by="loss/val"` keeps the lowest validation
+    losses (a checkpoint without one ranks last) and the newest as well, since a resume starts
+    there (as Ray Train does). Incomplete directories are left for `save` to clear or a human
+    to inspect, and never count."""
     if keep <= 0:
         return []
-    doomed = [d for d in _step_dirs(root) if is_complete(d)][:-keep]
+    complete = [d for d in _step_dirs(root) if is_complete(d)]
+    if by == "newest":
+        doomed = complete[:-keep]
+    else:
+        def score(d: str) -> float:
+            value = (_markers(d) or {}).get(SCORE)
+            return float("inf") if value is None else float(value)
+
+        kept = set(sorted(complete, key=score)[:keep]) | set(complete[-1:])
+        doomed = [d for d in complete if d not in kept]
     for directory in doomed:
         # Rename first: a crash mid-delete leaves a `.partial`, never a half-deleted step_N.
         trash = directory + ".partial"

@@ -272,8 +272,11 @@ def train_loop(
             log.warning("step %d: non-finite training loss %s", step, loss_train)
 
         is_last = step == t.max_steps
+        save = ((t.checkpoint_every and step % t.checkpoint_every == 0) or is_last
+                or (t.checkpoint_every_minutes and since_save >= 60 * t.checkpoint_every_minutes))
         eval_time = 0.0
-        if (t.eval_every and step % t.eval_every == 0) or is_last:
+        scored_save = save and t.keep_checkpoints_by == "loss/val"  # each checkpoint gets its score
+        if (t.eval_every and step % t.eval_every == 0) or is_last or scored_save:
             eval_start = time.perf_counter()
             metrics["loss/val"] = evaluate(engine, source, t.eval_batches, device, pipeline)
             eval_time = time.perf_counter() - eval_start
@@ -295,19 +298,18 @@ def train_loop(
             steady_wait += data_wait
             steady_steps += 1
 
-        save = ((t.checkpoint_every and step % t.checkpoint_every == 0) or is_last
-                or (t.checkpoint_every_minutes and since_save >= 60 * t.checkpoint_every_minutes))
         ckpt = None
         if save and checkpoint_root is not None:
             save_start = time.perf_counter()
             ckpt = checkpoint.save(engine, checkpoint_root, step, world.rank, world.world_size,
-                                   client_state={"step": step, "tokens_seen": step * tokens_per_step})
+                                   client_state={"step": step, "tokens_seen": step * tokens_per_step},
+                                   score=metrics.get("loss/val"))
             save_time = time.perf_counter() - save_start
             live.checkpointed(save_time)
             if not is_last and step > done + WARMUP_STEPS_EXCLUDED:
                 steady_save_time += save_time
             if world.rank == 0:  # after save's final barrier: every rank is done with the old ones
-                checkpoint.prune(checkpoint_root, t.keep_checkpoints)
+                checkpoint.prune(checkpoint_root, t.keep_checkpoints, t.keep_checkpoints_by)
             last_save = time.monotonic()
             last_good = ckpt
         if report is not None and not is_last and ("loss/val" in metrics or save):

@@ -168,6 +168,14 @@ def _source(cfg: RunConfig, world: WorldInfo):
     )
 
 
+def _checkpoint_score(cfg: RunConfig) -> dict:
+    """Ray Train keeps the best `num_to_keep` by this (and always the newest); every checkpoint's
+    report carries a fresh `loss/val` when keep_checkpoints_by asks for it."""
+    if cfg.train.keep_checkpoints_by == "newest":
+        return {}
+    return {"checkpoint_score_attribute": cfg.train.keep_checkpoints_by, "checkpoint_score_order": "min"}
+
+
 def _quiet_worker_logs() -> None:
     """Kiln's own INFO lines on workers; Ray's and DeepSpeed's chatter only from WARNING."""
     kiln_log = logging.getLogger("kiln")
@@ -208,7 +216,8 @@ def build_trainer(cfg: RunConfig, datasets: dict, run_name: str, tracking_uri: s
                                        callbacks=callbacks or [],
                                        failure_config=FailureConfig(max_failures=cfg.train.max_failures),
                                        checkpoint_config=CheckpointConfig(
-                                           num_to_keep=cfg.train.keep_checkpoints or None)),
+                                           num_to_keep=cfg.train.keep_checkpoints or None,
+                                           **_checkpoint_score(cfg))),
         datasets=datasets,
     )
 

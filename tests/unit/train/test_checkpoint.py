@@ -10,13 +10,16 @@ from kiln.errors import ConfigError
 from kiln.train import checkpoint
 
 
-def _fake(root, step: int, world: int, markers: int | None = None, partial: bool = False):
+def _fake(root, step: int, world: int, markers: int | None = None, partial: bool = False,
+          score: float | None = None):
     d = root / (f"step_{step:08d}" + (".partial" if partial else ""))
     (d / checkpoint.TAG).mkdir(parents=True)
     (d / "latest").write_text(checkpoint.TAG)  # what DeepSpeed writes, complete or not
     for rank in range(world if markers is None else markers):
-        (d / checkpoint.MARKER.format(rank=rank)).write_text(
-            json.dumps({"step": step, "world_size": world, "rank": rank, "tag": checkpoint.TAG}))
+        marker = {"step": step, "world_size": world, "rank": rank, "tag": checkpoint.TAG}
+        if score is not None:
+            marker[checkpoint.SCORE] = score
+        (d / checkpoint.MARKER.format(rank=rank)).write_text(json.dumps(marker))
     return d
 
 
@@ -71,3 +74,13 @@ def test_prune_keeps_the_newest_complete_and_leaves_incomplete_ones(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000030", "step_00000040", "step_00000050"]
     assert checkpoint.prune(str(tmp_path), keep=0) == []  # 0 keeps everything
     assert checkpoint.latest_complete(str(tmp_path)).endswith("step_00000040")
+
+
+def test_prune_by_val_loss_keeps_the_best_and_the_newest(tmp_path):
+    for step, val in ((10, 3.0), (20, 2.5), (30, 2.7), (40, 2.4), (50, 2.9)):
+        _fake(tmp_path, step, world=1, score=val)
+    _fake(tmp_path, 60, world=1)  # saved without a score: ranks last, but it is the newest
+    deleted = checkpoint.prune(str(tmp_path), keep=2, by="loss/val")
+    assert [p.rsplit("/", 1)[1] for p in deleted] == ["step_00000010", "step_00000030", "step_00000050"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000020", "step_00000040", "step_00000060"]
+    assert checkpoint.latest_complete(str(tmp_path)).endswith("step_00000060")

@@ -1,6 +1,7 @@
 """The training loop is a plain function: run it in this process with DeepSpeed, no Ray. The
 same runs carry planted credentials, and nothing they log may contain one."""
 
+import json
 import os
 import pty
 import subprocess
@@ -64,7 +65,10 @@ def test_loop_trains_without_ray(byte_dataset, tmp_path, zero_stage, ranks):
     # The 2-rank run also saves by wall clock (every 6 ms: in effect after every step, so the
     # test does not hang on how fast this machine is), into one directory both ranks share.
     # It keeps only the newest two.
-    timed = ["train.checkpoint_every_minutes=0.0001", "train.keep_checkpoints=2"] if ranks > 1 else []
+    # The single process saves every 10 steps and keeps the best one by validation loss (plus
+    # the newest, which a resume needs).
+    timed = (["train.checkpoint_every_minutes=0.0001", "train.keep_checkpoints=2"] if ranks > 1 else
+             ["train.checkpoint_every=10", "train.keep_checkpoints=1", "train.keep_checkpoints_by=loss/val"])
     # The single process has its stderr on a terminal: it draws the progress bar there.
     out = _run_local(byte_dataset, tmp_path, f"parallel.zero_stage={zero_stage}", *timed, ranks=ranks,
                      tty=ranks == 1)
@@ -90,6 +94,13 @@ def test_loop_trains_without_ray(byte_dataset, tmp_path, zero_stage, ranks):
     assert (root / "step_00000030" / "latest").is_file()
     saved = sorted(p.name for p in root.iterdir())
     assert all(checkpoint.is_complete(str(root / name)) for name in saved), saved  # none partial
+    if ranks == 1:  # every save was evaluated; the best of them and the newest survive
+        val = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "loss/val")}
+        assert {10, 20, 30} <= set(val), val
+        best = min((10, 20, 30), key=val.get)
+        assert saved == sorted({f"step_{best:08d}", "step_00000030"}), (saved, val)
+        marker = json.loads((root / saved[0] / checkpoint.MARKER.format(rank=0)).read_text())
+        assert marker[checkpoint.SCORE] == val[int(saved[0][5:])], (marker, val)
     if ranks > 1:
         # timed saves happened before the last step's, and all but the newest two were pruned
         assert len(saved) == 2 and saved[-1] == "step_00000030", saved
