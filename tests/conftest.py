@@ -43,7 +43,3 @@ def clean_env(monkeypatch, tmp_path):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.chdir(tmp_path)
     return tmp_path
-
-
-def kiln_cmd() -> list[str]:
-    return [str(Path(os.sys.executable).parent / "kiln")]
