@@ -139,14 +139,14 @@ def retry_transient(read: Callable[[], T], what: str, attempts: int = 6, first_w
     """`read()`, again after 1, 2, 4, ... s (at most `max_wait_s`) while it fails with a transient
     S3 error; any other error, or the last attempt's, is raised at once."""
     wait = first_wait_s
-    for attempt in range(1, attempts + 1):
+    for attempt in range(1, attempts):
         try:
             return read()
         except OSError as e:
-            if attempt == attempts or not is_transient(e):
+            if not is_transient(e):
                 raise
             log.warning("%s failed (attempt %d of %d), retrying in %.1f s: %s", what, attempt, attempts, wait,
                         str(e).splitlines()[0])
             time.sleep(wait)
             wait = min(2 * wait, max_wait_s)
-    raise AssertionError("unreachable")
+    return read()  # the last attempt: whatever it raises is raised

@@ -147,25 +147,29 @@ def _source(cfg: RunConfig, world: WorldInfo):
         # Ray Data's split hands every worker different rows; the stages of one pipeline need
         # the same ones (the first stage feeds inputs, the last matches labels), so each worker
         # reads its data-parallel replica's rows itself.
-        from kiln.data.manifest import load_manifest
-        from kiln.storage import resolve
         from kiln.train.pipeline import data_parallel_coords
         from kiln.train.sources import ParquetSource
 
-        manifest = load_manifest(resolve(cfg.data.path, cfg.data.s3_endpoint, cfg.data.s3_region))
         dp_rank, dp_size = data_parallel_coords(world.rank, world.world_size, cfg.parallel.pipeline_stages)
-        return ParquetSource(manifest, dp_rank, dp_size, cfg.train.micro_batch_size)
-    def explain(split: str, error: BaseException) -> Exception:
-        from kiln.data.manifest import load_manifest, read_failure
-        from kiln.storage import resolve
+        return ParquetSource(_manifest(cfg), dp_rank, dp_size, cfg.train.micro_batch_size)
 
-        return read_failure(load_manifest(resolve(cfg.data.path, cfg.data.s3_endpoint, cfg.data.s3_region)),
-                            split, error)
+    def explain(split: str, error: BaseException) -> Exception:
+        from kiln.data.manifest import read_failure
+
+        return read_failure(_manifest(cfg), split, error)
 
     return RayShardSource(
         ray.train.get_dataset_shard("train"), ray.train.get_dataset_shard("val"),
         cfg.train.micro_batch_size, cfg.data.prefetch_batches, cfg.train.eval_batches, explain=explain,
     )
+
+
+def _manifest(cfg: RunConfig):
+    """The run's dataset manifest, read on the worker (the driver checked it before launch)."""
+    from kiln.data.manifest import load_manifest
+    from kiln.storage import resolve
+
+    return load_manifest(resolve(cfg.data.path, cfg.data.s3_endpoint, cfg.data.s3_region))
 
 
 def _checkpoint_score(cfg: RunConfig) -> dict:
