@@ -43,3 +43,32 @@ def clean_env(monkeypatch, tmp_path):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.chdir(tmp_path)
     return tmp_path
+
+
+def _tensors(obj, prefix=""):
+    """Every tensor inside nested dicts/lists/tuples, by its path."""
+    import torch
+
+    if torch.is_tensor(obj):
+        yield prefix, obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _tensors(v, f"{prefix}/{k}")
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from _tensors(v, f"{prefix}/{i}")
+
+
+@pytest.fixture
+def checkpoint_tensors():
+    """directory -> {file/path/to/tensor: tensor} over every .pt file of a checkpoint: weights,
+    optimizer shards, RNG states. Two runs that trained alike give bitwise-equal ones."""
+    import torch
+
+    def load(directory) -> dict:
+        files = sorted(Path(directory).rglob("*.pt"))
+        assert files, f"no .pt files under {directory}"
+        return {f"{f.name}{k}": t for f in files
+                for k, t in _tensors(torch.load(f, map_location="cpu", weights_only=False))}
+
+    return load

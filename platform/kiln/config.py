@@ -38,7 +38,10 @@ class DataConfig:
     s3_region: str = "us-east-1"
     """Region passed to the S3 client; most S3-compatible servers ignore it."""
     prefetch_batches: int = 2
-    """Batches Ray Data prepares ahead of the training step, hiding read and decode time."""
+    """Blocks Ray Data reads ahead of the training step, hiding read and decode time."""
+    read_task_cpus: float = 0.5
+    """CPUs each Ray Data read task reserves. Decoding token Parquet is light next to training,
+    so half a CPU; 0 lets reads run even where the training workers hold every CPU."""
 
 
 @dataclass
@@ -252,6 +255,7 @@ class RunConfig:
 # ---- ranges: (predicate, what is allowed) per dotted field ----------------------------------
 _RANGES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "data.prefetch_batches": (lambda v: v >= 0, "an integer >= 0"),
+    "data.read_task_cpus": (lambda v: v >= 0, "a number >= 0"),
     "model.flavour": (lambda v: v in FLAVOURS, f"one of {sorted(FLAVOURS)}"),
     "model.vocab_size": (lambda v: v >= 0, "0 (from the data) or a positive integer"),
     "model.seq_len": (lambda v: v >= 0, "0 (from the data) or a positive integer"),

@@ -49,8 +49,8 @@ def s3_server():
         proc.wait(timeout=30)
 
 
-@pytest.fixture
-def prometheus(tmp_path):
+@pytest.fixture(scope="module")
+def prometheus(tmp_path_factory):
     """Debian's Prometheus on loopback, with dashboards/prometheus.yml's scrape of Ray's
     service-discovery file and the alert rules, scraping every second. Yields its URL."""
     binary = shutil.which("prometheus")
@@ -58,6 +58,7 @@ def prometheus(tmp_path):
         pytest.fail("no `prometheus` on PATH: `make test` installs Debian's package (apt-get install prometheus)")
     import yaml
 
+    tmp_path = tmp_path_factory.mktemp("prometheus")
     repo = Path(__file__).resolve().parents[2]
     cfg = yaml.safe_load((repo / "dashboards/prometheus.yml").read_text())
     cfg["global"]["scrape_interval"] = "1s"

@@ -4,11 +4,15 @@ logging to a real MLflow store. One run proves several things, to keep the suite
 import io
 import json
 import math
+import signal
 import subprocess
 import sys
+import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import pytest
 from mlflow.tracking import MlflowClient
 
@@ -28,27 +32,52 @@ class FakeTerminal(io.StringIO):
         return True
 
 
-def test_zero2_two_workers_from_s3_to_mlflow(ray_cluster, s3_server, s3_dataset, prometheus, tmp_path):
-    address, _, _ = ray_cluster
-    db = f"sqlite:///{tmp_path}/mlflow.db"
-    cfg = load_config(REPO / "jobs/configs/debug.yaml", [
+def _zero2_config(s3_dataset: str, s3_server: str, tmp: Path, run_name: str, *more: str):
+    return load_config(REPO / "jobs/configs/debug.yaml", [
         f"data.path={s3_dataset}", f"data.s3_endpoint={s3_server}",
         "train.max_steps=40", "train.eval_every=20", "schedule.warmup_steps=5", "train.micro_batch_size=8",
-        f"logging.tracking_uri={db}", "logging.experiment=integration", "logging.run_name=zero2-s3",
-        f"train.storage_path={tmp_path}/runs", "train.checkpoint_every=20", "train.keep_checkpoints=1",
+        f"logging.tracking_uri=sqlite:///{tmp}/mlflow.db", "logging.experiment=integration",
+        f"logging.run_name={run_name}", f"train.storage_path={tmp}/runs", "train.checkpoint_every=20",
+        "train.keep_checkpoints=1",
         "train.profile.start_step=10", "train.profile.steps=2", "train.profile.ranks=all",
         # the health guard under Ray: a NaN in rank 0's loss at step 15 is left out on both ranks
         "train.health.policy=skip", "train.health.inject=nan@15",
+        # dropout: a resumed run must restore each rank's RNG to match the uninterrupted one
+        "model.dropout=0.1", *more,
     ])
+
+
+@dataclass
+class Zero2Run:
+    summary: object
+    db: str
+    tmp: Path
+    started: float
+    ended: float
+    frames: list
+
+
+@pytest.fixture(scope="module")
+def zero2(ray_cluster, s3_server, s3_dataset, prometheus, tmp_path_factory) -> Zero2Run:
+    """One uninterrupted 2-worker ZeRO-2 run, checked by the next test and the baseline of the
+    worker-kill test."""
+    address, _, _ = ray_cluster
+    tmp = tmp_path_factory.mktemp("zero2")
+    cfg = _zero2_config(s3_dataset, s3_server, tmp, "zero2-s3")
     assert cfg.parallel.num_workers == 2 and cfg.parallel.zero_stage == 2
     started = time.time()
     terminal = FakeTerminal()  # the driver draws its progress bar from rank 0's posts
     summary = train(cfg, address=address, progress_stream=terminal)
     frames = [f for f in terminal.getvalue().split("\r\x1b[K") if f]
+    return Zero2Run(summary, f"sqlite:///{tmp}/mlflow.db", tmp, started, time.time(), frames)
+
+
+def test_zero2_two_workers_from_s3_to_mlflow(zero2, prometheus, s3_dataset):
+    summary, db, tmp_path, frames = zero2.summary, zero2.db, zero2.tmp, zero2.frames
     assert len(frames) >= 2 and "step 40/40" in frames[-1] and "tok/s" in frames[-1], frames[-3:]
 
     # A real Prometheus scraped Ray's endpoint during the run: every dashboard query has data.
-    ended = time.time()
+    started, ended = zero2.started, zero2.ended
     empty = dashboard_queries_without_data(prometheus, "zero2-s3", started, ended)
     assert not empty, empty
     # ... and the same panels render to one PNG from that data (the README's screenshot path)
@@ -102,16 +131,78 @@ def test_zero2_two_workers_from_s3_to_mlflow(ray_cluster, s3_server, s3_dataset,
     assert "unigram entropy" in text and "bits/token" in text and summary.run_id in text
 
 
+def test_a_worker_killed_mid_run_resumes_exactly(zero2, ray_cluster, s3_server, s3_dataset, checkpoint_tensors,
+                                                 tmp_path):
+    """The zero2 run again, with train.max_failures=1. Once Ray Train has registered the step-20
+    checkpoint, one training worker is SIGKILLed. The group restarts from that checkpoint, every
+    rank resumes at its exact data position and RNG state, and the run completes with the
+    uninterrupted run's loss at every step and bitwise its final weights, optimizer shards and
+    RNG states. MLflow shows one run, tagged with the restart."""
+    import torch
+
+    address, _, _ = ray_cluster
+    cfg = _zero2_config(s3_dataset, s3_server, tmp_path, "killed", "train.max_failures=1")
+    box: dict = {}
+
+    def run():
+        try:
+            box["summary"] = train(cfg, address=address)
+        except BaseException as e:  # noqa: BLE001 - re-raised by the test thread
+            box["error"] = e
+
+    before = {p.pid for p in _train_workers()}  # none should be left from other runs; ignore any
+    thread = threading.Thread(target=run)
+    thread.start()
+    snapshot = tmp_path / "runs" / "killed" / "checkpoint_manager_snapshot.json"
+    deadline = time.time() + 600
+    while not (snapshot.exists() and "checkpoint_" in snapshot.read_text()):
+        assert thread.is_alive(), box
+        assert time.time() < deadline, "Ray Train registered no checkpoint"
+        time.sleep(0.2)
+    victims = [p for p in _train_workers() if p.pid not in before]
+    assert len(victims) == 2, victims
+    victims[-1].send_signal(signal.SIGKILL)
+    thread.join(timeout=900)
+    assert "error" not in box, box.get("error")
+    summary = box["summary"]
+
+    client = MlflowClient(zero2.db)
+    killed = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    runs = killed.search_runs([killed.get_experiment_by_name("integration").experiment_id])
+    assert [r.info.run_id for r in runs] == [summary.run_id]  # one run, not two
+    tags = runs[0].data.tags
+    assert tags["kiln.restarts"] == "1" and "checkpoint_" in tags["kiln.restart.1"], tags
+    want = {m.step: m.value for m in client.get_metric_history(zero2.summary.run_id, "loss/train")}
+    got = killed.get_metric_history(summary.run_id, "loss/train")
+    assert {m.step for m in got} == set(range(1, 41))  # (steps after 20 twice, if logged before the kill)
+    for m in got:
+        assert abs(m.value - want[m.step]) <= 1e-6 * abs(want[m.step]), (m.step, m.value, want[m.step])
+    a, b = checkpoint_tensors(zero2.summary.checkpoint), checkpoint_tensors(summary.checkpoint)
+    assert a.keys() == b.keys() and any("optim_states" in k for k in a), sorted(a)[:10]
+    differ = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not differ, differ[:10]
+
+
+def _train_workers() -> list[psutil.Process]:
+    """Ray Train's worker processes on this machine, oldest first."""
+    found = []
+    for p in psutil.process_iter(["cmdline", "create_time"]):
+        if "ray::RayTrainWorker" in " ".join(p.info["cmdline"] or []):
+            found.append(p)
+    return sorted(found, key=lambda p: p.info["create_time"])
+
+
 def test_pipeline_two_replicas_by_two_stages_on_ray(ray_cluster, s3_server, s3_dataset, tmp_path):
     """4 Ray Train workers = 2 data-parallel replicas x 2 pipeline stages (4 logical CPUs on 2
-    cores). Each replica's stages read the same batches from S3 by data-parallel rank: with Ray
-    Data's split across all 4 workers this deadlocked. It must train and finish, with a pipeline
-    checkpoint from every stage."""
+    cores, all held by the workers: reads reserve none, data.read_task_cpus=0). Each replica's
+    stages read the same batches from S3 by data-parallel rank: with Ray Data's split across all
+    4 workers this deadlocked. It must train and finish, with a pipeline checkpoint from every
+    stage."""
     address, _, _ = ray_cluster
     db = f"sqlite:///{tmp_path}/mlflow.db"
     cfg = load_config(REPO / "jobs/configs/debug.yaml", [
         f"data.path={s3_dataset}", f"data.s3_endpoint={s3_server}", "parallel.num_workers=4",
-        "parallel.zero_stage=1", "parallel.pipeline_stages=2", "parallel.micro_batches=2",
+        "parallel.zero_stage=1", "parallel.pipeline_stages=2", "parallel.micro_batches=2", "data.read_task_cpus=0",
         "train.max_steps=30", "train.eval_every=0", "train.eval_batches=2", "schedule.warmup_steps=5",
         "train.micro_batch_size=4", f"logging.tracking_uri={db}", "logging.experiment=integration",
         "logging.run_name=pp2-dp2", f"train.storage_path={tmp_path}/runs",

@@ -38,7 +38,7 @@ def _trial(params: dict[str, Any], ctx: dict[str, Any]) -> None:
     import ray.tune
     from ray.tune.integration.ray_train import TuneReportCallback
 
-    from kiln.train.launch import open_run, ray_datasets, resolve_against_data
+    from kiln.train.launch import open_run, resolve_against_data
     from kiln.train.ray_trainer import build_trainer
 
     sweep = Sweep.from_dict(ctx["sweep"])
@@ -53,10 +53,9 @@ def _trial(params: dict[str, Any], ctx: dict[str, Any]) -> None:
         SWEEP_TAG: sweep.config.name, TRIAL_TAG: trial_id, "kiln.sweep.trial_name": trial_name,
         "kiln.sweep.attempt": attempt, **{f"kiln.sweep.param.{k}": v for k, v in params.items()},
     })
-    datasets = ray_datasets(manifest) if cfg.parallel.pipeline_stages == 1 else {}
     # A unique Train run name per attempt: a restarted trial starts clean.
     train_name = f"{cfg.logging.run_name}-a{attempt}"
-    trainer = build_trainer(cfg, datasets, train_name, uri, run.run_id, callbacks=[TuneReportCallback()],
+    trainer = build_trainer(cfg, train_name, uri, run.run_id, callbacks=[TuneReportCallback()],
                             storage_path=ctx["train_storage"])
     ok = False
     try:

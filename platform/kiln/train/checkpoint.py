@@ -10,6 +10,8 @@ a checkpoint and is not one. Kiln therefore:
   which registers it only after the upload);
 - writes one marker per rank, `kiln_complete.rank<r>.json`, last, holding the step and the
   world size; a checkpoint is complete when every rank's marker is there and agrees;
+- keeps each rank's RNG states (`kiln_rng.rank<r>.pt`: torch, CUDA, numpy, random), written
+  before its marker, so dropout after a resume draws what the uninterrupted run drew;
 - resumes only from complete checkpoints: `latest_complete(root)` skips partial or unmarked
   ones, and an explicit `train.resume_from` that is incomplete is refused with its name.
 """
@@ -28,6 +30,7 @@ log = logging.getLogger(__name__)
 
 TAG = "state"  # DeepSpeed's tag: the subdirectory holding the shards
 MARKER = "kiln_complete.rank{rank}.json"
+RNG = "kiln_rng.rank{rank}.pt"
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 SCORE = "loss/val"  # what `keep_checkpoints_by: loss/val` ranks by, lowest best
 
@@ -46,6 +49,7 @@ def save(engine, root: str, step: int, rank: int, world_size: int, client_state:
         shutil.rmtree(partial, ignore_errors=True)  # a writer killed earlier at this step
     _barrier(world_size)
     engine.save_checkpoint(partial, tag=TAG, client_state=client_state)
+    _save_rng(os.path.join(partial, RNG.format(rank=rank)))
     marker = {"step": step, "world_size": world_size, "rank": rank, "tag": TAG}
     if score is not None:
         marker[SCORE] = score
@@ -61,6 +65,41 @@ def save(engine, root: str, step: int, rank: int, world_size: int, client_state:
             raise
     _barrier(world_size)
     return final
+
+
+def _save_rng(path: str) -> None:
+    import random
+
+    import numpy as np
+    import torch
+
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "random": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    with open(path, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def restore_rng(directory: str, rank: int) -> bool:
+    """Set this process's RNGs to what rank `rank` had when it saved `directory`; False for a
+    checkpoint without them (written before Kiln kept them)."""
+    import random
+
+    import numpy as np
+    import torch
+
+    path = os.path.join(directory, RNG.format(rank=rank))
+    if not os.path.exists(path):
+        return False
+    state = torch.load(path, weights_only=False)  # Kiln's own file, in a checkpoint it completed
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["random"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    return True
 
 
 def prune(root: str, keep: int, by: str = "newest") -> list[str]:

@@ -22,10 +22,10 @@ import yaml
 
 import kiln
 from kiln.config import RunConfig, flatten
-from kiln.data.manifest import TOKENS, Manifest, check_shards, load_manifest
+from kiln.data.manifest import Manifest, check_shards, load_manifest
 from kiln.errors import ConfigError, DataError, KilnError, user_error_in
 from kiln.model import padded_vocab
-from kiln.storage import TRANSIENT_ERRORS, resolve
+from kiln.storage import resolve
 from kiln.tracking import (
     Run,
     check_reachable,
@@ -230,20 +230,20 @@ def check_ray_address(address: str, timeout: float = 5.0) -> None:
 
 
 def warn_if_no_cpu_left_for_data(cfg: RunConfig) -> None:
-    """Ray Data's read tasks need a CPU the training workers do not hold. On a cluster whose
-    CPUs the workers take up entirely, the run waits forever for its first batch (an
+    """Ray Data's read tasks need `data.read_task_cpus` the training workers do not hold. On a
+    cluster whose CPUs the workers take up, the run waits forever for its first batch (an
     autoscaling cluster may still add a node, so this warns rather than refuses)."""
     import ray
 
-    if cfg.parallel.pipeline_stages > 1:  # pipeline workers read their shards themselves
-        return
+    need = cfg.data.read_task_cpus
     workers = cfg.parallel.num_workers * cfg.parallel.cpus_per_worker
     cpus = ray.cluster_resources().get("CPU", 0.0)
-    if cpus - workers < 1:
-        log.warning("the cluster has %g CPU(s) and the %d training workers take %g: none is left for "
-                    "Ray Data's reads, so the run will wait for its first batch until the cluster "
-                    "grows. Lower parallel.cpus_per_worker or add CPUs (ray start --num-cpus)",
-                    cpus, cfg.parallel.num_workers, workers)
+    if need and cpus - workers < need:
+        log.warning("the cluster has %g CPU(s) and the %d training workers take %g: less than the %g that "
+                    "a Ray Data read task reserves is left, so the run will wait for its first batch until "
+                    "the cluster grows. Lower parallel.cpus_per_worker or data.read_task_cpus (0 is "
+                    "allowed), or add CPUs (ray start --num-cpus)",
+                    cpus, cfg.parallel.num_workers, workers, need)
 
 
 def orphaned_placement_groups(groups: list, jobs: list) -> list[str]:
@@ -273,35 +273,6 @@ def reclaim_orphaned_placement_groups() -> None:
     for pg_id in ids:
         log.warning("removing placement group %s: the job that created it has ended", pg_id)
         ray.util.remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))))
-
-
-def ray_datasets(manifest: Manifest) -> dict:
-    """One `read_parquet` per split over the shards the manifest lists (local or S3).
-
-    Each worker's part comes from Ray Train's streaming split. A new epoch restarts the read,
-    which costs seconds: negligible for pretraining, which rarely repeats data.
-    """
-    import ray.data
-    from ray.data import DataContext
-
-    ctx = DataContext.get_current()
-    ctx.enable_progress_bars = False  # Kiln prints its own progress
-    ctx.print_on_execution_start = False
-    # Ray Data's V2 Parquet reader starts a pool of FooterReader actors (new processes) every time
-    # a dataset executes, and a streaming split executes once per epoch and per evaluation: on a
-    # small cluster that cost more CPU than the training of a small model. The V1 reader reads
-    # footers on the driver once, when the dataset is created; Kiln's shard lists come from the
-    # manifest, so there is no directory listing for V2 to spread out either.
-    ctx.use_datasource_v2 = False
-    # Ray Data retries a read that fails with one of these (with backoff); Kiln's list adds S3's
-    # 500 and 502 to Ray's own.
-    ctx.retried_io_errors = sorted(set(ctx.retried_io_errors) | set(TRANSIENT_ERRORS))
-    return {
-        split: ray.data.read_parquet(
-            [loc.path for loc in manifest.shard_locations(split)], filesystem=manifest.location.fs,
-        ).select_columns([TOKENS])
-        for split in ("train", "val")
-    }
 
 
 def open_run(cfg: RunConfig, manifest: Manifest, tracking_uri: str, cluster: dict,
@@ -375,12 +346,9 @@ def train(cfg: RunConfig, address: str | None = None, started: float | None = No
     })
     ok = False
     try:
-        # A pipeline's stages must read the same batches: its workers read the shards by
-        # data-parallel rank themselves (kiln.train.sources.ParquetSource), not a Ray Data split.
-        datasets = ray_datasets(manifest) if cfg.parallel.pipeline_stages == 1 else {}
         stream = progress_stream or sys.stderr
         board = ProgressBoard.remote() if is_terminal(stream) else None
-        trainer = build_trainer(cfg, datasets, cfg.logging.run_name, tracking_uri, run.run_id,
+        trainer = build_trainer(cfg, cfg.logging.run_name, tracking_uri, run.run_id,
                                 progress_board=board)
         with BoardWatcher(board, TerminalBar(stream)) if board is not None else contextlib.nullcontext():
             try:

@@ -115,7 +115,7 @@ def run_local(cfg: RunConfig, started: float | None = None) -> Summary | None:
             logger = MLflowLogger(tracking_uri, run.run_id, spill_dir=_run_root(cfg),
                                   outage_wait_s=cfg.logging.outage_wait_s)
     dp_rank, dp_size = data_parallel_coords(world.rank, world.world_size, cfg.parallel.pipeline_stages)
-    source = ParquetSource(manifest, dp_rank, dp_size, cfg.train.micro_batch_size)
+    source = ParquetSource(manifest, dp_rank, dp_size, cfg.train.micro_batch_size, cfg.train.eval_batches)
     ckpt_root = _run_root(cfg)
     ok = False
     try:

@@ -180,17 +180,21 @@ def train_loop(
     )
     if pipeline:
         check_coords(engine, world.rank, world.world_size, cfg.parallel.pipeline_stages)
-    done = 0
+    done = consumed = 0
     if t.resume_from:
         resume_dir, _ = checkpoint.resolve_resume(t.resume_from, world.world_size)
         _, client = engine.load_checkpoint(resume_dir, tag=checkpoint.TAG)
         done = int(client["step"])
+        # The data position: micro-batches drawn so far, the ones the health guard left out
+        # included (older checkpoints lack it: steps x micro-batches).
+        consumed = int(client.get("batches_consumed", done * micro_batches))
+        checkpoint.restore_rng(resume_dir, world.rank)
         if world.rank == 0:
-            log.info("resumed from %s at step %d", resume_dir, done)
+            log.info("resumed from %s at step %d (micro-batch %d of the data)", resume_dir, done, consumed)
     # Start reading now so the pipeline's start-up overlaps the first step; skip what the
     # resumed steps consumed.
     source.prefetch()
-    batches = _prefetch_first(source.train_batches(skip=done * micro_batches))
+    batches = _Counted(_prefetch_first(source.train_batches(skip=consumed)), consumed)
 
     tokens_per_step = t.micro_batch_size * micro_batches * dp_size * mcfg.seq_len
     flops_tok = flops_per_token(mcfg)
@@ -302,7 +306,8 @@ def train_loop(
         if save and checkpoint_root is not None:
             save_start = time.perf_counter()
             ckpt = checkpoint.save(engine, checkpoint_root, step, world.rank, world.world_size,
-                                   client_state={"step": step, "tokens_seen": step * tokens_per_step},
+                                   client_state={"step": step, "tokens_seen": step * tokens_per_step,
+                                                 "batches_consumed": batches.count},
                                    score=metrics.get("loss/val"))
             save_time = time.perf_counter() - save_start
             live.checkpointed(save_time)
@@ -374,6 +379,21 @@ def _record_health(guard: HealthGuard, logger: MetricLogger, step: int, rank: in
             logger.set_tag(f"kiln.health.{guard.recorded}", event)
         logger.log(guard.metrics(), step)
     guard.events.clear()
+
+
+class _Counted:
+    """An iterator that counts what was drawn from it: the data position a checkpoint records."""
+
+    def __init__(self, it: Iterator[torch.Tensor], start: int):
+        self.it, self.count = it, start
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> torch.Tensor:
+        item = next(self.it)
+        self.count += 1
+        return item
 
 
 def _prefetch_first(it: Iterator[torch.Tensor]) -> Iterator[torch.Tensor]:

@@ -36,8 +36,11 @@ _GPU_PEAK = {
 def measured_matmul_flops(device: torch.device, dtype: torch.dtype, seconds: float = 0.3) -> float:
     """Achieved FLOP/s of square matmuls: the practical peak where no datasheet applies (CPUs)."""
     n = 512 if device.type == "cpu" else 4096
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
+    # Values do not matter; a generator of its own leaves the training RNG untouched (a resumed
+    # run measures at another step, and must draw the same dropout masks as the first).
+    gen = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
+    b = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
     a @ b  # warm-up
     iters, start = 0, time.perf_counter()
     while time.perf_counter() - start < seconds:

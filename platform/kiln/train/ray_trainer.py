@@ -1,7 +1,7 @@
 """Ray Train orchestration around the plain training loop (Train V2 API).
 
-The driver hands each worker the resolved config; the worker builds its batch source from
-`get_dataset_shard`, logs through MLflow on rank 0 only, and reports metrics and DeepSpeed
+The driver hands each worker the resolved config; the worker streams its own rows of the
+dataset through Ray Data (`kiln.train.sources.RayDataSource`), logs through MLflow on rank 0 only, and reports metrics and DeepSpeed
 checkpoints via `ray.train.report`.
 """
 
@@ -25,7 +25,7 @@ from kiln.tracking import ArtifactLogger, MLflowLogger, NullLogger, ScrubFilter
 from kiln.train.live_metrics import RayLive, device_limit_bytes
 from kiln.train.loop import WorldInfo, train_loop
 from kiln.train.ray_progress import BoardSink
-from kiln.train.sources import RayShardSource
+from kiln.train.sources import RayDataSource
 
 
 def _worker_entry(loop_config: dict[str, Any]) -> None:
@@ -142,26 +142,23 @@ def _record_restart(tracking_uri: str, run_id: str, checkpoint: str) -> None:
                                             restarts, checkpoint)
 
 
-def _source(cfg: RunConfig, world: WorldInfo):
-    if cfg.parallel.pipeline_stages > 1:
-        # Ray Data's split hands every worker different rows; the stages of one pipeline need
-        # the same ones (the first stage feeds inputs, the last matches labels), so each worker
-        # reads its data-parallel replica's rows itself.
-        from kiln.train.pipeline import data_parallel_coords
-        from kiln.train.sources import ParquetSource
+def _source(cfg: RunConfig, world: WorldInfo) -> RayDataSource:
+    """This worker's rows in Kiln's order (kiln.train.data_order), by data-parallel rank: the
+    stages of one pipeline read the same batches (the first feeds inputs, the last matches
+    labels; Ray Data's split across all workers deadlocked them), and a restarted worker group
+    resumes at the exact row where its checkpoint stopped."""
+    from kiln.train.pipeline import data_parallel_coords
 
-        dp_rank, dp_size = data_parallel_coords(world.rank, world.world_size, cfg.parallel.pipeline_stages)
-        return ParquetSource(_manifest(cfg), dp_rank, dp_size, cfg.train.micro_batch_size)
+    manifest = _manifest(cfg)
 
     def explain(split: str, error: BaseException) -> Exception:
         from kiln.data.manifest import read_failure
 
-        return read_failure(_manifest(cfg), split, error)
+        return read_failure(manifest, split, error)
 
-    return RayShardSource(
-        ray.train.get_dataset_shard("train"), ray.train.get_dataset_shard("val"),
-        cfg.train.micro_batch_size, cfg.data.prefetch_batches, cfg.train.eval_batches, explain=explain,
-    )
+    dp_rank, dp_size = data_parallel_coords(world.rank, world.world_size, cfg.parallel.pipeline_stages)
+    return RayDataSource(manifest, dp_rank, dp_size, cfg.train.micro_batch_size, cfg.data.prefetch_batches,
+                         cfg.train.eval_batches, explain=explain, read_task_cpus=cfg.data.read_task_cpus)
 
 
 def _manifest(cfg: RunConfig):
@@ -195,7 +192,7 @@ def _quiet_worker_logs() -> None:
     logging.getLogger("ray.train").setLevel(logging.WARNING)  # one "Reporting training result" per report
 
 
-def build_trainer(cfg: RunConfig, datasets: dict, run_name: str, tracking_uri: str, run_id: str | None,
+def build_trainer(cfg: RunConfig, run_name: str, tracking_uri: str, run_id: str | None,
                   callbacks: list | None = None, storage_path: str | None = None,
                   progress_board=None) -> TorchTrainer:
     """The TorchTrainer of one run. A sweep's trial adds Tune's report callback and keeps its
@@ -222,7 +219,6 @@ def build_trainer(cfg: RunConfig, datasets: dict, run_name: str, tracking_uri: s
                                        checkpoint_config=CheckpointConfig(
                                            num_to_keep=cfg.train.keep_checkpoints or None,
                                            **_checkpoint_score(cfg))),
-        datasets=datasets,
     )
 
 

@@ -1,7 +1,11 @@
-"""Where a worker's batches come from: a Ray Data shard, or Parquet read directly.
+"""Where a worker's batches come from: its own rows of each split, in Kiln's order.
 
-Both yield int64 tensors of shape (micro_batch, seq_len + 1) and give every rank the same
-number of batches per epoch, so no rank waits in a collective for one that ran out of data.
+Both sources yield int64 tensors of shape (micro_batch, seq_len + 1), in the order
+`kiln.train.data_order` fixes: every replica has as many batches per epoch as the others (no
+rank waits in a collective for one that ran out of data), and a resume after k micro-batches
+continues with the k+1-th, reading from the shard that holds it. `RayDataSource` streams the
+rows through Ray Data (Ray Train workers); `ParquetSource` reads them with pyarrow (runs without
+Ray: a single process, torchrun, benchmarks).
 """
 
 from __future__ import annotations
@@ -12,15 +16,17 @@ from typing import Protocol
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
 
-from kiln.data.manifest import TOKENS, Manifest, read_failure
-from kiln.storage import retry_transient
+from kiln.data.manifest import SAMPLE_ID, TOKENS, Manifest, read_failure
+from kiln.errors import DataError
+from kiln.train.data_order import Slice, batches_per_epoch, read_slice, replica_slices, resume_point
 
 # What a shard that cannot be read raises, also when Ray Data re-raises it from a read task
 # (its RayTaskError subclasses the original type). A lost actor or node is not among them.
 READ_ERRORS = (OSError, pa.ArrowException)
+
+Samples = tuple[np.ndarray, torch.Tensor]  # (sample ids, token rows) of one micro-batch
 
 
 class BatchSource(Protocol):
@@ -34,55 +40,55 @@ class BatchSource(Protocol):
         """One pass over this rank's part of the validation split."""
 
 
-class RayShardSource:
-    """This worker's `get_dataset_shard` iterators (Ray Data streaming split, equal=True)."""
+class OrderedSource:
+    """The data order and resume logic; subclasses say how a list of shard slices is read
+    (`_tables`: the slices' rows as Arrow tables with the id and tokens columns, in order)."""
 
-    def __init__(self, train_it, val_it, micro_batch: int, prefetch: int = 2, max_val_batches: int = 0,
-                 explain: Callable[[str, BaseException], Exception] | None = None):
-        self.train_it, self.val_it = train_it, val_it
-        self.explain = explain  # turns a failed read into an error that names the shard
-        self.micro_batch, self.prefetch_batches = micro_batch, prefetch
-        self.max_val_batches = max_val_batches
+    def __init__(self, manifest: Manifest, rank: int, world_size: int, micro_batch: int, max_val_batches: int = 0):
+        self.manifest, self.rank, self.world_size = manifest, rank, world_size
+        self.micro_batch, self.max_val_batches = micro_batch, max_val_batches
+        self.shard_rows = {s: [int(e["rows"]) for e, _ in manifest.shards(s)] for s in ("train", "val")}
         self._val_cache: list[torch.Tensor] = []
         self._val_error: Exception | None = None
         self._val_thread: threading.Thread | None = None
 
+    def _tables(self, split: str, slices: list[Slice]) -> Iterator[pa.Table]:
+        raise NotImplementedError
+
+    def epoch(self, split: str, skip_rows: int = 0) -> Iterator[Samples]:
+        """One epoch of this replica's micro-batches, `skip_rows` rows in."""
+        slices = replica_slices(self.shard_rows[split], self.rank, self.world_size, skip_rows)
+        if not slices:
+            return
+        rows = _arrays(self._tables(split, slices))
+        yield from _checked_order(_micro_batches(rows, self.micro_batch), split, self.manifest.location.uri)
+
+    def train_samples(self, skip: int = 0) -> Iterator[Samples]:
+        """Endless (ids, tokens) micro-batches, after the first `skip`."""
+        per_epoch = batches_per_epoch(self.shard_rows["train"], self.world_size, self.micro_batch)
+        _, rows = resume_point(skip, per_epoch, self.micro_batch)
+        while True:
+            yield from self.epoch("train", rows)
+            rows = 0
+
+    def train_batches(self, skip: int = 0) -> Iterator[torch.Tensor]:
+        for _, tokens in self.train_samples(skip):
+            yield tokens
+
     def prefetch(self) -> None:
-        # Validation reads the same batches every time, and each Ray Data epoch costs seconds of
-        # start-up on a busy node, so this worker's val batches are read once, in the background
-        # from the start, and kept.
+        # Validation reads the same batches every time, so they are read once, in the
+        # background from the start, and kept.
         self._val_thread = threading.Thread(target=self._fill_val_cache, daemon=True, name="kiln-val-prefetch")
         self._val_thread.start()
 
     def _fill_val_cache(self) -> None:
         try:
-            for batch in self._iter(self.val_it, "val"):
+            for _, batch in self.epoch("val"):
                 self._val_cache.append(batch)
                 if self.max_val_batches and len(self._val_cache) >= self.max_val_batches:
                     break
         except Exception as e:  # noqa: BLE001 - handed to the training thread in val_batches()
             self._val_error = e
-
-    def _iter(self, it, split: str) -> Iterator[torch.Tensor]:
-        try:
-            for batch in it.iter_torch_batches(
-                batch_size=self.micro_batch, drop_last=True, prefetch_batches=self.prefetch_batches
-            ):
-                yield batch[TOKENS].long()
-        except READ_ERRORS as e:
-            if self.explain is None:
-                raise
-            raise self.explain(split, e) from None
-
-    def train_batches(self, skip: int = 0) -> Iterator[torch.Tensor]:
-        # Ray Data iterators cannot seek (ray-project/ray#37633): skipping reads and drops.
-        for i, batch in enumerate(self._endless()):
-            if i >= skip:
-                yield batch
-
-    def _endless(self) -> Iterator[torch.Tensor]:
-        while True:
-            yield from self._iter(self.train_it, "train")
 
     def val_batches(self) -> Iterable[torch.Tensor]:
         if self._val_thread is None:
@@ -93,51 +99,100 @@ class RayShardSource:
         return self._val_cache
 
 
-class ParquetSource:
-    """Reads the shards itself: for runs without Ray (torchrun, a single GPU box, benchmarks),
-    and for pipeline parallelism, where the stages of one pipeline must read the same batches.
+class RayDataSource(OrderedSource):
+    """A Ray Train worker's rows, streamed by Ray Data from the shards they lie in, order kept.
 
-    Replica r of n takes rows r, r + n, r + 2n, ... of each split, truncated so every replica has
-    the same count. Under pipeline parallelism r and n are the data-parallel rank and size, not
-    the global ones. The order is fixed, so `skip` resumes exactly.
-    """
+    Each worker runs its own small Ray Data read over just its shards: Ray Data does the
+    reading, retries and prefetching; Kiln decides which rows and in which order. A failed
+    read goes through `explain` (an error that names the shard)."""
 
-    def __init__(self, manifest: Manifest, rank: int, world_size: int, micro_batch: int):
-        self.micro_batch = micro_batch
-        self._rows = {s: self._load(manifest, s, rank, world_size) for s in ("train", "val")}
+    def __init__(self, manifest: Manifest, rank: int, world_size: int, micro_batch: int, prefetch: int = 2,
+                 max_val_batches: int = 0, explain: Callable[[str, BaseException], Exception] | None = None,
+                 read_task_cpus: float = 0.5):
+        super().__init__(manifest, rank, world_size, micro_batch, max_val_batches)
+        self.prefetch_batches, self.explain, self.read_task_cpus = prefetch, explain, read_task_cpus
+        self._locations = {s: manifest.shard_locations(s) for s in ("train", "val")}
 
-    def prefetch(self) -> None:
-        pass  # everything is in memory already
+    def _tables(self, split: str, slices: list[Slice]) -> Iterator[pa.Table]:
+        import ray.data
 
-    @staticmethod
-    def _load(manifest: Manifest, split: str, rank: int, world: int) -> torch.Tensor:
-        parts = []
-        for loc in manifest.shard_locations(split):
-            def read(loc=loc):
-                with loc.fs.open_input_file(loc.path) as f:
-                    return pq.read_table(f, columns=[TOKENS]).column(TOKENS).combine_chunks()
+        from kiln.train.shard_datasource import ShardSliceDatasource
 
+        configure_ray_data()
+        row_bytes = 8 + 4 * (self.manifest.seq_len + 1)  # int64 id, int32 tokens
+        try:
+            ds = ray.data.read_datasource(ShardSliceDatasource(self._locations[split], slices, row_bytes),
+                                          ray_remote_args={"num_cpus": self.read_task_cpus},
+                                          # tasks in flight: enough to read ahead, few enough that
+                                          # CPU-free reads do not flood a node with processes
+                                          concurrency=max(1, self.prefetch_batches),
+                                          override_num_blocks=len(slices))
+            yield from ds.iter_batches(batch_size=None, batch_format="pyarrow",
+                                       prefetch_batches=self.prefetch_batches)
+        except READ_ERRORS as e:
+            if self.explain is None:
+                raise
+            raise self.explain(split, e) from None
+
+
+class ParquetSource(OrderedSource):
+    """Reads its rows with pyarrow, shard by shard; for runs without Ray."""
+
+    def _tables(self, split: str, slices: list[Slice]) -> Iterator[pa.Table]:
+        shards = self.manifest.shards(split)
+        for s in slices:
             try:
-                col = retry_transient(read, f"reading shard {loc.uri}")
+                yield read_slice(shards[s.shard][1], s)
             except READ_ERRORS as e:
-                raise read_failure(manifest, split, e) from None
-            parts.append(col.values.to_numpy().reshape(len(col), -1))
-        rows = np.concatenate(parts)
-        per_rank = len(rows) // world
-        return torch.from_numpy(rows[rank::world][:per_rank].astype(np.int64))
+                raise read_failure(self.manifest, split, e) from None
 
-    def _iter(self, rows: torch.Tensor) -> Iterator[torch.Tensor]:
-        for i in range(0, len(rows) - self.micro_batch + 1, self.micro_batch):
-            yield rows[i : i + self.micro_batch]
 
-    def train_batches(self, skip: int = 0) -> Iterator[torch.Tensor]:
-        per_epoch = len(self._rows["train"]) // self.micro_batch
-        first = skip % per_epoch if per_epoch else 0
-        while True:
-            for i, batch in enumerate(self._iter(self._rows["train"])):
-                if i >= first:
-                    yield batch
-            first = 0
+def configure_ray_data() -> None:
+    """This process's Ray Data settings for Kiln's reads."""
+    from ray.data import DataContext
 
-    def val_batches(self) -> Iterable[torch.Tensor]:
-        return self._iter(self._rows["val"])
+    from kiln.storage import TRANSIENT_ERRORS
+
+    ctx = DataContext.get_current()
+    ctx.execution_options.preserve_order = True  # Kiln's order, not the order reads finish in
+    ctx.enable_progress_bars = False  # Kiln prints its own progress
+    ctx.print_on_execution_start = False
+    # Ray Data retries a read that fails with one of these (with backoff); Kiln's list adds S3's
+    # 500 and 502 to Ray's own.
+    ctx.retried_io_errors = sorted(set(ctx.retried_io_errors) | set(TRANSIENT_ERRORS))
+
+
+def _arrays(tables: Iterator[pa.Table]) -> Iterator[Samples]:
+    """(ids, token rows) as numpy arrays, table by table."""
+    for table in tables:
+        tokens = table.column(TOKENS).combine_chunks()
+        yield table.column(SAMPLE_ID).to_numpy(), tokens.values.to_numpy().reshape(len(tokens), -1)
+
+
+def _micro_batches(rows: Iterator[Samples], micro_batch: int) -> Iterator[Samples]:
+    """Consecutive rows cut into micro-batches of `micro_batch`; a partial last one is dropped."""
+    ids_buf, tok_buf, held = [], [], 0
+    for ids, tokens in rows:
+        ids_buf.append(ids)
+        tok_buf.append(tokens)
+        held += len(ids)
+        if held < micro_batch:
+            continue
+        all_ids, all_tokens = np.concatenate(ids_buf), np.concatenate(tok_buf)
+        full = held - held % micro_batch
+        for i in range(0, full, micro_batch):
+            yield all_ids[i : i + micro_batch], torch.from_numpy(all_tokens[i : i + micro_batch].astype(np.int64))
+        ids_buf, tok_buf, held = [all_ids[full:]], [all_tokens[full:]], held - full
+
+
+def _checked_order(batches: Iterator[Samples], split: str, uri: str) -> Iterator[Samples]:
+    """`kiln data prepare` numbers a split's rows consecutively, so the rows of one epoch must
+    come with consecutive ids: anything else means a reader reordered them, and the exact-resume
+    guarantee would silently not hold."""
+    expected = None
+    for ids, tokens in batches:
+        if expected is not None and ids[0] != expected or np.any(np.diff(ids) != 1):
+            raise DataError(f"the {split} rows of {uri} arrived out of order (sample ids {ids[0]}..{ids[-1]}, "
+                            f"expected to start at {expected}): was the dataset written by `kiln data prepare`?")
+        expected = int(ids[-1]) + 1
+        yield ids, tokens
