@@ -197,7 +197,8 @@ def test_pipeline_two_replicas_by_two_stages_on_ray(ray_cluster, s3_server, s3_d
     cores, all held by the workers: reads reserve none, data.read_task_cpus=0). Each replica's
     stages read the same batches from S3 by data-parallel rank: with Ray Data's split across all
     4 workers this deadlocked. It must train and finish, with a pipeline checkpoint from every
-    stage."""
+    stage. A NaN at step 14 makes the health guard roll back: every rank downloads the step-10
+    checkpoint from storage, reloads it and goes on with the data after the bad batch."""
     address, _, _ = ray_cluster
     db = f"sqlite:///{tmp_path}/mlflow.db"
     cfg = load_config(REPO / "jobs/configs/debug.yaml", [
@@ -206,13 +207,18 @@ def test_pipeline_two_replicas_by_two_stages_on_ray(ray_cluster, s3_server, s3_d
         "train.max_steps=30", "train.eval_every=0", "train.eval_batches=2", "schedule.warmup_steps=5",
         "train.micro_batch_size=4", f"logging.tracking_uri={db}", "logging.experiment=integration",
         "logging.run_name=pp2-dp2", f"train.storage_path={tmp_path}/runs",
+        "train.checkpoint_every=10", "train.health.policy=rollback", "train.health.inject=nan@14",
     ])
     summary = train(cfg, address=address)
     client = MlflowClient(db)
     run = client.get_run(summary.run_id)
     assert run.info.status == "FINISHED" and run.data.params["parallel.pipeline_stages"] == "2"
+    event = run.data.tags["kiln.health.1"]
+    assert event.startswith("step 14: rolled back to checkpoint_") and "skipping the data of steps 11-14" in event, event
+    rollbacks = client.get_metric_history(run.info.run_id, "health/rollbacks")
+    assert [(m.step, m.value) for m in rollbacks] == [(14, 1.0)], rollbacks
     hist = sorted(client.get_metric_history(run.info.run_id, "loss/train"), key=lambda m: m.step)
-    assert [m.step for m in hist] == list(range(1, 31))
+    assert [m.step for m in hist] == sorted([*range(1, 31), *range(11, 14)])  # 11-13 trained again
     assert sum(m.value for m in hist[-5:]) / 5 < sum(m.value for m in hist[:5]) / 5 - 0.5
     # 2 micro-batches x 4 sequences x 2 replicas x 64 tokens per step
     assert summary.metrics["tokens/seen"] == 30 * 2 * 4 * 2 * 64

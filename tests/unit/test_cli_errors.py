@@ -175,13 +175,6 @@ def test_plan_prints_options_and_a_table(tmp_path):
     assert_clean_error(bad, "--model 'huge' is not a flavour")
 
 
-def test_rollback_under_ray_is_refused_before_launch(tmp_path, byte_dataset):
-    out = kiln("train", "--set", f"data.path={byte_dataset}", "--set", "train.health.policy=rollback",
-               "--set", f"logging.tracking_uri=sqlite:///{tmp_path}/m.db", cwd=tmp_path)
-    assert_clean_error(out, "train.health.policy = 'rollback' runs under the local launcher only")
-    assert not (tmp_path / "m.db").exists()
-
-
 def test_no_ray_cluster_at_the_address(tmp_path, byte_dataset):
     """A mistyped address would leave `ray.init` waiting for ever; it is one line, and no run."""
     for address, needle in (("127.0.0.1:9", "no Ray cluster answers at 127.0.0.1:9"),

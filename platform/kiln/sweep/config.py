@@ -30,7 +30,6 @@ import yaml
 
 from kiln.config import RunConfig, _build, _set_dotted, flatten
 from kiln.errors import ConfigError
-from kiln.train.health import refuse_rollback_on_ray
 
 KINDS = ("choice", "grid", "uniform", "loguniform", "randint")
 
@@ -127,7 +126,6 @@ def trial_config(base_tree: dict[str, Any], params: dict[str, Any], conditional:
             for dotted, value in fixed.items():
                 _set_dotted(tree, dotted, value)
     cfg = _build(RunConfig, tree).validate()
-    refuse_rollback_on_ray(cfg.train.health.policy)  # every trial runs on Ray Train
     return cfg
 
 
@@ -181,7 +179,6 @@ def load_sweep(path: str | os.PathLike, overrides: list[str] = ()) -> Sweep:
 def validate(sweep: Sweep) -> None:
     cfg = sweep.config
     base = sweep.base_config  # the base itself must be a valid run config
-    refuse_rollback_on_ray(base.train.health.policy)
     if not cfg.space:
         raise ConfigError("sweep.space is empty: expected at least one field to search over")
     for key, value in (("num_samples", cfg.num_samples), ("max_concurrent_trials", cfg.max_concurrent_trials),

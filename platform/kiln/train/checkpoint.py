@@ -47,14 +47,14 @@ def save(engine, root: str, step: int, rank: int, world_size: int, client_state:
     partial = final + ".partial"
     if rank == 0 and os.path.isdir(partial):
         shutil.rmtree(partial, ignore_errors=True)  # a writer killed earlier at this step
-    _barrier(world_size)
+    barrier(world_size)
     engine.save_checkpoint(partial, tag=TAG, client_state=client_state)
     _save_rng(os.path.join(partial, RNG.format(rank=rank)))
     marker = {"step": step, "world_size": world_size, "rank": rank, "tag": TAG}
     if score is not None:
         marker[SCORE] = score
     _write_synced(os.path.join(partial, MARKER.format(rank=rank)), json.dumps(marker))
-    _barrier(world_size)  # every rank's marker is written before the directory appears
+    barrier(world_size)  # every rank's marker is written before the directory appears
     try:
         os.rename(partial, final)
     except FileNotFoundError:
@@ -63,7 +63,7 @@ def save(engine, root: str, step: int, rank: int, world_size: int, client_state:
     except OSError:
         if not os.path.isdir(final):
             raise
-    _barrier(world_size)
+    barrier(world_size)
     return final
 
 
@@ -196,7 +196,7 @@ def _write_synced(path: str, text: str) -> None:
         os.fsync(f.fileno())
 
 
-def _barrier(world_size: int) -> None:
+def barrier(world_size: int) -> None:
     if world_size > 1:
         import torch.distributed as dist
 

@@ -25,7 +25,6 @@ from typing import Literal
 
 import torch
 
-from kiln.errors import ConfigError
 from kiln.train.metrics import mean_over_ranks, ranks
 
 MIN_HISTORY = 10  # good losses seen before a spike can be called: the first steps fall fast
@@ -60,14 +59,6 @@ class HealthConfig:
                 raise ValueError(item)
             out[int(step)] = kind
         return out
-
-
-def refuse_rollback_on_ray(policy: str) -> None:
-    if policy == "rollback":
-        raise ConfigError("train.health.policy = 'rollback' runs under the local launcher only (python -m "
-                          "kiln.train.local, or torchrun): under Ray Train each worker keeps only its own shards of "
-                          "a checkpoint on local disk, so none can reload a whole one mid-run; expected 'stop' or "
-                          "'skip' under Ray")
 
 
 class BadLoss(Exception):

@@ -34,7 +34,6 @@ from kiln.tracking import (
     resolve_tracking_uri,
     ui_command,
 )
-from kiln.train.health import refuse_rollback_on_ray
 from kiln.train.progress import TerminalBar, is_terminal
 
 log = logging.getLogger(__name__)
@@ -326,7 +325,6 @@ def train(cfg: RunConfig, address: str | None = None, started: float | None = No
     started = started or time.time()
     cfg, manifest = resolve_against_data(cfg)
     check_precision(cfg)
-    refuse_rollback_on_ray(cfg.train.health.policy)
     cfg = with_run_name(cfg)
     address = address or os.environ.get("RAY_ADDRESS")
     check_resources(cfg, remote_cluster=bool(address))

@@ -42,7 +42,10 @@ from kiln.train.sources import BatchSource
 
 log = logging.getLogger("kiln.train")
 
-Report = Callable[[dict, "str | None"], None]
+# Ray Train's report: metrics and a local checkpoint directory in; back, for a checkpoint the
+# directory is gone from, a function that fetches it again (what a rollback reloads).
+Fetch = Callable[[], str]
+Report = Callable[[dict, "str | None"], "Fetch | None"]
 WARMUP_STEPS_EXCLUDED = 5  # steady-state throughput ignores the first steps (allocator, JIT, caches)
 
 
@@ -320,7 +323,9 @@ def train_loop(
         if report is not None and not is_last and ("loss/val" in metrics or save):
             # Flush first: a scheduler (ASHA) may stop this run as soon as it sees the report.
             logger.flush()
-            report(metrics | {"step": step}, ckpt)
+            fetch = report(metrics | {"step": step}, ckpt)
+            if ckpt is not None and fetch is not None:
+                last_good = fetch
 
     logger.close()
     live.close()
@@ -343,11 +348,14 @@ def train_loop(
     return final
 
 
-def _after_bad_loss(bad: BadLoss, guard: HealthGuard, engine, last_good: str | None, rank: int,
+def _after_bad_loss(bad: BadLoss, guard: HealthGuard, engine, last_good: str | Fetch | None, rank: int,
                     logger: MetricLogger) -> int:
-    """Roll back to `last_good` and return its step, or end the run with the reason."""
+    """Roll back to `last_good` (a directory, or under Ray a function that downloads one) and
+    return its step, or end the run with the reason."""
     capped = guard.rollbacks >= guard.cfg.max_rollbacks
     if guard.cfg.policy == "rollback" and not bad.fatal and last_good is not None and not capped:
+        if callable(last_good):
+            last_good = last_good()
         _, client = engine.load_checkpoint(last_good, tag=checkpoint.TAG)
         back_to = int(client["step"])
         guard.rollbacks += 1

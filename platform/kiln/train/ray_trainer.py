@@ -22,6 +22,7 @@ from ray.train.torch import TorchConfig, TorchTrainer
 
 from kiln.config import RunConfig, config_from_dict
 from kiln.tracking import ArtifactLogger, MLflowLogger, NullLogger, ScrubFilter
+from kiln.train import checkpoint as checkpoint_lib
 from kiln.train.live_metrics import RayLive, device_limit_bytes
 from kiln.train.loop import WorldInfo, train_loop
 from kiln.train.ray_progress import BoardSink
@@ -65,11 +66,13 @@ def _worker_entry(loop_config: dict[str, Any]) -> None:
     if world.rank == 0 and run_id:
         _record_placement(loop_config["tracking_uri"], run_id, placement)
 
-    def report(metrics: dict, ckpt_dir: str | None) -> None:
+    def report(metrics: dict, ckpt_dir: str | None):
         checkpoint = Checkpoint.from_directory(ckpt_dir) if ckpt_dir else None
         ray.train.report(metrics, checkpoint=checkpoint)
-        if ckpt_dir:  # uploaded to storage_path by now (synchronous upload)
-            shutil.rmtree(ckpt_dir, ignore_errors=True)
+        if not ckpt_dir:
+            return None
+        shutil.rmtree(ckpt_dir, ignore_errors=True)  # uploaded to storage_path by now (synchronous)
+        return StoredCheckpoint(ray.train.get_checkpoint(), local_ckpt_root, world.world_size)
 
     board = loop_config.get("progress_board")  # set when the driver draws a bar on its terminal
     progress = BoardSink(board) if board is not None and world.rank == 0 else None
@@ -83,6 +86,27 @@ def _worker_entry(loop_config: dict[str, Any]) -> None:
         if node_monitor is not None:
             node_monitor.finish()
         shutil.rmtree(local_ckpt_root, ignore_errors=True)
+
+
+class StoredCheckpoint:
+    """A checkpoint this rank reported, as Ray Train stored it (every rank's files together).
+
+    A rollback reloads the whole checkpoint (DeepSpeed's ZeRO load reads every rank's optimizer
+    shard), and only storage holds all of it: calling this, on all ranks together, downloads
+    it to a local directory and returns that."""
+
+    def __init__(self, checkpoint: Checkpoint, root: str, world_size: int):
+        self.checkpoint, self.root, self.world_size = checkpoint, root, world_size
+
+    def __call__(self) -> str:
+        checkpoint_lib.barrier(self.world_size)  # every rank's upload of it has returned
+        target = os.path.join(self.root, "rollback", os.path.basename(self.checkpoint.path.rstrip("/")))
+        shutil.rmtree(os.path.dirname(target), ignore_errors=True)  # an earlier rollback's copy
+        self.checkpoint.to_directory(target)
+        return target
+
+    def __str__(self) -> str:
+        return self.checkpoint.path
 
 
 def _placement(world: WorldInfo) -> list[str]:
