@@ -29,7 +29,7 @@ from kiln.train.local import free_port
 
 BIN = Path(sys.executable).parent
 REPO = Path(__file__).resolve().parents[2]
-STEPS = 40
+STEPS = 120  # ~0.15 s a step here: long enough to be killed after a checkpoint is registered
 LABEL = "kiln_node_b"  # the second node's custom resource: how the test tells the nodes apart
 PREFIX = "cluster-runs/spread/"  # the run's directory in the bucket (train.storage_path/run name)
 
@@ -82,12 +82,20 @@ def _checkpoints(endpoint: str) -> list[str]:
                    if k[len(PREFIX):].startswith("checkpoint_") and "/" in k[len(PREFIX):]})
 
 
-def _wait_for_checkpoints(n: int, endpoint: str, job: subprocess.Popen, log: Path) -> None:
+def _wait_for_a_registered_checkpoint(endpoint: str, job: subprocess.Popen, log: Path) -> None:
+    """Until Ray Train's checkpoint-manager snapshot on S3 lists a checkpoint: a directory alone
+    may still be uploading, and an unregistered checkpoint is not one a restart resumes from."""
+    s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
+                      aws_access_key_id="testing", aws_secret_access_key="testing")  # conftest's S3_ENV
     deadline = time.time() + 600
-    while len(_checkpoints(endpoint)) < n:
+    while True:
         assert job.poll() is None, log.read_text()[-4000:]
-        assert time.time() < deadline, f"fewer than {n} checkpoints reached S3"
-        time.sleep(1)
+        assert time.time() < deadline, "Ray Train registered no checkpoint"
+        with contextlib.suppress(s3.exceptions.NoSuchKey):
+            body = s3.get_object(Bucket="kiln-test", Key=f"{PREFIX}checkpoint_manager_snapshot.json")["Body"].read()
+            if b"checkpoint_" in body:
+                return
+        time.sleep(0.2)
 
 
 def _services(*args) -> subprocess.CompletedProcess:
@@ -149,8 +157,7 @@ def _submit_and_kill(node, dashboard, env, s3_server, s3_dataset, mlflow_url, tm
     try:
         with log_path.open("w") as log:
             job = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
-            # Two checkpoints on S3 means Ray Train has registered the first at least.
-            _wait_for_checkpoints(2, s3_server, job, log_path)
+            _wait_for_a_registered_checkpoint(s3_server, job, log_path)
             assert node.kill() >= 2  # the raylet and at least the training worker under it
             time.sleep(3)
             node.start()  # the machine comes back, as a new Ray node

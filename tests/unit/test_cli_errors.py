@@ -83,7 +83,7 @@ def test_a_shard_corrupted_inside_is_named_by_its_checksum(tmp_path, byte_datase
     the error names the shard; `kiln data verify` finds it too."""
     ds = tmp_path / "ds"
     shutil.copytree(byte_dataset, ds)
-    entry = json.loads((ds / "manifest.json").read_text())["splits"]["train"]["shards"][1]
+    entry = json.loads((ds / "manifest.json").read_text())["splits"]["train"]["shards"][0]  # read first
     shard = ds / entry["path"]
     raw = bytearray(shard.read_bytes())
     raw[len(raw) // 3 : len(raw) // 3 + 4096] = bytes(4096)

@@ -55,21 +55,22 @@ class OrderedSource:
     def _tables(self, split: str, slices: list[Slice]) -> Iterator[pa.Table]:
         raise NotImplementedError
 
-    def epoch(self, split: str, skip_rows: int = 0) -> Iterator[Samples]:
-        """One epoch of this replica's micro-batches, `skip_rows` rows in."""
-        slices = replica_slices(self.shard_rows[split], self.rank, self.world_size, skip_rows)
+    def epoch(self, split: str, skip_batches: int = 0) -> Iterator[Samples]:
+        """One epoch of this replica's micro-batches, after its first `skip_batches`."""
+        slices = replica_slices(self.shard_rows[split], self.rank, self.world_size, self.micro_batch, skip_batches)
         if not slices:
             return
         rows = _arrays(self._tables(split, slices))
-        yield from _checked_order(_micro_batches(rows, self.micro_batch), split, self.manifest.location.uri)
+        yield from _checked_order(_micro_batches(rows, self.micro_batch), split, self.manifest.location.uri,
+                                  stride=self.world_size * self.micro_batch)
 
     def train_samples(self, skip: int = 0) -> Iterator[Samples]:
         """Endless (ids, tokens) micro-batches, after the first `skip`."""
         per_epoch = batches_per_epoch(self.shard_rows["train"], self.world_size, self.micro_batch)
-        _, rows = resume_point(skip, per_epoch, self.micro_batch)
+        _, first = resume_point(skip, per_epoch)
         while True:
-            yield from self.epoch("train", rows)
-            rows = 0
+            yield from self.epoch("train", first)
+            first = 0
 
     def train_batches(self, skip: int = 0) -> Iterator[torch.Tensor]:
         for _, tokens in self.train_samples(skip):
@@ -122,7 +123,7 @@ class RayDataSource(OrderedSource):
         row_bytes = 8 + 4 * (self.manifest.seq_len + 1)  # int64 id, int32 tokens
         try:
             ds = ray.data.read_datasource(ShardSliceDatasource(self._locations[split], slices, row_bytes),
-                                          ray_remote_args={"num_cpus": self.read_task_cpus},
+                                          num_cpus=self.read_task_cpus,
                                           # tasks in flight: enough to read ahead, few enough that
                                           # CPU-free reads do not flood a node with processes
                                           concurrency=max(1, self.prefetch_batches),
@@ -185,14 +186,15 @@ def _micro_batches(rows: Iterator[Samples], micro_batch: int) -> Iterator[Sample
         ids_buf, tok_buf, held = [all_ids[full:]], [all_tokens[full:]], held - full
 
 
-def _checked_order(batches: Iterator[Samples], split: str, uri: str) -> Iterator[Samples]:
-    """`kiln data prepare` numbers a split's rows consecutively, so the rows of one epoch must
-    come with consecutive ids: anything else means a reader reordered them, and the exact-resume
-    guarantee would silently not hold."""
+def _checked_order(batches: Iterator[Samples], split: str, uri: str, stride: int) -> Iterator[Samples]:
+    """`kiln data prepare` numbers a split's rows consecutively, so each micro-batch must hold
+    consecutive ids and start `stride` (replicas x micro-batch) after the one before: anything
+    else means a reader reordered the rows, and the exact-resume guarantee would silently not
+    hold."""
     expected = None
     for ids, tokens in batches:
         if expected is not None and ids[0] != expected or np.any(np.diff(ids) != 1):
             raise DataError(f"the {split} rows of {uri} arrived out of order (sample ids {ids[0]}..{ids[-1]}, "
                             f"expected to start at {expected}): was the dataset written by `kiln data prepare`?")
-        expected = int(ids[-1]) + 1
+        expected = int(ids[0]) + stride
         yield ids, tokens

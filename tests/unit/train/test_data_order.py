@@ -15,26 +15,31 @@ from kiln.train.sources import ParquetSource, _checked_order, _micro_batches
 
 def _rows(slices: list[Slice], shard_rows: list[int]) -> list[int]:
     firsts = np.cumsum([0, *shard_rows])
-    return [int(firsts[s.shard]) + r for s in slices for r in range(s.start, s.stop)]
+    return [int(firsts[s.shard]) + r for s in slices for a, b in s.ranges for r in range(a, b)]
 
 
-@pytest.mark.parametrize("shard_rows,world", [([10, 10, 10], 2), ([7, 3, 11, 1], 3), ([5], 4), ([4, 4], 1)])
-def test_replicas_read_equal_disjoint_contiguous_ranges(shard_rows, world):
-    per = sum(shard_rows) // world
-    got = [_rows(replica_slices(shard_rows, r, world), shard_rows) for r in range(world)]
-    assert [len(g) for g in got] == [per] * world
-    assert list(itertools.chain(*got)) == list(range(per * world))  # disjoint, in order, nothing left out
+@pytest.mark.parametrize("shard_rows,world,micro", [([10, 10, 10], 2, 4), ([7, 3, 11, 1], 3, 2), ([5], 4, 1),
+                                                    ([4, 4], 1, 3)])
+def test_each_step_reads_consecutive_rows_whatever_the_world_size(shard_rows, world, micro):
+    per_epoch = batches_per_epoch(shard_rows, world, micro)
+    got = [_rows(replica_slices(shard_rows, r, world, micro), shard_rows) for r in range(world)]
+    assert [len(g) for g in got] == [per_epoch * micro] * world
+    # micro-batch j of every replica, side by side: the rows of step j, consecutive
+    steps = [row for j in range(per_epoch) for g in got for row in g[j * micro:(j + 1) * micro]]
+    assert steps == list(range(per_epoch * micro * world))
 
 
-def test_a_resume_mid_epoch_starts_at_the_shard_that_holds_its_row():
-    shard_rows = [10, 10, 10]  # replica 1 of 2 reads rows 15..29
-    assert replica_slices(shard_rows, 1, 2) == [Slice(1, 5, 10), Slice(2, 0, 10)]
-    assert replica_slices(shard_rows, 1, 2, skip_rows=8) == [Slice(2, 3, 10)]
-    assert replica_slices(shard_rows, 1, 2, skip_rows=15) == []
+def test_a_resume_mid_epoch_starts_at_the_shard_that_holds_its_chunk():
+    shard_rows = [10, 10, 10]  # micro 4, 2 replicas: chunks of 4 rows, replica 1 reads chunks 1, 3, 5
+    assert replica_slices(shard_rows, 1, 2, 4) == [Slice(0, ((4, 8),)), Slice(1, ((2, 6),)),
+                                                   Slice(2, ((0, 4),))]
+    assert replica_slices(shard_rows, 1, 2, 4, skip_batches=2) == [Slice(2, ((0, 4),))]
+    assert replica_slices(shard_rows, 0, 2, 4, skip_batches=1) == [Slice(0, ((8, 10),)), Slice(1, ((0, 2), (6, 10)))]
+    assert replica_slices(shard_rows, 1, 2, 4, skip_batches=3) == []
     with pytest.raises(ValueError):
-        replica_slices(shard_rows, 1, 2, skip_rows=16)
-    assert batches_per_epoch(shard_rows, 2, 4) == 3  # 15 rows: 3 micro-batches of 4, 3 rows dropped
-    assert resume_point(7, 3, 4) == (2, 4)  # 7 batches in: epoch 2, its second batch (row 4)
+        replica_slices(shard_rows, 1, 2, 4, skip_batches=4)
+    assert batches_per_epoch(shard_rows, 2, 4) == 3  # 30 rows: 3 chunks each, 6 rows left out
+    assert resume_point(7, 3) == (2, 1)  # 7 batches in: epoch 2, its second batch
 
 
 def test_micro_batches_cut_a_stream_of_uneven_blocks():
@@ -46,10 +51,12 @@ def test_micro_batches_cut_a_stream_of_uneven_blocks():
 
 def test_rows_out_of_order_are_refused():
     ok = [(np.arange(0, 2), None), (np.arange(2, 4), None)]
-    assert len(list(_checked_order(iter(ok), "train", "ds"))) == 2
+    assert len(list(_checked_order(iter(ok), "train", "ds", stride=2))) == 2
+    strided = [(np.arange(0, 2), None), (np.arange(6, 8), None)]  # 3 replicas
+    assert len(list(_checked_order(iter(strided), "train", "ds", stride=6))) == 2
     swapped = [(np.arange(2, 4), None), (np.arange(0, 2), None)]
     with pytest.raises(DataError, match="train rows of ds arrived out of order"):
-        list(_checked_order(iter(swapped), "train", "ds"))
+        list(_checked_order(iter(swapped), "train", "ds", stride=2))
 
 
 def test_a_slice_reads_exactly_its_rows(byte_dataset):
@@ -57,8 +64,9 @@ def test_a_slice_reads_exactly_its_rows(byte_dataset):
 
     manifest = load_manifest(resolve(str(byte_dataset)))
     _, loc = manifest.shards("train")[1]
-    table = read_slice(loc, Slice(1, 3, 13))
-    assert table.column("id").to_pylist() == pq.read_table(loc.path).column("id").to_pylist()[3:13]
+    ids = pq.read_table(loc.path).column("id").to_pylist()
+    assert read_slice(loc, Slice(1, ((3, 13),))).column("id").to_pylist() == ids[3:13]
+    assert read_slice(loc, Slice(1, ((0, 2), (5, 7)))).column("id").to_pylist() == ids[0:2] + ids[5:7]
 
 
 def test_a_resumed_source_sees_every_sample_once_across_an_epoch_boundary(byte_dataset):
@@ -82,6 +90,7 @@ def test_a_resumed_source_sees_every_sample_once_across_an_epoch_boundary(byte_d
         assert ids(source(0), k) + ids(source(k), total - k) == uninterrupted, k
     epoch = list(itertools.chain(*uninterrupted[:per_epoch]))
     assert len(set(epoch)) == len(epoch) == per_epoch * 8
+    assert all(b[0] - a[0] == 16 for a, b in zip(uninterrupted, uninterrupted[1:per_epoch]))  # chunks 1, 3, 5, ...
     assert uninterrupted[per_epoch] == uninterrupted[0]  # the next epoch starts over, same order
     replica0 = ParquetSource(manifest, 0, 2, 8)
     replica0.skip = 0
