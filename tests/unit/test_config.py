@@ -81,3 +81,13 @@ def test_flatten_and_annotated_yaml_round_trip(tmp_path):
     f = tmp_path / "gen.yaml"
     f.write_text(text)
     assert load_config(f) == cfg
+
+
+def test_a_relative_data_path_reaches_workers_as_an_absolute_one(byte_dataset, monkeypatch):
+    """Ray Train workers run in another directory and read the shards themselves."""
+    from kiln.config import load_config
+    from kiln.train.launch import resolve_against_data
+
+    monkeypatch.chdir(byte_dataset.parent)
+    cfg, manifest = resolve_against_data(load_config(None, [f"data.path={byte_dataset.name}"]))
+    assert cfg.data.path == str(byte_dataset) and manifest.location.path == str(byte_dataset)

@@ -88,7 +88,10 @@ class Summary:
 
 
 def resolve_against_data(cfg: RunConfig) -> tuple[RunConfig, Manifest]:
-    """Load and check the dataset; fill in model.vocab_size/seq_len; refuse mismatches."""
+    """Load and check the dataset; fill in model.vocab_size/seq_len; refuse mismatches. A local
+    data.path becomes absolute: workers read the shards themselves, from another directory."""
+    if "://" not in cfg.data.path:
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=os.path.abspath(cfg.data.path)))
     loc = resolve(cfg.data.path, cfg.data.s3_endpoint, cfg.data.s3_region)
     manifest = load_manifest(loc)
     check_shards(manifest)
