@@ -174,15 +174,9 @@ def _source(cfg: RunConfig, world: WorldInfo) -> RayDataSource:
     from kiln.train.pipeline import data_parallel_coords
 
     manifest = _manifest(cfg)
-
-    def explain(split: str, error: BaseException) -> Exception:
-        from kiln.data.manifest import read_failure
-
-        return read_failure(manifest, split, error)
-
     dp_rank, dp_size = data_parallel_coords(world.rank, world.world_size, cfg.parallel.pipeline_stages)
     return RayDataSource(manifest, dp_rank, dp_size, cfg.train.micro_batch_size, cfg.data.prefetch_batches,
-                         cfg.train.eval_batches, explain=explain, read_task_cpus=cfg.data.read_task_cpus)
+                         cfg.train.eval_batches, read_task_cpus=cfg.data.read_task_cpus)
 
 
 def _manifest(cfg: RunConfig):

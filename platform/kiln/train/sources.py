@@ -11,7 +11,7 @@ Ray: a single process, torchrun, benchmarks).
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from typing import Protocol
 
 import numpy as np
@@ -61,8 +61,11 @@ class OrderedSource:
         if not slices:
             return
         rows = _arrays(self._tables(split, slices))
-        yield from _checked_order(_micro_batches(rows, self.micro_batch), split, self.manifest.location.uri,
-                                  stride=self.world_size * self.micro_batch)
+        try:
+            yield from _checked_order(_micro_batches(rows, self.micro_batch), split, self.manifest.location.uri,
+                                      stride=self.world_size * self.micro_batch)
+        except READ_ERRORS as e:  # also Ray Data's re-raise of a read task's error
+            raise read_failure(self.manifest, split, e) from None
 
     def train_samples(self, skip: int = 0) -> Iterator[Samples]:
         """Endless (ids, tokens) micro-batches, after the first `skip`."""
@@ -104,14 +107,12 @@ class RayDataSource(OrderedSource):
     """A Ray Train worker's rows, streamed by Ray Data from the shards they lie in, order kept.
 
     Each worker runs its own small Ray Data read over just its shards: Ray Data does the
-    reading, retries and prefetching; Kiln decides which rows and in which order. A failed
-    read goes through `explain` (an error that names the shard)."""
+    reading and prefetching; Kiln decides which rows and in which order."""
 
     def __init__(self, manifest: Manifest, rank: int, world_size: int, micro_batch: int, prefetch: int = 2,
-                 max_val_batches: int = 0, explain: Callable[[str, BaseException], Exception] | None = None,
-                 read_task_cpus: float = 0.5):
+                 max_val_batches: int = 0, read_task_cpus: float = 0.5):
         super().__init__(manifest, rank, world_size, micro_batch, max_val_batches)
-        self.prefetch_batches, self.explain, self.read_task_cpus = prefetch, explain, read_task_cpus
+        self.prefetch_batches, self.read_task_cpus = prefetch, read_task_cpus
         self._locations = {s: manifest.shard_locations(s) for s in ("train", "val")}
 
     def _tables(self, split: str, slices: list[Slice]) -> Iterator[pa.Table]:
@@ -121,46 +122,34 @@ class RayDataSource(OrderedSource):
 
         configure_ray_data()
         row_bytes = 8 + 4 * (self.manifest.seq_len + 1)  # int64 id, int32 tokens
-        try:
-            ds = ray.data.read_datasource(ShardSliceDatasource(self._locations[split], slices, row_bytes),
-                                          num_cpus=self.read_task_cpus,
-                                          # tasks in flight: enough to read ahead, few enough that
-                                          # CPU-free reads do not flood a node with processes
-                                          concurrency=max(1, self.prefetch_batches),
-                                          override_num_blocks=len(slices))
-            yield from ds.iter_batches(batch_size=None, batch_format="pyarrow",
-                                       prefetch_batches=self.prefetch_batches)
-        except READ_ERRORS as e:
-            if self.explain is None:
-                raise
-            raise self.explain(split, e) from None
+        ds = ray.data.read_datasource(ShardSliceDatasource(self._locations[split], slices, row_bytes),
+                                      num_cpus=self.read_task_cpus,
+                                      # tasks in flight: enough to read ahead, few enough that
+                                      # CPU-free reads do not flood a node with processes
+                                      concurrency=max(1, self.prefetch_batches),
+                                      override_num_blocks=len(slices))
+        yield from ds.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=self.prefetch_batches)
 
 
 class ParquetSource(OrderedSource):
     """Reads its rows with pyarrow, shard by shard; for runs without Ray."""
 
     def _tables(self, split: str, slices: list[Slice]) -> Iterator[pa.Table]:
-        shards = self.manifest.shards(split)
+        locations = self.manifest.shard_locations(split)
         for s in slices:
-            try:
-                yield read_slice(shards[s.shard][1], s)
-            except READ_ERRORS as e:
-                raise read_failure(self.manifest, split, e) from None
+            yield read_slice(locations[s.shard], s)
 
 
 def configure_ray_data() -> None:
     """This process's Ray Data settings for Kiln's reads."""
     from ray.data import DataContext
 
-    from kiln.storage import TRANSIENT_ERRORS
-
     ctx = DataContext.get_current()
     ctx.execution_options.preserve_order = True  # Kiln's order, not the order reads finish in
     ctx.enable_progress_bars = False  # Kiln prints its own progress
     ctx.print_on_execution_start = False
-    # Ray Data retries a read that fails with one of these (with backoff); Kiln's list adds S3's
-    # 500 and 502 to Ray's own.
-    ctx.retried_io_errors = sorted(set(ctx.retried_io_errors) | set(TRANSIENT_ERRORS))
+    # No retried_io_errors here: Ray applies them to its own file readers only; Kiln's read
+    # tasks retry transient S3 errors themselves (data_order.read_slice).
 
 
 def _arrays(tables: Iterator[pa.Table]) -> Iterator[Samples]:
