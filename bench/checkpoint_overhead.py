@@ -34,7 +34,7 @@ WARMUP_STEPS_EXCLUDED = 5  # kiln.train.loop's: saves within the first steps are
 
 def run(overrides: list[str], tmp: str, name: str) -> dict:
     out = f"{tmp}/{name}.json"
-    cmd = [sys.executable, "-m", "kiln.train.local", "--config", str(REPO / "jobs/configs/debug.yaml"),
+    cmd = [sys.executable, "-m", "kiln.launch.local", "--config", str(REPO / "jobs/configs/debug.yaml"),
            *[a for o in overrides for a in ("--set", o)], "--summary-json", out]
     print("+", " ".join(cmd), flush=True)
     proc = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True)

@@ -26,7 +26,7 @@ for name in "${names[@]}"; do
   sets=("${extra[@]}"); for s in ${RUNS[$name]}; do sets+=(--set "$s"); done
   python -m kiln.cli plan --config "$cfg" "${sets[@]}" > "$out/$name.plan.txt"
   # RUN_TIMEOUT bounds each run (0: none), so one stuck run cannot eat a whole lease.
-  timeout "${RUN_TIMEOUT:-0}" python -m kiln.train.local --config "$cfg" "${sets[@]}" --set train.max_steps="$steps" --set train.eval_every=0 \
+  timeout "${RUN_TIMEOUT:-0}" python -m kiln.launch.local --config "$cfg" "${sets[@]}" --set train.max_steps="$steps" --set train.eval_every=0 \
     --set train.eval_batches=2 --set logging.progress_every=10 --set train.storage_path=/tmp/kiln-runs \
     --summary-json "$out/$name.json" > "$out/$name.log" 2>&1 || echo "$name failed: see $name.log"
   tail -n 12 "$out/$name.log"

@@ -19,11 +19,11 @@ import torch
 from kiln.cli import process_start
 from kiln.config import OptimConfig, ScheduleConfig
 from kiln.data.manifest import load_manifest
+from kiln.data.sources import ParquetSource
 from kiln.model import GPT, config_for, flops_per_token, padded_vocab
 from kiln.storage import resolve
 from kiln.train.metrics import datasheet_peak_flops
 from kiln.train.optim import build_optimizer, lr_multiplier
-from kiln.train.sources import ParquetSource
 
 STARTED = process_start()
 WARMUP = 5

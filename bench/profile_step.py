@@ -15,9 +15,9 @@ from torch.profiler import ProfilerActivity, profile
 
 from kiln.config import load_config
 from kiln.model import GPT
+from kiln.parallel.engine import deepspeed_config
 from kiln.train.loop import gpt_config
 from kiln.train.optim import build_optimizer, build_scheduler
-from kiln.train.parallelize import deepspeed_config
 
 
 def main() -> None:

@@ -22,7 +22,7 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))
-from kiln.train.local import free_port  # noqa: E402
+from kiln.launch.local import free_port  # noqa: E402
 
 BIN = Path(sys.executable).parent
 

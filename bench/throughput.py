@@ -48,7 +48,7 @@ def run_kiln(args, overrides: list[str], out_json: str) -> dict:
     if args.launcher == "ray":
         cmd = [str(BIN / "kiln"), "train", "--config", args.config, *sets, "--summary-json", out_json]
     else:
-        cmd = [sys.executable, "-m", "kiln.train.local", "--config", args.config, *sets, "--summary-json", out_json]
+        cmd = [sys.executable, "-m", "kiln.launch.local", "--config", args.config, *sets, "--summary-json", out_json]
     print("+", " ".join(cmd), flush=True)
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     if proc.returncode != 0:

@@ -172,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.command == "train":
         from kiln.config import load_config
-        from kiln.train.launch import train
+        from kiln.launch.on_ray import train
 
         overrides = list(args.overrides)
         if getattr(args, "profile", False):
@@ -185,7 +185,7 @@ def run(args: argparse.Namespace) -> int:
             Path(args.summary_json).write_text(summary.to_json())
         return 0
     if args.command == "runs":
-        from kiln.runs import fetch_runs, format_table
+        from kiln.tracking.runs import fetch_runs, format_table
 
         runs = fetch_runs(args.experiment, args.tracking_uri, getattr(args, "sort", None), args.limit,
                           sweep=args.sweep, descending=getattr(args, "desc", False))
@@ -232,7 +232,7 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError("\n  ".join(failed))
         return 0
     if args.command == "services":
-        from kiln import services
+        from kiln.tracking import services
 
         if args.services_cmd == "up":
             started = services.up(args.dir, args.host, args.port, args.backend_store_uri,
@@ -278,7 +278,7 @@ def run_reporting_errors(command: Callable[[], int]) -> int:
     try:
         return command()
     except KilnError as e:
-        from kiln.tracking import scrub
+        from kiln.tracking.mlflow_run import scrub
 
         print(f"kiln: error: {scrub(str(e))}", file=sys.stderr)
         return 2
@@ -288,7 +288,7 @@ def run_reporting_errors(command: Callable[[], int]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from kiln.tracking import configure_logging
+    from kiln.tracking.mlflow_run import configure_logging
 
     configure_logging()
     args = build_parser().parse_args(argv)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kiln.train.local import free_port
+from kiln.launch.local import free_port
 
 BIN = Path(sys.executable).parent
 KILN = str(BIN / "kiln")

@@ -17,7 +17,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from kiln.config import load_config
-from kiln.train.launch import train
+from kiln.launch.on_ray import train
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).parent))

@@ -25,7 +25,7 @@ import psutil
 import pytest
 from mlflow.tracking import MlflowClient
 
-from kiln.train.local import free_port
+from kiln.launch.local import free_port
 
 BIN = Path(sys.executable).parent
 REPO = Path(__file__).resolve().parents[2]
@@ -195,7 +195,7 @@ def _check(out: str, dashboard: str, s3_server: str, mlflow_url: str) -> None:
     placement = tags["kiln.placement"].split(",")
     assert sorted(placement) == sorted([head[0], seconds[-1].node_id]), (placement, head, seconds)
     # MLflow has system metrics of both nodes: rank 0's as system/..., the second node's under its id.
-    from kiln.train.ray_trainer import node_label
+    from kiln.ray.trainer import node_label
 
     assert "system/cpu_utilization_percentage" in run.data.metrics, sorted(run.data.metrics)
     per_node = {f"system/{node_label(n.node_id)}/cpu_utilization_percentage" for n in seconds}

@@ -90,7 +90,7 @@ def test_a_shard_corrupted_inside_is_named_by_its_checksum(tmp_path, byte_datase
     shard.write_bytes(bytes(raw))
     verify = kiln("data", "verify", str(ds), cwd=tmp_path)
     assert_clean_error(verify, f"1 bad shard(s) in {ds}: shard {shard} does not match the SHA-256")
-    out = subprocess.run([sys.executable, "-m", "kiln.train.local", "--set", f"data.path={ds}",
+    out = subprocess.run([sys.executable, "-m", "kiln.launch.local", "--set", f"data.path={ds}",
                           "--set", f"logging.tracking_uri=sqlite:///{tmp_path}/m.db", "--set", "train.max_steps=2",
                           "--set", f"train.storage_path={tmp_path}/runs"],
                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
@@ -131,7 +131,7 @@ def test_parallel_config_mistakes(tmp_path, overrides, needle):
 
 
 def test_nvme_offload_without_its_op_is_refused_before_launch(tmp_path, byte_dataset):
-    from kiln.train.parallelize import op_unavailable
+    from kiln.parallel.engine import op_unavailable
 
     if op_unavailable("async_io") is None:
         pytest.skip("DeepSpeed's async_io op can be built here (libaio present)")

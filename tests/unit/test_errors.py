@@ -43,8 +43,8 @@ def test_a_failed_read_on_a_ray_worker_names_the_corrupt_shard(tmp_path, byte_da
     from ray.exceptions import RayTaskError
 
     from kiln.data.manifest import load_manifest, read_failure
+    from kiln.data.sources import READ_ERRORS
     from kiln.storage import resolve
-    from kiln.train.sources import READ_ERRORS
 
     ds = tmp_path / "ds"
     shutil.copytree(byte_dataset, ds)

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from kiln.launch.local import free_port
 from kiln.storage import is_transient, resolve, retry_transient
-from kiln.train.local import free_port
 
 MOTO = str(Path(sys.executable).parent / "moto_server")
 

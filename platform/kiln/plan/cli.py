@@ -61,7 +61,7 @@ def plan_from_args(args: argparse.Namespace) -> str:
 def _with_data_shapes(cfg: RunConfig) -> RunConfig:
     """The config's vocab and seq len from its dataset where that is readable from here."""
     from kiln.errors import KilnError
-    from kiln.train.launch import resolve_against_data
+    from kiln.launch.on_ray import resolve_against_data
 
     try:
         return resolve_against_data(cfg)[0]

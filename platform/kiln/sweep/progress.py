@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from ray.tune import Callback
 
 from kiln.sweep.config import SweepConfig
-from kiln.train.progress import TerminalBar, duration
+from kiln.ui.progress import TerminalBar, duration
 
 
 def expected_trials(cfg: SweepConfig) -> int:

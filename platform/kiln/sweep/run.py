@@ -23,8 +23,8 @@ from typing import Any
 
 from kiln.errors import KilnError
 from kiln.sweep.config import Sweep, param_space
-from kiln.tracking import Run, check_reachable, experiment_id, resolve_tracking_uri
-from kiln.train.progress import is_terminal
+from kiln.tracking.mlflow_run import Run, check_reachable, experiment_id, resolve_tracking_uri
+from kiln.ui.progress import is_terminal
 
 log = logging.getLogger("kiln.sweep")
 
@@ -38,8 +38,8 @@ def _trial(params: dict[str, Any], ctx: dict[str, Any]) -> None:
     import ray.tune
     from ray.tune.integration.ray_train import TuneReportCallback
 
-    from kiln.train.launch import open_run, resolve_against_data
-    from kiln.train.ray_trainer import build_trainer
+    from kiln.launch.on_ray import open_run, resolve_against_data
+    from kiln.ray.trainer import build_trainer
 
     sweep = Sweep.from_dict(ctx["sweep"])
     tctx = ray.tune.get_context()
@@ -173,13 +173,13 @@ def run_sweep(sweep: Sweep, address: str | None = None, resume: bool = False) ->
     import ray.tune
     from ray import tune
 
-    from kiln.sweep.progress import SweepProgress, SweepState, expected_trials
-    from kiln.train.launch import (
+    from kiln.launch.on_ray import (
         check_precision,
         check_resources,
         connect_ray,
         resolve_against_data,
     )
+    from kiln.sweep.progress import SweepProgress, SweepState, expected_trials
 
     cfg = sweep.config
     # Tune runs each trial in its own working dir: local paths must not be relative.

@@ -1,7 +1,7 @@
 """The per-worker training loop: a plain function of (config, world, batches, logger).
 
-It knows nothing about Ray: Ray Train calls it from `kiln.train.ray_trainer`, torchrun or a
-single process calls it from `kiln.train.local`. It builds the GPT, wraps it in a DeepSpeed
+It knows nothing about Ray: Ray Train calls it from `kiln.ray.trainer`, torchrun or a
+single process calls it from `kiln.launch.local`. It builds the GPT, wraps it in a DeepSpeed
 engine, trains for `train.max_steps` optimizer steps, validates, checkpoints, and returns the
 final metrics. Only rank 0 logs; every rank calls `report` the same number of times (Ray Train
 requires that).
@@ -21,9 +21,12 @@ from dataclasses import dataclass
 import torch
 
 from kiln.config import RunConfig
+from kiln.data.sources import BatchSource
 from kiln.errors import KilnError
 from kiln.model import GPTConfig, config_for, flops_per_token, num_params
-from kiln.tracking import MetricLogger
+from kiln.parallel.engine import engine_memory, initialize
+from kiln.parallel.pipeline import check_coords
+from kiln.tracking.mlflow_run import MetricLogger
 from kiln.train import checkpoint
 from kiln.train.health import BadLoss, HealthGuard
 from kiln.train.live_metrics import LiveMetrics, NullLive
@@ -34,11 +37,8 @@ from kiln.train.metrics import (
     memory_metrics,
 )
 from kiln.train.optim import build_scheduler
-from kiln.train.parallelize import engine_memory, initialize
-from kiln.train.pipeline import check_coords
 from kiln.train.profiling import StepProfiler
-from kiln.train.progress import LogLines, Progress, ProgressSink
-from kiln.train.sources import BatchSource
+from kiln.ui.progress import LogLines, Progress, ProgressSink
 
 log = logging.getLogger("kiln.train")
 

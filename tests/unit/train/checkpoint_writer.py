@@ -14,11 +14,11 @@ import sys
 import torch
 
 from kiln.config import load_config
+from kiln.launch.local import _world_from_env
+from kiln.parallel.engine import initialize
 from kiln.train import checkpoint
-from kiln.train.local import _world_from_env
 from kiln.train.loop import gpt_config
 from kiln.train.optim import build_scheduler
-from kiln.train.parallelize import initialize
 
 
 def engine():

@@ -132,7 +132,7 @@ def _start(byte_dataset, where: Path, sets: list[str]) -> subprocess.Popen:
     overrides = [f"data.path={byte_dataset}", "train.max_steps=14", "train.eval_every=0", "train.micro_batch_size=8",
                  "train.grad_accum_steps=2", "schedule.warmup_steps=2", "logging.progress_every=1",
                  f"logging.tracking_uri=sqlite:///{where}/mlflow.db", f"train.storage_path={where}/runs", *sets]
-    return subprocess.Popen([sys.executable, "-m", "kiln.train.local", "--config", str(REPO / "jobs/configs/debug.yaml"),
+    return subprocess.Popen([sys.executable, "-m", "kiln.launch.local", "--config", str(REPO / "jobs/configs/debug.yaml"),
                              *[a for o in overrides for a in ("--set", o)]],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=where)
 

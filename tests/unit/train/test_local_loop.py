@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from kiln.launch.local import free_port
 from kiln.train import checkpoint
-from kiln.train.local import free_port
 
 REPO = Path(__file__).resolve().parents[3]
 # Credentials as users hand them over: in the environment, and inside a URL in the config.
@@ -23,10 +23,10 @@ PLANTED = [*PLANTED_ENV.values(), "planted-endpoint-pw-0005"]
 
 
 def _run_local(byte_dataset, tmp_path, *overrides, ranks=1, tty=False):
-    launcher = [sys.executable, "-m", "kiln.train.local"]
+    launcher = [sys.executable, "-m", "kiln.launch.local"]
     if ranks > 1:  # torchrun sets RANK/WORLD_SIZE/MASTER_* for each process
         launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
-                    "--master-port", str(free_port()), "-m", "kiln.train.local"]
+                    "--master-port", str(free_port()), "-m", "kiln.launch.local"]
     cmd = [*launcher, "--config", str(REPO / "jobs/configs/debug.yaml"),
            "--set", f"data.path={byte_dataset}", "--set", "train.max_steps=30", "--set", "train.eval_every=15",
            "--set", "schedule.warmup_steps=5", "--set", "train.micro_batch_size=8",
@@ -129,7 +129,7 @@ def _name_as_rank(rank: int, tmp: str) -> None:
     import torch.distributed as dist
 
     from kiln.config import load_config
-    from kiln.train.local import agree_on_run_name
+    from kiln.launch.local import agree_on_run_name
     from kiln.train.loop import WorldInfo
 
     dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=2)

@@ -8,7 +8,7 @@ import torch
 
 from kiln.config import load_config
 from kiln.errors import ConfigError
-from kiln.train.plots import training_plots
+from kiln.tracking.plots import training_plots
 from kiln.train.profiling import ProfileConfig, StepProfiler
 
 

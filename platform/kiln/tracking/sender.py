@@ -21,7 +21,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from kiln.tracking import scrub, server_address
+from kiln.tracking.mlflow_run import scrub, server_address
 
 log = logging.getLogger(__name__)
 

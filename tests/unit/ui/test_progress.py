@@ -3,7 +3,7 @@
 import io
 import logging
 
-from kiln.train.progress import LogLines, Progress, TerminalBar, duration, format_line, sink_for
+from kiln.ui.progress import LogLines, Progress, TerminalBar, duration, format_line, sink_for
 
 
 class FakeTerminal(io.StringIO):

@@ -1,7 +1,7 @@
 """Where a worker's batches come from: its own rows of each split, in Kiln's order.
 
 Both sources yield int64 tensors of shape (micro_batch, seq_len + 1), in the order
-`kiln.train.data_order` fixes: every replica has as many batches per epoch as the others (no
+`kiln.data.order` fixes: every replica has as many batches per epoch as the others (no
 rank waits in a collective for one that ran out of data), and a resume after k micro-batches
 continues with the k+1-th, reading from the shard that holds it. `RayDataSource` streams the
 rows through Ray Data (Ray Train workers); `ParquetSource` reads them with pyarrow (runs without
@@ -20,7 +20,7 @@ import torch
 
 from kiln.data.manifest import SAMPLE_ID, TOKENS, Manifest, read_failure
 from kiln.errors import DataError
-from kiln.train.data_order import Slice, batches_per_epoch, read_slice, replica_slices, resume_point
+from kiln.data.order import Slice, batches_per_epoch, read_slice, replica_slices, resume_point
 
 # What a shard that cannot be read raises, also when Ray Data re-raises it from a read task
 # (its RayTaskError subclasses the original type). A lost actor or node is not among them.
@@ -118,7 +118,7 @@ class RayDataSource(OrderedSource):
     def _tables(self, split: str, slices: list[Slice]) -> Iterator[pa.Table]:
         import ray.data
 
-        from kiln.train.shard_datasource import ShardSliceDatasource
+        from kiln.ray.datasource import ShardSliceDatasource
 
         configure_ray_data()
         row_bytes = 8 + 4 * (self.manifest.seq_len + 1)  # int64 id, int32 tokens
@@ -149,7 +149,7 @@ def configure_ray_data() -> None:
     ctx.enable_progress_bars = False  # Kiln prints its own progress
     ctx.print_on_execution_start = False
     # No retried_io_errors here: Ray applies them to its own file readers only; Kiln's read
-    # tasks retry transient S3 errors themselves (data_order.read_slice).
+    # tasks retry transient S3 errors themselves (kiln.data.order.read_slice).
 
 
 def _arrays(tables: Iterator[pa.Table]) -> Iterator[Samples]:

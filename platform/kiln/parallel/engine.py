@@ -1,7 +1,7 @@
 """Kiln config -> DeepSpeed: the config dict, the engine around a plain GPT, and what it holds.
 
 The model stays a plain nn.Module; everything DeepSpeed-specific is here (and the pipeline
-wrapping in `kiln.train.pipeline`). ZeRO stages 0-3, CPU/NVMe offload, ZeRO-3's partitioned
+wrapping in `kiln.parallel.pipeline`). ZeRO stages 0-3, CPU/NVMe offload, ZeRO-3's partitioned
 construction and pipeline stages are all chosen from `parallel.*`.
 """
 
@@ -170,7 +170,7 @@ def initialize(cfg: RunConfig, mcfg: GPTConfig, data_parallel_size: int, on_cuda
     # no-op if done already); a PipelineModule needs it before deepspeed.initialize.
     deepspeed.init_distributed(dist_backend="nccl" if on_cuda else "gloo")
     if cfg.parallel.pipeline_stages > 1:
-        from kiln.train.pipeline import to_pipeline
+        from kiln.parallel.pipeline import to_pipeline
 
         model = to_pipeline(GPT(mcfg), cfg.parallel, mcfg.activation_checkpointing)
     else:

@@ -2,7 +2,7 @@
 
 Started by tests/unit/train/test_parallelism.py as one process, or under torchrun with N ranks:
 
-    torchrun --nproc-per-node 2 tests/unit/train/parallel_harness.py OUT.json DATA ROOT SPECS.json
+    torchrun --nproc-per-node 2 tests/unit/parallel/parallel_harness.py OUT.json DATA ROOT SPECS.json
 
 SPECS.json is a list of {"name": ..., "set": ["a.b=c", ...], "dtypes": bool}. Every run uses the
 debug flavour in fp32 (unless set), fixed seeds and the same data order, through the same
@@ -21,13 +21,13 @@ from pathlib import Path
 import torch
 
 from kiln.config import load_config
+from kiln.data.sources import ParquetSource
+from kiln.launch.local import _world_from_env
+from kiln.launch.on_ray import resolve_against_data
+from kiln.parallel.engine import initialize, state_dtypes
+from kiln.parallel.pipeline import data_parallel_coords
 from kiln.plan.memory import estimate, plan_input
-from kiln.train.launch import resolve_against_data
-from kiln.train.local import _world_from_env
 from kiln.train.loop import gpt_config, train_loop
-from kiln.train.parallelize import initialize, state_dtypes
-from kiln.train.pipeline import data_parallel_coords
-from kiln.train.sources import ParquetSource
 
 BASE = [
     "model.flavour=debug", "train.precision=fp32", "train.micro_batch_size=4", "train.max_steps=20",

@@ -26,7 +26,7 @@ from kiln.data.manifest import Manifest, check_shards, load_manifest
 from kiln.errors import ConfigError, DataError, KilnError, user_error_in
 from kiln.model import padded_vocab
 from kiln.storage import resolve
-from kiln.tracking import (
+from kiln.tracking.mlflow_run import (
     Run,
     check_reachable,
     git_commit,
@@ -34,7 +34,7 @@ from kiln.tracking import (
     resolve_tracking_uri,
     ui_command,
 )
-from kiln.train.progress import TerminalBar, is_terminal
+from kiln.ui.progress import TerminalBar, is_terminal
 
 log = logging.getLogger(__name__)
 
@@ -156,10 +156,10 @@ def device_memory(cfg: RunConfig, remote_cluster: bool) -> tuple[float, str] | N
 
 def check_resources(cfg: RunConfig, remote_cluster: bool = False) -> None:
     """Before launch: the ops an offload needs, and the memory plan against the devices."""
+    from kiln.parallel.engine import check_offload_ops
+    from kiln.parallel.pipeline import check_partition
     from kiln.plan.memory import plan_input, refuse_if_too_big
     from kiln.train.loop import gpt_config
-    from kiln.train.parallelize import check_offload_ops
-    from kiln.train.pipeline import check_partition
 
     check_partition(gpt_config(cfg).n_layer, cfg.parallel)
     check_offload_ops(cfg)
@@ -337,8 +337,8 @@ def train(cfg: RunConfig, address: str | None = None, started: float | None = No
     connect_ray(cfg, address)
     import ray
 
-    from kiln.train.ray_progress import BoardWatcher, ProgressBoard
-    from kiln.train.ray_trainer import build_trainer
+    from kiln.ray.progress import BoardWatcher, ProgressBoard
+    from kiln.ray.trainer import build_trainer
 
     resources = ray.cluster_resources()
     run = open_run(cfg, manifest, tracking_uri, {

@@ -1,6 +1,6 @@
 """Pure parts of the Ray Train entry: which ranks log their node's system metrics."""
 
-from kiln.train.ray_trainer import monitors_its_node, node_label
+from kiln.ray.trainer import monitors_its_node, node_label
 
 
 def test_the_first_rank_of_every_node_but_rank_0s_monitors_it():

@@ -14,7 +14,7 @@ import time
 
 import ray
 
-from kiln.train.progress import Progress, TerminalBar, format_line
+from kiln.ui.progress import Progress, TerminalBar, format_line
 
 log = logging.getLogger("kiln.train")
 

@@ -2,7 +2,7 @@
 promise. Real DeepSpeed engines on CPU/gloo with the debug flavour, fp32, fixed seeds and data
 order; no Ray (tests/integration runs a pipeline on a Ray cluster).
 
-All configurations run in one torchrun process group (tests/unit/train/parallel_harness.py), so
+All configurations run in one torchrun process group (tests/unit/parallel/parallel_harness.py), so
 torch, DeepSpeed and gloo start once; the single-worker reference runs in its own process.
 """
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kiln.train.local import free_port
+from kiln.launch.local import free_port
 
 HARNESS = Path(__file__).with_name("parallel_harness.py")
 STEPS = 20

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 from urllib.parse import urlparse
 
 from kiln.errors import KilnError
-from kiln.train.plots import PLOTTED, training_plots
+from kiln.tracking.plots import PLOTTED, training_plots
 
 log = logging.getLogger(__name__)
 
@@ -161,7 +161,7 @@ class MLflowLogger:
     """Per-step metrics into an existing MLflow run, buffered and sent with log_batch.
 
     One round trip per `flush_every` steps instead of one per metric, made by a background
-    sender (kiln.mlflow_sender) so that neither a slow nor a dead tracking server stalls a
+    sender (kiln.tracking.sender) so that neither a slow nor a dead tracking server stalls a
     training step; what the server misses is delivered when it answers again.
     """
 
@@ -170,7 +170,7 @@ class MLflowLogger:
         import mlflow
         from mlflow.tracking import MlflowClient
 
-        from kiln.mlflow_sender import Sender
+        from kiln.tracking.sender import Sender
 
         self._client = MlflowClient(tracking_uri)
         self._monitor = None

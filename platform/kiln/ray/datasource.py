@@ -14,8 +14,8 @@ import pyarrow as pa
 from ray.data.block import BlockMetadata
 from ray.data.datasource import Datasource, ReadTask
 
+from kiln.data.order import Slice, read_slice
 from kiln.storage import Location
-from kiln.train.data_order import Slice, read_slice
 
 
 class ShardSliceDatasource(Datasource):

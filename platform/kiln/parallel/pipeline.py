@@ -8,7 +8,7 @@ starts from exactly the weights a single-device run would.
 
 Every rank builds the whole GPT once and DeepSpeed keeps its stage's layers; fine up to a few
 billion parameters of host RAM. The stages of one pipeline must read the same batches: the
-first stage needs the inputs and the last the labels (see `kiln.train.sources`).
+first stage needs the inputs and the last the labels (see `kiln.data.sources`).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Ray Train orchestration around the plain training loop (Train V2 API).
 
 The driver hands each worker the resolved config; the worker streams its own rows of the
-dataset through Ray Data (`kiln.train.sources.RayDataSource`), logs through MLflow on rank 0 only, and reports metrics and DeepSpeed
+dataset through Ray Data (`kiln.data.sources.RayDataSource`), logs through MLflow on rank 0 only, and reports metrics and DeepSpeed
 checkpoints via `ray.train.report`.
 """
 
@@ -21,12 +21,12 @@ from ray.train import Checkpoint, CheckpointConfig, FailureConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from kiln.config import RunConfig, config_from_dict
-from kiln.tracking import ArtifactLogger, MLflowLogger, NullLogger, ScrubFilter
+from kiln.data.sources import RayDataSource
+from kiln.ray.progress import BoardSink
+from kiln.tracking.mlflow_run import ArtifactLogger, MLflowLogger, NullLogger, ScrubFilter
 from kiln.train import checkpoint as checkpoint_lib
 from kiln.train.live_metrics import RayLive, device_limit_bytes
 from kiln.train.loop import WorldInfo, train_loop
-from kiln.train.ray_progress import BoardSink
-from kiln.train.sources import RayDataSource
 
 
 def _worker_entry(loop_config: dict[str, Any]) -> None:
@@ -167,11 +167,11 @@ def _record_restart(tracking_uri: str, run_id: str, checkpoint: str) -> None:
 
 
 def _source(cfg: RunConfig, world: WorldInfo) -> RayDataSource:
-    """This worker's rows in Kiln's order (kiln.train.data_order), by data-parallel rank: the
+    """This worker's rows in Kiln's order (kiln.data.order), by data-parallel rank: the
     stages of one pipeline read the same batches (the first feeds inputs, the last matches
     labels; Ray Data's split across all workers deadlocked them), and a restarted worker group
     resumes at the exact row where its checkpoint stopped."""
-    from kiln.train.pipeline import data_parallel_coords
+    from kiln.parallel.pipeline import data_parallel_coords
 
     manifest = _manifest(cfg)
     dp_rank, dp_size = data_parallel_coords(world.rank, world.world_size, cfg.parallel.pipeline_stages)

@@ -8,8 +8,8 @@ import pytest
 
 from kiln.config import RunConfig
 from kiln.errors import StorageError
-from kiln.train.launch import check_storage
-from kiln.train.ray_trainer import train_storage
+from kiln.launch.on_ray import check_storage
+from kiln.ray.trainer import train_storage
 
 
 def test_local_storage_is_made_absolute_and_left_to_ray(tmp_path, monkeypatch):
@@ -44,7 +44,7 @@ def test_local_storage_needs_no_check(tmp_path):
 
 
 def test_storage_comes_from_the_config_then_kiln_storage_path_then_runs(monkeypatch):
-    from kiln.train.launch import with_run_name
+    from kiln.launch.on_ray import with_run_name
 
     monkeypatch.delenv("KILN_STORAGE_PATH", raising=False)
     assert with_run_name(RunConfig()).train.storage_path == "runs"

@@ -18,9 +18,9 @@ from pathlib import Path
 from mlflow.entities import Metric
 from mlflow.tracking import MlflowClient
 
-from kiln import services
-from kiln.mlflow_sender import Sender
-from kiln.train.local import free_port
+from kiln.launch.local import free_port
+from kiln.tracking import services
+from kiln.tracking.sender import Sender
 
 REPO = Path(__file__).resolve().parents[3]
 STEPS = 600  # about 40 ms each: the outage falls inside training
@@ -31,7 +31,7 @@ def test_training_goes_on_through_an_mlflow_outage_and_loses_no_metric(byte_data
     root = tmp_path / "services"
     services.up(root, port=port)
     url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "kiln.train.local", "--config", str(REPO / "jobs/configs/debug.yaml"),
+    cmd = [sys.executable, "-m", "kiln.launch.local", "--config", str(REPO / "jobs/configs/debug.yaml"),
            "--set", f"data.path={byte_dataset}", "--set", f"train.max_steps={STEPS}",
            "--set", "train.eval_every=0", "--set", "train.micro_batch_size=4", "--set", "schedule.warmup_steps=5",
            "--set", f"logging.tracking_uri={url}", "--set", "logging.experiment=outage",
@@ -92,7 +92,7 @@ def test_metrics_that_never_reach_mlflow_are_written_to_a_file(tmp_path, caplog)
     # A server that never answers: the sender warns, and at the end writes what it holds.
     url = f"http://127.0.0.1:{free_port()}"
     sender = Sender(MlflowClient(url), "0123abcd", url, stall_warn_s=0.5)
-    caplog.set_level(logging.WARNING, logger="kiln.mlflow_sender")
+    caplog.set_level(logging.WARNING, logger="kiln.tracking.sender")
     sender.send_metrics([Metric("loss/train", 5.0 - s, 1000 + s, s) for s in range(1, 4)])
     deadline = time.time() + 30
     while not sender.in_outage:

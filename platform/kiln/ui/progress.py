@@ -2,7 +2,7 @@
 
 `kiln train` (and the local launcher) draw the bar when stderr is a terminal. Under Ray the
 workers have no terminal, so rank 0 pushes each step to a small `ProgressBoard` actor that the
-driver polls and draws (`kiln.train.ray_progress`). In CI, in a pipe or under `ray job logs`
+driver polls and draws (`kiln.ray.progress`). In CI, in a pipe or under `ray job logs`
 nothing is a terminal, and rank 0 logs a line every `logging.progress_every` steps instead.
 Nothing here imports torch or Ray.
 """

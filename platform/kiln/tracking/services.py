@@ -29,7 +29,7 @@ from pathlib import Path
 
 from kiln.errors import KilnError
 
-log = logging.getLogger("kiln.services")
+log = logging.getLogger("kiln.tracking.services")
 STATE = "services.json"
 # Ray's head writes the addresses of every node's metrics agent here (Ray's Prometheus docs).
 RAY_SD_FILE = "/tmp/ray/prom_metrics_service_discovery.json"

@@ -3,9 +3,9 @@
 This is the same `train_loop` Ray Train runs, fed by `ParquetSource` instead of Ray Data, for
 GPU boxes without Ray and for debugging. MLflow is used when it is installed.
 
-CPU smoke:   python -m kiln.train.local --config jobs/configs/debug.yaml --set train.max_steps=20
-Two ranks:   torchrun --nproc-per-node 2 -m kiln.train.local --config jobs/configs/debug.yaml
-One GPU:     python -m kiln.train.local --config jobs/configs/gpt2-124m.yaml --set parallel.use_gpu=true
+CPU smoke:   python -m kiln.launch.local --config jobs/configs/debug.yaml --set train.max_steps=20
+Two ranks:   torchrun --nproc-per-node 2 -m kiln.launch.local --config jobs/configs/debug.yaml
+One GPU:     python -m kiln.launch.local --config jobs/configs/gpt2-124m.yaml --set parallel.use_gpu=true
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ import torch
 
 from kiln.cli import process_start, run_reporting_errors
 from kiln.config import RunConfig, load_config
+from kiln.data.sources import ParquetSource
 from kiln.errors import KilnError
-from kiln.tracking import NullLogger, check_reachable, resolve_tracking_uri
-from kiln.train.launch import (
+from kiln.launch.on_ray import (
     Summary,
     check_precision,
     check_resources,
@@ -33,10 +33,10 @@ from kiln.train.launch import (
     resolve_against_data,
     with_run_name,
 )
+from kiln.parallel.pipeline import data_parallel_coords
+from kiln.tracking.mlflow_run import NullLogger, check_reachable, resolve_tracking_uri
 from kiln.train.loop import WorldInfo, train_loop
-from kiln.train.pipeline import data_parallel_coords
-from kiln.train.progress import sink_for
-from kiln.train.sources import ParquetSource
+from kiln.ui.progress import sink_for
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ def run_local(cfg: RunConfig, started: float | None = None) -> Summary | None:
         except ImportError:
             log.warning("mlflow is not installed here: metrics go to the console only")
         else:
-            from kiln.tracking import MLflowLogger
+            from kiln.tracking.mlflow_run import MLflowLogger
 
             run = open_run(cfg, manifest, tracking_uri, {"num_nodes": 1, "launcher": "local"})
             logger = MLflowLogger(tracking_uri, run.run_id, spill_dir=_run_root(cfg),
@@ -133,10 +133,10 @@ def run_local(cfg: RunConfig, started: float | None = None) -> Summary | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from kiln.tracking import configure_logging
+    from kiln.tracking.mlflow_run import configure_logging
 
     configure_logging()
-    p = argparse.ArgumentParser(prog="python -m kiln.train.local", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m kiln.launch.local", description=__doc__.splitlines()[0])
     p.add_argument("--config")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--summary-json", default=None, metavar="PATH")

@@ -4,7 +4,7 @@ import pytest
 
 from kiln.config import ParallelConfig
 from kiln.errors import ConfigError
-from kiln.train.pipeline import check_partition, uniform_parts
+from kiln.parallel.pipeline import check_partition, uniform_parts
 
 
 def test_uniform_parts_match_deepspeed():

@@ -2,7 +2,7 @@
 
 from types import SimpleNamespace as Row
 
-from kiln.train.launch import orphaned_placement_groups
+from kiln.launch.on_ray import orphaned_placement_groups
 
 JOBS = [Row(job_id="01000000", status="SUCCEEDED"), Row(job_id="02000000", status="RUNNING"),
         Row(job_id="03000000", status="JobStatus.FAILED")]

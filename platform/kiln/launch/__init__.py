@@ -1,0 +1,1 @@
+"""The drivers: one preflight every launcher calls, then the run on Ray Train or in-process."""

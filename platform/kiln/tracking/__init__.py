@@ -1,0 +1,1 @@
+"""MLflow: runs, the background sender, redaction, plots, and the local services."""

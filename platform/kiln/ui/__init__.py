@@ -1,0 +1,1 @@
+"""What a person sees on a terminal: progress bars and log lines."""
