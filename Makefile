@@ -51,12 +51,13 @@ prometheus-tools:
 		$$SUDO apt-get install -y -qq --no-install-recommends prometheus >/dev/null 2>&1 \
 		|| { $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq --no-install-recommends prometheus; }; }
 
-test: $(TEST_STAMP) prometheus-tools
-	$(BIN)/ruff check .
+test: $(TEST_STAMP) prometheus-tools lint
 	$(BIN)/python -m pytest tests --durations=12
 
+# ruff, then the architecture contracts of pyproject.toml's [tool.importlinter] (ARCHITECTURE.md).
 lint: $(TEST_STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports --no-logo
 
 bench: $(DEMO_DATA)
 	$(BIN)/python bench/throughput.py

@@ -22,7 +22,7 @@ from kiln.data.manifest import load_manifest
 from kiln.data.sources import ParquetSource
 from kiln.model import GPT, config_for, flops_per_token, padded_vocab
 from kiln.storage import resolve
-from kiln.train.metrics import datasheet_peak_flops
+from kiln.train.meter import datasheet_peak_flops
 from kiln.train.optim import build_optimizer, lr_multiplier
 
 STARTED = process_start()

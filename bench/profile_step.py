@@ -13,10 +13,9 @@ import os
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from kiln.config import load_config
+from kiln.config import gpt_config, load_config
 from kiln.model import GPT
 from kiln.parallel.engine import deepspeed_config
-from kiln.train.loop import gpt_config
 from kiln.train.optim import build_optimizer, build_scheduler
 
 

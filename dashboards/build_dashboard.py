@@ -6,7 +6,7 @@ the committed JSON is what this script writes. Regenerate after editing:
 
 `$run` is the dashboard's run selector (a multi-select over the `run` label);
 `$__rate_interval` is Grafana's rate window. Kiln's series come as `ray_kiln_*` from Ray's
-metrics endpoint (see platform/kiln/train/live_metrics.py); `ray_node_*` are Ray's own.
+metrics endpoint (see platform/kiln/ray/live_metrics.py); `ray_node_*` are Ray's own.
 """
 
 from __future__ import annotations

@@ -8,22 +8,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 from kiln.errors import ConfigError, KilnError
-
-
-def process_start() -> float:
-    """When this process started (interpreter start-up and imports included)."""
-    try:
-        import psutil
-
-        return psutil.Process().create_time()
-    except Exception:
-        return time.time()
-
+from kiln.launch.console import process_start, run_reporting_errors
+from kiln.tracking.redact import configure_logging
 
 _STARTED = process_start()
 
@@ -273,23 +262,7 @@ def verify_dataset(path: str, s3_endpoint: str = "") -> int:
     return 0
 
 
-def run_reporting_errors(command: Callable[[], int]) -> int:
-    """Run a command front end: a user mistake is one `kiln: error:` line and exit 2."""
-    try:
-        return command()
-    except KilnError as e:
-        from kiln.tracking.mlflow_run import scrub
-
-        print(f"kiln: error: {scrub(str(e))}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("kiln: interrupted", file=sys.stderr)
-        return 130
-
-
 def main(argv: list[str] | None = None) -> int:
-    from kiln.tracking.mlflow_run import configure_logging
-
     configure_logging()
     args = build_parser().parse_args(argv)
     return run_reporting_errors(lambda: run(args))

@@ -1,9 +1,12 @@
 """One typed config for a whole run, loaded from YAML with `--set a.b=c` overrides.
 
-Each section lives here as a dataclass with a docstring under every field (litgpt style);
-`field_docs` reads them back for generated YAML and error messages. Loading is strict: an
-unknown key names itself and the closest valid key, a bad value names its field and the
-allowed range, and every check runs before Ray, DeepSpeed or MLflow start.
+Every section lives here as a dataclass, and each field carries its type, its default, its range
+(`knob(default, ok, allowed)`) and the docstring under it (litgpt style), on one screen;
+`field_docs` reads the docstrings back for generated YAML and error messages. Rules that span
+fields follow the sections, among them `deepspeed_refusal`, the one statement of which ZeRO,
+offload and pipeline combinations DeepSpeed allows. Loading is strict: an unknown key names
+itself and the closest valid key, a bad value names its field and the allowed range, and every
+check runs before Ray, DeepSpeed or MLflow start.
 """
 
 from __future__ import annotations
@@ -24,9 +27,15 @@ from typing import Any, Literal
 import yaml
 
 from kiln.errors import ConfigError
-from kiln.model import FLAVOURS
-from kiln.train.health import HealthConfig
-from kiln.train.profiling import ProfileConfig
+from kiln.model import FLAVOURS, GPTConfig, config_for
+
+RANGE = "kiln.range"  # dataclass field metadata: (predicate, what is allowed)
+
+
+def knob(default: Any, ok: typing.Callable[[Any], bool], allowed: str) -> Any:
+    """A field's default and its allowed range, declared on the field itself: `validate` checks
+    `ok(value)` and names the field and `allowed` when it fails."""
+    return field(default=default, metadata={RANGE: (ok, allowed)})
 
 
 @dataclass
@@ -37,22 +46,22 @@ class DataConfig:
     """S3-compatible endpoint URL (MinIO, moto, ...). Empty: $AWS_ENDPOINT_URL, else AWS."""
     s3_region: str = "us-east-1"
     """Region passed to the S3 client; most S3-compatible servers ignore it."""
-    prefetch_batches: int = 2
+    prefetch_batches: int = knob(2, lambda v: v >= 0, "an integer >= 0")
     """Blocks Ray Data reads ahead of the training step, hiding read and decode time."""
-    read_task_cpus: float = 0.5
+    read_task_cpus: float = knob(0.5, lambda v: v >= 0, "a number >= 0")
     """CPUs each Ray Data read task reserves. Decoding token Parquet is light next to training,
     so half a CPU; 0 lets reads run even where the training workers hold every CPU."""
 
 
 @dataclass
 class ModelConfig:
-    flavour: str = "debug"
+    flavour: str = knob("debug", lambda v: v in FLAVOURS, f"one of {sorted(FLAVOURS)}")
     """Model shape: one of kiln.model.FLAVOURS (debug, gpt2-124m, 350m, 1.3b)."""
-    vocab_size: int = 0
+    vocab_size: int = knob(0, lambda v: v >= 0, "0 (from the data) or a positive integer")
     """0: the dataset's vocab padded to a multiple of 64. Must be >= the dataset's vocab."""
-    seq_len: int = 0
+    seq_len: int = knob(0, lambda v: v >= 0, "0 (from the data) or a positive integer")
     """0: the dataset's sequence length. Otherwise it must equal it."""
-    dropout: float = 0.0
+    dropout: float = knob(0.0, lambda v: 0.0 <= v < 1.0, "a number in [0, 1)")
     """Dropout on attention, MLP and embeddings; 0 is right for single-pass pretraining."""
     activation_checkpointing: bool = False
     """Recompute each block's activations during backward to save memory."""
@@ -63,17 +72,17 @@ class ModelConfig:
 
 @dataclass
 class ParallelConfig:
-    num_workers: int = 2
+    num_workers: int = knob(2, lambda v: v >= 1, "an integer >= 1")
     """Ray Train workers (data-parallel ranks)."""
     use_gpu: bool = False
     """One GPU per worker, NCCL backend. False: CPU workers with gloo."""
-    cpus_per_worker: float = 1.0
+    cpus_per_worker: float = knob(1.0, lambda v: v > 0, "a number > 0")
     """Logical CPUs Ray reserves per worker; also the worker's torch thread count."""
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
     """How Ray places the workers' bundles on nodes. PACK (Ray's default) fills few nodes, so
     ranks talk over shared memory; STRICT_SPREAD puts every worker on its own node, and waits
     until the cluster has that many nodes."""
-    zero_stage: int = 2
+    zero_stage: int = knob(2, lambda v: v in (0, 1, 2, 3), "one of 0, 1, 2, 3")
     """DeepSpeed ZeRO stage 0-3: 1 shards optimizer state, 2 also gradients, 3 also weights."""
     offload_optimizer: Literal["none", "cpu", "nvme"] = "none"
     """ZeRO-Offload (stages 1-3): optimizer state and fp32 master weights live in CPU RAM (or on
@@ -82,15 +91,15 @@ class ParallelConfig:
     """ZeRO-Infinity (stage 3 only): parameters live in CPU RAM (or on NVMe) between uses."""
     nvme_path: str = ""
     """Directory on fast local disk for 'nvme' offload; must exist on every worker."""
-    pipeline_stages: int = 1
+    pipeline_stages: int = knob(1, lambda v: v >= 1, "an integer >= 1")
     """Pipeline-parallel stages (DeepSpeed PipelineModule). num_workers must be a multiple of it;
     data-parallel replicas = num_workers / pipeline_stages."""
-    micro_batches: int = 4
+    micro_batches: int = knob(4, lambda v: v >= 1, "an integer >= 1")
     """Micro-batches per optimizer step through the pipeline. The idle bubble is (P-1)/(M+P-1) of
     the step, so more micro-batches waste less."""
     partition_method: Literal["parameters", "uniform"] = "parameters"
     """How pipeline stages split the layers: balance parameter counts, or layer counts."""
-    device_memory_gib: float = 0.0
+    device_memory_gib: float = knob(0.0, lambda v: v >= 0.0, "a number >= 0 (0: detect)")
     """Memory per device that the planner checks the run against before launch. 0: detected
     (the GPU's memory; on CPU workers, RAM divided by the workers on this node)."""
     deepspeed: dict = field(default_factory=dict)
@@ -102,24 +111,25 @@ class OptimConfig:
     name: Literal["adamw", "adam", "sgd", "rmsprop", "lamb"] = "adamw"
     """Optimizer. AdamW and LAMB decouple weight decay from the gradient; Adam, SGD and RMSprop
     add it to the gradient as L2, as each defines it. LAMB is Kiln's own (kiln.train.lamb)."""
-    lr: float = 1e-3
+    lr: float = knob(1e-3, lambda v: 0.0 < v < 10.0, "a number in (0, 10)")
     """Peak learning rate, reached at the end of warmup."""
-    weight_decay: float = 0.1
+    weight_decay: float = knob(0.1, lambda v: v >= 0.0, "a number >= 0")
     """Weight decay (decoupled for adamw and lamb, L2 for the others), on the groups no_decay leaves."""
-    no_decay: str = "norms,biases,embeddings"
+    no_decay: str = knob(
+        "norms,biases,embeddings", lambda v: _no_decay_ok(v), "a comma list of norms, biases, embeddings (or '')")
     """Comma list of parameter kinds exempt from weight decay: norms, biases, embeddings ('' decays
     all). Decaying norm gains, biases and embeddings hurts: they are not over-parameterised."""
-    beta1: float = 0.9
+    beta1: float = knob(0.9, lambda v: 0.0 <= v < 1.0, "a number in [0, 1)")
     """First-moment decay (Adam, AdamW, LAMB)."""
-    beta2: float = 0.95
+    beta2: float = knob(0.95, lambda v: 0.0 <= v < 1.0, "a number in [0, 1)")
     """Second-moment decay (Adam, AdamW, LAMB); 0.95 rather than 0.999 is steadier for LLMs."""
-    eps: float = 1e-8
+    eps: float = knob(1e-8, lambda v: v > 0.0, "a number > 0")
     """Denominator epsilon (Adam, AdamW, LAMB, RMSprop)."""
-    momentum: float = 0.9
+    momentum: float = knob(0.9, lambda v: 0.0 <= v < 1.0, "a number in [0, 1)")
     """Momentum for SGD and RMSprop (0 disables it)."""
     nesterov: bool = False
     """Nesterov momentum for SGD (needs momentum > 0)."""
-    rmsprop_alpha: float = 0.99
+    rmsprop_alpha: float = knob(0.99, lambda v: 0.0 <= v < 1.0, "a number in [0, 1)")
     """RMSprop's decay of the squared-gradient average (torch's default)."""
 
 
@@ -127,41 +137,89 @@ class OptimConfig:
 class ScheduleConfig:
     name: Literal["cosine", "linear", "constant", "exponential", "inverse_sqrt", "cosine_restarts"] = "cosine"
     """Shape of the learning rate after warmup (kiln.train.schedule has each formula)."""
-    warmup_steps: int = 20
+    warmup_steps: int = knob(20, lambda v: v >= 0, "an integer >= 0")
     """Linear warmup from lr/warmup_steps to optim.lr over this many optimizer steps."""
-    min_lr_ratio: float = 0.1
+    min_lr_ratio: float = knob(0.1, lambda v: 0.0 <= v <= 1.0, "a number in [0, 1]")
     """Floor of the LR as a fraction of optim.lr: cosine and linear end there, the others never
     go below it."""
-    decay_rate: float = 0.01
+    decay_rate: float = knob(0.01, lambda v: v >= 0.0, "a number >= 0 (per step)")
     """exponential: lambda in lr_t = lr * exp(-lambda * t), t counted in steps after warmup."""
-    restart_period: int = 100
+    restart_period: int = knob(100, lambda v: v >= 1, "an integer >= 1")
     """cosine_restarts (SGDR): steps in the first cosine cycle, T_0."""
-    restart_mult: int = 2
+    restart_mult: int = knob(2, lambda v: v >= 1, "an integer >= 1")
     """cosine_restarts (SGDR): each cycle is this many times longer than the last, T_mult."""
 
 
 @dataclass
+class ProfileConfig:
+    start_step: int = 0
+    """First profiled step; 0 turns profiling off. Pick a step after warm-up (allocator, JIT,
+    Ray Data start-up) unless start-up is what you are after."""
+    steps: int = 3
+    """Steps in the window: a few, since traces grow by megabytes a step."""
+    ranks: str = "0"
+    """Ranks that profile: comma-separated ("0,3") or "all". One is usually enough; all of them
+    find a straggler."""
+
+    def rank_set(self, world_size: int) -> set[int]:
+        if self.ranks.strip() == "all":
+            return set(range(world_size))
+        return {int(r) for r in self.ranks.split(",") if r.strip()}
+
+
+@dataclass
+class HealthConfig:
+    policy: Literal["stop", "skip", "rollback", "off"] = "stop"
+    """What a bad loss does: `stop` the run (the default: never train on garbage), `skip` the
+    micro-batch, `rollback` to the newest complete checkpoint, or `off` (no check, no all-reduce)."""
+    spike_factor: float = 0.0
+    """A loss above this many times the running median of recent good losses is bad too; 0: only
+    a non-finite loss is. 3 is a sensible value once a run's loss has settled."""
+    spike_window: int = 50
+    """How many recent good micro-batch losses the running median covers."""
+    max_in_a_row: int = 10
+    """Stop after this many bad micro-batches in a row under skip or rollback: that is
+    divergence, not a bad batch."""
+    max_rollbacks: int = 5
+    """Stop once the run has rolled back this many times in all: a run that keeps meeting bad
+    losses needs a lower LR or cleaner data, not more rollbacks."""
+    inject: str = ""
+    """For testing the guard: comma-separated `nan@S` or `spike@S` make rank 0's first
+    micro-batch loss of step S NaN, or 100 times larger."""
+
+    def injections(self) -> dict[int, str]:
+        """{step: 'nan' | 'spike'}; raises ValueError on anything else."""
+        out: dict[int, str] = {}
+        for item in filter(None, (s.strip() for s in self.inject.split(","))):
+            kind, _, step = item.partition("@")
+            if kind not in ("nan", "spike") or not step.isdigit() or int(step) < 1:
+                raise ValueError(item)
+            out[int(step)] = kind
+        return out
+
+
+@dataclass
 class TrainConfig:
-    max_steps: int = 300
+    max_steps: int = knob(300, lambda v: v >= 1, "an integer >= 1")
     """Optimizer steps to run."""
-    micro_batch_size: int = 16
+    micro_batch_size: int = knob(16, lambda v: v >= 1, "an integer >= 1")
     """Sequences per worker per forward/backward."""
-    grad_accum_steps: int = 1
+    grad_accum_steps: int = knob(1, lambda v: v >= 1, "an integer >= 1")
     """Micro-batches accumulated per optimizer step. Global batch = micro * accum * workers."""
-    grad_clip: float = 1.0
+    grad_clip: float = knob(1.0, lambda v: v >= 0.0, "a number >= 0 (0 disables clipping)")
     """Clip the global gradient norm to this; 0 disables clipping."""
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     """Compute precision. bf16/fp16 keep fp32 master weights; fp16 uses dynamic loss scaling."""
-    eval_every: int = 100
+    eval_every: int = knob(100, lambda v: v >= 0, "an integer >= 0")
     """Validate every this many steps (and at the end); 0: only at the end."""
-    eval_batches: int = 16
+    eval_batches: int = knob(16, lambda v: v >= 0, "an integer >= 0")
     """Validation micro-batches per worker per evaluation; 0: the whole validation split."""
-    checkpoint_every: int = 0
+    checkpoint_every: int = knob(0, lambda v: v >= 0, "an integer >= 0")
     """Save a DeepSpeed checkpoint every this many steps; 0: only at the end."""
-    checkpoint_every_minutes: float = 0.0
+    checkpoint_every_minutes: float = knob(0.0, lambda v: v >= 0, "a number of minutes >= 0 (0: off)")
     """Also save once this many minutes have passed since the last save (0: off): bounds the work
     a failure can cost when step times vary. Ranks decide together, on their mean clock."""
-    keep_checkpoints: int = 0
+    keep_checkpoints: int = knob(0, lambda v: v >= 0, "an integer >= 0 (0: keep all)")
     """Keep only this many complete checkpoints (0: keep all), chosen by keep_checkpoints_by. Ray
     Train deletes the others from storage_path (CheckpointConfig.num_to_keep); the local launcher
     prunes its own."""
@@ -176,12 +234,12 @@ class TrainConfig:
     data.s3_endpoint and data.s3_region). On a multi-node cluster it must be shared storage, so a
     worker restarted on another node finds the checkpoint. Empty: $KILN_STORAGE_PATH (the files
     in cluster/ set it to the cluster's bucket), else ./runs."""
-    peak_flops: float = 0.0
+    peak_flops: float = knob(0.0, lambda v: v >= 0.0, "a number >= 0")
     """Per-device peak FLOP/s for MFU. 0: looked up for known GPUs, measured on CPU."""
     resume_from: str = ""
     """A Kiln checkpoint directory (.../step_N) to start from: weights, optimizer, LR schedule and
     step; data continues after the batches those steps consumed."""
-    max_failures: int = 0
+    max_failures: int = knob(0, lambda v: v >= -1, "an integer >= -1 (-1: no limit)")
     """Restarts Ray Train may make after a worker or its node dies (FailureConfig); each restart
     resumes from the newest reported checkpoint, losing only the steps since. -1: no limit.
     Set train.checkpoint_every (or _minutes) too, or a restart begins again from step 0."""
@@ -195,17 +253,17 @@ class TrainConfig:
 
 @dataclass
 class LoggingConfig:
-    experiment: str = "kiln"
+    experiment: str = knob("kiln", lambda v: bool(v.strip()), "a non-empty name")
     """MLflow experiment name."""
     run_name: str = ""
     """MLflow run name; empty: generated from the flavour and a timestamp."""
     tracking_uri: str = ""
     """MLflow tracking URI. Empty: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the cwd."""
-    log_every: int = 1
+    log_every: int = knob(1, lambda v: v >= 1, "an integer >= 1")
     """Log per-step metrics every this many steps (buffered, sent in batches)."""
-    progress_every: int = 10
+    progress_every: int = knob(10, lambda v: v >= 1, "an integer >= 1")
     """Print a progress line every this many steps."""
-    outage_wait_s: float = 300.0
+    outage_wait_s: float = knob(300.0, lambda v: v >= 0, "a number of seconds >= 0")
     """How long a finished run waits for an unreachable MLflow server to answer again before it
     writes the metrics it still holds to `undelivered-metrics-<run id>.jsonl` beside its
     checkpoints. Training itself never waits for MLflow."""
@@ -252,51 +310,6 @@ class RunConfig:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
 
-# ---- ranges: (predicate, what is allowed) per dotted field ----------------------------------
-_RANGES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
-    "data.prefetch_batches": (lambda v: v >= 0, "an integer >= 0"),
-    "data.read_task_cpus": (lambda v: v >= 0, "a number >= 0"),
-    "model.flavour": (lambda v: v in FLAVOURS, f"one of {sorted(FLAVOURS)}"),
-    "model.vocab_size": (lambda v: v >= 0, "0 (from the data) or a positive integer"),
-    "model.seq_len": (lambda v: v >= 0, "0 (from the data) or a positive integer"),
-    "model.dropout": (lambda v: 0.0 <= v < 1.0, "a number in [0, 1)"),
-    "parallel.num_workers": (lambda v: v >= 1, "an integer >= 1"),
-    "train.checkpoint_every_minutes": (lambda v: v >= 0, "a number of minutes >= 0 (0: off)"),
-    "train.keep_checkpoints": (lambda v: v >= 0, "an integer >= 0 (0: keep all)"),
-    "parallel.cpus_per_worker": (lambda v: v > 0, "a number > 0"),
-    "parallel.zero_stage": (lambda v: v in (0, 1, 2, 3), "one of 0, 1, 2, 3"),
-    "parallel.pipeline_stages": (lambda v: v >= 1, "an integer >= 1"),
-    "parallel.micro_batches": (lambda v: v >= 1, "an integer >= 1"),
-    "parallel.device_memory_gib": (lambda v: v >= 0.0, "a number >= 0 (0: detect)"),
-    "optim.lr": (lambda v: 0.0 < v < 10.0, "a number in (0, 10)"),
-    "optim.weight_decay": (lambda v: v >= 0.0, "a number >= 0"),
-    "optim.beta1": (lambda v: 0.0 <= v < 1.0, "a number in [0, 1)"),
-    "optim.beta2": (lambda v: 0.0 <= v < 1.0, "a number in [0, 1)"),
-    "optim.eps": (lambda v: v > 0.0, "a number > 0"),
-    "optim.momentum": (lambda v: 0.0 <= v < 1.0, "a number in [0, 1)"),
-    "optim.rmsprop_alpha": (lambda v: 0.0 <= v < 1.0, "a number in [0, 1)"),
-    "optim.no_decay": (lambda v: _no_decay_ok(v), "a comma list of norms, biases, embeddings (or '')"),
-    "schedule.warmup_steps": (lambda v: v >= 0, "an integer >= 0"),
-    "schedule.min_lr_ratio": (lambda v: 0.0 <= v <= 1.0, "a number in [0, 1]"),
-    "schedule.decay_rate": (lambda v: v >= 0.0, "a number >= 0 (per step)"),
-    "schedule.restart_period": (lambda v: v >= 1, "an integer >= 1"),
-    "schedule.restart_mult": (lambda v: v >= 1, "an integer >= 1"),
-    "train.max_steps": (lambda v: v >= 1, "an integer >= 1"),
-    "train.micro_batch_size": (lambda v: v >= 1, "an integer >= 1"),
-    "train.grad_accum_steps": (lambda v: v >= 1, "an integer >= 1"),
-    "train.grad_clip": (lambda v: v >= 0.0, "a number >= 0 (0 disables clipping)"),
-    "train.eval_every": (lambda v: v >= 0, "an integer >= 0"),
-    "train.eval_batches": (lambda v: v >= 0, "an integer >= 0"),
-    "train.checkpoint_every": (lambda v: v >= 0, "an integer >= 0"),
-    "train.max_failures": (lambda v: v >= -1, "an integer >= -1 (-1: no limit)"),
-    "train.peak_flops": (lambda v: v >= 0.0, "a number >= 0"),
-    "logging.experiment": (lambda v: bool(v.strip()), "a non-empty name"),
-    "logging.log_every": (lambda v: v >= 1, "an integer >= 1"),
-    "logging.progress_every": (lambda v: v >= 1, "an integer >= 1"),
-    "logging.outage_wait_s": (lambda v: v >= 0, "a number of seconds >= 0"),
-}
-
-
 NO_DECAY_KINDS = ("norms", "biases", "embeddings")
 
 
@@ -309,11 +322,15 @@ def _no_decay_ok(text: str) -> bool:
 
 
 def _check_ranges(cfg: RunConfig) -> None:
-    for dotted, (ok, allowed) in _RANGES.items():
-        section, name = dotted.split(".")
-        value = getattr(getattr(cfg, section), name)
-        if not ok(value):
-            raise ConfigError(f"{dotted} = {value!r} is out of range: expected {allowed}")
+    """Every field declared with `knob(..., ok, allowed)` against its range."""
+    for section in dataclasses.fields(cfg):
+        values = getattr(cfg, section.name)
+        for f in dataclasses.fields(values):
+            if RANGE in f.metadata:
+                ok, allowed = f.metadata[RANGE]
+                value = getattr(values, f.name)
+                if not ok(value):
+                    raise ConfigError(f"{section.name}.{f.name} = {value!r} is out of range: expected {allowed}")
 
 
 def _check_profile(cfg: RunConfig) -> None:
@@ -349,6 +366,27 @@ def _check_health(cfg: RunConfig) -> None:
                           "left out; expected 'stop' or 'rollback'")
 
 
+def deepspeed_refusal(zero_stage: int, offload_optimizer: str, offload_params: str, pipeline_stages: int,
+                      name: typing.Callable[[str], str] = lambda f: f"parallel.{f}") -> str | None:
+    """Why DeepSpeed would reject (or silently mishandle) this ZeRO / offload / pipeline
+    combination, naming each setting through `name`; None where it is legal. The one statement of
+    these limits: `kiln train` validates with it, `kiln plan` checks its flags and lists only the
+    options it allows."""
+    if pipeline_stages > 1 and zero_stage > 1:
+        return (f"{name('zero_stage')} = {zero_stage} with {name('pipeline_stages')} = {pipeline_stages}: "
+                "DeepSpeed's pipeline engine supports ZeRO stage 0 or 1 only; expected 0 or 1")
+    if pipeline_stages > 1 and (offload_optimizer != "none" or offload_params != "none"):
+        return (f"{name('offload_*')} with {name('pipeline_stages')} > 1: DeepSpeed's pipeline engine does "
+                "not offload; expected offload 'none'")
+    if offload_optimizer != "none" and zero_stage == 0:
+        return (f"{name('offload_optimizer')} = {offload_optimizer!r} needs {name('zero_stage')} >= 1 (ZeRO "
+                "partitions what it offloads); expected zero_stage 1, 2 or 3")
+    if offload_params != "none" and zero_stage != 3:
+        return (f"{name('offload_params')} = {offload_params!r} needs {name('zero_stage')} = 3 (only stage 3 "
+                "partitions parameters)")
+    return None
+
+
 def _check_parallel(cfg: RunConfig) -> None:
     """Combinations DeepSpeed would reject (or silently mishandle), named before launch."""
     p, t = cfg.parallel, cfg.train
@@ -360,28 +398,33 @@ def _check_parallel(cfg: RunConfig) -> None:
             f"parallel.num_workers = {p.num_workers} is not a multiple of parallel.pipeline_stages = "
             f"{p.pipeline_stages}: expected workers = stages x data-parallel replicas"
         )
-    if p.pipeline_stages > 1:
-        if p.zero_stage > 1:
-            raise ConfigError(
-                f"parallel.zero_stage = {p.zero_stage} with parallel.pipeline_stages = {p.pipeline_stages}: "
-                "DeepSpeed's pipeline engine supports ZeRO stage 0 or 1 only; expected 0 or 1"
-            )
-        if t.grad_accum_steps != 1:
-            raise ConfigError(
-                f"train.grad_accum_steps = {t.grad_accum_steps} with pipeline parallelism: a pipeline "
-                "accumulates over parallel.micro_batches; expected train.grad_accum_steps = 1"
-            )
-        if p.offload_optimizer != "none" or p.offload_params != "none":
-            raise ConfigError("parallel.offload_* with parallel.pipeline_stages > 1: DeepSpeed's pipeline "
-                              "engine does not offload; expected offload 'none'")
-    if p.offload_optimizer != "none" and p.zero_stage == 0:
-        raise ConfigError(f"parallel.offload_optimizer = {p.offload_optimizer!r} needs parallel.zero_stage "
-                          ">= 1 (ZeRO partitions what it offloads); expected zero_stage 1, 2 or 3")
-    if p.offload_params != "none" and p.zero_stage != 3:
-        raise ConfigError(f"parallel.offload_params = {p.offload_params!r} needs parallel.zero_stage = 3 "
-                          "(only stage 3 partitions parameters)")
+    if p.pipeline_stages > 1 and t.grad_accum_steps != 1:
+        raise ConfigError(
+            f"train.grad_accum_steps = {t.grad_accum_steps} with pipeline parallelism: a pipeline "
+            "accumulates over parallel.micro_batches; expected train.grad_accum_steps = 1"
+        )
+    refusal = deepspeed_refusal(p.zero_stage, p.offload_optimizer, p.offload_params, p.pipeline_stages)
+    if refusal:
+        raise ConfigError(refusal)
     if "nvme" in (p.offload_optimizer, p.offload_params) and not p.nvme_path:
         raise ConfigError("parallel.offload_* = 'nvme' needs parallel.nvme_path: a directory on fast local disk")
+
+
+def uses_cpu_adam(cfg: RunConfig) -> bool:
+    """Optimizer offload with Adam or AdamW steps on the host with DeepSpeed's vectorised
+    `cpu_adam` op (5-7x torch's Adam on CPU); other optimizers run their torch step there."""
+    return cfg.parallel.offload_optimizer != "none" and cfg.optim.name in ("adam", "adamw")
+
+
+def gpt_config(cfg: RunConfig) -> GPTConfig:
+    """The model's shape; vocab_size and seq_len must be resolved (non-zero) by now."""
+    m = cfg.model
+    assert m.vocab_size > 0 and m.seq_len > 0, "resolve model.vocab_size/seq_len from the data first"
+    depth = {"n_layer": m.n_layer} if m.n_layer else {}
+    return config_for(
+        m.flavour, vocab_size=m.vocab_size, seq_len=m.seq_len, dropout=m.dropout,
+        activation_checkpointing=m.activation_checkpointing, **depth,
+    )
 
 
 # ---- loading ----------------------------------------------------------------------------------
@@ -463,7 +506,8 @@ def _unknown_key(key: str, valid: list[str], where: str) -> ConfigError:
     return ConfigError(f"unknown config key {path!r}{hint}")
 
 
-def _build(cls: type, raw: dict[str, Any], where: str = ""):
+def build_section(cls: type, raw: dict[str, Any], where: str = ""):
+    """A config dataclass from a raw mapping, every key and value checked (`where`: its dotted name)."""
     if not isinstance(raw, dict):
         raise ConfigError(f"{where or 'config'} must be a mapping, got {raw!r}")
     hints = typing.get_type_hints(cls)
@@ -475,13 +519,13 @@ def _build(cls: type, raw: dict[str, Any], where: str = ""):
         dotted = f"{where}.{key}" if where else key
         tp = hints[key]
         if dataclasses.is_dataclass(tp):
-            kwargs[key] = _build(tp, value or {}, dotted)
+            kwargs[key] = build_section(tp, value or {}, dotted)
         else:
             kwargs[key] = _coerce(value, tp, dotted)
     return cls(**kwargs)
 
 
-def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+def set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
     """Apply `a.b.c=value` to a nested dict, checking each key against RunConfig's fields."""
     keys = dotted.split(".")
     cls: Any = RunConfig
@@ -526,27 +570,31 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key.strip(), value
 
 
+def read_yaml_mapping(path: str | os.PathLike, what: str) -> dict[str, Any]:
+    """A YAML file that must hold a mapping; `what` names it in errors ("config file 'x.yaml'")."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"{what} does not exist")
+    try:
+        tree = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{what} is not valid YAML: {e}") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{what} must hold a mapping")
+    return tree
+
+
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()) -> RunConfig:
     """Read a YAML run config (or the defaults), apply `a.b=c` overrides, validate."""
-    tree: dict[str, Any] = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {str(p)!r} does not exist")
-        try:
-            tree = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from None
-        if not isinstance(tree, dict):
-            raise ConfigError(f"config file {str(p)!r} must hold a mapping of sections")
+    tree = read_yaml_mapping(path, f"config file {str(path)!r}") if path is not None else {}
     for text in overrides:
         key, value = parse_override(text)
-        _set_dotted(tree, key, value)
-    return _build(RunConfig, tree).validate()
+        set_dotted(tree, key, value)
+    return build_section(RunConfig, tree).validate()
 
 
 def config_from_dict(tree: dict[str, Any]) -> RunConfig:
-    return _build(RunConfig, tree).validate()
+    return build_section(RunConfig, tree).validate()
 
 
 def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -23,13 +23,24 @@ from kiln.errors import StorageError
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-# S3 errors that pass: throttling, a dropped connection, a 5xx. Ray Data retries reads that fail
-# with these (Kiln hands it this list); the local launcher's reads retry them in `retry_transient`.
+# S3 errors that pass: throttling, a dropped connection, a 5xx. Every shard read retries them in
+# `retry_transient`, in the local launcher and in Kiln's Ray Data read tasks alike.
 TRANSIENT_ERRORS = (
     "AWS Error INTERNAL_FAILURE", "AWS Error NETWORK_CONNECTION", "AWS Error SLOW_DOWN",
     "AWS Error UNKNOWN (HTTP status 500)", "AWS Error UNKNOWN (HTTP status 502)",
     "AWS Error UNKNOWN (HTTP status 503)", "AWS Error SERVICE_UNAVAILABLE",
 )
+
+
+def is_url(path: str) -> bool:
+    """Whether a configured path names a store by URL (s3://, gs://, ...), not a local path."""
+    return "://" in path
+
+
+def absolute(path: str) -> str:
+    """A local path made absolute (Ray workers and Tune trials run in other directories); a URL
+    as it is."""
+    return path if is_url(path) else os.path.abspath(path)
 
 
 @dataclass(frozen=True)
@@ -103,7 +114,7 @@ def s3_filesystem(endpoint: str = "", region: str = "us-east-1") -> pafs.S3FileS
     )
     endpoint = s3_endpoint(endpoint)
     if endpoint:
-        parsed = urlparse(endpoint if "://" in endpoint else f"https://{endpoint}")
+        parsed = urlparse(endpoint if is_url(endpoint) else f"https://{endpoint}")
         kwargs["endpoint_override"] = parsed.netloc
         kwargs["scheme"] = parsed.scheme or "https"
     return pafs.S3FileSystem(**kwargs)
@@ -117,7 +128,7 @@ def resolve(uri: str, s3_endpoint_url: str = "", region: str = "us-east-1") -> L
             raise StorageError(f"{uri!r}: expected s3://bucket/prefix")
         endpoint = s3_endpoint(s3_endpoint_url)
         return Location(s3_filesystem(endpoint, region), bucket_path, uri.rstrip("/"), endpoint)
-    if "://" in uri:
+    if is_url(uri):
         raise StorageError(f"{uri!r}: unsupported scheme; expected a local path or s3://bucket/prefix")
     path = os.path.abspath(os.path.expanduser(uri))
     return Location(pafs.LocalFileSystem(), path, path)

@@ -86,7 +86,7 @@ def test_flatten_and_annotated_yaml_round_trip(tmp_path):
 def test_a_relative_data_path_reaches_workers_as_an_absolute_one(byte_dataset, monkeypatch):
     """Ray Train workers run in another directory and read the shards themselves."""
     from kiln.config import load_config
-    from kiln.launch.on_ray import resolve_against_data
+    from kiln.data.check import resolve_against_data
 
     monkeypatch.chdir(byte_dataset.parent)
     cfg, manifest = resolve_against_data(load_config(None, [f"data.path={byte_dataset.name}"]))

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kiln.train.live_metrics import exported_names
+from kiln.ray.live_metrics import exported_names
 
 REPO = Path(__file__).resolve().parents[2]
 DASH = REPO / "dashboards"

@@ -1,6 +1,10 @@
-"""The layout rules from DEVELOPERS.md that, if broken, break every Ray worker."""
+"""The layout rules that, if broken, break every Ray worker: `platform/` is a plain folder, so
+the stdlib's `platform` module wins and `kiln` is imported from `platform/kiln`.
 
-import ast
+What import-linter can say (the model imports only torch, the core loop no Ray/MLflow/
+DeepSpeed, layers, no cycles) is in pyproject.toml's [tool.importlinter] and runs in `make
+lint`; ruff's T20 keeps `print` out of the library. This file keeps what neither can say."""
+
 import platform
 import subprocess
 import sys
@@ -30,25 +34,3 @@ def test_kiln_is_imported_from_platform_dir():
     import kiln
 
     assert Path(kiln.__file__).resolve() == REPO / "platform" / "kiln" / "__init__.py"
-
-
-def test_model_imports_only_torch():
-    tree = ast.parse((REPO / "platform" / "kiln" / "model.py").read_text())
-    roots = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            roots |= {a.name.split(".")[0] for a in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            roots.add(node.module.split(".")[0])
-    assert roots <= {"torch", "math", "dataclasses", "__future__"}, roots
-
-
-def test_library_uses_logging_not_print():
-    offenders = []
-    for path in (REPO / "platform" / "kiln").rglob("*.py"):
-        if path.name in ("cli.py", "local.py"):  # command front ends print their output
-            continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "print":
-                offenders.append(f"{path.name}:{node.lineno}")
-    assert not offenders, offenders

@@ -3,9 +3,9 @@
 Both sources yield int64 tensors of shape (micro_batch, seq_len + 1), in the order
 `kiln.data.order` fixes: every replica has as many batches per epoch as the others (no
 rank waits in a collective for one that ran out of data), and a resume after k micro-batches
-continues with the k+1-th, reading from the shard that holds it. `RayDataSource` streams the
-rows through Ray Data (Ray Train workers); `ParquetSource` reads them with pyarrow (runs without
-Ray: a single process, torchrun, benchmarks).
+continues with the k+1-th, reading from the shard that holds it. `ParquetSource` reads them with
+pyarrow (runs without Ray: a single process, torchrun, benchmarks); `kiln.ray.source.
+RayDataSource` streams them through Ray Data on Ray Train workers.
 """
 
 from __future__ import annotations
@@ -44,8 +44,10 @@ class OrderedSource:
     """The data order and resume logic; subclasses say how a list of shard slices is read
     (`_tables`: the slices' rows as Arrow tables with the id and tokens columns, in order)."""
 
-    def __init__(self, manifest: Manifest, rank: int, world_size: int, micro_batch: int, max_val_batches: int = 0):
-        self.manifest, self.rank, self.world_size = manifest, rank, world_size
+    def __init__(self, manifest: Manifest, dp_rank: int, dp_size: int, micro_batch: int, max_val_batches: int = 0):
+        """`dp_rank` of `dp_size`: this worker's data-parallel coordinates (the stages of one
+        pipeline share them, and read the same rows)."""
+        self.manifest, self.dp_rank, self.dp_size = manifest, dp_rank, dp_size
         self.micro_batch, self.max_val_batches = micro_batch, max_val_batches
         self.shard_rows = {s: [int(e["rows"]) for e, _ in manifest.shards(s)] for s in ("train", "val")}
         self._val_cache: list[torch.Tensor] = []
@@ -57,19 +59,20 @@ class OrderedSource:
 
     def epoch(self, split: str, skip_batches: int = 0) -> Iterator[Samples]:
         """One epoch of this replica's micro-batches, after its first `skip_batches`."""
-        slices = replica_slices(self.shard_rows[split], self.rank, self.world_size, self.micro_batch, skip_batches)
+        slices = replica_slices(self.shard_rows[split], self.dp_rank, self.dp_size, self.micro_batch,
+                                skip_batches)
         if not slices:
             return
         rows = _arrays(self._tables(split, slices))
         try:
             yield from _checked_order(_micro_batches(rows, self.micro_batch), split, self.manifest.location.uri,
-                                      stride=self.world_size * self.micro_batch)
+                                      stride=self.dp_size * self.micro_batch)
         except READ_ERRORS as e:  # also Ray Data's re-raise of a read task's error
             raise read_failure(self.manifest, split, e) from None
 
     def train_samples(self, skip: int = 0) -> Iterator[Samples]:
         """Endless (ids, tokens) micro-batches, after the first `skip`."""
-        per_epoch = batches_per_epoch(self.shard_rows["train"], self.world_size, self.micro_batch)
+        per_epoch = batches_per_epoch(self.shard_rows["train"], self.dp_size, self.micro_batch)
         _, first = resume_point(skip, per_epoch)
         while True:
             yield from self.epoch("train", first)
@@ -103,34 +106,6 @@ class OrderedSource:
         return self._val_cache
 
 
-class RayDataSource(OrderedSource):
-    """A Ray Train worker's rows, streamed by Ray Data from the shards they lie in, order kept.
-
-    Each worker runs its own small Ray Data read over just its shards: Ray Data does the
-    reading and prefetching; Kiln decides which rows and in which order."""
-
-    def __init__(self, manifest: Manifest, rank: int, world_size: int, micro_batch: int, prefetch: int = 2,
-                 max_val_batches: int = 0, read_task_cpus: float = 0.5):
-        super().__init__(manifest, rank, world_size, micro_batch, max_val_batches)
-        self.prefetch_batches, self.read_task_cpus = prefetch, read_task_cpus
-        self._locations = {s: manifest.shard_locations(s) for s in ("train", "val")}
-
-    def _tables(self, split: str, slices: list[Slice]) -> Iterator[pa.Table]:
-        import ray.data
-
-        from kiln.ray.datasource import ShardSliceDatasource
-
-        configure_ray_data()
-        row_bytes = 8 + 4 * (self.manifest.seq_len + 1)  # int64 id, int32 tokens
-        ds = ray.data.read_datasource(ShardSliceDatasource(self._locations[split], slices, row_bytes),
-                                      num_cpus=self.read_task_cpus,
-                                      # tasks in flight: enough to read ahead, few enough that
-                                      # CPU-free reads do not flood a node with processes
-                                      concurrency=max(1, self.prefetch_batches),
-                                      override_num_blocks=len(slices))
-        yield from ds.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=self.prefetch_batches)
-
-
 class ParquetSource(OrderedSource):
     """Reads its rows with pyarrow, shard by shard; for runs without Ray."""
 
@@ -138,18 +113,6 @@ class ParquetSource(OrderedSource):
         locations = self.manifest.shard_locations(split)
         for s in slices:
             yield read_slice(locations[s.shard], s)
-
-
-def configure_ray_data() -> None:
-    """This process's Ray Data settings for Kiln's reads."""
-    from ray.data import DataContext
-
-    ctx = DataContext.get_current()
-    ctx.execution_options.preserve_order = True  # Kiln's order, not the order reads finish in
-    ctx.enable_progress_bars = False  # Kiln prints its own progress
-    ctx.print_on_execution_start = False
-    # No retried_io_errors here: Ray applies them to its own file readers only; Kiln's read
-    # tasks retry transient S3 errors themselves (kiln.data.order.read_slice).
 
 
 def _arrays(tables: Iterator[pa.Table]) -> Iterator[Samples]:

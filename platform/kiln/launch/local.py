@@ -21,21 +21,18 @@ from pathlib import Path
 
 import torch
 
-from kiln.cli import process_start, run_reporting_errors
 from kiln.config import RunConfig, load_config
 from kiln.data.sources import ParquetSource
 from kiln.errors import KilnError
-from kiln.launch.on_ray import (
-    Summary,
-    check_precision,
-    check_resources,
-    open_run,
-    resolve_against_data,
-    with_run_name,
-)
+from kiln.launch.console import process_start, run_reporting_errors
+from kiln.launch.preflight import preflight
+from kiln.launch.summary import Summary
+from kiln.parallel.engine import build_engine
 from kiln.parallel.pipeline import data_parallel_coords
-from kiln.tracking.mlflow_run import NullLogger, check_reachable, resolve_tracking_uri
+from kiln.storage import absolute
+from kiln.tracking.redact import configure_logging
 from kiln.train.loop import WorldInfo, train_loop
+from kiln.train.sinks import NullLogger, Sinks
 from kiln.ui.progress import sink_for
 
 log = logging.getLogger(__name__)
@@ -60,7 +57,7 @@ def _world_from_env(use_gpu: bool) -> WorldInfo:
         device = torch.device("cuda", local)
     else:
         device = torch.device("cpu")
-    return WorldInfo(rank=rank, world_size=world, local_rank=local, device=device)
+    return WorldInfo(rank=rank, world_size=world, device=device)
 
 
 def agree_on_run_name(cfg: RunConfig, world: WorldInfo) -> RunConfig:
@@ -82,8 +79,9 @@ def agree_on_run_name(cfg: RunConfig, world: WorldInfo) -> RunConfig:
 
 
 def _run_root(cfg: RunConfig) -> str:
-    """Where this run's checkpoints (and any metrics MLflow never took) are written."""
-    return os.path.join(os.path.abspath(cfg.train.storage_path), cfg.logging.run_name)
+    """Where this run's checkpoints (and any metrics MLflow never took) are written: a local
+    directory (preflight refuses a URL for this launcher)."""
+    return os.path.join(absolute(cfg.train.storage_path), cfg.logging.run_name)
 
 
 def run_local(cfg: RunConfig, started: float | None = None) -> Summary | None:
@@ -91,12 +89,8 @@ def run_local(cfg: RunConfig, started: float | None = None) -> Summary | None:
     import deepspeed
 
     started = started or time.time()
-    cfg, manifest = resolve_against_data(cfg)
-    check_precision(cfg)
-    check_resources(cfg)
-    cfg = with_run_name(cfg)
-    tracking_uri = resolve_tracking_uri(cfg.logging.tracking_uri)
-    check_reachable(tracking_uri)
+    checked = preflight(cfg, local_storage=True)
+    cfg, manifest, tracking_uri = checked.cfg, checked.manifest, checked.tracking_uri
     world = _world_from_env(cfg.parallel.use_gpu)
     cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, num_workers=world.world_size)).validate()
     deepspeed.init_distributed(dist_backend="nccl" if world.device.type == "cuda" else "gloo")
@@ -109,7 +103,7 @@ def run_local(cfg: RunConfig, started: float | None = None) -> Summary | None:
         except ImportError:
             log.warning("mlflow is not installed here: metrics go to the console only")
         else:
-            from kiln.tracking.mlflow_run import MLflowLogger
+            from kiln.tracking.mlflow_run import MLflowLogger, open_run
 
             run = open_run(cfg, manifest, tracking_uri, {"num_nodes": 1, "launcher": "local"})
             logger = MLflowLogger(tracking_uri, run.run_id, spill_dir=_run_root(cfg),
@@ -121,7 +115,8 @@ def run_local(cfg: RunConfig, started: float | None = None) -> Summary | None:
     try:
         # The loop shows progress on rank 0 only: a bar when stderr is a terminal, else log lines.
         progress = sink_for(sys.stderr, cfg.logging.progress_every)
-        final = train_loop(cfg, world, source, logger, checkpoint_root=ckpt_root, progress=progress)
+        engine, scheduler = build_engine(cfg, world)
+        final = train_loop(cfg, world, engine, scheduler, source, Sinks(logger=logger, progress=progress), ckpt_root)
         ok = True
     finally:
         if run is not None:
@@ -133,8 +128,6 @@ def run_local(cfg: RunConfig, started: float | None = None) -> Summary | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from kiln.tracking.mlflow_run import configure_logging
-
     configure_logging()
     p = argparse.ArgumentParser(prog="python -m kiln.launch.local", description=__doc__.splitlines()[0])
     p.add_argument("--config")

@@ -1,4 +1,4 @@
-"""Kiln config -> DeepSpeed: the config dict, the engine around a plain GPT, and what it holds.
+"""Kiln config -> DeepSpeed: the config dict, and the engine around a plain GPT.
 
 The model stays a plain nn.Module; everything DeepSpeed-specific is here (and the pipeline
 wrapping in `kiln.parallel.pipeline`). ZeRO stages 0-3, CPU/NVMe offload, ZeRO-3's partitioned
@@ -15,9 +15,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from kiln.config import RunConfig
+from kiln.config import RunConfig, gpt_config, uses_cpu_adam
 from kiln.errors import ConfigError
 from kiln.model import GPT, GPTConfig
+from kiln.parallel.pipeline import check_coords, to_pipeline
+from kiln.train.loop import WorldInfo, prepare_process
+from kiln.train.optim import build_optimizer, build_scheduler, param_groups
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +83,7 @@ def check_offload_ops(cfg: RunConfig) -> None:
     """Refuse, naming the op, an offload whose DeepSpeed op cannot be built on this machine."""
     p = cfg.parallel
     needed = []
-    if p.offload_optimizer != "none" and cfg.optim.name in ("adam", "adamw"):
+    if uses_cpu_adam(cfg):
         needed.append(("cpu_adam", "parallel.offload_optimizer"))
     if "nvme" in (p.offload_optimizer, p.offload_params):
         needed.append(("async_io", "parallel.offload_* = 'nvme'"))
@@ -149,16 +152,26 @@ def _post_order(module: nn.Module):
 
 
 def build_optimizer_for(model: nn.Module, cfg: RunConfig, on_cuda: bool) -> torch.optim.Optimizer:
-    from kiln.train.optim import build_optimizer, param_groups
-
     o = cfg.optim
-    if cfg.parallel.offload_optimizer != "none" and o.name in ("adam", "adamw"):
-        # The step runs on the host: DeepSpeed's vectorised CPU Adam (5-7x torch's on CPU).
+    if uses_cpu_adam(cfg):
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
         return DeepSpeedCPUAdam(param_groups(model, o.weight_decay, o.no_decay), lr=o.lr, betas=(o.beta1, o.beta2),
                                 eps=o.eps, adamw_mode=o.name == "adamw")
     return build_optimizer(model, o, on_cuda=on_cuda)
+
+
+def build_engine(cfg: RunConfig, world: WorldInfo):
+    """(engine, scheduler) for `train_loop` on this rank: the process seeded first (the model's
+    init draws from it), then the GPT wrapped as `parallel.*` says."""
+    prepare_process(cfg, world.device)
+    engine, scheduler = initialize(
+        cfg, gpt_config(cfg), world.world_size // cfg.parallel.pipeline_stages, on_cuda=world.device.type == "cuda",
+        scheduler_fn=lambda opt: build_scheduler(opt, cfg.schedule, cfg.train.max_steps),
+    )
+    if cfg.parallel.pipeline_stages > 1:
+        check_coords(engine, world.rank, world.world_size, cfg.parallel.pipeline_stages)
+    return engine, scheduler
 
 
 def initialize(cfg: RunConfig, mcfg: GPTConfig, data_parallel_size: int, on_cuda: bool, scheduler_fn):
@@ -170,8 +183,6 @@ def initialize(cfg: RunConfig, mcfg: GPTConfig, data_parallel_size: int, on_cuda
     # no-op if done already); a PipelineModule needs it before deepspeed.initialize.
     deepspeed.init_distributed(dist_backend="nccl" if on_cuda else "gloo")
     if cfg.parallel.pipeline_stages > 1:
-        from kiln.parallel.pipeline import to_pipeline
-
         model = to_pipeline(GPT(mcfg), cfg.parallel, mcfg.activation_checkpointing)
     else:
         model = build_model(cfg, mcfg, ds_config)
@@ -181,57 +192,6 @@ def initialize(cfg: RunConfig, mcfg: GPTConfig, data_parallel_size: int, on_cuda
                                            config=ds_config)
     install_fp32_clipping(engine)
     return engine, scheduler
-
-
-# ---- what the engine holds, measured --------------------------------------------------------------
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-def inner_optimizer(engine) -> torch.optim.Optimizer:
-    """The torch optimizer under DeepSpeed's wrappers (ZeRO, bf16, fp16)."""
-    opt = engine.optimizer
-    while not isinstance(opt, torch.optim.Optimizer) and getattr(opt, "optimizer", None) is not None:
-        opt = opt.optimizer
-    return opt
-
-
-MASTER_ATTRS = ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat", "fp32_groups_flat_partition")
-
-
-def engine_memory(engine) -> dict[str, float]:
-    """Bytes this rank holds, from the tensors themselves (not a formula).
-
-    params: the model's weights (ZeRO-3: this rank's partition); master: fp32 copies the
-    optimizer steps on when they are not the model's own tensors; optimizer_state: the optimizer's
-    moments and buffers.
-    """
-    model_params = {id(p): p for p in engine.module.parameters()}
-    params = sum(_nbytes(p.ds_tensor) if hasattr(p, "ds_tensor") else _nbytes(p) for p in model_params.values())
-    opt = inner_optimizer(engine)
-    # The fp32 copies the wrapper steps on (ZeRO-1/2, ZeRO-3 and bf16 name them differently;
-    # ZeRO-3 also empties the torch optimizer's param groups between steps).
-    flat = next((getattr(engine.optimizer, a) for a in MASTER_ATTRS if hasattr(engine.optimizer, a)), None)
-    if flat is not None:
-        master = sum(_nbytes(t) for t in flat if torch.is_tensor(t))
-    else:
-        stepped = {id(p): p for g in opt.param_groups for p in g["params"]}
-        master = sum(_nbytes(p) for i, p in stepped.items() if i not in model_params)
-    state = sum(_nbytes(v) for s in opt.state.values() for v in s.values()
-                if torch.is_tensor(v) and v.dim() > 0)
-    return {"memory/params_bytes": float(params), "memory/master_params_bytes": float(master),
-            "memory/optimizer_state_bytes": float(state)}
-
-
-def state_dtypes(engine) -> dict[str, set[str]]:
-    """dtypes of the model weights, the stepped (master) weights and the optimizer state."""
-    opt = inner_optimizer(engine)
-    return {
-        "params": {str(p.dtype) for p in engine.module.parameters()},
-        "stepped": {str(p.dtype) for g in opt.param_groups for p in g["params"]},
-        "optimizer_state": {str(v.dtype) for s in opt.state.values() for v in s.values()
-                            if torch.is_tensor(v) and v.dim() > 0},
-    }
 
 
 # ---- gradient clipping on DeepSpeed's plain fp32 path -------------------------------------------

@@ -28,7 +28,8 @@ def plan_from_args(args: argparse.Namespace) -> str:
     model: GPTConfig = config_for(flavour, **shape)
     cluster = None
     if args.cluster:
-        from kiln.plan.throughput import DEVICES, cluster_from_yaml
+        from kiln.devices import DEVICES
+        from kiln.plan.throughput import cluster_from_yaml
 
         if not 0 < args.mfu <= 1:
             raise ConfigError(f"--mfu = {args.mfu}: expected a fraction in (0, 1]")
@@ -60,8 +61,8 @@ def plan_from_args(args: argparse.Namespace) -> str:
 
 def _with_data_shapes(cfg: RunConfig) -> RunConfig:
     """The config's vocab and seq len from its dataset where that is readable from here."""
+    from kiln.data.check import resolve_against_data
     from kiln.errors import KilnError
-    from kiln.launch.on_ray import resolve_against_data
 
     try:
         return resolve_against_data(cfg)[0]

@@ -30,28 +30,10 @@ from pathlib import Path
 
 import yaml
 
+from kiln.devices import DEVICES
 from kiln.errors import ConfigError
 from kiln.model import GPTConfig, flops_per_token, num_params
 from kiln.plan.memory import PlanInput, bytes_per_element
-
-
-@dataclass(frozen=True)
-class Device:
-    name: str
-    peak_tflops: float
-    """Dense bf16/fp16 tensor-core peak (vendor datasheets, no sparsity)."""
-    memory_gib: float
-    intra_node_gbps: float
-    """Per-device bus bandwidth inside a node in GB/s (NVLink; PCIe where there is none)."""
-
-
-DEVICES = {
-    "A100-40GB": Device("A100-40GB", 312, 40, 300),   # NVLink 3: 600 GB/s bidirectional
-    "A100-80GB": Device("A100-80GB", 312, 80, 300),
-    "H100-80GB": Device("H100-80GB", 989, 80, 450),   # NVLink 4: 900 GB/s bidirectional
-    "H200-141GB": Device("H200-141GB", 989, 141, 450),
-    "L4-24GB": Device("L4-24GB", 121, 24, 32),        # PCIe 4 x16, no NVLink
-}
 
 
 @dataclass(frozen=True)

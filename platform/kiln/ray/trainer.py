@@ -1,8 +1,8 @@
 """Ray Train orchestration around the plain training loop (Train V2 API).
 
 The driver hands each worker the resolved config; the worker streams its own rows of the
-dataset through Ray Data (`kiln.data.sources.RayDataSource`), logs through MLflow on rank 0 only, and reports metrics and DeepSpeed
-checkpoints via `ray.train.report`.
+dataset through Ray Data (`kiln.ray.source.RayDataSource`), logs through MLflow on rank 0
+only, and reports metrics and DeepSpeed checkpoints via `ray.train.report`.
 """
 
 from __future__ import annotations
@@ -21,12 +21,18 @@ from ray.train import Checkpoint, CheckpointConfig, FailureConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from kiln.config import RunConfig, config_from_dict
-from kiln.data.sources import RayDataSource
+from kiln.data.manifest import load_manifest
+from kiln.parallel.engine import build_engine
+from kiln.parallel.pipeline import data_parallel_coords
+from kiln.ray.live_metrics import RayLive, device_limit_bytes
 from kiln.ray.progress import BoardSink
-from kiln.tracking.mlflow_run import ArtifactLogger, MLflowLogger, NullLogger, ScrubFilter
-from kiln.train import checkpoint as checkpoint_lib
-from kiln.train.live_metrics import RayLive, device_limit_bytes
+from kiln.ray.source import RayDataSource
+from kiln.storage import absolute, is_url, resolve
+from kiln.tracking.mlflow_run import ArtifactLogger, MLflowLogger
+from kiln.tracking.redact import ScrubFilter
+from kiln.train.collectives import barrier
 from kiln.train.loop import WorldInfo, train_loop
+from kiln.train.sinks import NullLogger, Sinks
 
 
 def _worker_entry(loop_config: dict[str, Any]) -> None:
@@ -36,10 +42,8 @@ def _worker_entry(loop_config: dict[str, Any]) -> None:
     _quiet_worker_logs()
     cfg = config_from_dict(loop_config["config"])
     ctx = ray.train.get_context()
-    world = WorldInfo(
-        rank=ctx.get_world_rank(), world_size=ctx.get_world_size(),
-        local_rank=ctx.get_local_rank(), device=ray.train.torch.get_device(),
-    )
+    world = WorldInfo(rank=ctx.get_world_rank(), world_size=ctx.get_world_size(),
+                      device=ray.train.torch.get_device())
     source = _source(cfg, world)
     run_id = loop_config.get("mlflow_run_id")
     placement = _placement(world)
@@ -47,7 +51,7 @@ def _worker_entry(loop_config: dict[str, Any]) -> None:
                                          placement[world.rank])
     if world.rank == 0 and run_id:
         # Metrics MLflow never took land beside local checkpoints, else in this node's temp dir.
-        spill = cfg.train.storage_path if "://" not in cfg.train.storage_path else tempfile.gettempdir()
+        spill = tempfile.gettempdir() if is_url(cfg.train.storage_path) else cfg.train.storage_path
         logger = MLflowLogger(loop_config["tracking_uri"], run_id, spill_dir=os.path.join(spill, cfg.logging.run_name),
                               outage_wait_s=cfg.logging.outage_wait_s)
     elif run_id and world.rank in cfg.train.profile.rank_set(world.world_size) and cfg.train.profile.start_step:
@@ -80,8 +84,9 @@ def _worker_entry(loop_config: dict[str, Any]) -> None:
                    device_limit_bytes(world.device))
     node_monitor = _node_system_metrics(world, placement, loop_config["tracking_uri"], run_id)
     try:
-        train_loop(cfg, world, source, logger, report=report, checkpoint_root=local_ckpt_root, live=live,
-                   progress=progress)
+        engine, scheduler = build_engine(cfg, world)
+        train_loop(cfg, world, engine, scheduler, source,
+                   Sinks(logger=logger, live=live, progress=progress, report=report), local_ckpt_root)
     finally:
         if node_monitor is not None:
             node_monitor.finish()
@@ -99,7 +104,7 @@ class StoredCheckpoint:
         self.checkpoint, self.root, self.world_size = checkpoint, root, world_size
 
     def __call__(self) -> str:
-        checkpoint_lib.barrier(self.world_size)  # every rank's upload of it has returned
+        barrier(self.world_size)  # every rank's upload of it has returned
         target = os.path.join(self.root, "rollback", os.path.basename(self.checkpoint.path.rstrip("/")))
         shutil.rmtree(os.path.dirname(target), ignore_errors=True)  # an earlier rollback's copy
         self.checkpoint.to_directory(target)
@@ -171,8 +176,6 @@ def _source(cfg: RunConfig, world: WorldInfo) -> RayDataSource:
     stages of one pipeline read the same batches (the first feeds inputs, the last matches
     labels; Ray Data's split across all workers deadlocked them), and a restarted worker group
     resumes at the exact row where its checkpoint stopped."""
-    from kiln.parallel.pipeline import data_parallel_coords
-
     manifest = _manifest(cfg)
     dp_rank, dp_size = data_parallel_coords(world.rank, world.world_size, cfg.parallel.pipeline_stages)
     return RayDataSource(manifest, dp_rank, dp_size, cfg.train.micro_batch_size, cfg.data.prefetch_batches,
@@ -181,9 +184,6 @@ def _source(cfg: RunConfig, world: WorldInfo) -> RayDataSource:
 
 def _manifest(cfg: RunConfig):
     """The run's dataset manifest, read on the worker (the driver checked it before launch)."""
-    from kiln.data.manifest import load_manifest
-    from kiln.storage import resolve
-
     return load_manifest(resolve(cfg.data.path, cfg.data.s3_endpoint, cfg.data.s3_region))
 
 
@@ -244,11 +244,8 @@ def train_storage(storage: str, cfg: RunConfig):
     """(storage_path, filesystem) for Ray Train's RunConfig. An s3:// path gets Kiln's own
     S3 filesystem, so a custom endpoint (MinIO, a loopback server) reaches the workers too;
     Ray then wants the path without its scheme."""
-    from kiln.storage import resolve
-
     if storage.startswith("s3://"):
         loc = resolve(storage, cfg.data.s3_endpoint, cfg.data.s3_region)
         return loc.path, loc.fs
-    if "://" in storage:
-        return storage, None  # another scheme pyarrow knows (gs://, hdfs://): Ray resolves it
-    return os.path.abspath(storage), None
+    # another scheme pyarrow knows (gs://, hdfs://) Ray resolves itself
+    return absolute(storage), None

@@ -28,8 +28,18 @@ from typing import Any, Literal
 
 import yaml
 
-from kiln.config import RunConfig, _build, _set_dotted, flatten
+from kiln.config import (
+    RunConfig,
+    build_section,
+    flatten,
+    parse_override,
+    read_yaml_mapping,
+    set_dotted,
+)
 from kiln.errors import ConfigError
+from kiln.storage import absolute
+
+STATE_FILE = "kiln-sweep.json"  # beside Tune's experiment state: what `--resume` restarts from
 
 KINDS = ("choice", "grid", "uniform", "loguniform", "randint")
 
@@ -102,7 +112,7 @@ class Sweep:
 
     @property
     def base_config(self) -> RunConfig:
-        return _build(RunConfig, copy.deepcopy(self.base_tree)).validate()
+        return build_section(RunConfig, copy.deepcopy(self.base_tree)).validate()
 
     def trial_config(self, params: dict[str, Any]) -> RunConfig:
         return trial_config(self.base_tree, params, self.config.conditional)
@@ -112,36 +122,27 @@ class Sweep:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Sweep:
-        return cls(_build(SweepConfig, d["config"]), d["base_tree"], d["source"])
+        return cls(build_section(SweepConfig, d["config"]), d["base_tree"], d["source"])
 
 
 def trial_config(base_tree: dict[str, Any], params: dict[str, Any], conditional: dict[str, Any]) -> RunConfig:
     """The run config of one trial: the base, the drawn params, then matching conditionals."""
     tree = copy.deepcopy(base_tree)
     for dotted, value in params.items():
-        _set_dotted(tree, dotted, value)
+        set_dotted(tree, dotted, value)
     for cond, fixed in conditional.items():
         key, want = cond.split("=", 1)
         if str(params.get(key.strip())) == want.strip():
             for dotted, value in fixed.items():
-                _set_dotted(tree, dotted, value)
-    cfg = _build(RunConfig, tree).validate()
+                set_dotted(tree, dotted, value)
+    cfg = build_section(RunConfig, tree).validate()
     return cfg
 
 
 def load_sweep(path: str | os.PathLike, overrides: list[str] = ()) -> Sweep:
     """Read and validate a sweep file; `overrides` are `a.b=c` on the sweep file itself."""
-    from kiln.config import parse_override
-
     p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"sweep file {str(p)!r} does not exist")
-    try:
-        raw = yaml.safe_load(p.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"sweep file {str(p)!r} is not valid YAML: {e}") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"sweep file {str(p)!r} must hold a mapping")
+    raw = read_yaml_mapping(p, f"sweep file {str(p)!r}")
     for text in overrides:
         key, value = parse_override(text)
         head, _, rest = key.partition(".")
@@ -153,7 +154,7 @@ def load_sweep(path: str | os.PathLike, overrides: list[str] = ()) -> Sweep:
         for k in parents:
             node = node.setdefault(k, {})
         node[last] = value
-    cfg = _build(SweepConfig, raw, "sweep")
+    cfg = build_section(SweepConfig, raw, "sweep")
     if not cfg.name.strip():
         raise ConfigError(f"sweep file {str(p)!r}: 'name' is empty; expected a name for the sweep")
     if not cfg.base:
@@ -162,15 +163,12 @@ def load_sweep(path: str | os.PathLike, overrides: list[str] = ()) -> Sweep:
     if not base_path.is_file():
         raise ConfigError(f"sweep.base = {cfg.base!r}: {str(base_path)!r} does not exist; expected a run "
                           "config YAML, relative to the sweep file")
-    try:
-        base_tree = yaml.safe_load(base_path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"sweep.base {str(base_path)!r} is not valid YAML: {e}") from None
+    base_tree = read_yaml_mapping(base_path, f"sweep.base {str(base_path)!r}")
     for dotted, value in cfg.overrides.items():
-        _set_dotted(base_tree, dotted, value)
+        set_dotted(base_tree, dotted, value)
     r = cfg.resources_per_trial
     for key, value in (("num_workers", r.num_workers), ("cpus_per_worker", r.cpus_per_worker), ("use_gpu", r.use_gpu)):
-        _set_dotted(base_tree, f"parallel.{key}", value)
+        set_dotted(base_tree, f"parallel.{key}", value)
     sweep = Sweep(cfg, base_tree, str(p))
     validate(sweep)
     return sweep
@@ -223,7 +221,7 @@ def _typed(text: str) -> Any:
 
 def _check_field(sweep: Sweep, dotted: str, where: str) -> None:
     try:
-        _set_dotted(copy.deepcopy(sweep.base_tree), dotted, None)
+        set_dotted(copy.deepcopy(sweep.base_tree), dotted, None)
     except ConfigError as e:
         raise ConfigError(f"{where}: {e}") from None
     if dotted not in flatten(dataclasses.asdict(sweep.base_config)):
@@ -265,15 +263,35 @@ def _check_entry(sweep: Sweep, dotted: str, spec: Any) -> None:
         _try(sweep, {dotted: value}, f"{where}.{kind} bound {value!r}")
 
 
+def grid_axes(cfg: SweepConfig) -> dict[str, list]:
+    """The axes Tune enumerates in full, every value once per sample: each `grid`, and each
+    `choice` when `search: grid`."""
+    axes = {}
+    for dotted, spec in cfg.space.items():
+        kind, arg = next(iter(spec.items()))
+        if kind == "grid" or (kind == "choice" and cfg.search == "grid"):
+            axes[dotted] = list(arg)
+    return axes
+
+
+def expected_trials(cfg: SweepConfig) -> int:
+    """Trials the sweep will start: num_samples times the product of the grid axes."""
+    n = cfg.num_samples
+    for values in grid_axes(cfg).values():
+        n *= len(values)
+    return n
+
+
 def param_space(cfg: SweepConfig) -> dict[str, Any]:
     """The Tune search space: {dotted field: tune distribution}."""
     from ray import tune
 
     space = {}
+    grid = grid_axes(cfg)
     for dotted, spec in cfg.space.items():
         kind, arg = next(iter(spec.items()))
-        if kind == "grid" or (kind == "choice" and cfg.search == "grid"):
-            space[dotted] = tune.grid_search(list(arg))
+        if dotted in grid:
+            space[dotted] = tune.grid_search(grid[dotted])
         elif kind == "choice":
             space[dotted] = tune.choice(list(arg))
         elif kind == "uniform":
@@ -289,9 +307,7 @@ def stored_sweep(storage_path: str, name: str) -> Sweep:
     """The sweep as it was started, from its state file (for --resume)."""
     import json
 
-    from kiln.sweep.run import STATE_FILE
-
-    root = storage_path if "://" in storage_path else os.path.abspath(storage_path)
+    root = absolute(storage_path)
     state = os.path.join(root, name, STATE_FILE)
     if not os.path.isfile(state):
         found = sorted(d for d in os.listdir(root) if os.path.isfile(os.path.join(root, d, STATE_FILE))) \

@@ -15,18 +15,7 @@ from dataclasses import dataclass, field
 
 from ray.tune import Callback
 
-from kiln.sweep.config import SweepConfig
 from kiln.ui.progress import TerminalBar, duration
-
-
-def expected_trials(cfg: SweepConfig) -> int:
-    """Trials the sweep will start: num_samples times the product of the grid axes."""
-    n = cfg.num_samples
-    for spec in cfg.space.values():
-        kind, arg = next(iter(spec.items()))
-        if kind == "grid" or (kind == "choice" and cfg.search == "grid"):
-            n *= len(arg)
-    return n
 
 
 @dataclass

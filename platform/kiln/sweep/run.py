@@ -22,13 +22,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from kiln.errors import KilnError
-from kiln.sweep.config import Sweep, param_space
-from kiln.tracking.mlflow_run import Run, check_reachable, experiment_id, resolve_tracking_uri
+from kiln.launch.on_ray import connect_ray
+from kiln.launch.preflight import preflight
+from kiln.storage import absolute
+from kiln.sweep.config import STATE_FILE, Sweep, expected_trials, param_space
+from kiln.tracking.mlflow_run import Run, experiment_id
 from kiln.ui.progress import is_terminal
 
 log = logging.getLogger("kiln.sweep")
 
-STATE_FILE = "kiln-sweep.json"
 TRIAL_TAG = "kiln.sweep.trial_id"
 SWEEP_TAG = "kiln.sweep"
 
@@ -38,8 +40,9 @@ def _trial(params: dict[str, Any], ctx: dict[str, Any]) -> None:
     import ray.tune
     from ray.tune.integration.ray_train import TuneReportCallback
 
-    from kiln.launch.on_ray import open_run, resolve_against_data
+    from kiln.data.check import resolve_against_data
     from kiln.ray.trainer import build_trainer
+    from kiln.tracking.mlflow_run import open_run
 
     sweep = Sweep.from_dict(ctx["sweep"])
     tctx = ray.tune.get_context()
@@ -164,95 +167,95 @@ def _search_alg(sweep: Sweep):
     return BasicVariantGenerator(random_state=cfg.seed, max_concurrent=cfg.max_concurrent_trials)
 
 
-def _storage(path: str) -> str:
-    return path if "://" in path else os.path.abspath(path)
-
-
 def run_sweep(sweep: Sweep, address: str | None = None, resume: bool = False) -> SweepSummary:
     """Start (or resume) the sweep on Ray Tune and wait for it; return the ranked trials."""
-    import ray.tune
-    from ray import tune
-
-    from kiln.launch.on_ray import (
-        check_precision,
-        check_resources,
-        connect_ray,
-        resolve_against_data,
-    )
-    from kiln.sweep.progress import SweepProgress, SweepState, expected_trials
-
     cfg = sweep.config
-    # Tune runs each trial in its own working dir: local paths must not be relative.
-    data = sweep.base_tree.setdefault("data", {})
-    path = str(data.get("path") or sweep.base_config.data.path)
-    if "://" not in path:
-        data["path"] = os.path.abspath(path)
-    base, _ = resolve_against_data(sweep.base_config)  # the dataset must be there before any trial
-    check_precision(base)
-    check_resources(base, remote_cluster=bool(address or os.environ.get("RAY_ADDRESS")))
-    uri = resolve_tracking_uri(base.logging.tracking_uri)
-    check_reachable(uri)
-    storage = _storage(cfg.storage_path)
+    storage = absolute(cfg.storage_path)
     exp_dir = os.path.join(storage, cfg.name)
-    state_path = os.path.join(exp_dir, STATE_FILE)
-    if resume:
-        with open(state_path) as f:
-            state = json.load(f)
-        parent = Run(uri, base.logging.experiment, cfg.name, run_id=state["parent_run_id"])
-        parent.client.update_run(parent.run_id, status="RUNNING")
-    else:
-        if os.path.exists(exp_dir):
-            raise KilnError(f"sweep {cfg.name!r} already exists at {exp_dir}: resume it with "
-                            f"`kiln sweep --resume {cfg.name}`, or give the sweep another name")
-        parent = _open_parent(sweep, uri, base.logging.experiment)
-        os.makedirs(exp_dir, exist_ok=True)
-        tmp = state_path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump({"parent_run_id": parent.run_id, "sweep": sweep.to_dict()}, f, indent=2)
-        os.replace(tmp, state_path)
-
+    train_storage = os.path.join(exp_dir, "train")
+    base = dataclasses.replace(sweep.base_config, train=dataclasses.replace(
+        sweep.base_config.train, storage_path=train_storage))
+    checked = preflight(base, remote_cluster=bool(address or os.environ.get("RAY_ADDRESS")),
+                        storage_field="sweep.storage_path")
+    base, uri = checked.cfg, checked.tracking_uri
+    # Tune runs each trial in its own working dir: the trials' data path must not be relative.
+    sweep.base_tree.setdefault("data", {})["path"] = base.data.path
+    parent = _resume_parent(sweep, uri, exp_dir) if resume else _start_parent(sweep, uri, exp_dir)
     concurrent_cpus = cfg.max_concurrent_trials * base.parallel.num_workers * base.parallel.cpus_per_worker
     connect_ray(dataclasses.replace(base, parallel=dataclasses.replace(
         base.parallel, num_workers=math.ceil(concurrent_cpus), cpus_per_worker=1.0)), address)
     ctx = {"sweep": sweep.to_dict(), "tracking_uri": uri, "parent_run_id": parent.run_id,
-           "train_storage": os.path.join(storage, cfg.name, "train")}
-    # The trial function only drives the trainer: a token CPU share (Tune refuses an empty request).
-    trainable = tune.with_resources(tune.with_parameters(_trial, ctx=ctx), {"cpu": 0.01})
-    progress = [SweepProgress(SweepState(expected_trials(cfg), base.train.max_steps, cfg.metric, cfg.mode))
-                ] if is_terminal(sys.stderr) else []
+           "train_storage": train_storage}
     ok = False
     try:
-        if resume:
-            tuner = tune.Tuner.restore(exp_dir, trainable=trainable, resume_unfinished=True, resume_errored=True)
-        else:
-            tuner = tune.Tuner(
-                trainable, param_space=param_space(cfg),
-                tune_config=tune.TuneConfig(
-                    metric=cfg.metric, mode=cfg.mode, search_alg=_search_alg(sweep),
-                    scheduler=_scheduler(sweep, base.train.max_steps), num_samples=cfg.num_samples,
-                    max_concurrent_trials=cfg.max_concurrent_trials if cfg.search == "optuna" else None,
-                ),
-                # On a terminal Kiln's one-line progress replaces Tune's periodic status table.
-                run_config=ray.tune.RunConfig(name=cfg.name, storage_path=storage,
-                                              verbose=0 if progress else 1, callbacks=progress),
-            )
-        with _InterruptBridge() as interrupt:
-            results = tuner.fit()
-        if interrupt.seen:
-            # Tune stopped the running trials after saving its state, so their status no longer tells.
-            raise KilnError(f"sweep {cfg.name!r} interrupted; its state is saved: resume it with "
-                            f"`kiln sweep --resume {cfg.name}`"
-                            + (f" --storage-path {cfg.storage_path}" if cfg.storage_path != "runs/sweeps" else ""))
-        summary = summarise(sweep, results, parent, uri, base.train.max_steps)
-        errors = [r.error for r in results if r.error is not None]
-        if errors and len(errors) == len(summary.trials):
-            raise KilnError(f"every trial of sweep {cfg.name!r} failed; the first: {_first_line(errors[0])}")
+        summary = _fit(sweep, base, ctx, storage, exp_dir, parent, resume)
         _close_parent(parent, summary, sweep)
         ok = True
         return summary
     finally:
         if not ok:
             parent.finish(False, "KILLED")
+
+
+def _start_parent(sweep: Sweep, uri: str, exp_dir: str) -> Run:
+    """A new sweep: its parent run, and the state file `--resume` reads (temp file, then rename)."""
+    if os.path.exists(exp_dir):
+        raise KilnError(f"sweep {sweep.config.name!r} already exists at {exp_dir}: resume it with "
+                        f"`kiln sweep --resume {sweep.config.name}`, or give the sweep another name")
+    parent = _open_parent(sweep, uri, sweep.base_config.logging.experiment)
+    os.makedirs(exp_dir, exist_ok=True)
+    state_path = os.path.join(exp_dir, STATE_FILE)
+    with open(state_path + ".tmp", "w") as f:
+        json.dump({"parent_run_id": parent.run_id, "sweep": sweep.to_dict()}, f, indent=2)
+    os.replace(state_path + ".tmp", state_path)
+    return parent
+
+
+def _resume_parent(sweep: Sweep, uri: str, exp_dir: str) -> Run:
+    with open(os.path.join(exp_dir, STATE_FILE)) as f:
+        state = json.load(f)
+    parent = Run(uri, sweep.base_config.logging.experiment, sweep.config.name, run_id=state["parent_run_id"])
+    parent.client.update_run(parent.run_id, status="RUNNING")
+    return parent
+
+
+def _fit(sweep: Sweep, base, ctx: dict, storage: str, exp_dir: str, parent: Run, resume: bool) -> SweepSummary:
+    """Run the trials on Tune (a fresh Tuner, or the saved one restored) and rank them."""
+    from ray import tune
+
+    from kiln.sweep.progress import SweepProgress, SweepState
+
+    cfg = sweep.config
+    # The trial function only drives the trainer: a token CPU share (Tune refuses an empty request).
+    trainable = tune.with_resources(tune.with_parameters(_trial, ctx=ctx), {"cpu": 0.01})
+    progress = [SweepProgress(SweepState(expected_trials(cfg), base.train.max_steps, cfg.metric, cfg.mode))
+                ] if is_terminal(sys.stderr) else []
+    if resume:
+        tuner = tune.Tuner.restore(exp_dir, trainable=trainable, resume_unfinished=True, resume_errored=True)
+    else:
+        tuner = tune.Tuner(
+            trainable, param_space=param_space(cfg),
+            tune_config=tune.TuneConfig(
+                metric=cfg.metric, mode=cfg.mode, search_alg=_search_alg(sweep),
+                scheduler=_scheduler(sweep, base.train.max_steps), num_samples=cfg.num_samples,
+                max_concurrent_trials=cfg.max_concurrent_trials if cfg.search == "optuna" else None,
+            ),
+            # On a terminal Kiln's one-line progress replaces Tune's periodic status table.
+            run_config=tune.RunConfig(name=cfg.name, storage_path=storage,
+                                      verbose=0 if progress else 1, callbacks=progress),
+        )
+    with _InterruptBridge() as interrupt:
+        results = tuner.fit()
+    if interrupt.seen:
+        # Tune stopped the running trials after saving its state, so their status no longer tells.
+        raise KilnError(f"sweep {cfg.name!r} interrupted; its state is saved: resume it with "
+                        f"`kiln sweep --resume {cfg.name}`"
+                        + (f" --storage-path {cfg.storage_path}" if cfg.storage_path != "runs/sweeps" else ""))
+    summary = summarise(sweep, results, parent, ctx["tracking_uri"], base.train.max_steps)
+    errors = [r.error for r in results if r.error is not None]
+    if errors and len(errors) == len(summary.trials):
+        raise KilnError(f"every trial of sweep {cfg.name!r} failed; the first: {_first_line(errors[0])}")
+    return summary
 
 
 class _InterruptBridge:

@@ -1,4 +1,4 @@
-"""MLflow: where runs go, what is logged, and the small `log(metrics, step)` interface.
+"""MLflow runs: the driver's `Run` handle and rank 0's `MLflowLogger`.
 
 The driver creates the run (params, tags, artifacts) so it knows the run id before training;
 rank 0 alone then logs per-step metrics into it, buffered and sent in batches. Secrets never
@@ -7,113 +7,25 @@ reach MLflow: params and tags pass through `redact`.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
-import re
-import socket
 import subprocess
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Protocol
-from urllib.parse import urlparse
+from typing import Any
 
+import kiln
+from kiln.config import RunConfig, flatten
+from kiln.data.manifest import Manifest
 from kiln.errors import KilnError
 from kiln.tracking.plots import PLOTTED, training_plots
+from kiln.tracking.redact import redact, redact_tree, scrub
+from kiln.tracking.sender import Sender
+from kiln.train.sinks import NullLogger
 
 log = logging.getLogger(__name__)
-
-# "token" as in a credential, not the tokenizer or a count of tokens (data.tokenizer, data.train_tokens).
-SECRET_PATTERN = re.compile(r"(secret|token(?!izer|s(?![a-z]))|password|passwd|credential|api[_-]?key|"
-                            r"access[_-]?key|auth)", re.I)
-REDACTED = "***"
-
-
-def resolve_tracking_uri(configured: str = "") -> str:
-    """Config, else $MLFLOW_TRACKING_URI, else a SQLite file in the cwd. Relative SQLite and
-    file paths are made absolute so Ray workers, whose cwd differs, write to the same store."""
-    uri = configured or os.environ.get("MLFLOW_TRACKING_URI", "") or "sqlite:///mlflow.db"
-    if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
-        return "sqlite:///" + os.path.abspath(uri[len("sqlite:///") :])
-    if "://" not in uri:
-        return "file://" + os.path.abspath(uri)
-    return uri
-
-
-def server_address(uri: str) -> tuple[str, int] | None:
-    """(host, port) of an HTTP(S) tracking server; None for a local store (sqlite, file)."""
-    parsed = urlparse(uri)
-    if parsed.scheme not in ("http", "https"):
-        return None
-    return parsed.hostname, parsed.port or (443 if parsed.scheme == "https" else 80)
-
-
-def check_reachable(uri: str, timeout: float = 5.0) -> None:
-    """Fail fast with a clear message if an HTTP tracking server does not answer."""
-    address = server_address(uri)
-    if address is None:
-        return
-    try:
-        with socket.create_connection(address, timeout=timeout):
-            pass
-    except OSError as e:
-        raise KilnError(
-            f"MLflow tracking server {scrub(uri)} is unreachable ({e.strerror or e}); start it, or set "
-            "logging.tracking_uri / $MLFLOW_TRACKING_URI to a reachable server or sqlite:///mlflow.db"
-        ) from None
-
-
-# user:password@ inside any URL (an S3 endpoint, a Postgres backend store, a tracking server)
-URL_PASSWORD = re.compile(r"(?P<head>[a-zA-Z][a-zA-Z0-9+.-]*://[^/\s:@]+:)[^/\s@]+@")
-
-
-def redact(params: dict[str, Any]) -> dict[str, Any]:
-    """Drop the value of any key that looks like a credential; scrub the rest (`scrub`)."""
-    return {k: (REDACTED if SECRET_PATTERN.search(k) else scrub(v) if isinstance(v, str) else v)
-            for k, v in params.items()}
-
-
-def redact_tree(tree: Any) -> Any:
-    """`redact` through nested dicts and lists: a config as a whole, before it becomes YAML."""
-    if isinstance(tree, dict):
-        return {k: (REDACTED if isinstance(k, str) and SECRET_PATTERN.search(k) else redact_tree(v))
-                for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [redact_tree(v) for v in tree]
-    return scrub(tree) if isinstance(tree, str) else tree
-
-
-def scrub(text: str) -> str:
-    """Text with URL passwords masked and the value of every credential-named environment
-    variable (AWS keys, MLflow and Ray tokens, ...) replaced by ***."""
-    text = URL_PASSWORD.sub(lambda m: m.group("head") + REDACTED + "@", text)
-    for value in _environment_secrets():
-        text = text.replace(value, REDACTED)
-    return text
-
-
-def _environment_secrets() -> list[str]:
-    # Short values ("1", "true", "token" as RAY_AUTH_MODE) are settings, not secrets.
-    return sorted({v for k, v in os.environ.items() if SECRET_PATTERN.search(k) and len(v) >= 8},
-                  key=len, reverse=True)
-
-
-def configure_logging() -> None:
-    """INFO to stderr for a command front end, with every line passed through `scrub`."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    for handler in logging.getLogger().handlers:
-        handler.addFilter(ScrubFilter())
-
-
-class ScrubFilter(logging.Filter):
-    """Masks secrets in log records on their way to a handler (see `scrub`)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        cleaned = scrub(message)
-        if cleaned != message:
-            record.msg, record.args = cleaned, None
-        return True
 
 
 def git_commit(path: str | os.PathLike = ".") -> str:
@@ -122,39 +34,6 @@ def git_commit(path: str | os.PathLike = ".") -> str:
         return out.stdout.strip() if out.returncode == 0 else "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
-
-
-def ui_command(uri: str) -> str:
-    if uri.startswith(("http://", "https://")):
-        return f"open {scrub(uri)}"
-    return f"mlflow ui --backend-store-uri {scrub(uri)} --host 127.0.0.1 --port 5000"
-
-
-class MetricLogger(Protocol):
-    def log(self, metrics: dict[str, float], step: int) -> None: ...
-    def set_tag(self, key: str, value: str) -> None: ...
-    def log_artifacts(self, local_dir: str, artifact_path: str) -> None: ...
-    def flush(self) -> None: ...
-    def close(self) -> None: ...
-
-
-class NullLogger:
-    """What every rank but 0 gets: only rank 0 logs."""
-
-    def log(self, metrics: dict[str, float], step: int) -> None:
-        pass
-
-    def set_tag(self, key: str, value: str) -> None:
-        pass
-
-    def flush(self) -> None:
-        pass
-
-    def log_artifacts(self, local_dir: str, artifact_path: str) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 class MLflowLogger:
@@ -169,8 +48,6 @@ class MLflowLogger:
                  system_metrics: bool = True, spill_dir: str = ".", outage_wait_s: float = 300.0):
         import mlflow
         from mlflow.tracking import MlflowClient
-
-        from kiln.tracking.sender import Sender
 
         self._client = MlflowClient(tracking_uri)
         self._monitor = None
@@ -317,3 +194,37 @@ def experiment_id(client, name: str) -> str:
         if exp is None:
             raise
         return exp.experiment_id
+
+
+def open_run(cfg: RunConfig, manifest: Manifest, tracking_uri: str, cluster: dict,
+             parent_run_id: str | None = None, tags: dict | None = None) -> Run:
+    """Create the MLflow run with params (redacted), tags and artifacts; return its handle.
+
+    A sweep's trial passes its parent and trial tags; its params carry the same names as a
+    single run's, so trials and runs compare side by side."""
+    run = Run(tracking_uri, cfg.logging.experiment, cfg.logging.run_name, parent_run_id=parent_run_id,
+              tags=tags)
+    run.log_params(flatten(cfg.to_dict()) | {
+        "data.fingerprint": manifest.fingerprint, "data.tokenizer": manifest.raw["tokenizer"]["type"],
+        "data.train_tokens": manifest.split("train")["tokens"],
+    })
+    run.set_tags({
+        "kiln.version": kiln.__version__, "kiln.git_commit": git_commit(os.path.dirname(kiln.__file__)),
+        "kiln.num_workers": cfg.parallel.num_workers, **{f"kiln.{k}": v for k, v in cluster.items()},
+    })
+    import yaml
+
+    run.log_text(yaml.safe_dump(redact_tree(cfg.to_dict()), sort_keys=False), "config.yaml")
+    run.log_text(json.dumps(manifest.raw, indent=2), "data/manifest.json")
+    log_schedule_plot(run, cfg)
+    return run
+
+
+def log_schedule_plot(run: Run, cfg: RunConfig) -> None:
+    """The LR schedule this run will follow, as a PNG artifact (schedule/lr.png)."""
+    from kiln.train.schedule import plot_schedule
+
+    with tempfile.TemporaryDirectory(prefix="kiln-lr-") as tmp:
+        path = plot_schedule(cfg.schedule, cfg.optim.lr, cfg.train.max_steps, f"{tmp}/lr.png",
+                             title=f"{cfg.logging.run_name}: {cfg.schedule.name}, peak lr {cfg.optim.lr:g}")
+        run.log_file(path, "schedule")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kiln.errors import KilnError
-from kiln.tracking.mlflow_run import check_reachable, resolve_tracking_uri
+from kiln.tracking.server import check_reachable, resolve_tracking_uri
 
 DEFAULT_METRICS = ("loss/train", "loss/val", "throughput/tokens_per_s", "mfu")
 

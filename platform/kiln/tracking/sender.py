@@ -21,7 +21,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from kiln.tracking.mlflow_run import scrub, server_address
+from kiln.tracking.redact import scrub
+from kiln.tracking.server import server_address
 
 log = logging.getLogger(__name__)
 

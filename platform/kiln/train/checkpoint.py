@@ -23,8 +23,12 @@ import logging
 import os
 import re
 import shutil
+import time
+from collections.abc import Callable
 
+from kiln.config import TrainConfig
 from kiln.errors import ConfigError
+from kiln.train.collectives import barrier
 
 log = logging.getLogger(__name__)
 
@@ -196,9 +200,57 @@ def _write_synced(path: str, text: str) -> None:
         os.fsync(f.fileno())
 
 
-def barrier(world_size: int) -> None:
-    if world_size > 1:
-        import torch.distributed as dist
+class CheckpointPolicy:
+    """When a run evaluates and saves, and what a save does: save, prune, remember for rollback.
 
-        if dist.is_initialized():
-            dist.barrier()
+    Every rank takes the same decisions: step counts are shared, and the time since the last
+    save is averaged over ranks by the caller before `wants_save` sees it.
+    """
+
+    def __init__(self, t: TrainConfig, root: str | None, rank: int, world_size: int):
+        self.t, self.root, self.rank, self.world_size = t, root, rank, world_size
+        self.last_good: str | Callable[[], str] | None = None
+        """What a rollback reloads: a directory, or under Ray a function that downloads one."""
+        self._last_save = time.monotonic()
+
+    def resume(self, engine, micro_batches: int) -> tuple[int, int]:
+        """Load `train.resume_from` into the engine: (steps done, micro-batches consumed)."""
+        if not self.t.resume_from:
+            return 0, 0
+        resume_dir, _ = resolve_resume(self.t.resume_from, self.world_size)
+        _, client = engine.load_checkpoint(resume_dir, tag=TAG)
+        done = int(client["step"])
+        # The data position: micro-batches drawn so far, the ones the health guard left out
+        # included (older checkpoints lack it: steps x micro-batches).
+        consumed = int(client.get("batches_consumed", done * micro_batches))
+        restore_rng(resume_dir, self.rank)
+        if self.rank == 0:
+            log.info("resumed from %s at step %d (micro-batch %d of the data)", resume_dir, done, consumed)
+        self.last_good = resume_dir
+        return done, consumed
+
+    def seconds_since_save(self) -> float:
+        return time.monotonic() - self._last_save
+
+    def wants_save(self, step: int, since_save: float) -> bool:
+        t = self.t
+        return bool((t.checkpoint_every and step % t.checkpoint_every == 0) or step == t.max_steps
+                    or (t.checkpoint_every_minutes and since_save >= 60 * t.checkpoint_every_minutes))
+
+    def wants_eval(self, step: int, save: bool) -> bool:
+        scored_save = save and self.t.keep_checkpoints_by == SCORE  # each checkpoint gets its score
+        return bool((self.t.eval_every and step % self.t.eval_every == 0) or step == self.t.max_steps
+                    or scored_save)
+
+    def save(self, engine, step: int, client_state: dict, score: float | None) -> tuple[str | None, float]:
+        """(the checkpoint directory, seconds the save took); (None, 0) where nothing is kept."""
+        if self.root is None:
+            return None, 0.0
+        start = time.perf_counter()
+        ckpt = save(engine, self.root, step, self.rank, self.world_size, client_state, score)
+        seconds = time.perf_counter() - start
+        if self.rank == 0:  # after save's final barrier: every rank is done with the old ones
+            prune(self.root, self.t.keep_checkpoints, self.t.keep_checkpoints_by)
+        self._last_save = time.monotonic()
+        self.last_good = ckpt
+        return ckpt, seconds

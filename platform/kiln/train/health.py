@@ -20,45 +20,13 @@ from __future__ import annotations
 import collections
 import math
 import statistics
-from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
-from kiln.train.metrics import mean_over_ranks, ranks
+from kiln.config import HealthConfig
+from kiln.train.collectives import mean_over_ranks, ranks
 
 MIN_HISTORY = 10  # good losses seen before a spike can be called: the first steps fall fast
-
-
-@dataclass
-class HealthConfig:
-    policy: Literal["stop", "skip", "rollback", "off"] = "stop"
-    """What a bad loss does: `stop` the run (the default: never train on garbage), `skip` the
-    micro-batch, `rollback` to the newest complete checkpoint, or `off` (no check, no all-reduce)."""
-    spike_factor: float = 0.0
-    """A loss above this many times the running median of recent good losses is bad too; 0: only
-    a non-finite loss is. 3 is a sensible value once a run's loss has settled."""
-    spike_window: int = 50
-    """How many recent good micro-batch losses the running median covers."""
-    max_in_a_row: int = 10
-    """Stop after this many bad micro-batches in a row under skip or rollback: that is
-    divergence, not a bad batch."""
-    max_rollbacks: int = 5
-    """Stop once the run has rolled back this many times in all: a run that keeps meeting bad
-    losses needs a lower LR or cleaner data, not more rollbacks."""
-    inject: str = ""
-    """For testing the guard: comma-separated `nan@S` or `spike@S` make rank 0's first
-    micro-batch loss of step S NaN, or 100 times larger."""
-
-    def injections(self) -> dict[int, str]:
-        """{step: 'nan' | 'spike'}; raises ValueError on anything else."""
-        out: dict[int, str] = {}
-        for item in filter(None, (s.strip() for s in self.inject.split(","))):
-            kind, _, step = item.partition("@")
-            if kind not in ("nan", "spike") or not step.isdigit() or int(step) < 1:
-                raise ValueError(item)
-            out[int(step)] = kind
-        return out
 
 
 class BadLoss(Exception):

@@ -1,10 +1,12 @@
-"""The per-worker training loop: a plain function of (config, world, batches, logger).
+"""The per-worker training loop: a plain function of (config, world, engine, batches, sinks).
 
-It knows nothing about Ray: Ray Train calls it from `kiln.ray.trainer`, torchrun or a
-single process calls it from `kiln.launch.local`. It builds the GPT, wraps it in a DeepSpeed
-engine, trains for `train.max_steps` optimizer steps, validates, checkpoints, and returns the
-final metrics. Only rank 0 logs; every rank calls `report` the same number of times (Ray Train
-requires that).
+It knows nothing about Ray, DeepSpeed's set-up or MLflow: a launcher builds the engine
+(`kiln.parallel.engine.build_engine`), the batch source and the sinks, and calls `train_loop`;
+Ray Train does so from `kiln.ray.trainer`, a single process or torchrun from
+`kiln.launch.local`. The loop trains for `train.max_steps` optimizer steps, validates,
+checkpoints and returns the final metrics. Its jobs live beside it: `StepMeter` (timing, MFU),
+`CheckpointPolicy` (when to save and evaluate), `HealthGuard` (bad losses) and `Sinks` (where
+the output goes).
 """
 
 from __future__ import annotations
@@ -15,38 +17,24 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
-from kiln.config import RunConfig
+from kiln.config import RunConfig, gpt_config
 from kiln.data.sources import BatchSource
 from kiln.errors import KilnError
-from kiln.model import GPTConfig, config_for, flops_per_token, num_params
-from kiln.parallel.engine import engine_memory, initialize
-from kiln.parallel.pipeline import check_coords
-from kiln.tracking.mlflow_run import MetricLogger
-from kiln.train import checkpoint
+from kiln.model import num_params
+from kiln.train.checkpoint import TAG, CheckpointPolicy
+from kiln.train.collectives import mean_over_ranks
 from kiln.train.health import BadLoss, HealthGuard
-from kiln.train.live_metrics import LiveMetrics, NullLive
-from kiln.train.metrics import (
-    datasheet_peak_flops,
-    mean_over_ranks,
-    measured_peak_flops,
-    memory_metrics,
-)
-from kiln.train.optim import build_scheduler
+from kiln.train.meter import StepMeter, memory_metrics
 from kiln.train.profiling import StepProfiler
+from kiln.train.sinks import Fetch, MetricLogger, Sinks
 from kiln.ui.progress import LogLines, Progress, ProgressSink
 
 log = logging.getLogger("kiln.train")
-
-# Ray Train's report: metrics and a local checkpoint directory in; back, for a checkpoint the
-# directory is gone from, a function that fetches it again (what a rollback reloads).
-Fetch = Callable[[], str]
-Report = Callable[[dict, "str | None"], "Fetch | None"]
-WARMUP_STEPS_EXCLUDED = 5  # steady-state throughput ignores the first steps (allocator, JIT, caches)
 
 
 class TrainingUnhealthy(KilnError):
@@ -57,19 +45,18 @@ class TrainingUnhealthy(KilnError):
 class WorldInfo:
     rank: int = 0
     world_size: int = 1
-    local_rank: int = 0
     device: torch.device = torch.device("cpu")
 
 
-def gpt_config(cfg: RunConfig) -> GPTConfig:
-    """The model's shape; vocab_size and seq_len must be resolved (non-zero) by now."""
-    m = cfg.model
-    assert m.vocab_size > 0 and m.seq_len > 0, "resolve model.vocab_size/seq_len from the data first"
-    depth = {"n_layer": m.n_layer} if m.n_layer else {}
-    return config_for(
-        m.flavour, vocab_size=m.vocab_size, seq_len=m.seq_len, dropout=m.dropout,
-        activation_checkpointing=m.activation_checkpointing, **depth,
-    )
+def prepare_process(cfg: RunConfig, device: torch.device) -> None:
+    """Seed and set up this process's torch before the model is built (its init draws)."""
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    torch.manual_seed(cfg.train.seed)
+    if device.type == "cpu":
+        torch.set_num_threads(max(1, int(cfg.parallel.cpus_per_worker)))
+    else:
+        torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls on tensor cores
+        torch.backends.cudnn.allow_tf32 = True
 
 
 @torch.no_grad()
@@ -152,200 +139,116 @@ def _train_step(engine, batches: Iterator[torch.Tensor], micro_batches: int, dev
     return loss_sum / micro_batches, times
 
 
-def train_loop(
-    cfg: RunConfig,
-    world: WorldInfo,
-    source: BatchSource,
-    logger: MetricLogger,
-    report: Report | None = None,
-    checkpoint_root: str | None = None,
-    live: LiveMetrics | None = None,
-    progress: ProgressSink | None = None,
-) -> dict[str, float]:
-    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-    t, device = cfg.train, world.device
-    live = live or NullLive()
-    progress = progress or LogLines(cfg.logging.progress_every)  # what rank 0 shows of each step
-    torch.manual_seed(t.seed)
-    if device.type == "cpu":
-        torch.set_num_threads(max(1, int(cfg.parallel.cpus_per_worker)))
-    else:
-        torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls on tensor cores
-        torch.backends.cudnn.allow_tf32 = True
+def train_loop(cfg: RunConfig, world: WorldInfo, engine, scheduler, source: BatchSource, sinks: Sinks,
+               checkpoint_root: str | None = None) -> dict[str, float]:
+    """Train `engine` to `train.max_steps`; return the final metrics.
 
+    Rules that keep ranks in step: every rank runs the same steps, takes the same save and eval
+    decisions (from step counts and a clock averaged over ranks), saves between the barriers
+    inside `checkpoint.save`, and calls `sinks.report` the same number of times.
+    """
+    t, device = cfg.train, world.device
     pipeline = cfg.parallel.pipeline_stages > 1
-    dp_size = world.world_size // cfg.parallel.pipeline_stages
     micro_batches = cfg.micro_batches_per_step
+    dp_size = world.world_size // cfg.parallel.pipeline_stages
     mcfg = gpt_config(cfg)
-    engine, scheduler = initialize(
-        cfg, mcfg, dp_size, on_cuda=device.type == "cuda",
-        scheduler_fn=lambda opt: build_scheduler(opt, cfg.schedule, t.max_steps),
-    )
-    if pipeline:
-        check_coords(engine, world.rank, world.world_size, cfg.parallel.pipeline_stages)
-    done = consumed = 0
-    if t.resume_from:
-        resume_dir, _ = checkpoint.resolve_resume(t.resume_from, world.world_size)
-        _, client = engine.load_checkpoint(resume_dir, tag=checkpoint.TAG)
-        done = int(client["step"])
-        # The data position: micro-batches drawn so far, the ones the health guard left out
-        # included (older checkpoints lack it: steps x micro-batches).
-        consumed = int(client.get("batches_consumed", done * micro_batches))
-        checkpoint.restore_rng(resume_dir, world.rank)
-        if world.rank == 0:
-            log.info("resumed from %s at step %d (micro-batch %d of the data)", resume_dir, done, consumed)
+    progress: ProgressSink = sinks.progress or LogLines(cfg.logging.progress_every)  # rank 0's view
+    policy = CheckpointPolicy(t, checkpoint_root, world.rank, world.world_size)
+    done, consumed = policy.resume(engine, micro_batches)
     # Start reading now so the pipeline's start-up overlaps the first step; skip what the
     # resumed steps consumed.
     source.prefetch()
     batches = _Counted(_prefetch_first(source.train_batches(skip=consumed)), consumed)
-
     tokens_per_step = t.micro_batch_size * micro_batches * dp_size * mcfg.seq_len
-    flops_tok = flops_per_token(mcfg)
-    peak = datasheet_peak_flops(device, t.precision, t.peak_flops)
-    steady_time = steady_wait = 0.0
-    steady_save_time = 0.0  # checkpoint saves within the steady-state steps, the last one excluded
-    steady_steps = 0
-    last: dict[str, float] = {}
-    first_step_unix = 0.0
-    held: dict[str, float] = {}
-    skipped_before = 0
-    last_save = time.monotonic()
+    meter = StepMeter(cfg, mcfg, world.world_size, device, tokens_per_step, done)
     if world.rank == 0:
         log.info("training %s (%.2fM params) for %d steps, %d tokens/step on %d worker(s)%s",
                  cfg.model.flavour, num_params(mcfg, non_embedding=False) / 1e6, t.max_steps,
                  tokens_per_step, world.world_size,
                  f" ({dp_size} data-parallel x {cfg.parallel.pipeline_stages} pipeline stages)" if pipeline else "")
-
     profiler = StepProfiler(t.profile, world.rank, world.world_size, device)
     guard = HealthGuard(t.health, world.rank, device)
-    last_good = resume_dir if t.resume_from else None  # what a rollback reloads
+    last: dict[str, float] = {}
+    ckpt = None
     step = done
     while step < t.max_steps:
         step += 1
         profiler.begin(step)
-        start = time.perf_counter()
+        meter.begin()
         lr = scheduler.get_last_lr()[0]
         try:
-            loss_mean, phase_times = _train_step(engine, batches, micro_batches, device, pipeline, guard, step)
+            loss_mean, phases = _train_step(engine, batches, micro_batches, device, pipeline, guard, step)
         except BadLoss as bad:
-            step = _after_bad_loss(bad, guard, engine, last_good, world.rank, logger)
+            step = _after_bad_loss(bad, guard, engine, policy.last_good, world.rank, sinks.logger)
             continue
         if guard.events:
-            _record_health(guard, logger, step, world.rank)
-        data_wait = phase_times["time/data_wait_s"]
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        step_time = time.perf_counter() - start
-        window = profiler.end(step)
-        if window is not None:
-            logger.log_artifacts(str(window), "profile")
-            shutil.rmtree(window, ignore_errors=True)
+            _record_health(guard, sinks.logger, step, world.rank)
+        step_s = meter.step_time()
+        _hand_in_profile(profiler.end(step), sinks.logger)
         if step == done + 1:
-            first_step_unix = time.time()
-            held = engine_memory(engine)  # optimizer state exists after the first step
-
-        # The time since the last save rides along, so every rank takes the same save decision.
+            meter.first_step_done(engine)
+        # One all-reduce per step. The time since the last save rides along, so every rank
+        # takes the same save decision.
         loss_train, wait, since_save = mean_over_ranks(
-            [loss_mean.item(), data_wait, time.monotonic() - last_save], device)
-        tok_s = tokens_per_step / step_time
-        grad_norm = engine.get_global_grad_norm()
-        metrics = {
-            "loss/train": loss_train,
-            "lr": lr,
-            "throughput/tokens_per_s": tok_s,
-            "throughput/tokens_per_s_per_device": tok_s / world.world_size,
-            "time/step_s": step_time,
-            **phase_times,
-            "time/data_wait_s": wait,
-            "tokens/seen": float(step * tokens_per_step),
-        }
-        if peak is None and step == done + WARMUP_STEPS_EXCLUDED:
-            peak = measured_peak_flops(device, t.precision)
-        if peak is not None:
-            metrics["mfu"] = flops_tok * tok_s / (peak * world.world_size)
-        if grad_norm is not None:
-            metrics["grad_norm"] = float(grad_norm)
-        if t.precision == "fp16":  # dynamic loss scaling skips the steps whose gradients overflowed
-            skipped = int(getattr(engine, "skipped_steps", 0))
-            metrics["train/skipped_steps_total"] = float(skipped)
-            metrics["train/loss_scale"] = float(getattr(engine.optimizer, "cur_scale", 0.0) or 0.0)
-            if skipped > skipped_before and world.rank == 0:
-                log.warning("step %d: fp16 gradient overflow, step skipped and loss scale lowered "
-                            "(%d skipped so far)", step, skipped)
-            skipped_before = skipped
-        if step == done + 1:
-            metrics.update(held)
+            [loss_mean.item(), phases["time/data_wait_s"], policy.seconds_since_save()], device)
+        metrics = meter.metrics(step, step_s, loss_train, lr, phases, wait, engine, world.rank)
         if not math.isfinite(loss_train):
             log.warning("step %d: non-finite training loss %s", step, loss_train)
-
-        is_last = step == t.max_steps
-        save = ((t.checkpoint_every and step % t.checkpoint_every == 0) or is_last
-                or (t.checkpoint_every_minutes and since_save >= 60 * t.checkpoint_every_minutes))
-        eval_time = 0.0
-        scored_save = save and t.keep_checkpoints_by == "loss/val"  # each checkpoint gets its score
-        if (t.eval_every and step % t.eval_every == 0) or is_last or scored_save:
-            eval_start = time.perf_counter()
-            metrics["loss/val"] = evaluate(engine, source, t.eval_batches, device, pipeline)
-            eval_time = time.perf_counter() - eval_start
+        save = policy.wants_save(step, since_save)
+        if policy.wants_eval(step, save):
+            metrics["loss/val"] = _timed_eval(meter, engine, source, t.eval_batches, device, pipeline)
         metrics.update(memory_metrics(device))
-        live.observe(metrics, step)
-        if step % cfg.logging.log_every == 0 or is_last or "loss/val" in metrics:
-            logger.log(metrics, step)
-        if world.rank == 0:
-            # No ETA until steady-state steps are timed: the first step carries the start-up.
-            per_step = steady_time / steady_steps if steady_steps else 0.0
-            progress.update(Progress(step, t.max_steps, metrics["loss/train"],
-                                     metrics["throughput/tokens_per_s"], metrics["lr"], per_step,
-                                     metrics.get("loss/val")))
+        _publish(sinks, progress, metrics, step, cfg, world.rank, meter.mean_step_s)
         last.update(metrics)
-        # Steady-state throughput counts every second of the iteration (metric reduction and
-        # logging included) except validation and checkpointing, and skips the first steps.
-        if step > done + WARMUP_STEPS_EXCLUDED or t.max_steps - done <= WARMUP_STEPS_EXCLUDED:
-            steady_time += time.perf_counter() - start - eval_time
-            steady_wait += data_wait
-            steady_steps += 1
-
+        meter.end(step, phases["time/data_wait_s"])
         ckpt = None
-        if save and checkpoint_root is not None:
-            save_start = time.perf_counter()
-            ckpt = checkpoint.save(engine, checkpoint_root, step, world.rank, world.world_size,
-                                   client_state={"step": step, "tokens_seen": step * tokens_per_step,
-                                                 "batches_consumed": batches.count},
-                                   score=metrics.get("loss/val"))
-            save_time = time.perf_counter() - save_start
-            live.checkpointed(save_time)
-            if not is_last and step > done + WARMUP_STEPS_EXCLUDED:
-                steady_save_time += save_time
-            if world.rank == 0:  # after save's final barrier: every rank is done with the old ones
-                checkpoint.prune(checkpoint_root, t.keep_checkpoints, t.keep_checkpoints_by)
-            last_save = time.monotonic()
-            last_good = ckpt
-        if report is not None and not is_last and ("loss/val" in metrics or save):
-            # Flush first: a scheduler (ASHA) may stop this run as soon as it sees the report.
-            logger.flush()
-            fetch = report(metrics | {"step": step}, ckpt)
+        if save:
+            ckpt, save_s = policy.save(engine, step, {"step": step, "tokens_seen": step * tokens_per_step,
+                                                      "batches_consumed": batches.count}, metrics.get("loss/val"))
+            if ckpt is not None:
+                sinks.live.checkpointed(save_s)
+                meter.saved(step, save_s)
+        if sinks.report is not None and step != t.max_steps and ("loss/val" in metrics or save):
+            sinks.logger.flush()  # first: a scheduler (ASHA) may stop this run once it sees the report
+            fetch = sinks.report(metrics | {"step": step}, ckpt)
             if ckpt is not None and fetch is not None:
-                last_good = fetch
-
-    logger.close()
-    live.close()
-    progress.close()
-    final = dict(last)
-    final["throughput/tokens_per_s"] = tokens_per_step * steady_steps / max(steady_time, 1e-9)
-    # What checkpointing costs: the same steps with the time their saves took counted in.
-    final["throughput/tokens_per_s_with_checkpoints"] = (
-        tokens_per_step * steady_steps / max(steady_time + steady_save_time, 1e-9))
-    if peak is not None:
-        final["mfu"] = flops_tok * final["throughput/tokens_per_s"] / (peak * world.world_size)
-    final["time/data_wait_share"] = steady_wait / max(steady_time, 1e-9)
-    final["time/first_step_unix"] = first_step_unix
-    final["step"] = t.max_steps
-    final.update(held)
+                policy.last_good = fetch
+    sinks.close()
+    final = last | meter.summary() | {"step": t.max_steps} | meter.held
     if guard.active:
         final.update(guard.metrics())
-    if report is not None:  # the last report carries the final checkpoint and the summary metrics
-        report(final, ckpt)
+    if sinks.report is not None:  # the last report carries the final checkpoint and the summary metrics
+        sinks.report(final, ckpt)
     return final
+
+
+def _timed_eval(meter: StepMeter, engine, source: BatchSource, max_batches: int, device: torch.device,
+                pipeline: bool) -> float:
+    start = time.perf_counter()
+    loss = evaluate(engine, source, max_batches, device, pipeline)
+    meter.evaluated(time.perf_counter() - start)
+    return loss
+
+
+def _publish(sinks: Sinks, progress: ProgressSink, metrics: dict[str, float], step: int, cfg: RunConfig,
+             rank: int, mean_step_s: float) -> None:
+    """The step's metrics to Prometheus, MLflow (every `log_every` steps, at evaluations and at
+    the end) and, on rank 0, the progress display (no ETA until steady steps are timed)."""
+    sinks.live.observe(metrics, step)
+    is_last = step == cfg.train.max_steps
+    if step % cfg.logging.log_every == 0 or is_last or "loss/val" in metrics:
+        sinks.logger.log(metrics, step)
+    if rank == 0:
+        progress.update(Progress(step, cfg.train.max_steps, metrics["loss/train"],
+                                 metrics["throughput/tokens_per_s"], metrics["lr"], mean_step_s,
+                                 metrics.get("loss/val")))
+
+
+def _hand_in_profile(window, logger: MetricLogger) -> None:
+    """A finished profiler window goes to the run's artifacts (profile/), then off local disk."""
+    if window is not None:
+        logger.log_artifacts(str(window), "profile")
+        shutil.rmtree(window, ignore_errors=True)
 
 
 def _after_bad_loss(bad: BadLoss, guard: HealthGuard, engine, last_good: str | Fetch | None, rank: int,
@@ -356,7 +259,7 @@ def _after_bad_loss(bad: BadLoss, guard: HealthGuard, engine, last_good: str | F
     if guard.cfg.policy == "rollback" and not bad.fatal and last_good is not None and not capped:
         if callable(last_good):
             last_good = last_good()
-        _, client = engine.load_checkpoint(last_good, tag=checkpoint.TAG)
+        _, client = engine.load_checkpoint(last_good, tag=TAG)
         back_to = int(client["step"])
         guard.rollbacks += 1
         guard.events.append(f"step {bad.step}: rolled back to {os.path.basename(last_good)}, skipping the "

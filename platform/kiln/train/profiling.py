@@ -10,29 +10,13 @@ from __future__ import annotations
 
 import logging
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from kiln.config import ProfileConfig
+
 log = logging.getLogger("kiln.train")
-
-
-@dataclass
-class ProfileConfig:
-    start_step: int = 0
-    """First profiled step; 0 turns profiling off. Pick a step after warm-up (allocator, JIT,
-    Ray Data start-up) unless start-up is what you are after."""
-    steps: int = 3
-    """Steps in the window: a few, since traces grow by megabytes a step."""
-    ranks: str = "0"
-    """Ranks that profile: comma-separated ("0,3") or "all". One is usually enough; all of them
-    find a straggler."""
-
-    def rank_set(self, world_size: int) -> set[int]:
-        if self.ranks.strip() == "all":
-            return set(range(world_size))
-        return {int(r) for r in self.ranks.split(",") if r.strip()}
 
 
 class StepProfiler:

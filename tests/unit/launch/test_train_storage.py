@@ -8,7 +8,7 @@ import pytest
 
 from kiln.config import RunConfig
 from kiln.errors import StorageError
-from kiln.launch.on_ray import check_storage
+from kiln.launch.preflight import check_storage
 from kiln.ray.trainer import train_storage
 
 
@@ -44,7 +44,7 @@ def test_local_storage_needs_no_check(tmp_path):
 
 
 def test_storage_comes_from_the_config_then_kiln_storage_path_then_runs(monkeypatch):
-    from kiln.launch.on_ray import with_run_name
+    from kiln.launch.preflight import with_run_name
 
     monkeypatch.delenv("KILN_STORAGE_PATH", raising=False)
     assert with_run_name(RunConfig()).train.storage_path == "runs"

@@ -20,14 +20,16 @@ from pathlib import Path
 
 import torch
 
-from kiln.config import load_config
+from kiln.config import gpt_config, load_config
+from kiln.data.check import resolve_against_data
 from kiln.data.sources import ParquetSource
 from kiln.launch.local import _world_from_env
-from kiln.launch.on_ray import resolve_against_data
-from kiln.parallel.engine import initialize, state_dtypes
+from kiln.parallel.engine import build_engine
 from kiln.parallel.pipeline import data_parallel_coords
 from kiln.plan.memory import estimate, plan_input
-from kiln.train.loop import gpt_config, train_loop
+from kiln.train.loop import train_loop
+from kiln.train.meter import inner_optimizer
+from kiln.train.sinks import Sinks
 
 BASE = [
     "model.flavour=debug", "train.precision=fp32", "train.micro_batch_size=4", "train.max_steps=20",
@@ -63,21 +65,32 @@ def run_one(spec: dict, data: str, root: str, world) -> dict:
     source = ParquetSource(cfg_manifest(cfg), dp_rank, dp_size, cfg.train.micro_batch_size)
     out: dict = {}
     if spec.get("dtypes"):  # one step, then what dtypes the engine keeps
-        torch.manual_seed(cfg.train.seed)
-        engine, _ = initialize(cfg, gpt_config(cfg), dp_size, on_cuda=False, scheduler_fn=lambda o: None)
+        engine, _ = build_engine(cfg, world)
         batch = next(source.train_batches())
         _, loss = engine(batch[:, :-1], batch[:, 1:])
         engine.backward(loss)
         engine.step()
         return {"dtypes": {k: sorted(v) for k, v in state_dtypes(engine).items()}}
     capture = Capture()
-    final = train_loop(cfg, world, source, capture, checkpoint_root=os.path.join(root, spec["name"]))
+    engine, scheduler = build_engine(cfg, world)
+    final = train_loop(cfg, world, engine, scheduler, source, Sinks(logger=capture), os.path.join(root, spec["name"]))
     out["loss"] = [capture.history[s]["loss/train"] for s in sorted(capture.history)]
     out["steps"] = sorted(capture.history)
     out["final"] = final
     est = estimate(plan_input(cfg, gpt_config(cfg), 1.0))
     out["planned"] = {"params": est.params, "optimizer_states": est.optimizer_states}
     return out
+
+
+def state_dtypes(engine) -> dict[str, set[str]]:
+    """dtypes of the model weights, the stepped (master) weights and the optimizer state."""
+    opt = inner_optimizer(engine)
+    return {
+        "params": {str(p.dtype) for p in engine.module.parameters()},
+        "stepped": {str(p.dtype) for g in opt.param_groups for p in g["params"]},
+        "optimizer_state": {str(v.dtype) for s in opt.state.values() for v in s.values()
+                            if torch.is_tensor(v) and v.dim() > 0},
+    }
 
 
 def cfg_manifest(cfg):

@@ -4,8 +4,8 @@ import pickle
 from pathlib import Path
 from types import SimpleNamespace
 
-from kiln.sweep.config import load_sweep
-from kiln.sweep.progress import SweepProgress, SweepState, expected_trials
+from kiln.sweep.config import expected_trials, load_sweep
+from kiln.sweep.progress import SweepProgress, SweepState
 
 REPO = Path(__file__).resolve().parents[3]
 

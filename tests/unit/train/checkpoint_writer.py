@@ -13,11 +13,10 @@ import sys
 
 import torch
 
-from kiln.config import load_config
+from kiln.config import gpt_config, load_config
 from kiln.launch.local import _world_from_env
 from kiln.parallel.engine import initialize
 from kiln.train import checkpoint
-from kiln.train.loop import gpt_config
 from kiln.train.optim import build_scheduler
 
 

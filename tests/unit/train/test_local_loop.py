@@ -137,7 +137,7 @@ def _name_as_rank(rank: int, tmp: str) -> None:
     # As if the ranks had read their clocks either side of a second.
     cfg = dataclasses.replace(cfg, logging=dataclasses.replace(cfg.logging, run_name=f"debug-2026112{rank}"),
                               train=dataclasses.replace(cfg.train, storage_path=f"{tmp}/runs{rank}"))
-    agreed = agree_on_run_name(cfg, WorldInfo(rank=rank, world_size=2, local_rank=rank, device=torch.device("cpu")))
+    agreed = agree_on_run_name(cfg, WorldInfo(rank=rank, world_size=2, device=torch.device("cpu")))
     Path(tmp, f"rank{rank}").write_text(f"{agreed.logging.run_name} {agreed.train.storage_path}")
     dist.destroy_process_group()
 

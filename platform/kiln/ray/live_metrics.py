@@ -6,7 +6,7 @@ name with `ray_`, so `kiln_train_loss` is scraped as `ray_kiln_train_loss`). Nam
 Prometheus conventions: base units (seconds, bytes, ratios) and `_total` on counters.
 
 The training loop only sees `observe(metrics, step)`, `checkpointed(seconds)` and
-`close()`; `NullLive` stands in where no Ray runs (the local launcher, tests).
+`close()` (`kiln.train.sinks.LiveMetrics`); `NullLive` stands in where no Ray runs.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Protocol
 
 import psutil
 
@@ -89,23 +88,6 @@ def device_limit_bytes(device) -> float:
 def exported_names() -> set[str]:
     """Every name as Prometheus sees it on Ray's endpoint."""
     return {PREFIX + s.name for s in SERIES + DIRECT}
-
-
-class LiveMetrics(Protocol):
-    def observe(self, metrics: dict[str, float], step: int) -> None: ...
-    def checkpointed(self, seconds: float) -> None: ...
-    def close(self) -> None: ...
-
-
-class NullLive:
-    def observe(self, metrics: dict[str, float], step: int) -> None:
-        pass
-
-    def checkpointed(self, seconds: float) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 class RayLive:

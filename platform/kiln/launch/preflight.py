@@ -1,0 +1,129 @@
+"""Every check a launcher runs before it starts anything, in one place.
+
+`kiln train` on Ray, the local launcher and `kiln sweep` all call `preflight`, so a new check
+goes here once and stops every driver. Everything a user can get wrong (dataset and shards,
+model/data mismatch, precision, pipeline partition, offload ops, the memory plan, checkpoint
+storage, MLflow reachability) fails here, with one line naming the field, before Ray,
+DeepSpeed or MLflow start.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+from kiln.config import RunConfig, gpt_config
+from kiln.data.check import resolve_against_data
+from kiln.data.manifest import Manifest
+from kiln.errors import ConfigError, StorageError
+from kiln.parallel.engine import check_offload_ops
+from kiln.parallel.pipeline import check_partition
+from kiln.plan.memory import plan_input, refuse_if_too_big
+from kiln.storage import is_url, resolve
+from kiln.tracking.server import check_reachable, resolve_tracking_uri
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Checked:
+    """What preflight resolved: the config with its data shapes, run name and absolute paths
+    filled in, the dataset's manifest, and the tracking URI."""
+
+    cfg: RunConfig
+    manifest: Manifest
+    tracking_uri: str
+
+
+def preflight(cfg: RunConfig, remote_cluster: bool = False, storage_field: str = "train.storage_path",
+              local_storage: bool = False) -> Checked:
+    """Run every pre-launch check on `cfg`; raise a KilnError naming the first problem.
+
+    `remote_cluster`: the workers run on other machines, so their memory is not known here.
+    `storage_field`: how the user set `train.storage_path` (a sweep sets it from its own).
+    `local_storage`: the launcher writes checkpoints itself, to a local directory."""
+    cfg, manifest = resolve_against_data(cfg)
+    check_precision(cfg)
+    cfg = with_run_name(cfg)
+    check_resources(cfg, remote_cluster)
+    tracking_uri = resolve_tracking_uri(cfg.logging.tracking_uri)
+    check_reachable(tracking_uri)
+    check_storage(cfg, storage_field, local_storage)  # after with_run_name: $KILN_STORAGE_PATH
+    return Checked(cfg, manifest, tracking_uri)
+
+
+def with_run_name(cfg: RunConfig) -> RunConfig:
+    """Fill in what the driver decides once for all workers: the run name and where it is stored."""
+    name = cfg.logging.run_name or f"{cfg.model.flavour}-{time.strftime('%Y%m%d-%H%M%S')}"
+    storage = cfg.train.storage_path or os.environ.get("KILN_STORAGE_PATH") or "runs"
+    return dataclasses.replace(cfg, logging=dataclasses.replace(cfg.logging, run_name=name),
+                               train=dataclasses.replace(cfg.train, storage_path=storage))
+
+
+def check_precision(cfg: RunConfig) -> None:
+    import torch
+
+    prec = cfg.train.precision
+    if not cfg.parallel.use_gpu and prec == "fp16":
+        raise ConfigError(
+            "train.precision = 'fp16' is not supported on CPU (DeepSpeed's CPU accelerator has no "
+            "fp16); expected 'bf16' or 'fp32' for CPU workers"
+        )
+    if cfg.parallel.use_gpu and prec == "bf16" and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
+        raise ConfigError(
+            f"train.precision = 'bf16' is not supported by {torch.cuda.get_device_name()}; use 'fp16' or 'fp32'"
+        )
+
+
+def device_memory(cfg: RunConfig, remote_cluster: bool) -> tuple[float, str] | None:
+    """(GiB per device, where that figure came from), or None where it cannot be known here."""
+    import psutil
+    import torch
+
+    p = cfg.parallel
+    if p.device_memory_gib:
+        return p.device_memory_gib, "parallel.device_memory_gib"
+    if remote_cluster:
+        return None  # the workers' devices are on other machines
+    if p.use_gpu:
+        if not torch.cuda.is_available():
+            return None
+        props = torch.cuda.get_device_properties(0)
+        return props.total_memory / (1 << 30), props.name
+    return psutil.virtual_memory().total / (1 << 30) / p.num_workers, f"this machine's RAM / {p.num_workers} workers"
+
+
+def check_resources(cfg: RunConfig, remote_cluster: bool = False) -> None:
+    """Before launch: the ops an offload needs, and the memory plan against the devices."""
+    check_partition(gpt_config(cfg).n_layer, cfg.parallel)
+    check_offload_ops(cfg)
+    mem = device_memory(cfg, remote_cluster)
+    if mem is None:
+        log.info("device memory unknown from here: set parallel.device_memory_gib to check the plan before launch")
+        return
+    est = refuse_if_too_big(plan_input(cfg, gpt_config(cfg), mem[0]), mem[1])
+    log.info("memory plan: %.2f GiB per device estimated of %.2f GiB", est.total / (1 << 30), mem[0])
+
+
+def check_storage(cfg: RunConfig, field: str = "train.storage_path", local_only: bool = False) -> None:
+    """Where checkpoints go (`cfg.train.storage_path`, set by `field`) must be usable before
+    launch: otherwise the first checkpoint, minutes in, is where the run would fail. An s3://
+    path must be reachable and its bucket must exist; a launcher that writes checkpoints itself
+    (`local_only`) needs a local directory."""
+    path = cfg.train.storage_path
+    if local_only and is_url(path):
+        raise StorageError(f"{field} = {path!r}: the local launcher writes checkpoints to a local directory; "
+                           "expected a local path (an s3:// storage path is for `kiln train` on Ray)")
+    if not path.startswith("s3://"):
+        return
+    loc = resolve(path, cfg.data.s3_endpoint, cfg.data.s3_region)
+    bucket = loc.path.split("/", 1)[0]
+    try:
+        found = loc.fs.get_file_info(bucket).type
+    except OSError as e:
+        raise StorageError(f"{field}: cannot reach {loc.uri} (S3 endpoint {loc.endpoint or 'AWS'}): {e}") from None
+    if found.name == "NotFound":
+        raise StorageError(f"{field}: bucket '{bucket}' of {loc.uri} does not exist; create it first")

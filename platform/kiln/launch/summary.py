@@ -1,0 +1,60 @@
+"""The end-of-run summary `kiln train` and the local launcher print (and write as JSON)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+
+from kiln.config import RunConfig
+from kiln.data.manifest import Manifest
+from kiln.tracking.server import ui_command
+
+
+@dataclass
+class Summary:
+    run_name: str
+    run_id: str
+    tracking_uri: str
+    experiment: str
+    metrics: dict
+    unigram_entropy_bits: float
+    seconds_to_first_step: float
+    checkpoint: str | None
+    num_workers: int
+
+    @classmethod
+    def of_run(cls, cfg: RunConfig, manifest: Manifest, final: dict, run_id: str, tracking_uri: str,
+               started: float, checkpoint: str | None) -> Summary:
+        return cls(
+            run_name=cfg.logging.run_name, run_id=run_id, tracking_uri=tracking_uri,
+            experiment=cfg.logging.experiment, metrics=final,
+            unigram_entropy_bits=float(manifest.raw["unigram_entropy_bits"]),
+            seconds_to_first_step=final["time/first_step_unix"] - started,
+            checkpoint=checkpoint, num_workers=cfg.parallel.num_workers,
+        )
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2, default=str)
+
+    def render(self) -> str:
+        m, ln2 = self.metrics, math.log(2)
+        val_bits = m["loss/val"] / ln2
+        lines = [
+            f"Kiln run '{self.run_name}' finished: {m['step']} steps on {self.num_workers} worker(s), "
+            f"{m['tokens/seen'] / 1e6:.2f}M tokens",
+            f"  train loss        {m['loss/train']:.4f} nats/token  ({m['loss/train'] / ln2:.3f} bits/token)",
+            f"  val loss          {m['loss/val']:.4f} nats/token  ({val_bits:.3f} bits/token)",
+            f"  unigram entropy   {self.unigram_entropy_bits:.3f} bits/token  "
+            f"(val loss is {abs(self.unigram_entropy_bits - val_bits):.3f} bits/token "
+            f"{'below' if val_bits < self.unigram_entropy_bits else 'ABOVE'} it)",
+            f"  throughput        {m['throughput/tokens_per_s']:,.0f} tokens/s steady state"
+            + (f", MFU {100 * m['mfu']:.1f}%" if "mfu" in m else ""),
+            f"  first step after  {self.seconds_to_first_step:.1f} s; data wait {100 * m['time/data_wait_share']:.1f}% of step time",
+            f"  MLflow run        {self.run_id} (experiment '{self.experiment}')",
+            f"  open the UI       {ui_command(self.tracking_uri)}",
+        ]
+        if self.checkpoint:
+            lines.append(f"  checkpoint        {self.checkpoint}")
+        return "\n".join(lines)

@@ -1,0 +1,70 @@
+"""Secrets never leave in clear: params, tags, artifacts and log lines pass through here.
+
+`redact` drops the value of any credential-named key; `scrub` masks URL passwords and the value
+of every credential-named environment variable in free text; `ScrubFilter` applies `scrub` to
+log records on their way to a handler.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from typing import Any
+
+# "token" as in a credential, not the tokenizer or a count of tokens (data.tokenizer, data.train_tokens).
+SECRET_PATTERN = re.compile(r"(secret|token(?!izer|s(?![a-z]))|password|passwd|credential|api[_-]?key|"
+                            r"access[_-]?key|auth)", re.I)
+REDACTED = "***"
+
+# user:password@ inside any URL (an S3 endpoint, a Postgres backend store, a tracking server)
+URL_PASSWORD = re.compile(r"(?P<head>[a-zA-Z][a-zA-Z0-9+.-]*://[^/\s:@]+:)[^/\s@]+@")
+
+
+def redact(params: dict[str, Any]) -> dict[str, Any]:
+    """Drop the value of any key that looks like a credential; scrub the rest (`scrub`)."""
+    return {k: (REDACTED if SECRET_PATTERN.search(k) else scrub(v) if isinstance(v, str) else v)
+            for k, v in params.items()}
+
+
+def redact_tree(tree: Any) -> Any:
+    """`redact` through nested dicts and lists: a config as a whole, before it becomes YAML."""
+    if isinstance(tree, dict):
+        return {k: (REDACTED if isinstance(k, str) and SECRET_PATTERN.search(k) else redact_tree(v))
+                for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [redact_tree(v) for v in tree]
+    return scrub(tree) if isinstance(tree, str) else tree
+
+
+def scrub(text: str) -> str:
+    """Text with URL passwords masked and the value of every credential-named environment
+    variable (AWS keys, MLflow and Ray tokens, ...) replaced by ***."""
+    text = URL_PASSWORD.sub(lambda m: m.group("head") + REDACTED + "@", text)
+    for value in _environment_secrets():
+        text = text.replace(value, REDACTED)
+    return text
+
+
+def _environment_secrets() -> list[str]:
+    # Short values ("1", "true", "token" as RAY_AUTH_MODE) are settings, not secrets.
+    return sorted({v for k, v in os.environ.items() if SECRET_PATTERN.search(k) and len(v) >= 8},
+                  key=len, reverse=True)
+
+
+def configure_logging() -> None:
+    """INFO to stderr for a command front end, with every line passed through `scrub`."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(ScrubFilter())
+
+
+class ScrubFilter(logging.Filter):
+    """Masks secrets in log records on their way to a handler (see `scrub`)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        cleaned = scrub(message)
+        if cleaned != message:
+            record.msg, record.args = cleaned, None
+        return True

@@ -1,0 +1,224 @@
+"""What a step costs: throughput, MFU, phase times and memory. Names carry a namespace and unit.
+
+`StepMeter` keeps the per-step numbers and the steady-state totals of a run (the first steps,
+which carry allocator warm-up, JIT and caches, are left out); the functions below it measure the
+device's peak and the memory a rank holds.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import psutil
+import torch
+
+from kiln.config import RunConfig
+from kiln.devices import by_cuda_name
+from kiln.model import GPTConfig, flops_per_token
+
+log = logging.getLogger("kiln.train")
+
+WARMUP_STEPS_EXCLUDED = 5  # steady-state throughput ignores the first steps (allocator, JIT, caches)
+
+
+class StepMeter:
+    """Times each step and turns it into metrics; sums the steady-state steps for the summary.
+
+    Steady-state time counts every second of an iteration (metric reduction and logging
+    included) except validation and checkpointing. Checkpoint saves within the steady steps
+    (the last one excluded) are summed apart, for `throughput/tokens_per_s_with_checkpoints`.
+    """
+
+    def __init__(self, cfg: RunConfig, mcfg: GPTConfig, world_size: int, device: torch.device,
+                 tokens_per_step: int, done: int):
+        self.precision, self.max_steps = cfg.train.precision, cfg.train.max_steps
+        self.world_size, self.device, self.tokens_per_step = world_size, device, tokens_per_step
+        self.done = done  # steps done before this process started (a resume)
+        self.flops_per_token = flops_per_token(mcfg)
+        self.peak = datasheet_peak_flops(device, self.precision, cfg.train.peak_flops)
+        self.steady_time = self.steady_wait = self.steady_save_time = 0.0
+        self.steady_steps = 0
+        self.first_step_unix = 0.0
+        self.held: dict[str, float] = {}  # what the engine holds, measured after the first step
+        self._skipped_before = 0
+        self._start = self._eval_s = 0.0
+
+    def begin(self) -> None:
+        self._start, self._eval_s = time.perf_counter(), 0.0
+
+    def step_time(self) -> float:
+        """Seconds since `begin`, the device's queued work included."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - self._start
+
+    def first_step_done(self, engine) -> None:
+        self.first_step_unix = time.time()
+        self.held = engine_memory(engine)  # optimizer state exists after the first step
+
+    @property
+    def mean_step_s(self) -> float:
+        """Mean seconds per steady-state step so far (0 until one is timed: the ETA waits)."""
+        return self.steady_time / self.steady_steps if self.steady_steps else 0.0
+
+    def metrics(self, step: int, step_s: float, loss: float, lr: float, phases: dict[str, float],
+                data_wait: float, engine, rank: int) -> dict[str, float]:
+        """The step's metrics; `loss` and `data_wait` are already averaged over ranks."""
+        tok_s = self.tokens_per_step / step_s
+        grad_norm = engine.get_global_grad_norm()
+        out = {
+            "loss/train": loss,
+            "lr": lr,
+            "throughput/tokens_per_s": tok_s,
+            "throughput/tokens_per_s_per_device": tok_s / self.world_size,
+            "time/step_s": step_s,
+            **phases,
+            "time/data_wait_s": data_wait,
+            "tokens/seen": float(step * self.tokens_per_step),
+        }
+        if self.peak is None and step == self.done + WARMUP_STEPS_EXCLUDED:
+            self.peak = measured_peak_flops(self.device, self.precision)
+        if self.peak is not None:
+            out["mfu"] = self.mfu(tok_s)
+        if grad_norm is not None:
+            out["grad_norm"] = float(grad_norm)
+        if self.precision == "fp16":
+            out.update(self._fp16(engine, step, rank))
+        if step == self.done + 1:
+            out.update(self.held)
+        return out
+
+    def mfu(self, tokens_per_s: float) -> float:
+        return self.flops_per_token * tokens_per_s / (self.peak * self.world_size)
+
+    def _fp16(self, engine, step: int, rank: int) -> dict[str, float]:
+        """Dynamic loss scaling skips the steps whose gradients overflowed: count and say so."""
+        skipped = int(getattr(engine, "skipped_steps", 0))
+        if skipped > self._skipped_before and rank == 0:
+            log.warning("step %d: fp16 gradient overflow, step skipped and loss scale lowered "
+                        "(%d skipped so far)", step, skipped)
+        self._skipped_before = skipped
+        return {"train/skipped_steps_total": float(skipped),
+                "train/loss_scale": float(getattr(engine.optimizer, "cur_scale", 0.0) or 0.0)}
+
+    def evaluated(self, seconds: float) -> None:
+        self._eval_s += seconds
+
+    def _steady(self, step: int) -> bool:
+        runs = self.max_steps - self.done
+        return step > self.done + WARMUP_STEPS_EXCLUDED or runs <= WARMUP_STEPS_EXCLUDED
+
+    def end(self, step: int, data_wait: float) -> None:
+        """Count the iteration, from `begin` to now, into the steady state (validation excluded)."""
+        if self._steady(step):
+            self.steady_time += time.perf_counter() - self._start - self._eval_s
+            self.steady_wait += data_wait
+            self.steady_steps += 1
+
+    def saved(self, step: int, seconds: float) -> None:
+        if step != self.max_steps and step > self.done + WARMUP_STEPS_EXCLUDED:
+            self.steady_save_time += seconds
+
+    def summary(self) -> dict[str, float]:
+        """The run's steady-state throughput, MFU and data-wait share."""
+        tokens = self.tokens_per_step * self.steady_steps
+        out = {
+            "throughput/tokens_per_s": tokens / max(self.steady_time, 1e-9),
+            # What checkpointing costs: the same steps with the time their saves took counted in.
+            "throughput/tokens_per_s_with_checkpoints": tokens / max(self.steady_time + self.steady_save_time, 1e-9),
+        }
+        if self.peak is not None:
+            out["mfu"] = self.mfu(out["throughput/tokens_per_s"])
+        out["time/data_wait_share"] = self.steady_wait / max(self.steady_time, 1e-9)
+        out["time/first_step_unix"] = self.first_step_unix
+        return out
+
+
+def measured_matmul_flops(device: torch.device, dtype: torch.dtype, seconds: float = 0.3) -> float:
+    """Achieved FLOP/s of square matmuls: the practical peak where no datasheet applies (CPUs)."""
+    n = 512 if device.type == "cpu" else 4096
+    # Values do not matter; a generator of its own leaves the training RNG untouched (a resumed
+    # run measures at another step, and must draw the same dropout masks as the first).
+    gen = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
+    b = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
+    a @ b  # warm-up
+    iters, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        a @ b
+        iters += 1
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return 2 * n**3 * iters / (time.perf_counter() - start)
+
+
+def datasheet_peak_flops(device: torch.device, precision: str, configured: float = 0.0) -> float | None:
+    """The configured or datasheet peak; None where there is none (CPUs, unknown GPUs)."""
+    if configured > 0:
+        return configured
+    if device.type == "cuda":
+        known = by_cuda_name(torch.cuda.get_device_name(device))
+        if known is not None:
+            return known.peak_flops(precision)
+    return None
+
+
+def measured_peak_flops(device: torch.device, precision: str) -> float:
+    """Where no datasheet applies, MFU is relative to the matmul rate this worker achieves,
+    measured once training is in steady state (so under the same load as the steps)."""
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
+    rate = measured_matmul_flops(device, dtype)
+    if device.type == "cpu" and dtype != torch.float32:
+        # CPUs without bf16 matmul units emulate it slower than fp32, while the model's kernels
+        # may not: take the faster rate as the peak, so MFU cannot exceed 100% from that alone.
+        rate = max(rate, measured_matmul_flops(device, torch.float32))
+    return rate
+
+
+def memory_metrics(device: torch.device) -> dict[str, float]:
+    gib = 1024**3
+    out = {"memory/rss_gib": psutil.Process().memory_info().rss / gib}
+    if device.type == "cuda":
+        out["memory/max_allocated_gib"] = torch.cuda.max_memory_allocated(device) / gib
+        out["memory/max_reserved_gib"] = torch.cuda.max_memory_reserved(device) / gib
+    return out
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def inner_optimizer(engine) -> torch.optim.Optimizer:
+    """The torch optimizer under DeepSpeed's wrappers (ZeRO, bf16, fp16)."""
+    opt = engine.optimizer
+    while not isinstance(opt, torch.optim.Optimizer) and getattr(opt, "optimizer", None) is not None:
+        opt = opt.optimizer
+    return opt
+
+
+MASTER_ATTRS = ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat", "fp32_groups_flat_partition")
+
+
+def engine_memory(engine) -> dict[str, float]:
+    """Bytes this rank holds, from the tensors themselves (not a formula).
+
+    params: the model's weights (ZeRO-3: this rank's partition); master: fp32 copies the
+    optimizer steps on when they are not the model's own tensors; optimizer_state: the optimizer's
+    moments and buffers.
+    """
+    model_params = {id(p): p for p in engine.module.parameters()}
+    params = sum(_nbytes(p.ds_tensor) if hasattr(p, "ds_tensor") else _nbytes(p) for p in model_params.values())
+    opt = inner_optimizer(engine)
+    # The fp32 copies the wrapper steps on (ZeRO-1/2, ZeRO-3 and bf16 name them differently;
+    # ZeRO-3 also empties the torch optimizer's param groups between steps).
+    flat = next((getattr(engine.optimizer, a) for a in MASTER_ATTRS if hasattr(engine.optimizer, a)), None)
+    if flat is not None:
+        master = sum(_nbytes(t) for t in flat if torch.is_tensor(t))
+    else:
+        stepped = {id(p): p for g in opt.param_groups for p in g["params"]}
+        master = sum(_nbytes(p) for i, p in stepped.items() if i not in model_params)
+    state = sum(_nbytes(v) for s in opt.state.values() for v in s.values()
+                if torch.is_tensor(v) and v.dim() > 0)
+    return {"memory/params_bytes": float(params), "memory/master_params_bytes": float(master),
+            "memory/optimizer_state_bytes": float(state)}

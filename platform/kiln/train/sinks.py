@@ -1,0 +1,85 @@
+"""Where the training loop's output goes: one bundle of four sinks.
+
+- `logger`: per-step metrics, tags and artifacts (MLflow on rank 0, `kiln.tracking`);
+- `live`: gauges for Prometheus (Ray's metrics endpoint, `kiln.ray.live_metrics`);
+- `progress`: what a person watches (a bar or log lines, `kiln.ui.progress`);
+- `report`: Ray Train's `report` (metrics and checkpoints to the controller and Tune).
+
+The loop knows only these protocols; the launchers plug in the real ones. Every rank gets a
+bundle, and every rank calls `report` the same number of times (Ray Train requires that).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kiln.ui.progress import ProgressSink
+
+# Ray Train's report: metrics and a local checkpoint directory in; back, for a checkpoint the
+# directory is gone from, a function that fetches it again (what a rollback reloads).
+Fetch = Callable[[], str]
+Report = Callable[[dict, "str | None"], "Fetch | None"]
+
+
+class MetricLogger(Protocol):
+    def log(self, metrics: dict[str, float], step: int) -> None: ...
+    def set_tag(self, key: str, value: str) -> None: ...
+    def log_artifacts(self, local_dir: str, artifact_path: str) -> None: ...
+    def flush(self) -> None: ...
+    def close(self) -> None: ...
+
+
+class NullLogger:
+    """What every rank but 0 gets: only rank 0 logs."""
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        pass
+
+    def set_tag(self, key: str, value: str) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+    def log_artifacts(self, local_dir: str, artifact_path: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class LiveMetrics(Protocol):
+    def observe(self, metrics: dict[str, float], step: int) -> None: ...
+    def checkpointed(self, seconds: float) -> None: ...
+    def close(self) -> None: ...
+
+
+class NullLive:
+    """Where no Ray runs (the local launcher, tests): no live export."""
+
+    def observe(self, metrics: dict[str, float], step: int) -> None:
+        pass
+
+    def checkpointed(self, seconds: float) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass
+class Sinks:
+    logger: MetricLogger = field(default_factory=NullLogger)
+    live: LiveMetrics = field(default_factory=NullLive)
+    progress: ProgressSink | None = None
+    """Rank 0's progress display; None: log lines every `logging.progress_every` steps."""
+    report: Report | None = None
+    """Ray Train's report; None where no controller listens (the local launcher)."""
+
+    def close(self) -> None:
+        self.logger.close()
+        self.live.close()
+        if self.progress is not None:
+            self.progress.close()
