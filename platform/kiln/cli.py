@@ -39,6 +39,13 @@ def _flavours() -> list[str]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kiln", description="Efficient LLM training on Ray.")
     sub = parser.add_subparsers(dest="command", required=True)
+    for add in (_data_parser, _train_parser, _sweep_parser, _lr_parser, _runs_parser, _plan_parser,
+                _cluster_parser, _services_parser, _config_parser):
+        add(sub)
+    return parser
+
+
+def _data_parser(sub) -> None:
 
     data = sub.add_parser("data", help="prepare tokenized Parquet datasets").add_subparsers(dest="data_cmd", required=True)
     prep = data.add_parser("prepare", help="tokenize text into Parquet shards + manifest")
@@ -60,9 +67,13 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("path", help="dataset directory or s3://bucket/prefix")
     verify.add_argument("--s3-endpoint", default="", help="S3-compatible endpoint URL (default $AWS_ENDPOINT_URL)")
 
+
+def _train_parser(sub) -> None:
     train = sub.add_parser("train", help="train on Ray Train + DeepSpeed, logging to MLflow")
     _add_train_args(train)
 
+
+def _sweep_parser(sub) -> None:
     sweep = sub.add_parser("sweep", help="Ray Tune sweep: every trial a Ray Train run, all in MLflow",
                            description="Run (or resume) a sweep file from jobs/configs/sweeps/.")
     what = sweep.add_mutually_exclusive_group(required=True)
@@ -74,12 +85,16 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--address", default=None, help="Ray cluster address; default $RAY_ADDRESS, else embedded")
     sweep.add_argument("--summary-json", default=None, metavar="PATH", help="also write the ranked trials as JSON")
 
+
+def _lr_parser(sub) -> None:
     lr = sub.add_parser("lr", help="learning-rate schedules").add_subparsers(dest="lr_cmd", required=True)
     plot = lr.add_parser("plot", help="write a PNG of a run config's LR schedule")
     plot.add_argument("--config", help="run config YAML (defaults if omitted)")
     plot.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     plot.add_argument("--out", default="lr_schedule.png", help="PNG path (default lr_schedule.png)")
 
+
+def _runs_parser(sub) -> None:
     runs = sub.add_parser("runs", help="list or compare MLflow runs").add_subparsers(dest="runs_cmd", required=True)
     for name, helptext in (("list", "newest runs first"), ("compare", "runs ranked by a metric")):
         r = runs.add_parser(name, help=helptext)
@@ -91,6 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
             r.add_argument("--sort", default="loss/val", help="metric to rank by")
             r.add_argument("--desc", action="store_true", help="rank highest first (for metrics to maximise)")
 
+
+def _plan_parser(sub) -> None:
     plan = sub.add_parser(
         "plan", help="per-device memory of a training setup, and the cheapest option that fits",
         description="Estimate per-device bytes of parameters, gradients, optimizer state and activations "
@@ -120,10 +137,14 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--target-tokens", type=float, help="token budget (default: 20 per parameter, Chinchilla)")
     plan.add_argument("--usd-per-hour", type=float, help="the cluster's price per hour (default: on-demand list)")
 
+
+def _cluster_parser(sub) -> None:
     cluster = sub.add_parser("cluster", help="Ray cluster files").add_subparsers(dest="cluster_cmd", required=True)
     check = cluster.add_parser("check", help="validate cluster launcher YAMLs and KubeRay manifests before `ray up`")
     check.add_argument("files", nargs="+", metavar="FILE", help="e.g. cluster/aws-gpu.yaml cluster/kuberay/*.yaml")
 
+
+def _services_parser(sub) -> None:
     services = sub.add_parser("services", help="a shared MLflow server (and Prometheus) on this machine")
     svc = services.add_subparsers(dest="services_cmd", required=True)
     for name, helptext in (("up", "start them"), ("down", "stop them"), ("status", "show what runs")):
@@ -137,114 +158,136 @@ def build_parser() -> argparse.ArgumentParser:
             s.add_argument("--prometheus", action="store_true", help="also run Prometheus on Ray's metrics")
             s.add_argument("--prometheus-port", type=int, default=9090)
 
+
+def _config_parser(sub) -> None:
     cfg = sub.add_parser("config", help="print a run config as annotated YAML")
     cfg.add_argument("--config", help="YAML to resolve (defaults if omitted)")
     cfg.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    return parser
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.command == "data" and args.data_cmd == "verify":
+    """Carry out a parsed command; its handler prints the result and returns the exit code."""
+    handlers = {"data": _data, "train": _train, "runs": _runs, "sweep": _sweep, "lr": _lr, "plan": _plan,
+                "cluster": _cluster, "services": _services, "config": _config}
+    return handlers[args.command](args)
+
+
+def _data(args: argparse.Namespace) -> int:
+    if args.data_cmd == "verify":
         return verify_dataset(args.path, args.s3_endpoint)
-    if args.command == "data":
-        from kiln.data.prepare import PrepareConfig, prepare
+    from kiln.data.prepare import PrepareConfig, prepare
 
-        m = prepare(PrepareConfig(
-            inputs=args.input, output=args.output, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
-            seq_len=args.seq_len, val_fraction=args.val_fraction, shard_tokens=args.shard_tokens,
-            text_field=args.text_field, seed=args.seed, if_exists=args.if_exists, s3_endpoint=args.s3_endpoint,
-        ))
-        tr, va = m["splits"]["train"], m["splits"]["val"]
-        print(f"dataset {args.output}: {tr['tokens']:,} train / {va['tokens']:,} val tokens, "
-              f"{len(tr['shards'])} + {len(va['shards'])} shards, vocab {m['tokenizer']['vocab_size']}, "
-              f"seq_len {m['seq_len']}, unigram entropy {m['unigram_entropy_bits']:.3f} bits/token")
-        return 0
-    if args.command == "train":
-        from kiln.config import load_config
-        from kiln.launch.on_ray import train
+    m = prepare(PrepareConfig(
+        inputs=args.input, output=args.output, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
+        seq_len=args.seq_len, val_fraction=args.val_fraction, shard_tokens=args.shard_tokens,
+        text_field=args.text_field, seed=args.seed, if_exists=args.if_exists, s3_endpoint=args.s3_endpoint,
+    ))
+    tr, va = m["splits"]["train"], m["splits"]["val"]
+    print(f"dataset {args.output}: {tr['tokens']:,} train / {va['tokens']:,} val tokens, "
+          f"{len(tr['shards'])} + {len(va['shards'])} shards, vocab {m['tokenizer']['vocab_size']}, "
+          f"seq_len {m['seq_len']}, unigram entropy {m['unigram_entropy_bits']:.3f} bits/token")
+    return 0
 
-        overrides = list(args.overrides)
-        if getattr(args, "profile", False):
-            steps = load_config(args.config, overrides).train.max_steps
-            overrides.append(f"train.profile.start_step={max(1, min(10, steps - 2))}")
-        cfg = load_config(args.config, overrides)  # validated before anything starts
-        summary = train(cfg, address=args.address, started=_STARTED)
-        print(summary.render())
-        if args.summary_json:
-            Path(args.summary_json).write_text(summary.to_json())
-        return 0
-    if args.command == "runs":
-        from kiln.tracking.runs import fetch_runs, format_table
 
-        runs = fetch_runs(args.experiment, args.tracking_uri, getattr(args, "sort", None), args.limit,
-                          sweep=args.sweep, descending=getattr(args, "desc", False))
-        print(format_table(runs))
-        return 0
-    if args.command == "sweep":
-        from kiln.sweep.run import run_sweep
+def _train(args: argparse.Namespace) -> int:
+    from kiln.config import load_config
+    from kiln.launch.on_ray import train
 
-        if args.resume:
-            from kiln.sweep.config import stored_sweep
+    overrides = list(args.overrides)
+    if getattr(args, "profile", False):
+        steps = load_config(args.config, overrides).train.max_steps
+        overrides.append(f"train.profile.start_step={max(1, min(10, steps - 2))}")
+    cfg = load_config(args.config, overrides)  # validated before anything starts
+    summary = train(cfg, address=args.address, started=_STARTED)
+    print(summary.render())
+    if args.summary_json:
+        Path(args.summary_json).write_text(summary.to_json())
+    return 0
 
-            summary = run_sweep(stored_sweep(args.storage_path, args.resume), address=args.address, resume=True)
-        else:
-            from kiln.sweep.config import load_sweep
 
-            summary = run_sweep(load_sweep(args.config, args.overrides), address=args.address)
-        print(summary.render())
-        if args.summary_json:
-            Path(args.summary_json).write_text(summary.to_json())
-        return 0
-    if args.command == "lr":
-        from kiln.config import load_config
-        from kiln.train.schedule import plot_schedule
+def _runs(args: argparse.Namespace) -> int:
+    from kiln.tracking.runs import fetch_runs, runs_table
 
-        cfg = load_config(args.config, args.overrides)
-        plot_schedule(cfg.schedule, cfg.optim.lr, cfg.train.max_steps, args.out)
-        print(f"wrote {args.out}: {cfg.schedule.name} over {cfg.train.max_steps} steps, peak lr {cfg.optim.lr:g}")
-        return 0
-    if args.command == "plan":
-        from kiln.plan.cli import plan_from_args
+    runs = fetch_runs(args.experiment, args.tracking_uri, getattr(args, "sort", None), args.limit,
+                      sweep=args.sweep, descending=getattr(args, "desc", False))
+    print(runs_table(runs))
+    return 0
 
-        print(plan_from_args(args))
-        return 0
-    if args.command == "cluster":
-        from kiln.cluster.check import check_cluster_file
 
-        failed = []
-        for f in args.files:
-            try:
-                print(f"{f}: ok, {check_cluster_file(f)}")
-            except KilnError as e:
-                failed.append(str(e))
-        if failed:
-            raise ConfigError("\n  ".join(failed))
-        return 0
-    if args.command == "services":
-        from kiln.tracking import services
+def _sweep(args: argparse.Namespace) -> int:
+    from kiln.sweep.run import run_sweep
 
-        if args.services_cmd == "up":
-            started = services.up(args.dir, args.host, args.port, args.backend_store_uri,
-                                  args.artifacts_destination, args.prometheus, args.prometheus_port)
-            for s in started:
-                print(f"{s.name}: {s.url} (pid {s.pid}, log {s.log})")
-            print(f"point runs at it: export MLFLOW_TRACKING_URI={started[0].url}")
-        elif args.services_cmd == "down":
-            stopped = services.down(args.dir)
-            print("stopped " + (", ".join(f"{s.name} (pid {s.pid})" for s in stopped) or "nothing"))
-        else:
-            rows = services.status(args.dir)
-            for s, alive in rows:
-                print(f"{s.name}: {s.url} pid {s.pid} {'running' if alive else 'NOT running'}")
-            if not rows:
-                print(f"no services recorded in {args.dir}")
-        return 0
-    if args.command == "config":
-        from kiln.config import annotated_yaml, load_config
+    if args.resume:
+        from kiln.sweep.config import stored_sweep
 
-        print(annotated_yaml(load_config(args.config, args.overrides)))
-        return 0
-    raise AssertionError(args.command)
+        summary = run_sweep(stored_sweep(args.storage_path, args.resume), address=args.address, resume=True)
+    else:
+        from kiln.sweep.config import load_sweep
+
+        summary = run_sweep(load_sweep(args.config, args.overrides), address=args.address)
+    print(summary.render())
+    if args.summary_json:
+        Path(args.summary_json).write_text(summary.to_json())
+    return 0
+
+
+def _lr(args: argparse.Namespace) -> int:
+    from kiln.config import load_config
+    from kiln.train.schedule import plot_schedule
+
+    cfg = load_config(args.config, args.overrides)
+    plot_schedule(cfg.schedule, cfg.optim.lr, cfg.train.max_steps, args.out)
+    print(f"wrote {args.out}: {cfg.schedule.name} over {cfg.train.max_steps} steps, peak lr {cfg.optim.lr:g}")
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from kiln.plan.cli import plan_from_args
+
+    print(plan_from_args(args))
+    return 0
+
+
+def _cluster(args: argparse.Namespace) -> int:
+    from kiln.cluster.check import check_cluster_file
+
+    failed = []
+    for f in args.files:
+        try:
+            print(f"{f}: ok, {check_cluster_file(f)}")
+        except KilnError as e:
+            failed.append(str(e))
+    if failed:
+        raise ConfigError("\n  ".join(failed))
+    return 0
+
+
+def _services(args: argparse.Namespace) -> int:
+    from kiln.tracking import services
+
+    if args.services_cmd == "up":
+        started = services.up(args.dir, args.host, args.port, args.backend_store_uri,
+                              args.artifacts_destination, args.prometheus, args.prometheus_port)
+        for s in started:
+            print(f"{s.name}: {s.url} (pid {s.pid}, log {s.log})")
+        print(f"point runs at it: export MLFLOW_TRACKING_URI={started[0].url}")
+    elif args.services_cmd == "down":
+        stopped = services.down(args.dir)
+        print("stopped " + (", ".join(f"{s.name} (pid {s.pid})" for s in stopped) or "nothing"))
+    else:
+        rows = services.status(args.dir)
+        for s, alive in rows:
+            print(f"{s.name}: {s.url} pid {s.pid} {'running' if alive else 'NOT running'}")
+        if not rows:
+            print(f"no services recorded in {args.dir}")
+    return 0
+
+
+def _config(args: argparse.Namespace) -> int:
+    from kiln.config import annotated_yaml, load_config
+
+    print(annotated_yaml(load_config(args.config, args.overrides)))
+    return 0
 
 
 def verify_dataset(path: str, s3_endpoint: str = "") -> int:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint as recompute  # activation checkpointing
 
 
 @dataclass(frozen=True)
@@ -107,6 +107,19 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
+def embed(wte: nn.Embedding, wpe: nn.Embedding, drop: nn.Dropout, idx: torch.Tensor) -> torch.Tensor:
+    """Token plus learned position embeddings, then dropout: the input of the first block (of
+    the GPT, and of a pipeline's first stage)."""
+    pos = torch.arange(idx.shape[1], device=idx.device)
+    return drop(wte(idx) + wpe(pos))
+
+
+def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of the next-token predictions, in fp32 whatever the compute precision
+    (a bf16 softmax over 50k logits loses the small probabilities)."""
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
+
+
 class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig, init_weights: bool = True):
         """`init_weights=False` leaves the init to the caller: a ZeRO-3 wrapper that builds the
@@ -143,18 +156,16 @@ class GPT(nn.Module):
         T = idx.shape[1]
         if self.cfg.seq_len < T:
             raise ValueError(f"sequence of length {T} exceeds the model's seq_len {self.cfg.seq_len}")
-        pos = torch.arange(T, device=idx.device)
-        x = self.drop(self.wte(idx) + self.wpe(pos))
+        x = embed(self.wte, self.wpe, self.drop, idx)
         for block in self.blocks:
             if self.cfg.activation_checkpointing and self.training:
-                x = checkpoint(block, x, use_reentrant=False)
+                x = recompute(block, x, use_reentrant=False)
             else:
                 x = block(x)
         logits = self.lm_head(self.ln_f(x))
         if targets is None:
             return logits
-        loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1))
-        return logits, loss
+        return logits, next_token_loss(logits, targets)
 
 
 def num_params(cfg: GPTConfig, non_embedding: bool = True) -> int:

@@ -71,16 +71,6 @@ class BPETokenizer:
         return self._tok.to_str()
 
 
-def load_tokenizer(kind: str, tokenizer_json: str | None = None):
-    if kind == "byte":
-        return ByteTokenizer()
-    if kind == "bpe":
-        if tokenizer_json is None:
-            raise ValueError("a BPE tokenizer needs its tokenizer.json")
-        return BPETokenizer.from_json(tokenizer_json)
-    raise ValueError(f"unknown tokenizer {kind!r}")
-
-
 def unigram_entropy_bits(counts: np.ndarray) -> float:
     """Entropy of the token frequency distribution, in bits per token: the loss floor of a model
     that knows only how often each token occurs."""

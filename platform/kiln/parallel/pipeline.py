@@ -18,10 +18,10 @@ import functools
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint as recompute  # activation checkpointing
 
 from kiln.config import ParallelConfig
-from kiln.model import GPT
+from kiln.model import GPT, embed, next_token_loss
 
 
 class EmbeddingStage(nn.Module):
@@ -32,16 +32,11 @@ class EmbeddingStage(nn.Module):
         self.wte, self.wpe, self.drop = gpt.wte, gpt.wpe, gpt.drop
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(idx.shape[1], device=idx.device)
-        return self.drop(self.wte(idx) + self.wpe(pos))
+        return embed(self.wte, self.wpe, self.drop, idx)
 
 
 def _output_projection(embedding: EmbeddingStage, x: torch.Tensor) -> torch.Tensor:
     return F.linear(x, embedding.wte.weight)
-
-
-def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
 
 
 def to_pipeline(gpt: GPT, p: ParallelConfig, activation_checkpointing: bool):
@@ -58,11 +53,11 @@ def to_pipeline(gpt: GPT, p: ParallelConfig, activation_checkpointing: bool):
     module = PipelineModule(
         layers=layers,
         num_stages=p.pipeline_stages,
-        loss_fn=_loss,
+        loss_fn=next_token_loss,
         partition_method=p.partition_method,
         # Recompute every block in backward (interval 1 = per block), as the GPT itself does.
         activation_checkpoint_interval=1 if activation_checkpointing else 0,
-        activation_checkpoint_func=functools.partial(checkpoint, use_reentrant=False),
+        activation_checkpoint_func=functools.partial(recompute, use_reentrant=False),
         checkpointable_layers=["Block"],
     )
     check_stages_hold_blocks(list(module.parts), len(gpt.blocks), p)  # DeepSpeed's own split

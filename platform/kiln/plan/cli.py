@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from kiln.config import RunConfig, load_config
+from kiln.config import RunConfig, deepspeed_refusal, load_config
 from kiln.errors import ConfigError
 from kiln.model import FLAVOURS, GPTConfig, config_for
 from kiln.plan.memory import PlanInput, format_table, plan_input
@@ -78,7 +78,11 @@ def _check(p: PlanInput) -> None:
         raise ConfigError(f"--device-memory-gib = {p.device_memory_gib}: expected a number > 0")
     if p.world_size % p.pipeline_stages:
         raise ConfigError(f"--world-size {p.world_size} is not a multiple of --pipeline-stages {p.pipeline_stages}")
-    if p.offload_params != "none" and p.zero_stage != 3:
-        raise ConfigError("--offload optimizer+params needs --zero-stage 3")
-    if p.offload_optimizer != "none" and p.zero_stage == 0:
-        raise ConfigError("--offload needs --zero-stage 1, 2 or 3")
+    refusal = deepspeed_refusal(p.zero_stage, p.offload_optimizer, p.offload_params, p.pipeline_stages, _flag)
+    if refusal:
+        raise ConfigError(refusal)
+
+
+def _flag(setting: str) -> str:
+    """How `kiln plan` spells a parallel setting: its flag (both offloads are --offload)."""
+    return "--offload" if setting.startswith("offload") else "--" + setting.replace("_", "-")

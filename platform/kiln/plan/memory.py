@@ -45,7 +45,9 @@ import dataclasses
 import itertools
 from dataclasses import dataclass
 
+from kiln.config import deepspeed_refusal
 from kiln.model import GPTConfig, largest_layer_params, num_params
+from kiln.ui import table
 
 GIB = 1 << 30
 
@@ -188,18 +190,13 @@ class Option:
 
 
 def options(base: PlanInput) -> list[Option]:
-    """Every ZeRO stage x offload x checkpointing choice at the base's scale, cheapest first.
-
-    Offload is to CPU; a pipeline keeps ZeRO 0-1 and no offload (DeepSpeed's limits)."""
+    """Every ZeRO stage x CPU offload x checkpointing choice at the base's scale that DeepSpeed
+    allows (`kiln.config.deepspeed_refusal`: a pipeline keeps ZeRO 0-1 and no offload),
+    cheapest first."""
     out = []
-    stages = (0, 1) if base.pipeline_stages > 1 else (0, 1, 2, 3)
-    for stage, ckpt in itertools.product(stages, (False, True)):
-        offloads = [("none", "none")]
-        if base.pipeline_stages == 1 and stage >= 1:
-            offloads.append(("cpu", "none"))
-        if base.pipeline_stages == 1 and stage == 3:
-            offloads.append(("cpu", "cpu"))
-        for opt_off, par_off in offloads:
+    offloads = (("none", "none"), ("cpu", "none"), ("cpu", "cpu"))
+    for stage, ckpt, (opt_off, par_off) in itertools.product((0, 1, 2, 3), (False, True), offloads):
+        if deepspeed_refusal(stage, opt_off, par_off, base.pipeline_stages) is None:
             p = dataclasses.replace(base, zero_stage=stage, activation_checkpointing=ckpt,
                                     offload_optimizer=opt_off, offload_params=par_off)
             out.append(Option(p, estimate(p)))
@@ -242,9 +239,7 @@ def format_table(base: PlanInput) -> str:
                      gib(est.params), gib(est.grads), gib(est.master), gib(est.optimizer_states),
                      gib(est.gathered), gib(est.activations), gib(est.total), gib(est.host),
                      "yes" if est.fits else "NO", f"{o.cost:.2f}"))
-    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
-    lines = [head, "", "  ".join(c.rjust(w) for c, w in zip(cols, widths))]
-    lines += ["  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in rows]
+    lines = [head, "", table.format_table(cols, rows, right=True, rule=False)]
     best = first_fit(base)
     lines.append("")
     lines.append(f"your configuration (*): {gib(chosen.total)} GiB per device, "

@@ -71,8 +71,8 @@ def _worker_entry(loop_config: dict[str, Any]) -> None:
         _record_placement(loop_config["tracking_uri"], run_id, placement)
 
     def report(metrics: dict, ckpt_dir: str | None):
-        checkpoint = Checkpoint.from_directory(ckpt_dir) if ckpt_dir else None
-        ray.train.report(metrics, checkpoint=checkpoint)
+        upload = Checkpoint.from_directory(ckpt_dir) if ckpt_dir else None
+        ray.train.report(metrics, checkpoint=upload)
         if not ckpt_dir:
             return None
         shutil.rmtree(ckpt_dir, ignore_errors=True)  # uploaded to storage_path by now (synchronous)

@@ -28,6 +28,7 @@ from kiln.storage import absolute
 from kiln.sweep.config import STATE_FILE, Sweep, expected_trials, param_space
 from kiln.tracking.mlflow_run import Run, experiment_id
 from kiln.ui.progress import is_terminal
+from kiln.ui.table import format_table
 
 log = logging.getLogger("kiln.sweep")
 
@@ -118,11 +119,7 @@ class SweepSummary:
         header = ["rank", "trial", *keys, self.metric, "steps", "status", "mlflow run"]
         rows = [[str(i + 1), t.trial_id, *(str(t.params.get(k, "")) for k in keys), f"{t.metric:.4f}",
                  f"{t.steps}/{self.max_steps}", t.status, t.run_id[:12]] for i, t in enumerate(self.trials)]
-        widths = [max(len(x) for x in col) for col in zip(header, *rows)]
-        lines = ["| " + " | ".join(h.ljust(w) for h, w in zip(header, widths)) + " |",
-                 "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
-        lines += ["| " + " | ".join(x.ljust(w) for x, w in zip(row, widths)) + " |" for row in rows]
-        return "\n".join(lines)
+        return format_table(header, rows, markdown=True)
 
     def render(self) -> str:
         saved = 1 - self.trial_steps_run / max(1, self.trial_steps_full)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from kiln.errors import KilnError
 from kiln.tracking.server import check_reachable, resolve_tracking_uri
+from kiln.ui.table import format_table
 
 DEFAULT_METRICS = ("loss/train", "loss/val", "throughput/tokens_per_s", "mfu")
 
@@ -34,7 +35,7 @@ def fetch_runs(experiment: str, tracking_uri: str = "", sort: str | None = None,
     return runs
 
 
-def format_table(runs, metrics=DEFAULT_METRICS, params=("model.flavour", "optim.name", "optim.lr", "schedule.name")) -> str:
+def runs_table(runs, metrics=DEFAULT_METRICS, params=("model.flavour", "optim.name", "optim.lr", "schedule.name")) -> str:
     header = ["run", "run id", "status", *params, *metrics]
     rows = []
     for r in runs:
@@ -42,11 +43,7 @@ def format_table(runs, metrics=DEFAULT_METRICS, params=("model.flavour", "optim.
         row += [r.data.params.get(p, "") for p in params]
         row += [_fmt(r.data.metrics.get(m)) for m in metrics]
         rows.append(row)
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
-    line = "  ".join(h.ljust(w) for h, w in zip(header, widths))
-    out = [line, "  ".join("-" * w for w in widths)]
-    out += ["  ".join(str(x).ljust(w) for x, w in zip(row, widths)) for row in rows]
-    return "\n".join(out)
+    return format_table(header, rows)
 
 
 def _fmt(v) -> str:

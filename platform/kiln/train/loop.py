@@ -162,10 +162,7 @@ def train_loop(cfg: RunConfig, world: WorldInfo, engine, scheduler, source: Batc
     tokens_per_step = t.micro_batch_size * micro_batches * dp_size * mcfg.seq_len
     meter = StepMeter(cfg, mcfg, world.world_size, device, tokens_per_step, done)
     if world.rank == 0:
-        log.info("training %s (%.2fM params) for %d steps, %d tokens/step on %d worker(s)%s",
-                 cfg.model.flavour, num_params(mcfg, non_embedding=False) / 1e6, t.max_steps,
-                 tokens_per_step, world.world_size,
-                 f" ({dp_size} data-parallel x {cfg.parallel.pipeline_stages} pipeline stages)" if pipeline else "")
+        _log_start(cfg, mcfg, world.world_size, tokens_per_step)
     profiler = StepProfiler(t.profile, world.rank, world.world_size, device)
     guard = HealthGuard(t.health, world.rank, device)
     last: dict[str, float] = {}
@@ -183,10 +180,8 @@ def train_loop(cfg: RunConfig, world: WorldInfo, engine, scheduler, source: Batc
             continue
         if guard.events:
             _record_health(guard, sinks.logger, step, world.rank)
-        step_s = meter.step_time()
+        step_s = meter.step_time(step)
         _hand_in_profile(profiler.end(step), sinks.logger)
-        if step == done + 1:
-            meter.first_step_done(engine)
         # One all-reduce per step. The time since the last save rides along, so every rank
         # takes the same save decision.
         loss_train, wait, since_save = mean_over_ranks(
@@ -220,6 +215,14 @@ def train_loop(cfg: RunConfig, world: WorldInfo, engine, scheduler, source: Batc
     if sinks.report is not None:  # the last report carries the final checkpoint and the summary metrics
         sinks.report(final, ckpt)
     return final
+
+
+def _log_start(cfg: RunConfig, mcfg, world_size: int, tokens_per_step: int) -> None:
+    stages = cfg.parallel.pipeline_stages
+    log.info("training %s (%.2fM params) for %d steps, %d tokens/step on %d worker(s)%s",
+             cfg.model.flavour, num_params(mcfg, non_embedding=False) / 1e6, cfg.train.max_steps,
+             tokens_per_step, world_size,
+             f" ({world_size // stages} data-parallel x {stages} pipeline stages)" if stages > 1 else "")
 
 
 def _timed_eval(meter: StepMeter, engine, source: BatchSource, max_batches: int, device: torch.device,

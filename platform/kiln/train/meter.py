@@ -47,15 +47,14 @@ class StepMeter:
     def begin(self) -> None:
         self._start, self._eval_s = time.perf_counter(), 0.0
 
-    def step_time(self) -> float:
+    def step_time(self, step: int) -> float:
         """Seconds since `begin`, the device's queued work included."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        return time.perf_counter() - self._start
-
-    def first_step_done(self, engine) -> None:
-        self.first_step_unix = time.time()
-        self.held = engine_memory(engine)  # optimizer state exists after the first step
+        seconds = time.perf_counter() - self._start
+        if step == self.done + 1:
+            self.first_step_unix = time.time()
+        return seconds
 
     @property
     def mean_step_s(self) -> float:
@@ -86,6 +85,7 @@ class StepMeter:
         if self.precision == "fp16":
             out.update(self._fp16(engine, step, rank))
         if step == self.done + 1:
+            self.held = engine_memory(engine)  # optimizer state exists after the first step
             out.update(self.held)
         return out
 

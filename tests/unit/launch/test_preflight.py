@@ -1,0 +1,82 @@
+"""Every driver runs the one preflight: a bad storage path, a bad dataset and a run that the
+memory plan refuses each stop `kiln train` on Ray, the local launcher and `kiln sweep` with the
+same one-line error, before Ray, the process group or MLflow start."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kiln.config import load_config
+from kiln.errors import KilnError
+
+REPO = Path(__file__).resolve().parents[3]
+DEAD_S3 = "http://127.0.0.1:9"  # nothing listens: an S3 endpoint that cannot be reached
+
+FAULTS = {
+    # (run-config overrides, sweep-file fields, what the error must say for the Ray / local / sweep driver)
+    "storage": (["train.storage_path=s3://kiln-no-bucket/runs", f"data.s3_endpoint={DEAD_S3}"],
+                {"storage_path": "s3://kiln-no-bucket/sweeps", "overrides": {"data.s3_endpoint": DEAD_S3}},
+                {"ray": "train.storage_path: cannot reach s3://kiln-no-bucket/runs",
+                 "local": "train.storage_path = 's3://kiln-no-bucket/runs': the local launcher writes checkpoints",
+                 "sweep": "sweep.storage_path: cannot reach s3://kiln-no-bucket/sweeps"}),
+    "data": (["data.path={tmp}/no-such-dataset"], {"overrides": {"data.path": "{tmp}/no-such-dataset"}},
+             dict.fromkeys(("ray", "local", "sweep"), "no-such-dataset does not exist")),
+    "memory plan": (["parallel.device_memory_gib=0.001"], {"overrides": {"parallel.device_memory_gib": 0.001}},
+                    dict.fromkeys(("ray", "local", "sweep"), "the run needs an estimated")),
+}
+
+
+@pytest.fixture
+def nothing_starts(monkeypatch):
+    """Starting Ray or a training process group after a failed preflight is a test failure."""
+    def started(*args, **kwargs):
+        raise AssertionError("a driver went past a failed preflight")
+
+    for target in ("kiln.launch.on_ray.connect_ray", "kiln.sweep.run.connect_ray",
+                   "kiln.launch.local._world_from_env", "kiln.launch.local.build_engine"):
+        monkeypatch.setattr(target, started)
+
+
+def _run_config(byte_dataset, tmp_path, overrides):
+    base = [f"data.path={byte_dataset}", f"logging.tracking_uri=sqlite:///{tmp_path}/mlflow.db",
+            f"train.storage_path={tmp_path}/runs", "train.max_steps=2"]
+    return load_config(None, base + [o.format(tmp=tmp_path) for o in overrides])
+
+
+def _sweep(byte_dataset, tmp_path, fields):
+    overrides = {"data.path": str(byte_dataset), "logging.tracking_uri": f"sqlite:///{tmp_path}/mlflow.db",
+                 "train.max_steps": 20}
+    overrides.update({k: v.format(tmp=tmp_path) if isinstance(v, str) else v
+                      for k, v in fields.get("overrides", {}).items()})
+    doc = {"name": "preflight", "base": str(REPO / "jobs/configs/debug.yaml"),
+           "storage_path": fields.get("storage_path", str(tmp_path / "sweeps")),
+           "space": {"optim.name": {"choice": ["adamw", "sgd"]}}, "overrides": overrides}
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    from kiln.sweep.config import load_sweep
+
+    return load_sweep(path)
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+@pytest.mark.parametrize("driver", ["ray", "local", "sweep"])
+def test_a_failed_check_stops_every_driver_before_it_starts(driver, fault, byte_dataset, tmp_path, clean_env,
+                                                            nothing_starts):
+    run_overrides, sweep_fields, expected = FAULTS[fault]
+    with pytest.raises(KilnError) as e:
+        if driver == "ray":
+            from kiln.launch.on_ray import train
+
+            train(_run_config(byte_dataset, tmp_path, run_overrides))
+        elif driver == "local":
+            from kiln.launch.local import run_local
+
+            run_local(_run_config(byte_dataset, tmp_path, run_overrides))
+        else:
+            from kiln.sweep.run import run_sweep
+
+            run_sweep(_sweep(byte_dataset, tmp_path, sweep_fields))
+    assert expected[driver] in str(e.value)
+    assert not (tmp_path / "mlflow.db").exists(), "MLflow was opened before the checks finished"
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "sweeps").exists()
