@@ -1,1 +1,1 @@
-"""Corpus -> tokenized Parquet shards + manifest, and reading them back for training."""
+"""Corpus -> tokenized Parquet shards + manifest, the data order, and reading the shards back."""

@@ -164,6 +164,7 @@ def build_optimizer_for(model: nn.Module, cfg: RunConfig, on_cuda: bool) -> torc
 def build_engine(cfg: RunConfig, world: WorldInfo):
     """(engine, scheduler) for `train_loop` on this rank: the process seeded first (the model's
     init draws from it), then the GPT wrapped as `parallel.*` says."""
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)  # Kiln logs its own progress
     prepare_process(cfg, world.device)
     engine, scheduler = initialize(
         cfg, gpt_config(cfg), world.world_size // cfg.parallel.pipeline_stages, on_cuda=world.device.type == "cuda",

@@ -14,6 +14,8 @@ a checkpoint and is not one. Kiln therefore:
   before its marker, so dropout after a resume draws what the uninterrupted run drew;
 - resumes only from complete checkpoints: `latest_complete(root)` skips partial or unmarked
   ones, and an explicit `train.resume_from` that is incomplete is refused with its name.
+
+`CheckpointPolicy` is the loop's side: when to evaluate and save, and what a save does.
 """
 
 from __future__ import annotations
@@ -214,7 +216,9 @@ class CheckpointPolicy:
         self._last_save = time.monotonic()
 
     def resume(self, engine, micro_batches: int) -> tuple[int, int]:
-        """Load `train.resume_from` into the engine: (steps done, micro-batches consumed)."""
+        """Load `train.resume_from` into the engine: (steps done, micro-batches consumed). The
+        clock for time-based saves starts here."""
+        self._last_save = time.monotonic()
         if not self.t.resume_from:
             return 0, 0
         resume_dir, _ = resolve_resume(self.t.resume_from, self.world_size)

@@ -50,7 +50,6 @@ class WorldInfo:
 
 def prepare_process(cfg: RunConfig, device: torch.device) -> None:
     """Seed and set up this process's torch before the model is built (its init draws)."""
-    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     torch.manual_seed(cfg.train.seed)
     if device.type == "cpu":
         torch.set_num_threads(max(1, int(cfg.parallel.cpus_per_worker)))
