@@ -35,6 +35,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 import kiln
+from kiln.data import replace
 from kiln.data.manifest import FORMAT_VERSION, MANIFEST, SAMPLE_ID, TOKENIZER_FILE, TOKENS
 from kiln.data.tokenizer import BPETokenizer, ByteTokenizer, describe, unigram_entropy_bits
 from kiln.errors import DataError, KilnError
@@ -168,12 +169,15 @@ def _parquet_bytes(ids: np.ndarray, rows: np.ndarray) -> bytes:
     return buf.getvalue()
 
 
-def _write_split(out: Location, split: str, rows: np.ndarray, id_offset: int, rows_per_shard: int) -> dict:
+def _write_split(out: Location, split: str, rows: np.ndarray, id_offset: int, rows_per_shard: int,
+                 written: list[str]) -> dict:
+    """Write a split's shards under `out`, each path appended to `written` as it is written."""
     shards = []
     for n, start in enumerate(range(0, len(rows), rows_per_shard)):
         chunk = rows[start : start + rows_per_shard]
         data = _parquet_bytes(np.arange(id_offset + start, id_offset + start + len(chunk)), chunk)
         rel = f"{split}/part-{n:05d}.parquet"
+        written.append(rel)
         out.join(rel).write_bytes(data)
         shards.append({"path": rel, "rows": len(chunk), "bytes": len(data),
                        "sha256": hashlib.sha256(data).hexdigest()})
@@ -200,6 +204,28 @@ def _validate(cfg: PrepareConfig) -> None:
         raise KilnError(f"--if-exists {cfg.if_exists!r}: expected error, reuse or overwrite")
 
 
+def _check_output(cfg: PrepareConfig, out: Location, fp: str) -> dict | None:
+    """The Kiln dataset already at `out` that `if_exists` allows to reuse or replace (None: the
+    output is new or empty); refuse anything else before any work is done."""
+    existing = out.list_files() if out.exists() else []
+    if not existing:
+        return None
+    old = replace.kiln_manifest(out, existing)
+    if old is None:
+        raise DataError(f"output {out.uri} already holds files that are not a Kiln dataset (such as "
+                        f"{existing[0]}); Kiln never writes over them. Choose a new or empty --output")
+    same = old.get("fingerprint") == fp
+    if same and cfg.if_exists == "reuse":
+        return old
+    if cfg.if_exists != "overwrite":
+        raise DataError(
+            f"output {out.uri} already holds {'this same dataset' if same else 'a different dataset'}; it "
+            f"is never overwritten silently. Choose another --output, or pass --if-exists "
+            f"{'reuse' if same else 'overwrite'}")
+    replace.refuse_protected(out)
+    return old
+
+
 def prepare(cfg: PrepareConfig) -> dict:
     """Build the dataset and return its manifest (or the existing one, with if_exists=reuse)."""
     _validate(cfg)
@@ -207,19 +233,10 @@ def prepare(cfg: PrepareConfig) -> dict:
     docs, corpus_hash = read_corpus(cfg)
     fp = fingerprint(cfg, corpus_hash)
 
-    existing = out.list_files() if out.exists() else []
-    if existing:
-        old = _read_old_manifest(out) if MANIFEST in existing else None
-        same = old is not None and old.get("fingerprint") == fp
-        if same and cfg.if_exists == "reuse":
-            log.info("%s already holds this dataset (fingerprint %s); reusing it", out.uri, fp)
-            return old
-        if cfg.if_exists != "overwrite":
-            what = "this same dataset" if same else "a different dataset" if old else "files that are not a Kiln dataset"
-            raise DataError(
-                f"output {out.uri} already holds {what}; it is never overwritten silently. "
-                f"Choose another --output, or pass --if-exists {'reuse' if same else 'overwrite'}"
-            )
+    old = _check_output(cfg, out, fp)
+    if old is not None and cfg.if_exists == "reuse":
+        log.info("%s already holds this dataset (fingerprint %s); reusing it", out.uri, fp)
+        return old
 
     t0 = time.time()
     train_docs, val_docs = _split_documents(docs, cfg.val_fraction, cfg.seed)
@@ -252,72 +269,23 @@ def prepare(cfg: PrepareConfig) -> dict:
         "unigram_entropy_bits": unigram_entropy_bits(train_counts),
         "splits": {},
     }
-    staging = _staging(out)
+    if old is not None and out.is_s3:
+        replace.remove_dataset(out, old)  # no rename on S3: the new dataset is written in place
+    staged, written = replace.staging(out), []
     try:
         if tok.to_json():
-            staging.join(TOKENIZER_FILE).write_bytes(tok.to_json().encode())
-        manifest["splits"]["train"] = _write_split(staging, "train", train_rows, 0, rows_per_shard)
-        manifest["splits"]["val"] = _write_split(staging, "val", val_rows, len(train_rows), rows_per_shard)
-        staging.join(MANIFEST).write_bytes(json.dumps(manifest, indent=2).encode())  # last: commit
-        _commit(staging, out)
+            staged.join(TOKENIZER_FILE).write_bytes(tok.to_json().encode())
+            written.append(TOKENIZER_FILE)
+        manifest["splits"]["train"] = _write_split(staged, "train", train_rows, 0, rows_per_shard, written)
+        manifest["splits"]["val"] = _write_split(staged, "val", val_rows, len(train_rows), rows_per_shard, written)
+        written.append(MANIFEST)
+        staged.join(MANIFEST).write_bytes(json.dumps(manifest, indent=2).encode())  # last: commit
+        replace.commit(staged, out, old)
     except BaseException:
-        _discard(staging, out)
+        replace.discard(staged, written)
         raise
     log.info(
         "wrote %s: %d train / %d val rows of %d tokens, vocab %d, in %.1fs",
         out.uri, len(train_rows), len(val_rows), cfg.seq_len + 1, tok.vocab_size, time.time() - t0,
     )
     return manifest
-
-
-def _read_old_manifest(out: Location) -> dict | None:
-    try:
-        return json.loads(out.join(MANIFEST).read_bytes())
-    except json.JSONDecodeError:
-        return None
-
-
-def _staging(out: Location) -> Location:
-    """Where to write before the dataset becomes visible: a sibling temp dir locally; on S3 the
-    final prefix itself (no rename there), made visible by the manifest written last."""
-    if out.is_s3:
-        if out.exists():  # overwrite: clear the old objects first, manifest first of all
-            _delete_prefix(out)
-        return out
-    parent = Path(out.path).parent
-    parent.mkdir(parents=True, exist_ok=True)
-    tmp = parent / f".{Path(out.path).name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    return resolve(str(tmp))
-
-
-def _commit(staging: Location, out: Location) -> None:
-    if out.is_s3:
-        return
-    target = Path(out.path)
-    trash = None
-    if target.exists():
-        trash = target.with_name(f".{target.name}.old-{uuid.uuid4().hex[:8]}")
-        os.rename(target, trash)
-    os.rename(staging.path, target)
-    if trash is not None:
-        shutil.rmtree(trash, ignore_errors=True)
-
-
-def _discard(staging: Location, out: Location) -> None:
-    try:
-        if out.is_s3:
-            _delete_prefix(out)
-        else:
-            shutil.rmtree(staging.path, ignore_errors=True)
-    except Exception as e:  # the original error matters more than a failed clean-up
-        log.warning("could not remove the partial output at %s: %s", staging.uri, e)
-
-
-def _delete_prefix(loc: Location) -> None:
-    files = loc.list_files()
-    if MANIFEST in files:  # invalidate first so a reader never sees a half-deleted dataset
-        loc.fs.delete_file(loc.join(MANIFEST).path)
-    for rel in files:
-        if rel != MANIFEST:
-            loc.fs.delete_file(loc.join(rel).path)

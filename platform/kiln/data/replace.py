@@ -1,0 +1,119 @@
+"""Writing a dataset where one may already be: Kiln deletes only what is its own.
+
+A dataset's own files are its manifest, the tokenizer and the shards the manifest lists; an
+output that holds anything without a Kiln manifest is never written over, and `.`, `~`, `/`, a
+repository root and a whole bucket are never overwritten at all. Replacing a dataset removes
+the old manifest first (the dataset disappears for readers), then the old dataset's own files,
+and writes the new manifest last, so a reader sees the old dataset, none, or the new one, never
+a mix. Files beside the dataset (notes, other datasets below it) are left where they are.
+
+Locally a new dataset is written in a hidden sibling directory and moved in; on S3, where
+there is no rename, it is written in place and made visible by its manifest.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+from kiln.data.manifest import FORMAT_VERSION, MANIFEST, TOKENIZER_FILE
+from kiln.errors import DataError
+from kiln.storage import Location, resolve
+
+log = logging.getLogger(__name__)
+
+
+def kiln_manifest(out: Location, files: list[str]) -> dict | None:
+    """The manifest at `out` when it is one `kiln data prepare` wrote, else None."""
+    if MANIFEST not in files:
+        return None
+    try:
+        raw = json.loads(out.join(MANIFEST).read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    if not isinstance(raw, dict) or raw.get("format_version") != FORMAT_VERSION:
+        return None
+    try:
+        owned_files(raw)
+    except (KeyError, TypeError, AttributeError):
+        return None
+    return raw
+
+
+def owned_files(manifest: dict) -> list[str]:
+    """The files a Kiln manifest makes its own, relative to the dataset: shards, tokenizer, manifest."""
+    shards = [s["path"] for split in manifest["splits"].values() for s in split["shards"]]
+    return [*shards, TOKENIZER_FILE, MANIFEST]
+
+
+def refuse_protected(out: Location) -> None:
+    """Never overwrite a place whose loss would be more than a dataset's."""
+    if out.is_s3:
+        if "/" not in out.path.strip("/"):
+            raise DataError(f"--output {out.uri} is a whole bucket: Kiln never overwrites one; "
+                            "choose a prefix inside it")
+        return
+    path = Path(out.path).resolve()
+    for place, what in ((Path("/"), "the filesystem root"), (Path.home().resolve(), "your home directory"),
+                        (Path.cwd().resolve(), "the current directory")):
+        if path == place:
+            raise DataError(f"--output {out.uri} is {what}: Kiln never overwrites it; choose a dataset "
+                            "directory of its own")
+    if (path / ".git").exists():
+        raise DataError(f"--output {out.uri} is the root of a repository: Kiln never overwrites it; "
+                        "choose a dataset directory of its own")
+
+
+def staging(out: Location) -> Location:
+    """Where to write before the dataset becomes visible: a hidden sibling directory locally;
+    on S3 the final prefix itself."""
+    if out.is_s3:
+        return out
+    parent = Path(out.path).parent
+    parent.mkdir(parents=True, exist_ok=True)
+    tmp = parent / f".{Path(out.path).name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    return resolve(str(tmp))
+
+
+def remove_dataset(out: Location, manifest: dict) -> None:
+    """Delete an old dataset's own files, its manifest first, and nothing else."""
+    files = set(out.list_files())
+    for rel in [MANIFEST, *owned_files(manifest)[:-1]]:
+        if rel in files:
+            out.fs.delete_file(out.join(rel).path)
+
+
+def commit(staged: Location, out: Location, old: dict | None) -> None:
+    """Make the staged dataset the one at `out`, replacing `old` (a Kiln manifest) if given.
+    On S3 the files are in place already; the caller wrote the manifest last."""
+    if out.is_s3:
+        return
+    target = Path(out.path)
+    if old is None and not target.exists():
+        os.rename(staged.path, target)  # atomic: the whole dataset appears at once
+        return
+    if old is not None:
+        remove_dataset(out, old)
+    source = Path(staged.path)
+    moved = sorted(p.relative_to(source) for p in source.rglob("*") if p.is_file())
+    for rel in sorted(moved, key=lambda r: str(r) == MANIFEST):  # the manifest last
+        (target / rel).parent.mkdir(parents=True, exist_ok=True)
+        os.replace(source / rel, target / rel)
+    shutil.rmtree(source, ignore_errors=True)
+
+
+def discard(staged: Location, written: list[str]) -> None:
+    """After a failure: remove what this write produced, and only that."""
+    try:
+        if staged.is_s3:
+            for rel in sorted(written, key=lambda r: r != MANIFEST):  # the manifest first
+                staged.fs.delete_file(staged.join(rel).path)
+        else:
+            shutil.rmtree(staged.path, ignore_errors=True)
+    except Exception as e:  # the original error matters more than a failed clean-up
+        log.warning("could not remove the partial output at %s: %s", staged.uri, e)
