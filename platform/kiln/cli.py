@@ -284,9 +284,11 @@ def _services(args: argparse.Namespace) -> int:
 
 
 def _config(args: argparse.Namespace) -> int:
-    from kiln.config import annotated_yaml, load_config
+    from kiln.config import annotated_yaml, config_from_dict, load_config
+    from kiln.tracking.redact import redact_tree, scrub
 
-    print(annotated_yaml(load_config(args.config, args.overrides)))
+    cfg = load_config(args.config, args.overrides)
+    print(scrub(annotated_yaml(config_from_dict(redact_tree(cfg.to_dict())))))  # never a secret in clear
     return 0
 
 

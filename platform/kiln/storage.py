@@ -7,6 +7,7 @@ and are never passed through Kiln's config, so they cannot leak into logged para
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import posixpath
@@ -41,6 +42,21 @@ def absolute(path: str) -> str:
     """A local path made absolute (Ray workers and Tune trials run in other directories); a URL
     as it is."""
     return path if is_url(path) else os.path.abspath(path)
+
+
+def write_private(path: str | os.PathLike, text: str) -> None:
+    """Write a local file that may hold connection settings: readable by its owner only (0600),
+    and whole or not at all (a temp file beside it, then a rename)."""
+    tmp = f"{os.fspath(path)}.tmp-{os.getpid()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 @dataclass(frozen=True)

@@ -183,3 +183,17 @@ def test_no_ray_cluster_at_the_address(tmp_path, byte_dataset):
                    "--set", f"logging.tracking_uri=sqlite:///{tmp_path}/m.db", cwd=tmp_path)
         assert_clean_error(out, needle)
     assert not (tmp_path / "m.db").exists()
+
+
+def test_kiln_config_prints_no_secret(tmp_path):
+    out = kiln("config", "--set", "logging.tracking_uri=http://kiln:hunter22@127.0.0.1:5000",
+               "--set", "parallel.deepspeed.aws_secret_access_key=wJalrXUtnFEMIK7MDENG", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "hunter22" not in out.stdout and "wJalrXUtnFEMIK7MDENG" not in out.stdout
+    assert "http://kiln:***@127.0.0.1:5000" in out.stdout and "aws_secret_access_key: '***'" in out.stdout
+
+
+def test_an_mlflow_store_it_cannot_open_is_one_line_without_the_password(tmp_path):
+    out = kiln("runs", "list", "--tracking-uri", "htpp://user:hunter22@127.0.0.1:9", cwd=tmp_path)
+    assert_clean_error(out, "unsupported URI 'htpp://user:***@127.0.0.1:9'")
+    assert "hunter22" not in out.stderr

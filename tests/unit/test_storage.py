@@ -71,3 +71,16 @@ def test_other_errors_and_the_last_attempt_are_raised_at_once(s3_env):
     with pytest.raises(OSError, match="NETWORK_CONNECTION"):
         retry_transient(always_down, "reading a shard", attempts=3, first_wait_s=0.01)
     assert len(calls) == 3
+
+
+def test_private_files_are_owner_only_and_whole(tmp_path):
+    import os
+    import stat
+
+    from kiln.storage import write_private
+
+    path = tmp_path / "state.json"
+    write_private(path, '{"endpoint": "http://u:p@h"}')
+    write_private(path, "{}")  # replaced whole
+    assert path.read_text() == "{}" and stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert [p.name for p in tmp_path.iterdir()] == ["state.json"]

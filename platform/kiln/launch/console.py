@@ -1,13 +1,20 @@
 """A command front end's console: when the process started, and errors as one clean line.
 
-A user mistake (KilnError) prints `kiln: error: ...` (secrets masked) and exits 2; Ctrl-C
-exits 130; only bugs keep their traceback. `kiln` and `python -m kiln.launch.local` share it.
+A user mistake (KilnError) prints `kiln: error: ...` (secrets masked) and exits 2. So does an
+error the user's input or environment causes that Kiln did not name itself (a file that cannot
+be read or written, bytes that are not text, YAML that does not parse, a store MLflow refuses),
+with its traceback saved to a file named on that line. Anything else is a bug in Kiln: it says
+so, exits 1, and names the file holding the traceback. Ctrl-C exits 130. Nothing on the console
+or in the file escapes redaction. `kiln` and `python -m kiln.launch.local` share it.
 """
 
 from __future__ import annotations
 
+import os
 import sys
+import tempfile
 import time
+import traceback
 from collections.abc import Callable
 
 from kiln.errors import KilnError
@@ -25,7 +32,7 @@ def process_start() -> float:
 
 
 def run_reporting_errors(command: Callable[[], int]) -> int:
-    """Run a command front end: a user mistake is one `kiln: error:` line and exit 2."""
+    """Run a command front end: every failure is one `kiln:` line and an exit code."""
     try:
         return command()
     except KilnError as e:
@@ -34,3 +41,34 @@ def run_reporting_errors(command: Callable[[], int]) -> int:
     except KeyboardInterrupt:
         print("kiln: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:  # noqa: BLE001 - the one place that turns any failure into a line
+        where = _save_traceback()
+        what = scrub(f"{type(e).__name__}: {e}".strip().splitlines()[0])
+        if isinstance(e, _environment_errors()):
+            print(f"kiln: error: {what} (traceback in {where})", file=sys.stderr)
+            return 2
+        print(f"kiln: internal error: {what}. This is a bug in Kiln: please report it with the "
+              f"traceback in {where}", file=sys.stderr)
+        return 1
+
+
+def _environment_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions a user's input or environment causes, not Kiln's code."""
+    import yaml
+
+    errors: list[type[BaseException]] = [OSError, UnicodeError, yaml.YAMLError]
+    try:
+        from mlflow.exceptions import MlflowException
+
+        errors.append(MlflowException)
+    except ImportError:
+        pass
+    return tuple(errors)
+
+
+def _save_traceback() -> str:
+    """The current exception's traceback, redacted, in a private file of its own; its path."""
+    fd, path = tempfile.mkstemp(prefix="kiln-error-", suffix=".log")  # 0600
+    with os.fdopen(fd, "w") as f:
+        f.write(scrub(traceback.format_exc()))
+    return path

@@ -89,7 +89,7 @@ def run_local(cfg: RunConfig, started: float | None = None) -> Summary | None:
     import deepspeed
 
     started = started or time.time()
-    checked = preflight(cfg, local_storage=True)
+    checked = preflight(cfg, local_storage=True, world_size=int(os.environ.get("WORLD_SIZE", "1")))
     cfg, manifest, tracking_uri = checked.cfg, checked.manifest, checked.tracking_uri
     world = _world_from_env(cfg.parallel.use_gpu)
     cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, num_workers=world.world_size)).validate()

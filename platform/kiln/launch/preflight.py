@@ -22,8 +22,9 @@ from kiln.errors import ConfigError, StorageError
 from kiln.parallel.engine import check_offload_ops
 from kiln.parallel.pipeline import check_partition
 from kiln.plan.memory import plan_input, refuse_if_too_big
-from kiln.storage import is_url, resolve
+from kiln.storage import absolute, is_url, resolve
 from kiln.tracking.server import check_reachable, resolve_tracking_uri
+from kiln.train.checkpoint import resolve_resume
 
 log = logging.getLogger(__name__)
 
@@ -39,13 +40,16 @@ class Checked:
 
 
 def preflight(cfg: RunConfig, remote_cluster: bool = False, storage_field: str = "train.storage_path",
-              local_storage: bool = False) -> Checked:
+              local_storage: bool = False, world_size: int | None = None) -> Checked:
     """Run every pre-launch check on `cfg`; raise a KilnError naming the first problem.
 
-    `remote_cluster`: the workers run on other machines, so their memory is not known here.
-    `storage_field`: how the user set `train.storage_path` (a sweep sets it from its own).
-    `local_storage`: the launcher writes checkpoints itself, to a local directory."""
+    `remote_cluster`: the workers run on other machines, so their memory and disks are not
+    known here. `storage_field`: how the user set `train.storage_path` (a sweep sets it from its
+    own). `local_storage`: the launcher writes checkpoints itself, to a local directory.
+    `world_size`: the ranks the run will have, where the launcher knows better than
+    `parallel.num_workers` (torchrun)."""
     cfg, manifest = resolve_against_data(cfg)
+    cfg = check_resume(cfg, world_size or cfg.parallel.num_workers, remote_cluster)
     check_precision(cfg)
     cfg = with_run_name(cfg)
     check_resources(cfg, remote_cluster)
@@ -61,6 +65,17 @@ def with_run_name(cfg: RunConfig) -> RunConfig:
     storage = cfg.train.storage_path or os.environ.get("KILN_STORAGE_PATH") or "runs"
     return dataclasses.replace(cfg, logging=dataclasses.replace(cfg.logging, run_name=name),
                                train=dataclasses.replace(cfg.train, storage_path=storage))
+
+
+def check_resume(cfg: RunConfig, world_size: int, remote_cluster: bool) -> RunConfig:
+    """`train.resume_from` made absolute (workers run in other directories) and, where its disk
+    is this machine's, checked now: a complete checkpoint written by as many ranks."""
+    if not cfg.train.resume_from:
+        return cfg
+    path = absolute(cfg.train.resume_from)
+    if not remote_cluster:
+        resolve_resume(path, world_size)
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, resume_from=path))
 
 
 def check_precision(cfg: RunConfig) -> None:

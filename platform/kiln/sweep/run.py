@@ -24,7 +24,7 @@ from typing import Any
 from kiln.errors import KilnError
 from kiln.launch.on_ray import connect_ray
 from kiln.launch.preflight import preflight
-from kiln.storage import absolute
+from kiln.storage import absolute, write_private
 from kiln.sweep.config import STATE_FILE, Sweep, expected_trials, param_space
 from kiln.tracking.mlflow_run import Run, experiment_id
 from kiln.ui.progress import is_terminal
@@ -195,16 +195,15 @@ def run_sweep(sweep: Sweep, address: str | None = None, resume: bool = False) ->
 
 
 def _start_parent(sweep: Sweep, uri: str, exp_dir: str) -> Run:
-    """A new sweep: its parent run, and the state file `--resume` reads (temp file, then rename)."""
+    """A new sweep: its parent run, and the state file `--resume` reads (private: the base config
+    may hold connection settings)."""
     if os.path.exists(exp_dir):
         raise KilnError(f"sweep {sweep.config.name!r} already exists at {exp_dir}: resume it with "
                         f"`kiln sweep --resume {sweep.config.name}`, or give the sweep another name")
     parent = _open_parent(sweep, uri, sweep.base_config.logging.experiment)
     os.makedirs(exp_dir, exist_ok=True)
-    state_path = os.path.join(exp_dir, STATE_FILE)
-    with open(state_path + ".tmp", "w") as f:
-        json.dump({"parent_run_id": parent.run_id, "sweep": sweep.to_dict()}, f, indent=2)
-    os.replace(state_path + ".tmp", state_path)
+    write_private(os.path.join(exp_dir, STATE_FILE),
+                  json.dumps({"parent_run_id": parent.run_id, "sweep": sweep.to_dict()}, indent=2))
     return parent
 
 

@@ -17,8 +17,13 @@ SECRET_PATTERN = re.compile(r"(secret|token(?!izer|s(?![a-z]))|password|passwd|c
                             r"access[_-]?key|auth)", re.I)
 REDACTED = "***"
 
-# user:password@ inside any URL (an S3 endpoint, a Postgres backend store, a tracking server)
-URL_PASSWORD = re.compile(r"(?P<head>[a-zA-Z][a-zA-Z0-9+.-]*://[^/\s:@]+:)[^/\s@]+@")
+# The userinfo of any URL, whatever its scheme (a misspelt one too): `user:password@` or a bare
+# `token@`. Greedy up to the last `@` before the path, so a password holding `@` is masked whole.
+URL_USERINFO = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)(?P<userinfo>[^/\s?#]*)@")
+# Credentials recognisable by their shape wherever they appear: AWS access key ids, GitHub and
+# Hugging Face tokens.
+TOKEN_SHAPES = re.compile(r"\b(?:(?:AKIA|ASIA)[0-9A-Z]{16}|gh[pousr]_[A-Za-z0-9]{20,}|github_pat_[A-Za-z0-9_]{20,}"
+                          r"|hf_[A-Za-z0-9]{20,})\b")
 
 
 def redact(params: dict[str, Any]) -> dict[str, Any]:
@@ -38,12 +43,19 @@ def redact_tree(tree: Any) -> Any:
 
 
 def scrub(text: str) -> str:
-    """Text with URL passwords masked and the value of every credential-named environment
-    variable (AWS keys, MLflow and Ray tokens, ...) replaced by ***."""
-    text = URL_PASSWORD.sub(lambda m: m.group("head") + REDACTED + "@", text)
+    """Text with URL credentials masked (`user:***@`, or `***@` for a bare token), well-known
+    token shapes masked, and the value of every credential-named environment variable (AWS
+    keys, MLflow and Ray tokens, ...) replaced by ***."""
+    text = URL_USERINFO.sub(_mask_userinfo, text)
+    text = TOKEN_SHAPES.sub(REDACTED, text)
     for value in _environment_secrets():
         text = text.replace(value, REDACTED)
     return text
+
+
+def _mask_userinfo(m: re.Match) -> str:
+    user, colon, _ = m.group("userinfo").partition(":")
+    return m.group("scheme") + (f"{user}:{REDACTED}" if colon else REDACTED) + "@"
 
 
 def _environment_secrets() -> list[str]:

@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from kiln.errors import KilnError
+from kiln.storage import write_private
 
 log = logging.getLogger("kiln.tracking.services")
 STATE = "services.json"
@@ -97,9 +98,7 @@ def _load(root: Path) -> list[Service]:
 
 
 def _save(root: Path, services: list[Service]) -> None:
-    tmp = root / (STATE + ".tmp")
-    tmp.write_text(json.dumps([asdict(s) for s in services], indent=2))
-    os.replace(tmp, root / STATE)
+    write_private(root / STATE, json.dumps([asdict(s) for s in services], indent=2))
 
 
 def _spawn(cmd: list[str], log_path: Path) -> subprocess.Popen:

@@ -35,6 +35,8 @@ class StepMeter:
         self.precision, self.max_steps = cfg.train.precision, cfg.train.max_steps
         self.world_size, self.device, self.tokens_per_step = world_size, device, tokens_per_step
         self.done = done  # steps done before this process started (a resume)
+        self.warmup_end = done + WARMUP_STEPS_EXCLUDED  # the last step left out of the steady state
+        self.short = self.max_steps <= self.warmup_end  # no steady state to speak of: every step counts
         self.flops_per_token = flops_per_token(mcfg)
         self.peak = datasheet_peak_flops(device, self.precision, cfg.train.peak_flops)
         self.steady_time = self.steady_wait = self.steady_save_time = 0.0
@@ -76,7 +78,7 @@ class StepMeter:
             "time/data_wait_s": data_wait,
             "tokens/seen": float(step * self.tokens_per_step),
         }
-        if self.peak is None and step == self.done + WARMUP_STEPS_EXCLUDED:
+        if self.peak is None and step == self.warmup_end:  # measured under the training's load
             self.peak = measured_peak_flops(self.device, self.precision)
         if self.peak is not None:
             out["mfu"] = self.mfu(tok_s)
@@ -105,19 +107,15 @@ class StepMeter:
     def evaluated(self, seconds: float) -> None:
         self._eval_s += seconds
 
-    def _steady(self, step: int) -> bool:
-        runs = self.max_steps - self.done
-        return step > self.done + WARMUP_STEPS_EXCLUDED or runs <= WARMUP_STEPS_EXCLUDED
-
     def end(self, step: int, data_wait: float) -> None:
         """Count the iteration, from `begin` to now, into the steady state (validation excluded)."""
-        if self._steady(step):
+        if step > self.warmup_end or self.short:
             self.steady_time += time.perf_counter() - self._start - self._eval_s
             self.steady_wait += data_wait
             self.steady_steps += 1
 
     def saved(self, step: int, seconds: float) -> None:
-        if step != self.max_steps and step > self.done + WARMUP_STEPS_EXCLUDED:
+        if step != self.max_steps and step > self.warmup_end:
             self.steady_save_time += seconds
 
     def summary(self) -> dict[str, float]:

@@ -80,3 +80,15 @@ def test_a_failed_check_stops_every_driver_before_it_starts(driver, fault, byte_
     assert expected[driver] in str(e.value)
     assert not (tmp_path / "mlflow.db").exists(), "MLflow was opened before the checks finished"
     assert not (tmp_path / "runs").exists() and not (tmp_path / "sweeps").exists()
+
+
+def test_resume_from_is_made_absolute_and_checked_on_the_driver(byte_dataset, tmp_path, clean_env, nothing_starts):
+    from kiln.launch.on_ray import train
+    from kiln.launch.preflight import preflight
+
+    (tmp_path / "runs" / "old").mkdir(parents=True)
+    with pytest.raises(KilnError, match=r"train.resume_from = '.*/runs/old': holds no complete Kiln checkpoint"):
+        train(_run_config(byte_dataset, tmp_path, ["train.resume_from=runs/old"]))
+    # Where the workers' disks are elsewhere it cannot be checked here, but it is still absolute.
+    checked = preflight(_run_config(byte_dataset, tmp_path, ["train.resume_from=runs/old"]), remote_cluster=True)
+    assert checked.cfg.train.resume_from == str(tmp_path / "runs" / "old")

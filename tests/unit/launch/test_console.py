@@ -1,0 +1,53 @@
+"""Whatever a command raises ends as one `kiln:` line and an exit code: a user's mistake or
+environment exits 2, a bug exits 1 and says so; the traceback goes to a private file, redacted."""
+
+import os
+import re
+import stat
+from pathlib import Path
+
+import yaml
+
+from kiln.errors import ConfigError
+from kiln.launch.console import run_reporting_errors
+
+
+def _run(capsys, exc: BaseException) -> tuple[int, str]:
+    def command() -> int:
+        raise exc
+
+    code = run_reporting_errors(command)
+    return code, capsys.readouterr().err
+
+
+def _traceback_file(err: str) -> str:
+    match = re.search(r"traceback in (\S+?)\)?$", err.strip())
+    assert match, err
+    return match.group(1)
+
+
+def test_a_kiln_error_is_one_line_exit_2(capsys):
+    code, err = _run(capsys, ConfigError("optim.lr = 0 is out of range"))
+    assert (code, err) == (2, "kiln: error: optim.lr = 0 is out of range\n")
+
+
+def test_an_environment_error_is_one_line_exit_2_with_its_traceback_saved(capsys):
+    for exc in (PermissionError(13, "Permission denied", "/data/out"), UnicodeDecodeError("utf-8", b"\xff", 0, 1, "bad"),
+                yaml.YAMLError("mapping values are not allowed")):
+        code, err = _run(capsys, exc)
+        lines = err.splitlines()
+        assert code == 2 and len(lines) == 1 and lines[0].startswith("kiln: error: "), err
+        assert type(exc).__name__ in lines[0] and "Traceback" not in err
+        path = _traceback_file(err)
+        assert "Traceback" in Path(path).read_text()
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        os.unlink(path)
+
+
+def test_a_bug_says_so_exits_1_and_keeps_no_secret(capsys):
+    code, err = _run(capsys, KeyError("postgresql://mlflow:hunter22@db/mlflow"))
+    assert code == 1 and err.startswith("kiln: internal error: KeyError") and "This is a bug in Kiln" in err
+    path = _traceback_file(err)
+    saved = Path(path).read_text()
+    os.unlink(path)
+    assert "hunter22" not in err + saved and "mlflow:***@db" in saved
