@@ -1,7 +1,8 @@
-"""The `kiln` command: data prepare, train, runs list|compare, config.
+"""The `kiln` command: data, train, sweep, runs, lr, plan, cluster, services, config.
 
-A user mistake (KilnError) prints one line, `kiln: error: ...`, and exits 2; only bugs keep
-their traceback.
+Every failure ends as one line (`kiln.launch.console`): a user's mistake or environment
+`kiln: error: ...` and exit 2, a bug `kiln: internal error: ...` and exit 1; a traceback, where
+there is one, goes to a private file named on that line.
 """
 
 from __future__ import annotations
