@@ -12,9 +12,11 @@ check runs before Ray, DeepSpeed or MLflow start.
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
 import difflib
 import inspect
+import math
 import os
 import textwrap
 import types
@@ -480,14 +482,17 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
                 pass
         raise ConfigError(f"{where} = {value!r} is not an integer")
     if tp is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads "3e-4" as a string
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        raise ConfigError(f"{where} = {value!r} is not a number")
+            number = float(value)
+        elif isinstance(value, str):  # YAML 1.1 reads "3e-4" as a string
+            with contextlib.suppress(ValueError):
+                number = float(value)
+        if number is None:
+            raise ConfigError(f"{where} = {value!r} is not a number")
+        if not math.isfinite(number):
+            raise ConfigError(f"{where} = {value!r} is not a finite number")
+        return number
     if tp is str:
         if isinstance(value, (dict, list)):
             raise ConfigError(f"{where} = {value!r} is not a string")
@@ -519,7 +524,7 @@ def build_section(cls: type, raw: dict[str, Any], where: str = ""):
         dotted = f"{where}.{key}" if where else key
         tp = hints[key]
         if dataclasses.is_dataclass(tp):
-            kwargs[key] = build_section(tp, value or {}, dotted)
+            kwargs[key] = build_section(tp, {} if value is None else value, dotted)
         else:
             kwargs[key] = _coerce(value, tp, dotted)
     return cls(**kwargs)
@@ -570,15 +575,45 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key.strip(), value
 
 
+class _StrictLoader(yaml.SafeLoader):
+    """YAML's safe loader, but a key given twice in one mapping is an error (YAML would keep the
+    last one silently, and a run would train with a value nobody meant)."""
+
+
+def _mapping_without_duplicates(loader: _StrictLoader, node: yaml.MappingNode) -> dict:
+    seen = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=True)
+        if key in seen:
+            raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+        seen.add(key)
+    return loader.construct_mapping(node, deep=True)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping_without_duplicates)
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """A YAML error on one line: what is wrong, and where."""
+    mark = getattr(e, "problem_mark", None)
+    where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+    return f"{getattr(e, 'problem', None) or str(e).splitlines()[0]}{where}"
+
+
 def read_yaml_mapping(path: str | os.PathLike, what: str) -> dict[str, Any]:
-    """A YAML file that must hold a mapping; `what` names it in errors ("config file 'x.yaml'")."""
+    """A YAML file that must hold a mapping; `what` names it in errors ("config file 'x.yaml'").
+    An empty file, a duplicated key or bytes that are not UTF-8 are errors, not defaults."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"{what} does not exist")
     try:
-        tree = yaml.safe_load(p.read_text()) or {}
+        tree = yaml.load(p.read_text(encoding="utf-8"), Loader=_StrictLoader)
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{what} is not UTF-8 text (byte {e.start}): save it as UTF-8") from None
     except yaml.YAMLError as e:
-        raise ConfigError(f"{what} is not valid YAML: {e}") from None
+        raise ConfigError(f"{what} is not valid YAML: {_yaml_problem(e)}") from None
+    if tree is None:
+        raise ConfigError(f"{what} is empty: expected a mapping of settings (omit the file for the defaults)")
     if not isinstance(tree, dict):
         raise ConfigError(f"{what} must hold a mapping")
     return tree

@@ -91,3 +91,28 @@ def test_a_relative_data_path_reaches_workers_as_an_absolute_one(byte_dataset, m
     monkeypatch.chdir(byte_dataset.parent)
     cfg, manifest = resolve_against_data(load_config(None, [f"data.path={byte_dataset.name}"]))
     assert cfg.data.path == str(byte_dataset) and manifest.location.path == str(byte_dataset)
+
+
+@pytest.mark.parametrize("content, needle", [
+    (b"train:\n  max_steps: 5\n  max_steps: 7\n", "duplicate key 'max_steps' (line 3, column 3)"),
+    (b"", "is empty: expected a mapping of settings"),
+    (b"# only a comment\n", "is empty: expected a mapping of settings"),
+    (b"optim: []\n", "optim must be a mapping, got []"),
+    (b"optim:\n  lr: .inf\n", "optim.lr = inf is not a finite number"),
+    (b"optim:\n  lr: 1e400\n", "optim.lr = '1e400' is not a finite number"),
+    (b"# caf\xe9\noptim: {}\n", "is not UTF-8 text (byte 5)"),
+    (b"a: [\n", "is not valid YAML: expected the node content"),
+], ids=["duplicate-key", "empty", "comment-only", "list-section", "inf", "overflow", "latin-1", "unclosed"])
+def test_a_config_file_that_says_less_or_other_than_it_seems_is_refused(tmp_path, content, needle):
+    path = tmp_path / "run.yaml"
+    path.write_bytes(content)
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_sweep_override_through_a_value_is_refused(tmp_path):
+    from kiln.sweep.config import load_sweep
+
+    with pytest.raises(ConfigError, match="--set name.tag: 'name' is not a section of the sweep file"):
+        load_sweep(REPO / "jobs/configs/sweeps/optimizers-x-schedules.yaml", ["name.tag=x"])

@@ -151,8 +151,10 @@ def load_sweep(path: str | os.PathLike, overrides: list[str] = ()) -> Sweep:
             continue
         node = raw
         *parents, last = key.split(".")
-        for k in parents:
+        for i, k in enumerate(parents):
             node = node.setdefault(k, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"--set {key}: {'.'.join(parents[:i + 1])!r} is not a section of the sweep file")
         node[last] = value
     cfg = build_section(SweepConfig, raw, "sweep")
     if not cfg.name.strip():
