@@ -294,12 +294,14 @@ def _config(args: argparse.Namespace) -> int:
 
 
 def verify_dataset(path: str, s3_endpoint: str = "") -> int:
-    """`kiln data verify`: every shard's bytes against the SHA-256 the manifest recorded."""
-    from kiln.data.manifest import find_corrupt_shards, load_manifest
+    """`kiln data verify`: the manifest's shape, every shard's footer (rows, and the seq len the
+    manifest claims) and every shard's bytes against the SHA-256 the manifest recorded."""
+    from kiln.data.manifest import check_shards, find_corrupt_shards, load_manifest
     from kiln.errors import DataError
     from kiln.storage import resolve
 
     manifest = load_manifest(resolve(path, s3_endpoint))
+    check_shards(manifest)
     problems, _ = find_corrupt_shards(manifest)
     if problems:
         raise DataError(f"{len(problems)} bad shard(s) in {manifest.location.uri}: " + "; ".join(problems))

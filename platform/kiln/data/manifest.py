@@ -11,9 +11,10 @@ import hashlib
 import json
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import pyarrow as pa
+import pydantic
 import pyarrow.parquet as pq
 
 from kiln.errors import DataError
@@ -65,14 +66,75 @@ def load_manifest(loc: Location) -> Manifest:
         raise DataError(f"dataset {loc.uri} does not exist; create it with `kiln data prepare`")
     try:
         raw = json.loads(mloc.read_bytes())
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise DataError(f"{mloc.uri} is not valid JSON: {e}") from None
-    for key in ("format_version", "seq_len", "tokenizer", "splits", "fingerprint"):
-        if key not in raw:
-            raise DataError(f"{mloc.uri} lacks the field {key!r}; re-run `kiln data prepare`")
-    if raw["format_version"] != FORMAT_VERSION:
+    if isinstance(raw, dict) and "format_version" in raw and raw["format_version"] != FORMAT_VERSION:
         raise DataError(f"{mloc.uri} has format_version {raw['format_version']}, expected {FORMAT_VERSION}")
+    try:
+        _ManifestSchema.model_validate(raw)
+    except pydantic.ValidationError as e:
+        first = e.errors()[0]
+        field = ".".join(str(part) for part in first["loc"]) or "the file"
+        what = "expected an object" if first["type"] == "model_type" else first["msg"]
+        raise DataError(f"{mloc.uri} is not a Kiln manifest: {field}: {what} (got "
+                        f"{_short(first.get('input'))}); re-run `kiln data prepare`") from None
     return Manifest(raw, loc)
+
+
+def is_kiln_manifest(raw: Any) -> bool:
+    """Whether parsed JSON is a manifest `kiln data prepare` (of this format) wrote."""
+    if not isinstance(raw, dict) or raw.get("format_version") != FORMAT_VERSION:
+        return False
+    try:
+        _ManifestSchema.model_validate(raw)
+    except pydantic.ValidationError:
+        return False
+    return True
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+class _Schema(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="allow")  # later Kiln versions may add fields
+
+
+class _Shard(_Schema):
+    path: str
+    rows: pydantic.NonNegativeInt
+    bytes: pydantic.NonNegativeInt
+    sha256: str = pydantic.Field(pattern=r"^[0-9a-f]{64}$")
+
+
+class _Split(_Schema):
+    rows: pydantic.NonNegativeInt
+    tokens: pydantic.NonNegativeInt
+    shards: list[_Shard]
+
+
+class _Tokenizer(_Schema):
+    type: Literal["byte", "bpe"]
+    vocab_size: pydantic.PositiveInt
+    eot_id: pydantic.NonNegativeInt
+
+
+class _Splits(_Schema):
+    train: _Split
+    val: _Split
+
+
+class _ManifestSchema(_Schema):
+    """What `kiln data prepare` writes; checked the moment a manifest is read, so a file of the
+    wrong shape is one error naming the field, not a crash later in training."""
+
+    format_version: int
+    fingerprint: str
+    seq_len: int = pydantic.Field(ge=2)
+    tokenizer: _Tokenizer
+    splits: _Splits
+    unigram_entropy_bits: float
 
 
 def check_shards(manifest: Manifest) -> None:
@@ -98,10 +160,10 @@ def check_shards(manifest: Manifest) -> None:
                     schema = meta.schema.to_arrow_schema()
             except (OSError, pa.ArrowInvalid) as e:
                 raise DataError(f"shard {loc.uri} is not a readable Parquet file: {e}") from None
-            if TOKENS not in schema.names or schema.field(TOKENS).type != want:
-                raise DataError(
-                    f"shard {loc.uri} has schema {schema}, expected column {TOKENS!r} of type {want}"
-                )
+            found = schema.field(TOKENS).type if TOKENS in schema.names else "no such column"
+            if found != want:
+                raise DataError(f"shard {loc.uri} has column {TOKENS!r}: {found}, but the manifest (seq_len "
+                                f"{manifest.seq_len}) needs {want}")
             if meta.num_rows != entry["rows"]:
                 raise DataError(
                     f"shard {loc.uri} has {meta.num_rows} rows but the manifest says {entry['rows']}"

@@ -20,7 +20,7 @@ import shutil
 import uuid
 from pathlib import Path
 
-from kiln.data.manifest import FORMAT_VERSION, MANIFEST, TOKENIZER_FILE
+from kiln.data.manifest import MANIFEST, TOKENIZER_FILE, is_kiln_manifest
 from kiln.errors import DataError
 from kiln.storage import Location, resolve
 
@@ -35,13 +35,7 @@ def kiln_manifest(out: Location, files: list[str]) -> dict | None:
         raw = json.loads(out.join(MANIFEST).read_bytes())
     except (json.JSONDecodeError, UnicodeDecodeError):
         return None
-    if not isinstance(raw, dict) or raw.get("format_version") != FORMAT_VERSION:
-        return None
-    try:
-        owned_files(raw)
-    except (KeyError, TypeError, AttributeError):
-        return None
-    return raw
+    return raw if is_kiln_manifest(raw) else None
 
 
 def owned_files(manifest: dict) -> list[str]:
