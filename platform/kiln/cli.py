@@ -63,6 +63,8 @@ def _data_parser(sub) -> None:
     prep.add_argument("--if-exists", choices=["error", "reuse", "overwrite"], default="error",
                       help="if the output already holds a dataset (default: error)")
     prep.add_argument("--s3-endpoint", default="", help="S3-compatible endpoint URL (default $AWS_ENDPOINT_URL)")
+    prep.add_argument("--on-binary", choices=["error", "skip"], default="error",
+                      help="an input holding binary data (NUL bytes): stop with an error (default), or skip it")
 
     verify = data.add_parser("verify", help="check every shard of a dataset against its manifest's SHA-256")
     verify.add_argument("path", help="dataset directory or s3://bucket/prefix")
@@ -182,11 +184,16 @@ def _data(args: argparse.Namespace) -> int:
         inputs=args.input, output=args.output, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
         seq_len=args.seq_len, val_fraction=args.val_fraction, shard_tokens=args.shard_tokens,
         text_field=args.text_field, seed=args.seed, if_exists=args.if_exists, s3_endpoint=args.s3_endpoint,
+        on_binary=args.on_binary,
     ))
     tr, va = m["splits"]["train"], m["splits"]["val"]
     print(f"dataset {args.output}: {tr['tokens']:,} train / {va['tokens']:,} val tokens, "
           f"{len(tr['shards'])} + {len(va['shards'])} shards, vocab {m['tokenizer']['vocab_size']}, "
           f"seq_len {m['seq_len']}, unigram entropy {m['unigram_entropy_bits']:.3f} bits/token")
+    found = m.get("input", {})
+    if found.get("binary_files_skipped") or found.get("invalid_utf8_chars"):
+        print(f"  input: {found.get('binary_files_skipped', 0)} binary file(s) skipped, "
+              f"{found.get('invalid_utf8_chars', 0)} invalid UTF-8 sequence(s) replaced")
     return 0
 
 

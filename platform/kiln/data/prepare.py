@@ -27,6 +27,7 @@ import shutil
 import time
 import uuid
 from collections.abc import Iterator
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,6 +72,9 @@ class PrepareConfig:
     only) or 'overwrite'."""
     s3_endpoint: str = ""
     """S3-compatible endpoint for an s3:// output (default $AWS_ENDPOINT_URL)."""
+    on_binary: str = "error"
+    """A text input that holds binary data (NUL bytes): 'error' names it and stops, 'skip'
+    leaves it out and counts it in the manifest."""
 
 
 # ---- reading the corpus ------------------------------------------------------------------------
@@ -118,19 +122,59 @@ def _read_documents(path: Path, text_field: str) -> Iterator[str]:
             raise DataError(f"input {path} has no column {text_field!r} (columns: {table.column_names})")
         yield from (t for t in table.column(text_field).to_pylist() if t)
     else:
-        yield path.read_text(encoding="utf-8", errors="replace")
+        yield read_text(path)
 
 
-def read_corpus(cfg: PrepareConfig) -> tuple[list[str], str]:
+BINARY_SNIFF = 8192  # bytes looked at for a NUL: text of any encoding Kiln reads has none
+
+
+class BinaryInput(DataError):
+    """A text input that holds binary data."""
+
+
+def read_text(path: Path) -> str:
+    """A text file as UTF-8; invalid bytes become U+FFFD and are counted by `read_corpus`."""
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise DataError(f"input {path} cannot be read: {e.strerror or e}") from None
+    if b"\0" in data[:BINARY_SNIFF]:
+        raise BinaryInput(f"input {path} holds binary data (NUL bytes), not text")
+    return data.decode("utf-8", errors="replace")
+
+
+@dataclass
+class CorpusStats:
+    """What reading the corpus found besides the text, recorded in the manifest."""
+
+    binary_files_skipped: int = 0
+    invalid_utf8_chars: int = 0
+    """U+FFFD characters the decoding put where bytes were not UTF-8 (Latin-1 text, say)."""
+
+
+def read_corpus(cfg: PrepareConfig, stats: CorpusStats | None = None) -> tuple[list[str], str]:
     """All non-empty documents, and a content hash of the inputs for the fingerprint."""
+    stats = stats if stats is not None else CorpusStats()
     digest = hashlib.sha256()
     docs: list[str] = []
     for path in _input_files(cfg.inputs):
-        for doc in _read_documents(path, cfg.text_field):
+        try:
+            file_docs = list(_read_documents(path, cfg.text_field))
+        except BinaryInput as e:
+            if cfg.on_binary != "skip":
+                raise DataError(f"{e}; leave it out of --input, or pass --on-binary skip") from None
+            log.warning("%s: skipped", e)
+            stats.binary_files_skipped += 1
+            continue
+        for doc in file_docs:
             if doc.strip():
+                stats.invalid_utf8_chars += doc.count("\ufffd")
                 docs.append(doc)
                 digest.update(doc.encode("utf-8", errors="replace"))
                 digest.update(b"\0")
+    if stats.invalid_utf8_chars:
+        log.warning("the corpus is not all UTF-8: %d invalid byte sequence(s) were replaced by U+FFFD",
+                    stats.invalid_utf8_chars)
     if not docs:
         raise DataError(f"the corpus is empty: {cfg.inputs} hold no non-blank text")
     return docs, digest.hexdigest()
@@ -196,8 +240,15 @@ def _validate(cfg: PrepareConfig) -> None:
         raise KilnError(f"--tokenizer {cfg.tokenizer!r}: expected 'byte' or 'bpe'")
     if cfg.tokenizer == "bpe" and not 257 <= cfg.vocab_size <= 1 << 20:
         raise KilnError(f"--vocab-size {cfg.vocab_size}: expected 257..{1 << 20} for BPE")
+    if cfg.vocab_size < 1:
+        raise KilnError(f"--vocab-size {cfg.vocab_size}: expected a positive integer")
     if cfg.seq_len < 2:
         raise KilnError(f"--seq-len {cfg.seq_len}: expected an integer >= 2")
+    if cfg.shard_tokens < cfg.seq_len + 1:
+        raise KilnError(f"--shard-tokens {cfg.shard_tokens}: expected at least one row of --seq-len + 1 = "
+                        f"{cfg.seq_len + 1} tokens per shard")
+    if cfg.on_binary not in ("error", "skip"):
+        raise KilnError(f"--on-binary {cfg.on_binary!r}: expected error or skip")
     if not 0.0 < cfg.val_fraction < 1.0:
         raise KilnError(f"--val-fraction {cfg.val_fraction}: expected a number in (0, 1)")
     if cfg.if_exists not in ("error", "reuse", "overwrite"):
@@ -230,7 +281,8 @@ def prepare(cfg: PrepareConfig) -> dict:
     """Build the dataset and return its manifest (or the existing one, with if_exists=reuse)."""
     _validate(cfg)
     out = resolve(cfg.output, cfg.s3_endpoint)
-    docs, corpus_hash = read_corpus(cfg)
+    stats = CorpusStats()
+    docs, corpus_hash = read_corpus(cfg, stats)
     fp = fingerprint(cfg, corpus_hash)
 
     old = _check_output(cfg, out, fp)
@@ -267,6 +319,7 @@ def prepare(cfg: PrepareConfig) -> dict:
         "seq_len": cfg.seq_len,
         "columns": {SAMPLE_ID: "int64", TOKENS: f"fixed_size_list<int32>[{cfg.seq_len + 1}]"},
         "unigram_entropy_bits": unigram_entropy_bits(train_counts),
+        "input": dataclasses.asdict(stats),
         "splits": {},
     }
     if old is not None and out.is_s3:

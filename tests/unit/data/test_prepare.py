@@ -1,5 +1,6 @@
 import hashlib
 import json
+from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -134,3 +135,29 @@ def test_bad_settings():
                            ({"val_fraction": 1.5}, "--val-fraction"), ({"tokenizer": "bpe", "vocab_size": 10}, "--vocab-size")]:
         with pytest.raises(KilnError, match=needle):
             prepare(PrepareConfig(inputs=["x"], output="y", **kwargs))
+
+
+def test_binary_input_is_refused_or_skipped_and_counted(tmp_path, corpus):
+    binary = tmp_path / "ls.txt"
+    binary.write_bytes(Path("/bin/ls").read_bytes())  # a real binary saved as .txt
+    text = tmp_path / "latin.txt"
+    text.write_bytes("caf\xe9 au lait, ".encode("latin-1") * 400)  # text, but not UTF-8
+    inputs = [str(binary), str(text), corpus[0]]
+    with pytest.raises(DataError, match=f"input {binary} holds binary data.*--on-binary skip"):
+        prepare(PrepareConfig(inputs=inputs, output=str(tmp_path / "a"), tokenizer="byte", seq_len=32))
+    assert not (tmp_path / "a").exists()
+    m = prepare(PrepareConfig(inputs=inputs, output=str(tmp_path / "b"), tokenizer="byte", seq_len=32,
+                              on_binary="skip"))
+    assert m["input"] == {"binary_files_skipped": 1, "invalid_utf8_chars": 400}
+    assert json.loads((tmp_path / "b" / "manifest.json").read_text())["input"] == m["input"]
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    ({"vocab_size": -7}, "--vocab-size -7: expected a positive integer"),
+    ({"shard_tokens": -1}, "--shard-tokens -1: expected at least one row"),
+    ({"on_binary": "maybe"}, "--on-binary 'maybe'"),
+])
+def test_settings_that_would_be_ignored_or_absurd_are_refused(tmp_path, corpus, kwargs, needle):
+    with pytest.raises(KilnError, match=needle):
+        prepare(PrepareConfig(inputs=corpus[:1], output=str(tmp_path / "ds"), tokenizer="byte", seq_len=32, **kwargs))
+    assert not (tmp_path / "ds").exists()
