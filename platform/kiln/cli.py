@@ -244,6 +244,9 @@ def _lr(args: argparse.Namespace) -> int:
     from kiln.train.schedule import plot_schedule
 
     cfg = load_config(args.config, args.overrides)
+    out = Path(args.out)
+    if out.is_dir() or not out.parent.resolve().is_dir():
+        raise ConfigError(f"--out {args.out}: expected a PNG file path in an existing directory")
     plot_schedule(cfg.schedule, cfg.optim.lr, cfg.train.max_steps, args.out)
     print(f"wrote {args.out}: {cfg.schedule.name} over {cfg.train.max_steps} steps, peak lr {cfg.optim.lr:g}")
     return 0

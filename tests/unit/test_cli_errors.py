@@ -197,3 +197,22 @@ def test_an_mlflow_store_it_cannot_open_is_one_line_without_the_password(tmp_pat
     out = kiln("runs", "list", "--tracking-uri", "htpp://user:hunter22@127.0.0.1:9", cwd=tmp_path)
     assert_clean_error(out, "unsupported URI 'htpp://user:***@127.0.0.1:9'")
     assert "hunter22" not in out.stderr
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["plan", "--model", "debug", "--device-memory-gib", "nan"], "--device-memory-gib = nan: expected a finite number > 0"),
+    (["plan", "--model", "debug", "--device-memory-gib", "inf"], "--device-memory-gib = inf: expected a finite number > 0"),
+    (["plan", "--model", "debug", "--seq-len", "-5"], "--seq-len = -5: expected an integer >= 1"),
+    (["lr", "plot", "--out", "no-such-dir/lr.png"], "--out no-such-dir/lr.png: expected a PNG file path"),
+    (["runs", "list"], "no MLflow store at sqlite:///"),
+], ids=["plan-nan", "plan-inf", "plan-negative-seq", "lr-bad-out", "runs-in-an-empty-dir"])
+def test_bad_values_for_plan_lr_and_runs_leave_nothing_behind(tmp_path, args, needle):
+    out = kiln(*args, cwd=tmp_path)
+    assert_clean_error(out, needle)
+    assert list(tmp_path.iterdir()) == []  # no mlflow.db, no half-written PNG
+
+
+def test_a_billion_step_schedule_plots_at_once(tmp_path):
+    out = kiln("lr", "plot", "--set", "train.max_steps=1000000000", "--out", "lr.png", cwd=tmp_path, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["lr.png"]

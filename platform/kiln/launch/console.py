@@ -56,7 +56,8 @@ def _environment_errors() -> tuple[type[BaseException], ...]:
     """Exceptions a user's input or environment causes, not Kiln's code."""
     import yaml
 
-    errors: list[type[BaseException]] = [OSError, UnicodeError, yaml.YAMLError]
+    # ImportError: an optional driver that is not installed (a postgresql:// store without psycopg2).
+    errors: list[type[BaseException]] = [OSError, UnicodeError, ImportError, yaml.YAMLError]
     try:
         from mlflow.exceptions import MlflowException
 

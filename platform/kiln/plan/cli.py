@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 
 from kiln.config import RunConfig, deepspeed_refusal, load_config
 from kiln.errors import ConfigError
@@ -14,6 +15,7 @@ DEFAULT_VOCAB = 50304  # GPT-2's 50257, padded to a multiple of 64
 
 
 def plan_from_args(args: argparse.Namespace) -> str:
+    _check_flags(args)
     cfg: RunConfig = load_config(args.config, args.overrides)
     if args.config and not (args.vocab_size and args.seq_len):
         cfg = _with_data_shapes(cfg)
@@ -68,6 +70,18 @@ def _with_data_shapes(cfg: RunConfig) -> RunConfig:
         return resolve_against_data(cfg)[0]
     except KilnError:  # planning ahead of the data: the flavour's defaults
         return cfg
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    """Numbers given on the command line: finite, and positive where a count or a size."""
+    for name in ("seq_len", "vocab_size", "world_size", "micro_batch", "pipeline_stages", "micro_batches", "nodes"):
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} = {value}: expected an integer >= 1")
+    for name in ("device_memory_gib", "target_tokens", "usd_per_hour", "mfu"):
+        value = getattr(args, name, None)
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise ConfigError(f"--{name.replace('_', '-')} = {value}: expected a finite number > 0")
 
 
 def _check(p: PlanInput) -> None:

@@ -177,29 +177,37 @@ def run_sweep(sweep: Sweep, address: str | None = None, resume: bool = False) ->
     base, uri = checked.cfg, checked.tracking_uri
     # Tune runs each trial in its own working dir: the trials' data path must not be relative.
     sweep.base_tree.setdefault("data", {})["path"] = base.data.path
-    parent = _resume_parent(sweep, uri, exp_dir) if resume else _start_parent(sweep, uri, exp_dir)
+    if not resume and os.path.exists(exp_dir):
+        raise KilnError(f"sweep {cfg.name!r} already exists at {exp_dir}: resume it with "
+                        f"`kiln sweep --resume {cfg.name}`, or give the sweep another name")
+    # Ray first: a sweep that cannot reach it leaves no parent run and no state behind.
     concurrent_cpus = cfg.max_concurrent_trials * base.parallel.num_workers * base.parallel.cpus_per_worker
     connect_ray(dataclasses.replace(base, parallel=dataclasses.replace(
         base.parallel, num_workers=math.ceil(concurrent_cpus), cpus_per_worker=1.0)), address)
+    parent = _resume_parent(sweep, uri, exp_dir) if resume else _start_parent(sweep, uri, exp_dir)
     ctx = {"sweep": sweep.to_dict(), "tracking_uri": uri, "parent_run_id": parent.run_id,
            "train_storage": train_storage}
-    ok = False
+    ok, status = False, "FAILED"
     try:
         summary = _fit(sweep, base, ctx, storage, exp_dir, parent, resume)
         _close_parent(parent, summary, sweep)
         ok = True
         return summary
+    except (SweepInterrupted, KeyboardInterrupt):
+        status = "KILLED"  # stopped by its user, and resumable
+        raise
     finally:
         if not ok:
-            parent.finish(False, "KILLED")
+            parent.finish(False, status)
+
+
+class SweepInterrupted(KilnError):
+    """Ctrl-C stopped the sweep after Tune saved its state."""
 
 
 def _start_parent(sweep: Sweep, uri: str, exp_dir: str) -> Run:
     """A new sweep: its parent run, and the state file `--resume` reads (private: the base config
     may hold connection settings)."""
-    if os.path.exists(exp_dir):
-        raise KilnError(f"sweep {sweep.config.name!r} already exists at {exp_dir}: resume it with "
-                        f"`kiln sweep --resume {sweep.config.name}`, or give the sweep another name")
     parent = _open_parent(sweep, uri, sweep.base_config.logging.experiment)
     os.makedirs(exp_dir, exist_ok=True)
     write_private(os.path.join(exp_dir, STATE_FILE),
@@ -244,7 +252,7 @@ def _fit(sweep: Sweep, base, ctx: dict, storage: str, exp_dir: str, parent: Run,
         results = tuner.fit()
     if interrupt.seen:
         # Tune stopped the running trials after saving its state, so their status no longer tells.
-        raise KilnError(f"sweep {cfg.name!r} interrupted; its state is saved: resume it with "
+        raise SweepInterrupted(f"sweep {cfg.name!r} interrupted; its state is saved: resume it with "
                         f"`kiln sweep --resume {cfg.name}`"
                         + (f" --storage-path {cfg.storage_path}" if cfg.storage_path != "runs/sweeps" else ""))
     summary = summarise(sweep, results, parent, ctx["tracking_uri"], base.train.max_steps)

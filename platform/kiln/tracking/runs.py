@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from kiln.errors import KilnError
 from kiln.tracking.server import check_reachable, resolve_tracking_uri
 from kiln.ui.table import format_table
@@ -17,6 +19,12 @@ def fetch_runs(experiment: str, tracking_uri: str = "", sort: str | None = None,
 
     uri = resolve_tracking_uri(tracking_uri)
     check_reachable(uri)
+    if uri.startswith("sqlite:///") and not os.path.exists(uri[len("sqlite:///"):]):
+        # MlflowClient would create an empty store just to report that it is empty.
+        raise KilnError(f"no MLflow store at {uri}: nothing has been logged here yet; pass --tracking-uri "
+                        "or set $MLFLOW_TRACKING_URI to where your runs are")
+    if limit < 1:
+        raise KilnError(f"--limit {limit}: expected a positive number of runs")
     client = MlflowClient(uri)
     exp = client.get_experiment_by_name(experiment)
     if exp is None:

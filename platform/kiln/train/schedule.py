@@ -51,6 +51,9 @@ def lr_multiplier(step: int, sched: ScheduleConfig, max_steps: int) -> float:
     raise ValueError(f"unknown schedule {name!r}")
 
 
+PLOT_POINTS = 2000  # enough to draw every schedule's shape, warmup included, at the plot's width
+
+
 def lr_curve(sched: ScheduleConfig, peak_lr: float, max_steps: int) -> list[float]:
     """The LR of every optimizer step of a run, in order."""
     return [peak_lr * lr_multiplier(s, sched, max_steps) for s in range(max_steps)]
@@ -65,9 +68,12 @@ def plot_schedule(sched: ScheduleConfig, peak_lr: float, max_steps: int, path: s
     matplotlib.use("Agg")  # no display on servers, CI or Ray workers
     import matplotlib.pyplot as plt
 
-    lrs = lr_curve(sched, peak_lr, max_steps)
+    # At most PLOT_POINTS steps, evenly spread: a billion-step schedule plots as fast as a short one.
+    steps = sorted({1 + (max_steps - 1) * i // (PLOT_POINTS - 1) for i in range(PLOT_POINTS)}) \
+        if max_steps > PLOT_POINTS else range(1, max_steps + 1)
+    lrs = [peak_lr * lr_multiplier(s - 1, sched, max_steps) for s in steps]
     fig, ax = plt.subplots(figsize=(7, 3.5), dpi=110)
-    ax.plot(range(1, max_steps + 1), lrs, lw=1.8)
+    ax.plot(list(steps), lrs, lw=1.8)
     if sched.warmup_steps:
         ax.axvline(sched.warmup_steps, color="grey", ls=":", lw=1, label=f"end of warmup ({sched.warmup_steps})")
         ax.legend(loc="upper right", fontsize=8)
@@ -77,7 +83,11 @@ def plot_schedule(sched: ScheduleConfig, peak_lr: float, max_steps: int, path: s
     ax.grid(alpha=0.3)
     fig.tight_layout()
     tmp = f"{path}.tmp-{os.getpid()}.png"
-    fig.savefig(tmp)
-    plt.close(fig)
-    os.replace(tmp, path)
+    try:
+        fig.savefig(tmp)
+        os.replace(tmp, path)
+    finally:
+        plt.close(fig)
+        if os.path.exists(tmp):  # a failed save or rename leaves nothing behind
+            os.unlink(tmp)
     return path

@@ -30,6 +30,11 @@ FAULTS = {
 @pytest.fixture
 def nothing_starts(monkeypatch):
     """Starting Ray or a training process group after a failed preflight is a test failure."""
+    # Import every driver before patching: one imported while another's function is patched
+    # would keep the patched function for good.
+    import kiln.launch.local
+    import kiln.sweep.run  # noqa: F401
+
     def started(*args, **kwargs):
         raise AssertionError("a driver went past a failed preflight")
 
@@ -92,3 +97,12 @@ def test_resume_from_is_made_absolute_and_checked_on_the_driver(byte_dataset, tm
     # Where the workers' disks are elsewhere it cannot be checked here, but it is still absolute.
     checked = preflight(_run_config(byte_dataset, tmp_path, ["train.resume_from=runs/old"]), remote_cluster=True)
     assert checked.cfg.train.resume_from == str(tmp_path / "runs" / "old")
+
+
+def test_a_sweep_that_cannot_reach_ray_leaves_nothing_behind(byte_dataset, tmp_path, clean_env):
+    from kiln.sweep.run import run_sweep
+
+    with pytest.raises(KilnError, match="no Ray cluster answers at 127.0.0.1:9"):
+        run_sweep(_sweep(byte_dataset, tmp_path, {}), address="127.0.0.1:9")
+    assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "sweeps").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sweep.yaml"]
