@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 import yaml
 
 from kiln.errors import ConfigError
+from kiln.tracking.redact import SECRET_PATTERN, TOKEN_SHAPES, URL_USERINFO
 
 KUBERAY_KINDS = ("RayCluster", "RayJob")
 
@@ -141,18 +144,63 @@ def check_kuberay(doc: dict) -> list[str]:
 def check_cluster_file(path: str | Path) -> str:
     """Validate one cluster file; return what it is, or raise ConfigError listing every problem."""
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"{path}: a directory, not a cluster file (pass the files in it: {path}/*.yaml)")
     try:
-        doc = yaml.safe_load(path.read_text())
+        doc = yaml.safe_load(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such cluster file") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not a text file (a cluster file is YAML)") from None
     except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+        raise ConfigError(f"{path}: not valid YAML: {str(e).splitlines()[0]}") from None
     if not isinstance(doc, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level")
     if "apiVersion" in doc or "kind" in doc:
         what, problems = f"KubeRay {doc.get('kind')}", check_kuberay(doc)
     else:
         what, problems = f"Ray cluster launcher config ({(doc.get('provider') or {}).get('type')})", check_launcher(doc)
+    problems += credentials_in_clear(doc)
     if problems:
         raise ConfigError(f"{path} ({what}): " + "; ".join(problems))
     return what
+
+
+# `NAME=value` in a shell command, e.g. `export AWS_SECRET_ACCESS_KEY=...` in setup_commands.
+_ASSIGNMENT = re.compile(r"\b([A-Za-z_][A-Za-z0-9_]*)=([^\s;&|'\"\\]+)")
+
+
+def credentials_in_clear(node: Any, where: str = "") -> list[str]:
+    """Where a cluster file holds a credential itself rather than taking it from the environment
+    or a Kubernetes Secret: a secret-named key or env entry with a literal value, a secret-named
+    shell assignment, a URL with a password, or a known token shape. The value is never echoed."""
+    found: list[str] = []
+    if isinstance(node, dict):
+        name = node.get("name")
+        if isinstance(name, str) and SECRET_PATTERN.search(name) and _literal(node.get("value")):
+            found.append(f"{where}: env {name} has a literal value; take it from a Secret (valueFrom)")
+        for key, value in node.items():
+            path = f"{where}.{key}" if where else str(key)
+            if isinstance(key, str) and SECRET_PATTERN.search(key) and _literal(value):
+                found.append(f"{path}: a credential in clear; take it from the environment instead")
+            else:
+                found += credentials_in_clear(value, path)
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            found += credentials_in_clear(value, f"{where}[{i}]")
+    elif isinstance(node, str) and _secret_in_text(node):
+        found.append(f"{where}: a credential in clear; take it from the environment instead")
+    return found
+
+
+def _literal(value: Any) -> bool:
+    """A value long enough to be a secret (`token` as an auth mode is a setting), and neither a
+    reference to one ($VAR, ${VAR}) nor the path of a file that holds one (~/.ray/auth_token)."""
+    text = str(value)
+    return isinstance(value, (str, int)) and len(text) >= 8 and not text.startswith(("$", "/", "~", "./"))
+
+
+def _secret_in_text(text: str) -> bool:
+    if TOKEN_SHAPES.search(text) or any(":" in m.group("userinfo") for m in URL_USERINFO.finditer(text)):
+        return True
+    return any(SECRET_PATTERN.search(k) and _literal(v) for k, v in _ASSIGNMENT.findall(text))

@@ -103,3 +103,46 @@ def test_cli_checks_every_file_and_reports_each_problem_without_traceback(tmp_pa
     assert "bad.yaml" in proc.stderr and "'max_worker' was unexpected" in proc.stderr
     assert "missing.yaml: no such cluster file" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+SECRET = "wJalrXUtnFEMIK7MDENGbPxRfiCY"
+
+
+@pytest.mark.parametrize("plant, where", [
+    (lambda d: d["setup_commands"].append(f"export AWS_SECRET_ACCESS_KEY={SECRET}"), "setup_commands[3]"),
+    (lambda d: d["provider"].__setitem__("aws_secret_access_key", SECRET), "provider.aws_secret_access_key"),
+    (lambda d: d["head_setup_commands"].append("echo export MLFLOW_TRACKING_URI=http://u:hunter22@10.0.0.1:5000"),
+     "head_setup_commands[3]"),
+    (lambda d: d["setup_commands"].append("echo AKIAIOSFODNN7EXAMPLE"), "setup_commands[3]"),
+], ids=["shell-export", "secret-key", "url-password", "aws-key-shape"])
+def test_a_cluster_file_holding_a_credential_is_refused_without_echoing_it(tmp_path, plant, where):
+    doc = load(REPO / "cluster" / "aws-gpu.yaml")
+    plant(doc)
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    with pytest.raises(Exception) as e:
+        check_cluster_file(path)
+    assert f"{where}: a credential in clear" in str(e.value)
+    assert SECRET not in str(e.value) and "hunter22" not in str(e.value) and "AKIA" not in str(e.value)
+
+
+def test_a_kubernetes_secret_as_a_literal_env_value_is_refused():
+    doc = load(REPO / "cluster" / "kuberay" / "raycluster.yaml")
+    container = doc["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    container.setdefault("env", []).append({"name": "AWS_SECRET_ACCESS_KEY", "value": SECRET})
+    from kiln.cluster.check import credentials_in_clear
+
+    found = credentials_in_clear(doc)
+    assert len(found) == 1 and "env AWS_SECRET_ACCESS_KEY has a literal value" in found[0]
+
+
+@pytest.mark.parametrize("make, needle", [
+    (lambda p: p.mkdir(), "a directory, not a cluster file"),
+    (lambda p: p.write_bytes(Path("/bin/ls").read_bytes()), "not a text file"),
+], ids=["directory", "binary"])
+def test_a_directory_or_a_binary_is_named(tmp_path, make, needle):
+    path = tmp_path / "c.yaml"
+    make(path)
+    out = subprocess.run([str(Path(sys.executable).parent / "kiln"), "cluster", "check", str(path)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "Traceback" not in out.stderr and needle in out.stderr
