@@ -38,7 +38,10 @@ def _flavours() -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    import kiln
+
     parser = argparse.ArgumentParser(prog="kiln", description="Efficient LLM training on Ray.")
+    parser.add_argument("--version", action="version", version=f"kiln {kiln.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for add in (_data_parser, _train_parser, _sweep_parser, _lr_parser, _runs_parser, _plan_parser,
                 _cluster_parser, _services_parser, _config_parser):
@@ -53,13 +56,14 @@ def _data_parser(sub) -> None:
     prep.add_argument("--input", action="append", required=True,
                       help="text file, directory, .jsonl or .parquet (repeatable)")
     prep.add_argument("--output", required=True, help="directory or s3://bucket/prefix")
-    prep.add_argument("--tokenizer", choices=["byte", "bpe"], default="bpe")
+    prep.add_argument("--tokenizer", choices=["byte", "bpe"], default="bpe",
+                      help="bpe: a byte-level BPE trained on the train split (default); byte: 256 byte ids + EOT")
     prep.add_argument("--vocab-size", type=int, default=4096, help="BPE vocab size (default 4096)")
     prep.add_argument("--seq-len", type=int, default=128, help="tokens per training sequence")
     prep.add_argument("--val-fraction", type=float, default=0.1, help="share of documents for validation")
     prep.add_argument("--shard-tokens", type=int, default=1 << 20, help="target tokens per shard")
     prep.add_argument("--text-field", default="text", help="JSONL field / Parquet column with the text")
-    prep.add_argument("--seed", type=int, default=1234)
+    prep.add_argument("--seed", type=int, default=1234, help="seeds the train/val split and the row shuffle")
     prep.add_argument("--if-exists", choices=["error", "reuse", "overwrite"], default="error",
                       help="if the output already holds a dataset (default: error)")
     prep.add_argument("--s3-endpoint", default="", help="S3-compatible endpoint URL (default $AWS_ENDPOINT_URL)")
@@ -93,7 +97,8 @@ def _lr_parser(sub) -> None:
     lr = sub.add_parser("lr", help="learning-rate schedules").add_subparsers(dest="lr_cmd", required=True)
     plot = lr.add_parser("plot", help="write a PNG of a run config's LR schedule")
     plot.add_argument("--config", help="run config YAML (defaults if omitted)")
-    plot.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    plot.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                      help="override a config field, e.g. --set schedule.name=linear (repeatable)")
     plot.add_argument("--out", default="lr_schedule.png", help="PNG path (default lr_schedule.png)")
 
 
@@ -101,9 +106,9 @@ def _runs_parser(sub) -> None:
     runs = sub.add_parser("runs", help="list or compare MLflow runs").add_subparsers(dest="runs_cmd", required=True)
     for name, helptext in (("list", "newest runs first"), ("compare", "runs ranked by a metric")):
         r = runs.add_parser(name, help=helptext)
-        r.add_argument("--experiment", default="kiln")
+        r.add_argument("--experiment", default="kiln", help="MLflow experiment (default kiln)")
         r.add_argument("--tracking-uri", default="", help="default $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db")
-        r.add_argument("--limit", type=int, default=50)
+        r.add_argument("--limit", type=int, default=50, help="at most this many runs (default 50)")
         r.add_argument("--sweep", default=None, help="only the trials of this sweep")
         if name == "compare":
             r.add_argument("--sort", default="loss/val", help="metric to rank by")
@@ -125,14 +130,16 @@ def _plan_parser(sub) -> None:
     plan.add_argument("--micro-batch", type=int, help="sequences per device per micro-step")
     plan.add_argument("--seq-len", type=int, help="tokens per sequence (default: the flavour's)")
     plan.add_argument("--vocab-size", type=int, help="vocabulary (default 50304, GPT-2's padded)")
-    plan.add_argument("--precision", choices=["fp32", "bf16", "fp16"])
-    plan.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3])
+    plan.add_argument("--precision", choices=["fp32", "bf16", "fp16"], help="compute precision (default: the config's)")
+    plan.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], help="DeepSpeed ZeRO stage (default: the config's)")
     plan.add_argument("--offload", choices=["none", "optimizer", "optimizer+params"],
                       help="ZeRO-Offload to CPU: the optimizer, or (stage 3) parameters too")
-    plan.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction, default=None)
-    plan.add_argument("--pipeline-stages", type=int)
+    plan.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction, default=None,
+                      help="recompute activations in backward (default: the config's)")
+    plan.add_argument("--pipeline-stages", type=int, help="pipeline-parallel stages (ZeRO 0-1 only)")
     plan.add_argument("--micro-batches", type=int, help="micro-batches per step in a pipeline")
-    plan.add_argument("--optimizer", choices=["adamw", "adam", "lamb", "rmsprop", "sgd"])
+    plan.add_argument("--optimizer", choices=["adamw", "adam", "lamb", "rmsprop", "sgd"],
+                      help="its state is what ZeRO shards (default: the config's)")
     plan.add_argument("--cluster", help="a Ray launcher YAML (cluster/aws-gpu.yaml): also estimate tokens/s, "
                       "time to --target-tokens and cost on its GPU nodes")
     plan.add_argument("--nodes", type=int, help="GPU nodes to plan for (default: the node type's max_workers)")
@@ -155,17 +162,18 @@ def _services_parser(sub) -> None:
         s.add_argument("--dir", default="runs/services", help="state, logs, SQLite store and artifacts")
         if name == "up":
             s.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
-            s.add_argument("--port", type=int, default=5000)
+            s.add_argument("--port", type=int, default=5000, help="MLflow server port (default 5000)")
             s.add_argument("--backend-store-uri", help="default sqlite:///<dir>/mlflow.db; e.g. postgresql://...")
             s.add_argument("--artifacts-destination", help="default <dir>/artifacts; e.g. s3://bucket/mlflow")
             s.add_argument("--prometheus", action="store_true", help="also run Prometheus on Ray's metrics")
-            s.add_argument("--prometheus-port", type=int, default=9090)
+            s.add_argument("--prometheus-port", type=int, default=9090, help="Prometheus port (default 9090)")
 
 
 def _config_parser(sub) -> None:
     cfg = sub.add_parser("config", help="print a run config as annotated YAML")
     cfg.add_argument("--config", help="YAML to resolve (defaults if omitted)")
-    cfg.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    cfg.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                     help="override a config field, e.g. --set optim.lr=3e-4 (repeatable)")
 
 
 def run(args: argparse.Namespace) -> int:

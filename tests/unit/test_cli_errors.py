@@ -216,3 +216,25 @@ def test_a_billion_step_schedule_plots_at_once(tmp_path):
     out = kiln("lr", "plot", "--set", "train.max_steps=1000000000", "--out", "lr.png", cwd=tmp_path, timeout=60)
     assert out.returncode == 0, out.stderr[-2000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["lr.png"]
+
+
+def test_every_option_says_what_it_does_and_kiln_has_a_version():
+    import argparse
+
+    import kiln
+    from kiln.cli import build_parser
+
+    silent = []
+
+    def walk(parser, prefix):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    walk(sub, [*prefix, name])
+            elif not action.help:
+                silent.append(" ".join([*prefix, *(action.option_strings or [action.dest])]))
+
+    walk(build_parser(), ["kiln"])
+    assert silent == []
+    out = subprocess.run([*KILN, "--version"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == f"kiln {kiln.__version__}"
