@@ -26,6 +26,8 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
                    help="Ray cluster address; default $RAY_ADDRESS, else an embedded local Ray")
     p.add_argument("--summary-json", default=None, metavar="PATH",
                    help="also write the run summary (final metrics, run id) as JSON here")
+    p.add_argument("--dry-run", action="store_true",
+                   help="run every pre-launch check and print the resolved plan; start nothing (no Ray, no MLflow run)")
     p.add_argument("--profile", action="store_true",
                    help="profile 3 steps on rank 0 after warm-up (train.profile.start_step=min(10, max_steps-2)); "
                         "trace and top operators go to the run's MLflow artifacts under profile/")
@@ -214,6 +216,15 @@ def _train(args: argparse.Namespace) -> int:
         steps = load_config(args.config, overrides).train.max_steps
         overrides.append(f"train.profile.start_step={max(1, min(10, steps - 2))}")
     cfg = load_config(args.config, overrides)  # validated before anything starts
+    if args.dry_run:
+        import os
+
+        from kiln.launch.preflight import preflight
+
+        address = args.address or os.environ.get("RAY_ADDRESS")
+        print("kiln train --dry-run: every pre-launch check passed; nothing was started.\n"
+              + preflight(cfg, remote_cluster=bool(address)).describe())
+        return 0
     summary = train(cfg, address=args.address, started=_STARTED)
     print(summary.render())
     if args.summary_json:

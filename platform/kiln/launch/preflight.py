@@ -19,10 +19,12 @@ from kiln.config import RunConfig, gpt_config
 from kiln.data.check import resolve_against_data
 from kiln.data.manifest import Manifest
 from kiln.errors import ConfigError, StorageError
+from kiln.model import num_params
 from kiln.parallel.engine import check_offload_ops
 from kiln.parallel.pipeline import check_partition
 from kiln.plan.memory import plan_input, refuse_if_too_big
 from kiln.storage import absolute, is_url, resolve
+from kiln.tracking.redact import scrub
 from kiln.tracking.server import check_reachable, resolve_tracking_uri
 from kiln.train.checkpoint import resolve_resume
 
@@ -37,6 +39,30 @@ class Checked:
     cfg: RunConfig
     manifest: Manifest
     tracking_uri: str
+    memory: str
+    """The memory plan's verdict per device, or why it could not be checked from here."""
+
+    def describe(self) -> str:
+        """The resolved plan, as `kiln train --dry-run` prints it."""
+        c, m = self.cfg, self.manifest
+        mcfg, p, t = gpt_config(c), c.parallel, c.train
+        tokens = t.micro_batch_size * c.micro_batches_per_step * c.data_parallel_size * mcfg.seq_len
+        rows = [
+            ("run", f"{c.logging.run_name} (experiment {c.logging.experiment!r})"),
+            ("data", f"{m.location.uri}: {m.split('train')['rows']:,} train / {m.split('val')['rows']:,} val rows "
+                     f"of {m.seq_len} tokens, vocab {m.vocab_size} (fingerprint {m.fingerprint})"),
+            ("model", f"{c.model.flavour}: {mcfg.n_layer} layers x d_model {mcfg.d_model}, "
+                      f"{num_params(mcfg, non_embedding=False) / 1e6:.2f}M params, vocab {mcfg.vocab_size}"),
+            ("parallel", f"{p.num_workers} worker(s) ({c.data_parallel_size} data-parallel x {p.pipeline_stages} "
+                         f"stage(s)), ZeRO-{p.zero_stage}, offload {p.offload_optimizer}/{p.offload_params}, "
+                         f"{t.precision}, {'GPU' if p.use_gpu else 'CPU'}"),
+            ("steps", f"{t.max_steps} x {tokens:,} tokens (micro-batch {t.micro_batch_size} x "
+                      f"{c.micro_batches_per_step} per replica), {c.optim.name} lr {c.optim.lr:g}, {c.schedule.name}"),
+            ("memory", self.memory),
+            ("checkpoints", absolute(c.train.storage_path)),
+            ("MLflow", scrub(self.tracking_uri)),
+        ]
+        return "\n".join(f"  {k:<12} {v}" for k, v in rows)
 
 
 def preflight(cfg: RunConfig, remote_cluster: bool = False, storage_field: str = "train.storage_path",
@@ -52,11 +78,11 @@ def preflight(cfg: RunConfig, remote_cluster: bool = False, storage_field: str =
     cfg = check_resume(cfg, world_size or cfg.parallel.num_workers, remote_cluster)
     check_precision(cfg)
     cfg = with_run_name(cfg)
-    check_resources(cfg, remote_cluster)
+    memory = check_resources(cfg, remote_cluster)
     tracking_uri = resolve_tracking_uri(cfg.logging.tracking_uri)
     check_reachable(tracking_uri)
     check_storage(cfg, storage_field, local_storage)  # after with_run_name: $KILN_STORAGE_PATH
-    return Checked(cfg, manifest, tracking_uri)
+    return Checked(cfg, manifest, tracking_uri, memory)
 
 
 def with_run_name(cfg: RunConfig) -> RunConfig:
@@ -111,16 +137,20 @@ def device_memory(cfg: RunConfig, remote_cluster: bool) -> tuple[float, str] | N
     return psutil.virtual_memory().total / (1 << 30) / p.num_workers, f"this machine's RAM / {p.num_workers} workers"
 
 
-def check_resources(cfg: RunConfig, remote_cluster: bool = False) -> None:
-    """Before launch: the ops an offload needs, and the memory plan against the devices."""
+def check_resources(cfg: RunConfig, remote_cluster: bool = False) -> str:
+    """Before launch: the ops an offload needs, and the memory plan against the devices; returns
+    the plan's verdict in words."""
     check_partition(gpt_config(cfg).n_layer, cfg.parallel)
     check_offload_ops(cfg)
     mem = device_memory(cfg, remote_cluster)
     if mem is None:
-        log.info("device memory unknown from here: set parallel.device_memory_gib to check the plan before launch")
-        return
+        verdict = "device memory unknown from here: set parallel.device_memory_gib to check the plan before launch"
+        log.info("%s", verdict)
+        return verdict
     est = refuse_if_too_big(plan_input(cfg, gpt_config(cfg), mem[0]), mem[1])
-    log.info("memory plan: %.2f GiB per device estimated of %.2f GiB", est.total / (1 << 30), mem[0])
+    verdict = f"{est.total / (1 << 30):.2f} GiB per device estimated of {mem[0]:.2f} GiB ({mem[1]})"
+    log.info("memory plan: %s", verdict)
+    return verdict
 
 
 def check_storage(cfg: RunConfig, field: str = "train.storage_path", local_only: bool = False) -> None:

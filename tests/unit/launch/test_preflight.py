@@ -106,3 +106,21 @@ def test_a_sweep_that_cannot_reach_ray_leaves_nothing_behind(byte_dataset, tmp_p
         run_sweep(_sweep(byte_dataset, tmp_path, {}), address="127.0.0.1:9")
     assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "sweeps").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["sweep.yaml"]
+
+
+def test_dry_run_prints_the_resolved_plan_and_starts_nothing(byte_dataset, tmp_path):
+    import subprocess
+    import sys
+
+    kiln = [str(Path(sys.executable).parent / "kiln"), "train", "--dry-run", "--config", str(REPO / "jobs/configs/debug.yaml")]
+    out = subprocess.run([*kiln, "--set", f"data.path={byte_dataset}"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "every pre-launch check passed; nothing was started" in out.stdout
+    for line in ("  data         " + str(byte_dataset), "  model        debug: 2 layers", "ZeRO-2",
+                 "  memory       ", "  checkpoints  " + str(tmp_path / "runs"), "  MLflow       sqlite:///"):
+        assert line in out.stdout, out.stdout
+    assert list(tmp_path.iterdir()) == []  # no mlflow.db, no runs/, no Ray session here
+    bad = subprocess.run([*kiln, "--set", f"data.path={tmp_path}/nope"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode == 2 and "kiln: error: dataset" in bad.stderr and "does not exist" in bad.stderr
