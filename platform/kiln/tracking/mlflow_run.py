@@ -147,13 +147,30 @@ class Run:
                 self.run_id, exp_id = run_id, self.client.get_run(run_id).info.experiment_id
             else:
                 exp_id = experiment_id(self.client, experiment)
-                all_tags = {k: str(v) for k, v in redact(tags or {}).items()}
+                all_tags = _context_tags() | {k: str(v) for k, v in redact(tags or {}).items()}
                 if parent_run_id:
                     all_tags["mlflow.parentRunId"] = parent_run_id
                 self.run_id = self.client.create_run(exp_id, run_name=run_name, tags=all_tags).info.run_id
         except Exception as e:  # the store's own errors are many and unhelpful
             raise KilnError(f"cannot create an MLflow run at {tracking_uri}: {e}") from None
         self.experiment_id = exp_id
+
+    def log_dataset(self, uri: str, digest: str, context: str = "training") -> None:
+        """The dataset as an MLflow dataset input (the run page's Datasets column): its location,
+        its name (the last part of the path) and its fingerprint as the digest."""
+        import warnings
+
+        from mlflow.data.dataset_source_registry import resolve_dataset_source
+        from mlflow.data.meta_dataset import MetaDataset
+        from mlflow.entities import DatasetInput, InputTag
+        from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
+
+        with warnings.catch_warnings():  # "can be interpreted in multiple ways": both are local
+            warnings.simplefilter("ignore", UserWarning)
+            source = resolve_dataset_source(scrub(uri))
+        dataset = MetaDataset(source=source, name=uri.rstrip("/").rsplit("/", 1)[-1], digest=digest)
+        self.client.log_inputs(self.run_id, datasets=[DatasetInput(
+            dataset._to_mlflow_entity(), tags=[InputTag(MLFLOW_DATASET_CONTEXT, context)])])
 
     def log_params(self, params: dict[str, Any]) -> None:
         from mlflow.entities import Param
@@ -180,6 +197,20 @@ class Run:
 
     def finish(self, ok: bool, status: str | None = None) -> None:
         self.client.set_terminated(self.run_id, status or ("FINISHED" if ok else "FAILED"))
+
+
+def _context_tags() -> dict[str, str]:
+    """MLflow's own run context: who (mlflow.user), from what (mlflow.source.name, .type) and,
+    where MLflow finds no repository around the entry point, Kiln's git commit."""
+    from mlflow.tracking.context import registry
+    from mlflow.utils.mlflow_tags import MLFLOW_GIT_COMMIT
+
+    tags = registry.resolve_tags()
+    if MLFLOW_GIT_COMMIT not in tags:
+        commit = git_commit(os.path.dirname(kiln.__file__))
+        if commit != "unknown":
+            tags[MLFLOW_GIT_COMMIT] = commit
+    return tags
 
 
 def experiment_id(client, name: str) -> str:
@@ -212,6 +243,7 @@ def open_run(cfg: RunConfig, manifest: Manifest, tracking_uri: str, cluster: dic
         "kiln.version": kiln.__version__, "kiln.git_commit": git_commit(os.path.dirname(kiln.__file__)),
         "kiln.num_workers": cfg.parallel.num_workers, **{f"kiln.{k}": v for k, v in cluster.items()},
     })
+    run.log_dataset(manifest.location.uri, manifest.fingerprint)
     import yaml
 
     run.log_text(yaml.safe_dump(redact_tree(cfg.to_dict()), sort_keys=False), "config.yaml")

@@ -89,6 +89,13 @@ def test_loop_trains_without_ray(byte_dataset, tmp_path, zero_stage, ranks):
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.5, losses
     assert run.data.params["parallel.zero_stage"] == str(zero_stage)
     assert run.data.tags["kiln.launcher"] == "local"
+    # MLflow's own run metadata: who, from what, which commit; the dataset as a dataset input.
+    assert run.data.tags["mlflow.user"] and run.data.tags["mlflow.source.type"] == "LOCAL"
+    assert len(run.data.tags["mlflow.source.git.commit"]) == 40
+    (used,) = client.get_run(run.info.run_id).inputs.dataset_inputs
+    manifest = json.loads((Path(run.data.params["data.path"]) / "manifest.json").read_text())
+    assert (used.dataset.name, used.dataset.digest) == (Path(run.data.params["data.path"]).name, manifest["fingerprint"])
+    assert [(t.key, t.value) for t in used.tags] == [("mlflow.data.context", "training")]
     assert run.data.params["parallel.num_workers"] == str(ranks)  # the world size torchrun gave
     root = tmp_path / "runs" / run.info.run_name
     assert (root / "step_00000030" / "latest").is_file()
