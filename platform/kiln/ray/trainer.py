@@ -49,17 +49,9 @@ def _worker_entry(loop_config: dict[str, Any]) -> None:
     placement = _placement(world)
     logging.getLogger("kiln.train").info("rank %d of %d on node %s", world.rank, world.world_size,
                                          placement[world.rank])
-    if world.rank == 0 and run_id:
-        # Metrics MLflow never took land beside local checkpoints, else in this node's temp dir.
-        spill = tempfile.gettempdir() if is_url(cfg.train.storage_path) else cfg.train.storage_path
-        logger = MLflowLogger(loop_config["tracking_uri"], run_id, spill_dir=os.path.join(spill, cfg.logging.run_name),
-                              outage_wait_s=cfg.logging.outage_wait_s)
-    elif run_id and world.rank in cfg.train.profile.rank_set(world.world_size) and cfg.train.profile.start_step:
-        logger = ArtifactLogger(loop_config["tracking_uri"], run_id)  # hands in its profile
-    else:
-        logger = NullLogger()
-    local_ckpt_root = tempfile.mkdtemp(prefix="kiln-ckpt-")
     restored = ray.train.get_checkpoint()  # set when Ray Train restarts the group after a failure
+    logger = _logger(cfg, world, loop_config, restarted=restored is not None)
+    local_ckpt_root = tempfile.mkdtemp(prefix="kiln-ckpt-")
     if restored is not None:
         # Every rank copies the whole checkpoint (all ranks' shards) and loads its own part.
         resume_dir = os.path.join(local_ckpt_root, "restored")
@@ -91,6 +83,29 @@ def _worker_entry(loop_config: dict[str, Any]) -> None:
         if node_monitor is not None:
             node_monitor.finish()
         shutil.rmtree(local_ckpt_root, ignore_errors=True)
+
+
+def _logger(cfg: RunConfig, world: WorldInfo, loop_config: dict[str, Any], restarted: bool):
+    """Rank 0 logs to MLflow; a rank that profiles hands in its trace; the others log nothing.
+    After a restart rank 0 skips the steps the run logged already: the group resumes from its
+    checkpoint, before the failure, and would log them twice."""
+    run_id, uri = loop_config.get("mlflow_run_id"), loop_config["tracking_uri"]
+    if world.rank == 0 and run_id:
+        # Metrics MLflow never took land beside local checkpoints, else in this node's temp dir.
+        spill = tempfile.gettempdir() if is_url(cfg.train.storage_path) else cfg.train.storage_path
+        return MLflowLogger(uri, run_id, spill_dir=os.path.join(spill, cfg.logging.run_name),
+                            outage_wait_s=cfg.logging.outage_wait_s,
+                            skip_through=_logged_through(uri, run_id) if restarted else 0)
+    if run_id and world.rank in cfg.train.profile.rank_set(world.world_size) and cfg.train.profile.start_step:
+        return ArtifactLogger(uri, run_id)
+    return NullLogger()
+
+
+def _logged_through(tracking_uri: str, run_id: str) -> int:
+    """The last step whose metrics the run holds (each step's metrics go in one batch)."""
+    from mlflow.tracking import MlflowClient
+
+    return max((m.step for m in MlflowClient(tracking_uri).get_metric_history(run_id, "loss/train")), default=0)
 
 
 class StoredCheckpoint:

@@ -45,7 +45,10 @@ class MLflowLogger:
     """
 
     def __init__(self, tracking_uri: str, run_id: str, flush_every: int = 20, flush_secs: float = 10.0,
-                 system_metrics: bool = True, spill_dir: str = ".", outage_wait_s: float = 300.0):
+                 system_metrics: bool = True, spill_dir: str = ".", outage_wait_s: float = 300.0,
+                 skip_through: int = 0):
+        """`skip_through`: steps up to this one are in the run already (a restarted worker group
+        trains them again from its checkpoint); they are not logged twice."""
         import mlflow
         from mlflow.tracking import MlflowClient
 
@@ -65,11 +68,14 @@ class MLflowLogger:
         self._buffer: list = []
         self._last_flush = time.monotonic()
         self._steps = 0
+        self._skip_through = skip_through
         self._history: dict[str, list[tuple[int, float]]] = {}  # what the end-of-run plots need
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         from mlflow.entities import Metric
 
+        if step <= self._skip_through:
+            return
         now = int(time.time() * 1000)
         self._buffer.extend(Metric(k, float(v), now, step) for k, v in metrics.items())
         for k in PLOTTED.intersection(metrics):
