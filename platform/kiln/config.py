@@ -58,7 +58,7 @@ class DataConfig:
 @dataclass
 class ModelConfig:
     flavour: str = knob("debug", lambda v: v in FLAVOURS, f"one of {sorted(FLAVOURS)}")
-    """Model shape: one of kiln.model.FLAVOURS (debug, gpt2-124m, 350m, 1.3b)."""
+    """Model shape: one of kiln.model.FLAVOURS (debug, gpt2-124m, 350m, 1.3b, 2.7b, 6.7b, 13b)."""
     vocab_size: int = knob(0, lambda v: v >= 0, "0 (from the data) or a positive integer")
     """0: the dataset's vocab padded to a multiple of 64. Must be >= the dataset's vocab."""
     seq_len: int = knob(0, lambda v: v >= 0, "0 (from the data) or a positive integer")
