@@ -300,6 +300,12 @@ class RunConfig:
     def data_parallel_size(self) -> int:
         return self.parallel.num_workers // self.parallel.pipeline_stages
 
+    def tokens_per_step(self, data_parallel_size: int | None = None) -> int:
+        """Tokens one optimizer step trains on over all replicas (model.seq_len resolved):
+        `data_parallel_size` of them, by default as many as the config's workers make."""
+        replicas = data_parallel_size or self.data_parallel_size
+        return self.train.micro_batch_size * self.micro_batches_per_step * replicas * self.model.seq_len
+
     @property
     def micro_batches_per_step(self) -> int:
         """Micro-batches each data-parallel replica runs per optimizer step."""

@@ -46,7 +46,6 @@ class Checked:
         """The resolved plan, as `kiln train --dry-run` prints it."""
         c, m = self.cfg, self.manifest
         mcfg, p, t = gpt_config(c), c.parallel, c.train
-        tokens = t.micro_batch_size * c.micro_batches_per_step * c.data_parallel_size * mcfg.seq_len
         rows = [
             ("run", f"{c.logging.run_name} (experiment {c.logging.experiment!r})"),
             ("data", f"{m.location.uri}: {m.split('train')['rows']:,} train / {m.split('val')['rows']:,} val rows "
@@ -56,7 +55,7 @@ class Checked:
             ("parallel", f"{p.num_workers} worker(s) ({c.data_parallel_size} data-parallel x {p.pipeline_stages} "
                          f"stage(s)), ZeRO-{p.zero_stage}, offload {p.offload_optimizer}/{p.offload_params}, "
                          f"{t.precision}, {'GPU' if p.use_gpu else 'CPU'}"),
-            ("steps", f"{t.max_steps} x {tokens:,} tokens (micro-batch {t.micro_batch_size} x "
+            ("steps", f"{t.max_steps} x {c.tokens_per_step():,} tokens (micro-batch {t.micro_batch_size} x "
                       f"{c.micro_batches_per_step} per replica), {c.optim.name} lr {c.optim.lr:g}, {c.schedule.name}"),
             ("memory", self.memory),
             ("checkpoints", absolute(c.train.storage_path)),

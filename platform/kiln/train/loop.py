@@ -158,7 +158,7 @@ def train_loop(cfg: RunConfig, world: WorldInfo, engine, scheduler, source: Batc
     # resumed steps consumed.
     source.prefetch()
     batches = _Counted(_prefetch_first(source.train_batches(skip=consumed)), consumed)
-    tokens_per_step = t.micro_batch_size * micro_batches * dp_size * mcfg.seq_len
+    tokens_per_step = cfg.tokens_per_step(dp_size)
     meter = StepMeter(cfg, mcfg, world.world_size, device, tokens_per_step, done)
     if world.rank == 0:
         _log_start(cfg, mcfg, world.world_size, tokens_per_step)
