@@ -11,8 +11,10 @@ or in the file escapes redaction. `kiln` and `python -m kiln.launch.local` share
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -32,7 +34,10 @@ def process_start() -> float:
 
 
 def run_reporting_errors(command: Callable[[], int]) -> int:
-    """Run a command front end: every failure is one `kiln:` line and an exit code."""
+    """Run a command front end: every failure is one `kiln:` line and an exit code. SIGTERM
+    (`ray job stop`, a scheduler's preemption) stops it like Ctrl-C, so runs end KILLED."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _interrupt)
     try:
         return command()
     except KilnError as e:
@@ -50,6 +55,10 @@ def run_reporting_errors(command: Callable[[], int]) -> int:
         print(f"kiln: internal error: {what}. This is a bug in Kiln: please report it with the "
               f"traceback in {where}", file=sys.stderr)
         return 1
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
 def _environment_errors() -> tuple[type[BaseException], ...]:

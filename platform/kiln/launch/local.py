@@ -11,6 +11,7 @@ One GPU:     python -m kiln.launch.local --config jobs/configs/gpt2-124m.yaml --
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import logging
 import os
@@ -111,16 +112,11 @@ def run_local(cfg: RunConfig, started: float | None = None) -> Summary | None:
     dp_rank, dp_size = data_parallel_coords(world.rank, world.world_size, cfg.parallel.pipeline_stages)
     source = ParquetSource(manifest, dp_rank, dp_size, cfg.train.micro_batch_size, cfg.train.eval_batches)
     ckpt_root = _run_root(cfg)
-    ok = False
-    try:
+    with run.finishing() if run is not None else contextlib.nullcontext():
         # The loop shows progress on rank 0 only: a bar when stderr is a terminal, else log lines.
         progress = sink_for(sys.stderr, cfg.logging.progress_every)
         engine, scheduler = build_engine(cfg, world)
         final = train_loop(cfg, world, engine, scheduler, source, Sinks(logger=logger, progress=progress), ckpt_root)
-        ok = True
-    finally:
-        if run is not None:
-            run.finish(ok)
     if world.rank != 0:
         return None
     checkpoint = f"{ckpt_root}/step_{final['step']:08d}"

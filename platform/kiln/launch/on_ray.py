@@ -45,8 +45,7 @@ def train(cfg: RunConfig, address: str | None = None, started: float | None = No
         "num_nodes": len([n for n in ray.nodes() if n["Alive"]]),
         "cluster_cpus": resources.get("CPU", 0), "cluster_gpus": resources.get("GPU", 0),
     })
-    ok = False
-    try:
+    with run.finishing():
         stream = progress_stream or sys.stderr
         board = ProgressBoard.remote() if is_terminal(stream) else None
         trainer = build_trainer(cfg, cfg.logging.run_name, tracking_uri, run.run_id,
@@ -59,9 +58,6 @@ def train(cfg: RunConfig, address: str | None = None, started: float | None = No
                 if cause is None:
                     raise
                 raise KilnError(f"run {cfg.logging.run_name!r} failed: {cause}") from None
-        ok = True
-    finally:
-        run.finish(ok)
     checkpoint = result.checkpoint.path if result.checkpoint else None
     return Summary.of_run(cfg, manifest, result.metrics, run.run_id, tracking_uri, started, checkpoint)
 

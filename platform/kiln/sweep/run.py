@@ -61,12 +61,8 @@ def _trial(params: dict[str, Any], ctx: dict[str, Any]) -> None:
     train_name = f"{cfg.logging.run_name}-a{attempt}"
     trainer = build_trainer(cfg, train_name, uri, run.run_id, callbacks=[TuneReportCallback()],
                             storage_path=ctx["train_storage"])
-    ok = False
-    try:
+    with run.finishing():
         trainer.fit()
-        ok = True
-    finally:
-        run.finish(ok)
 
 
 def _retire_earlier_attempts(uri: str, experiment: str, parent: str, trial_id: str) -> int:

@@ -7,6 +7,7 @@ reach MLflow: params and tags pass through `redact`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -203,6 +204,21 @@ class Run:
 
     def finish(self, ok: bool, status: str | None = None) -> None:
         self.client.set_terminated(self.run_id, status or ("FINISHED" if ok else "FAILED"))
+
+    @contextlib.contextmanager
+    def finishing(self):
+        """End the run with its block: FINISHED, KILLED when its process was stopped (Ctrl-C, or
+        SIGTERM from `ray job stop` or a scheduler: `kiln.launch.console` makes it an interrupt,
+        Ray's driver handler an exit), else FAILED."""
+        try:
+            yield self
+        except (KeyboardInterrupt, SystemExit):
+            self.finish(False, "KILLED")
+            raise
+        except BaseException:
+            self.finish(False)
+            raise
+        self.finish(True)
 
 
 def _context_tags() -> dict[str, str]:
