@@ -183,18 +183,10 @@ def run_sweep(sweep: Sweep, address: str | None = None, resume: bool = False) ->
     parent = _resume_parent(sweep, uri, exp_dir) if resume else _start_parent(sweep, uri, exp_dir)
     ctx = {"sweep": sweep.to_dict(), "tracking_uri": uri, "parent_run_id": parent.run_id,
            "train_storage": train_storage}
-    ok, status = False, "FAILED"
-    try:
+    with parent.finishing(stopped_by=(SweepInterrupted,)):  # stopped by its user: KILLED, and resumable
         summary = _fit(sweep, base, ctx, storage, exp_dir, parent, resume)
         _close_parent(parent, summary, sweep)
-        ok = True
-        return summary
-    except (SweepInterrupted, KeyboardInterrupt):
-        status = "KILLED"  # stopped by its user, and resumable
-        raise
-    finally:
-        if not ok:
-            parent.finish(False, status)
+    return summary
 
 
 class SweepInterrupted(KilnError):
@@ -394,4 +386,3 @@ def _close_parent(parent: Run, summary: SweepSummary, sweep: Sweep) -> None:
     parent.log_metrics(metrics)
     parent.log_text(summary.table() + "\n", "trials.md")
     parent.log_text(summary.to_json(), "summary.json")
-    parent.finish(True)

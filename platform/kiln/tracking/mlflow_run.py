@@ -206,13 +206,13 @@ class Run:
         self.client.set_terminated(self.run_id, status or ("FINISHED" if ok else "FAILED"))
 
     @contextlib.contextmanager
-    def finishing(self):
+    def finishing(self, stopped_by: tuple[type[BaseException], ...] = ()):
         """End the run with its block: FINISHED, KILLED when its process was stopped (Ctrl-C, or
         SIGTERM from `ray job stop` or a scheduler: `kiln.launch.console` makes it an interrupt,
-        Ray's driver handler an exit), else FAILED."""
+        Ray's driver handler an exit, or one of `stopped_by`), else FAILED."""
         try:
             yield self
-        except (KeyboardInterrupt, SystemExit):
+        except (KeyboardInterrupt, SystemExit, *stopped_by):
             self.finish(False, "KILLED")
             raise
         except BaseException:
