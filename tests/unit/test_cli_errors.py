@@ -207,7 +207,10 @@ def test_an_mlflow_store_it_cannot_open_is_one_line_without_the_password(tmp_pat
     (["runs", "list"], "no MLflow store at sqlite:///"),
 ], ids=["plan-nan", "plan-inf", "plan-negative-seq", "lr-bad-out", "runs-in-an-empty-dir"])
 def test_bad_values_for_plan_lr_and_runs_leave_nothing_behind(tmp_path, args, needle):
-    out = kiln(*args, cwd=tmp_path)
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}  # the default store, here
+    out = kiln(*args, cwd=tmp_path, env=env)
     assert_clean_error(out, needle)
     assert list(tmp_path.iterdir()) == []  # no mlflow.db, no half-written PNG
 

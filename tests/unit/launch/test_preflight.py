@@ -99,8 +99,13 @@ def test_resume_from_is_made_absolute_and_checked_on_the_driver(byte_dataset, tm
     assert checked.cfg.train.resume_from == str(tmp_path / "runs" / "old")
 
 
-def test_a_sweep_that_cannot_reach_ray_leaves_nothing_behind(byte_dataset, tmp_path, clean_env):
+def test_a_sweep_that_cannot_reach_ray_leaves_nothing_behind(byte_dataset, tmp_path, clean_env, monkeypatch):
+    import ray
+
     from kiln.sweep.run import run_sweep
+
+    # This process may hold a connection from an earlier test; the sweep must try to join anew.
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
 
     with pytest.raises(KilnError, match="no Ray cluster answers at 127.0.0.1:9"):
         run_sweep(_sweep(byte_dataset, tmp_path, {}), address="127.0.0.1:9")
