@@ -54,9 +54,9 @@ def lr_multiplier(step: int, sched: ScheduleConfig, max_steps: int) -> float:
 PLOT_POINTS = 2000  # enough to draw every schedule's shape, warmup included, at the plot's width
 
 
-def lr_curve(sched: ScheduleConfig, peak_lr: float, max_steps: int) -> list[float]:
-    """The LR of every optimizer step of a run, in order."""
-    return [peak_lr * lr_multiplier(s, sched, max_steps) for s in range(max_steps)]
+def lr_curve(sched: ScheduleConfig, peak_lr: float, max_steps: int, steps=None) -> list[float]:
+    """The LR at each of `steps` (1-based optimizer steps; default every step of the run), in order."""
+    return [peak_lr * lr_multiplier(s - 1, sched, max_steps) for s in (steps or range(1, max_steps + 1))]
 
 
 def plot_schedule(sched: ScheduleConfig, peak_lr: float, max_steps: int, path: str, title: str = "") -> str:
@@ -71,7 +71,7 @@ def plot_schedule(sched: ScheduleConfig, peak_lr: float, max_steps: int, path: s
     # At most PLOT_POINTS steps, evenly spread: a billion-step schedule plots as fast as a short one.
     steps = sorted({1 + (max_steps - 1) * i // (PLOT_POINTS - 1) for i in range(PLOT_POINTS)}) \
         if max_steps > PLOT_POINTS else range(1, max_steps + 1)
-    lrs = [peak_lr * lr_multiplier(s - 1, sched, max_steps) for s in steps]
+    lrs = lr_curve(sched, peak_lr, max_steps, steps)
     fig, ax = plt.subplots(figsize=(7, 3.5), dpi=110)
     ax.plot(list(steps), lrs, lw=1.8)
     if sched.warmup_steps:
