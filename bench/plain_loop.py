@@ -38,6 +38,7 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--device", default="cpu")
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--compile", action="store_true", help="torch.compile the model (inductor)")
     p.add_argument("--threads", type=int, default=0, help="torch threads on CPU; 0: all cores")
     args = p.parse_args()
 
@@ -50,6 +51,8 @@ def main() -> None:
     torch.manual_seed(1337)
     cfg = config_for(args.flavour, vocab_size=padded_vocab(manifest.vocab_size), seq_len=manifest.seq_len)
     model = GPT(cfg).to(device)
+    if args.compile:
+        model.compile()
     opt = build_optimizer(model, OptimConfig(lr=args.lr), on_cuda=device.type == "cuda")
     sched = ScheduleConfig(warmup_steps=20)
     batches = ParquetSource(manifest, 0, 1, args.batch).train_batches()
@@ -70,11 +73,13 @@ def main() -> None:
         loss_value = loss.item()  # synchronises, as Kiln's loop does for logging
         if step == 0:
             first_step = time.time()
+            first_step_s = time.perf_counter() - start
         if step >= WARMUP:
             steady_time += time.perf_counter() - start
     tok_s = (args.steps - WARMUP) * args.batch * cfg.seq_len / steady_time
     peak = datasheet_peak_flops(device, args.precision)
-    out = {"tokens_per_s": tok_s, "seconds_to_first_step": first_step - STARTED, "final_loss": loss_value,
+    out = {"tokens_per_s": tok_s, "seconds_to_first_step": first_step - STARTED, "first_step_s": first_step_s,
+           "final_loss": loss_value,
            "mfu": flops_per_token(cfg) * tok_s / peak if peak else None}
     if device.type == "cuda":
         out["max_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30

@@ -3,12 +3,17 @@ DeepSpeed engine Kiln builds, printed as a top-N operator table.
 
     python bench/profile_step.py --flavour debug --zero-stage 2               # CPU
     python bench/profile_step.py --flavour gpt2-124m --device cuda --precision bf16
+    python bench/profile_step.py --flavour gpt2-124m --device cuda --precision bf16 --plain   # the plain loop
+
+Prints, per step, the wall time and the device's busy time (the sum of its kernels): where the
+wall time exceeds the busy time, the GPU waits on the host.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -28,6 +33,9 @@ def main() -> None:
     p.add_argument("--zero-stage", type=int, default=2)
     p.add_argument("--device", default="cpu")
     p.add_argument("--precision", default="fp32")
+    p.add_argument("--mixed-precision", default="weights", choices=["weights", "autocast"])
+    p.add_argument("--plain", action="store_true", help="the plain loop's step instead (autocast, fused AdamW)")
+    p.add_argument("--compile", action="store_true")
     p.add_argument("--top", type=int, default=25)
     args = p.parse_args()
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29511")
@@ -37,30 +45,62 @@ def main() -> None:
     cfg = load_config(None, [f"model.flavour={args.flavour}", f"model.vocab_size={args.vocab}",
                              f"model.seq_len={args.seq_len}", f"parallel.zero_stage={args.zero_stage}",
                              f"train.micro_batch_size={args.batch}", f"train.precision={args.precision}",
-                             f"parallel.use_gpu={args.device == 'cuda'}", "parallel.num_workers=1"])
+                             f"parallel.use_gpu={args.device == 'cuda'}", "parallel.num_workers=1",
+                             f"train.mixed_precision={args.mixed_precision}"])
     device = torch.device(args.device)
-    model = GPT(gpt_config(cfg))
+    model = GPT(gpt_config(cfg)).to(device)
+    if args.compile:
+        model.compile()
     opt = build_optimizer(model, cfg.optim, on_cuda=device.type == "cuda")
-    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=build_scheduler(opt, cfg.schedule, 100),
-                                      config=deepspeed_config(cfg, 1))
     batch = torch.randint(0, args.vocab, (args.batch, args.seq_len + 1), device=device)
+    if args.plain:
+        step = _plain_step(model, opt, batch, args.precision == "bf16")
+    else:
+        engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=deepspeed_config(cfg, 1),
+                                          lr_scheduler=build_scheduler(opt, cfg.schedule, 100))
 
-    def step():
-        _, loss = engine(batch[:, :-1], batch[:, 1:])
-        engine.backward(loss)
-        engine.step()
-        return loss.item()
+        def step():
+            _, loss = engine(batch[:, :-1], batch[:, 1:])
+            engine.backward(loss)
+            engine.step()
+            return loss
 
     for _ in range(5):
         step()
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    for _ in range(10):
+        step()
+    sync()
+    wall_ms = (time.perf_counter() - start) / 10 * 1e3
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=acts) as prof:
         for _ in range(5):
             step()
+        sync()
+    busy = sum(e.self_device_time_total for e in prof.key_averages()) / 5 / 1e3
+    print(f"RESULT {'plain' if args.plain else f'zero-{args.zero_stage} {args.mixed_precision}'} {args.flavour} "
+          f"mb{args.batch}: wall {wall_ms:.1f} ms/step, device busy {busy:.1f} ms/step")
     key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
     print(prof.key_averages().table(sort_by=key, row_limit=args.top, max_name_column_width=60))
     if device.type == "cuda":
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60))
+
+
+def _plain_step(model, opt, batch, bf16: bool):
+    autocast = torch.autocast(batch.device.type, dtype=torch.bfloat16, enabled=bf16)
+
+    def step():
+        with autocast:
+            _, loss = model(batch[:, :-1], batch[:, 1:])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        return loss
+
+    return step
 
 
 if __name__ == "__main__":

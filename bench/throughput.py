@@ -58,7 +58,8 @@ def run_kiln(args, overrides: list[str], out_json: str) -> dict:
 
 def run_plain(args, batch: int) -> dict:
     cmd = [sys.executable, str(REPO / "bench" / "plain_loop.py"), "--data", args.data, "--flavour", args.flavour,
-           "--batch", str(batch), "--steps", str(args.steps), "--device", args.device, "--precision", args.precision]
+           "--batch", str(batch), "--steps", str(args.steps), "--device", args.device, "--precision", args.precision,
+           *(["--compile"] if args.compile else [])]
     print("+", " ".join(cmd), flush=True)
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -80,6 +81,8 @@ def main() -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--precision", default="fp32")
     p.add_argument("--zero-stages", default="2", help="with --launcher local: ZeRO stages to run")
+    p.add_argument("--compile", action="store_true", help="train.compile for Kiln, model.compile() for the plain loop")
+    p.add_argument("--set", dest="sets", action="append", default=[], help="extra Kiln override, repeatable")
     p.add_argument("--results", default=str(REPO / "bench" / "RESULTS.md"))
     args = p.parse_args()
 
@@ -89,7 +92,8 @@ def main() -> None:
         common = [f"data.path={args.data}", f"model.flavour={args.flavour}", f"train.max_steps={args.steps}",
                   "train.eval_every=0", "train.eval_batches=4", f"train.micro_batch_size={args.batch}",
                   f"train.precision={args.precision}", "logging.experiment=bench",
-                  f"logging.tracking_uri=sqlite:///{tmp}/mlflow.db", f"train.storage_path={tmp}/runs"]
+                  f"logging.tracking_uri=sqlite:///{tmp}/mlflow.db", f"train.storage_path={tmp}/runs",
+                  f"train.compile={args.compile}", *args.sets]
         kiln_runs = []
         workers = [int(w) for w in args.workers.split(",")] if args.launcher == "ray" else [1]
         global_batch = args.batch * workers[0]
@@ -109,11 +113,11 @@ def main() -> None:
                 kiln_runs.append((label, 1, run_kiln(args, common + over, f"{tmp}/z{z}.json")))
         plain = run_plain(args, global_batch)
 
-    rows.append(("Plain PyTorch loop, 1 process", plain["tokens_per_s"], 1.0, plain["seconds_to_first_step"], None,
-                 plain.get("mfu"), plain.get("max_reserved_gib")))
+    rows.append(("Plain PyTorch loop, 1 process", plain["tokens_per_s"], 1.0, plain["seconds_to_first_step"],
+                 plain["first_step_s"], None, plain.get("mfu"), plain.get("max_reserved_gib")))
     for label, _, s in kiln_runs:
         m = s["metrics"]
-        rows.append((label, m["throughput/tokens_per_s"], None, s["seconds_to_first_step"],
+        rows.append((label, m["throughput/tokens_per_s"], None, s["seconds_to_first_step"], m.get("time/first_step_s"),
                      m["time/data_wait_share"], m.get("mfu"), m.get("memory/max_reserved_gib")))
     # Every run has the same global batch, so ratios compare like with like.
     base = plain["tokens_per_s"]
@@ -124,16 +128,18 @@ def main() -> None:
 
     lines = [
         f"## {time.strftime('%Y-%m-%d %H:%M')} — {args.launcher} launcher, {args.device}, {args.flavour}, "
-        f"{args.precision}, micro-batch {args.batch}, {args.steps} steps",
+        f"{args.precision}{', compiled' if args.compile else ''}, micro-batch {args.batch}, {args.steps} steps",
         "",
         f"Command: `python bench/throughput.py {' '.join(sys.argv[1:])}`  ",
         f"Machine: {machine()}",
         "",
-        "| run | tokens/s (steady) | ratio vs plain | s to first step | data wait share | MFU | max reserved GiB |",
-        "|---|---|---|---|---|---|---|",
+        "| run | tokens/s (steady) | ratio vs plain | s to first step | first step s (compile) | data wait share "
+        "| MFU | max reserved GiB |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    for label, tok, ratio, first, wait, mfu, mem in rows:
-        lines.append(f"| {label} | {tok:,.0f} | {ratio:.3f} | {first:.1f} | {fmt(wait and 100 * wait, '.1f')}{'%' if wait is not None else ''} "
+    for label, tok, ratio, first, first_s, wait, mfu, mem in rows:
+        lines.append(f"| {label} | {tok:,.0f} | {ratio:.3f} | {first:.1f} | {fmt(first_s, '.1f')} "
+                     f"| {fmt(wait and 100 * wait, '.1f')}{'%' if wait is not None else ''} "
                      f"| {fmt(mfu and 100 * mfu, '.1f')}{'%' if mfu is not None else ''} | {fmt(mem, '.2f')} |")
     lines.append("")
     text = "\n".join(lines)

@@ -49,7 +49,9 @@ PANELS: list[tuple[str, str, list[tuple[str, str]], int, str]] = [
         ("device limit rank {{rank}}", f"ray_kiln_memory_device_limit_bytes{R}"),
         ("CUDA allocated rank {{rank}}", f"ray_kiln_memory_cuda_allocated_bytes{R}"),
         ("CUDA reserved rank {{rank}}", f"ray_kiln_memory_cuda_reserved_bytes{R}"),
-    ], 8, "Process RSS; CUDA peaks on GPUs; the device's capacity for scale."),
+        ("leak rate per step rank {{rank}}", f"ray_kiln_memory_leak_bytes_per_step{R}"),
+    ], 8, "Process RSS; CUDA peaks on GPUs; the device's capacity for scale; the leak check's growth "
+          "rate (0 while memory is flat after warm-up)."),
     ("Training health", "none", [
         ("non-finite loss steps {{run}}", f"max by (run) (ray_kiln_train_nonfinite_loss_steps{R})"),
         ("fp16 skipped steps {{run}}", f"max by (run) (ray_kiln_train_skipped_steps{R})"),

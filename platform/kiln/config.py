@@ -104,6 +104,15 @@ class ParallelConfig:
     device_memory_gib: float = knob(0.0, lambda v: v >= 0.0, "a number >= 0 (0: detect)")
     """Memory per device that the planner checks the run against before launch. 0: detected
     (the GPU's memory; on CPU workers, RAM divided by the workers on this node)."""
+    cuda_alloc_conf: str = "expandable_segments:True"
+    """PyTorch's CUDA caching-allocator settings (PYTORCH_CUDA_ALLOC_CONF syntax), applied on
+    each GPU worker before its first allocation. Expandable segments grow one mapping instead of
+    caching blocks of fixed sizes, which avoids fragmentation when activation sizes vary;
+    empty: torch's defaults. An explicit $PYTORCH_CUDA_ALLOC_CONF on the worker wins."""
+    pin_cpu_threads: bool = True
+    """Pin each worker's threads to cores of its own (within one NUMA node where the host has
+    several), so two workers on one host do not trade caches and cores; the affinity is logged.
+    Applies where the worker is given whole cores (cpus_per_worker >= 1) and they exist."""
     deepspeed: dict = field(default_factory=dict)
     """Raw DeepSpeed config merged over the generated one, for anything Kiln does not model."""
 
@@ -173,15 +182,16 @@ class ProfileConfig:
 class HealthConfig:
     policy: Literal["stop", "skip", "rollback", "off"] = "stop"
     """What a bad loss does: `stop` the run (the default: never train on garbage), `skip` the
-    micro-batch, `rollback` to the newest complete checkpoint, or `off` (no check, no all-reduce)."""
+    step (its gradients never reach the optimizer; it runs again on the next data), `rollback`
+    to the newest complete checkpoint, or `off` (no check, no per-step read of the device)."""
     spike_factor: float = 0.0
     """A loss above this many times the running median of recent good losses is bad too; 0: only
     a non-finite loss is. 3 is a sensible value once a run's loss has settled."""
     spike_window: int = 50
-    """How many recent good micro-batch losses the running median covers."""
+    """How many recent good steps' mean losses the running median covers."""
     max_in_a_row: int = 10
-    """Stop after this many bad micro-batches in a row under skip or rollback: that is
-    divergence, not a bad batch."""
+    """Stop after this many bad steps in a row under skip or rollback: that is divergence, not a
+    bad batch."""
     max_rollbacks: int = 5
     """Stop once the run has rolled back this many times in all: a run that keeps meeting bad
     losses needs a lower LR or cleaner data, not more rollbacks."""
@@ -212,6 +222,16 @@ class TrainConfig:
     """Clip the global gradient norm to this; 0 disables clipping."""
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     """Compute precision. bf16/fp16 keep fp32 master weights; fp16 uses dynamic loss scaling."""
+    mixed_precision: Literal["weights", "autocast"] = "weights"
+    """How bf16 is applied. `weights`: DeepSpeed's bf16, weights and gradients in 16 bits with an
+    fp32 master copy in the optimizer (least memory). `autocast`: fp32 weights, with torch.autocast
+    running matmuls in bf16 and the torch optimizer stepping the weights directly: fewer host-side
+    ops per step, which pays where small micro-batches leave the GPU waiting on launches."""
+    compile: bool = False
+    """Run the model through torch.compile (inductor), fusing its elementwise kernels. Pays on
+    GPUs (fewer launches, less memory traffic) after a compile of tens of seconds, which the run
+    summary reports apart; on CPU it rarely pays (see bench/RESULTS.md). ZeRO 0-2 only, no
+    pipeline: ZeRO-3's parameter hooks and DeepSpeed's pipeline schedule break the graph."""
     eval_every: int = knob(100, lambda v: v >= 0, "an integer >= 0")
     """Validate every this many steps (and at the end); 0: only at the end."""
     eval_batches: int = knob(16, lambda v: v >= 0, "an integer >= 0")
@@ -414,6 +434,13 @@ def _check_parallel(cfg: RunConfig) -> None:
     refusal = deepspeed_refusal(p.zero_stage, p.offload_optimizer, p.offload_params, p.pipeline_stages)
     if refusal:
         raise ConfigError(refusal)
+    if t.mixed_precision == "autocast" and (t.precision != "bf16" or p.pipeline_stages > 1):
+        raise ConfigError(f"train.mixed_precision = 'autocast' with train.precision = {t.precision!r} and "
+                          f"parallel.pipeline_stages = {p.pipeline_stages}: autocast is for bf16 without a pipeline")
+    if t.compile and (p.zero_stage == 3 or p.pipeline_stages > 1):
+        raise ConfigError(f"train.compile = true with parallel.zero_stage = {p.zero_stage} and parallel.pipeline_stages "
+                          f"= {p.pipeline_stages}: compile works with ZeRO 0-2 and no pipeline (ZeRO-3's "
+                          "parameter gathering and the pipeline's schedule break the compiled graph)")
     if "nvme" in (p.offload_optimizer, p.offload_params) and not p.nvme_path:
         raise ConfigError("parallel.offload_* = 'nvme' needs parallel.nvme_path: a directory on fast local disk")
 

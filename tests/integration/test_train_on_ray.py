@@ -93,7 +93,7 @@ def test_zero2_two_workers_from_s3_to_mlflow(zero2, prometheus, s3_dataset):
     assert run.data.params["data.path"] == s3_dataset
     assert run.data.params["model.vocab_size"] == "512" and run.data.params["model.seq_len"] == "64"
     assert run.data.tags["kiln.num_workers"] == "2" and run.data.tags["kiln.version"]
-    assert run.data.tags["kiln.health.1"] == "step 15: skipped a micro-batch: loss is not finite on 1 of 2 rank(s)"
+    assert run.data.tags["kiln.health.1"] == "step 15: skipped the step's 1 micro-batch(es): loss is not finite on 1 of 2 rank(s)"
     assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "health/skipped_batches")] == [(15, 1.0)]
     # metric history: one point per step, and the loss falls
     hist = sorted(client.get_metric_history(run.info.run_id, "loss/train"), key=lambda m: m.step)

@@ -116,3 +116,22 @@ def test_a_sweep_override_through_a_value_is_refused(tmp_path):
 
     with pytest.raises(ConfigError, match="--set name.tag: 'name' is not a section of the sweep file"):
         load_sweep(REPO / "jobs/configs/sweeps/optimizers-x-schedules.yaml", ["name.tag=x"])
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["train.compile=true", "parallel.zero_stage=3"], "train.compile = true with parallel.zero_stage = 3"),
+    (["train.compile=true", "parallel.zero_stage=1", "parallel.pipeline_stages=2"],
+     "compile works with ZeRO 0-2 and no pipeline"),
+    (["train.mixed_precision=autocast"], "train.mixed_precision = 'autocast' with train.precision = 'fp32'"),
+    (["train.mixed_precision=amp", "train.precision=bf16"], "train.mixed_precision = 'amp' is not allowed"),
+])
+def test_speed_options_refuse_what_deepspeed_cannot_do(overrides, needle):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides)
+    assert needle in str(e.value)
+    # and what it can do loads, into DeepSpeed's own switch
+    from kiln.parallel.engine import deepspeed_config
+
+    ok = load_config(None, ["train.compile=true", "train.precision=bf16", "train.mixed_precision=autocast"])
+    ds = deepspeed_config(ok, 1)
+    assert ds["torch_autocast"] == {"enabled": True, "dtype": "bfloat16"} and not ds["bf16"]["enabled"]

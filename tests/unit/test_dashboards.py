@@ -46,7 +46,7 @@ def test_every_alert_has_a_unit_test_and_an_action():
     tested = {t["alertname"] for group in tests for t in group["alert_rule_test"] if t.get("exp_alerts")}
     quiet = {t["alertname"] for group in tests for t in group["alert_rule_test"] if not t.get("exp_alerts")}
     names = {r["alert"] for r in rules}
-    assert len(names) == 7 and names == tested == quiet
+    assert len(names) == 8 and names == tested == quiet
     for r in rules:
         assert len(r["annotations"]["description"]) > 80, r["alert"]  # says what to do
 

@@ -58,7 +58,8 @@ def _world_from_env(use_gpu: bool) -> WorldInfo:
         device = torch.device("cuda", local)
     else:
         device = torch.device("cpu")
-    return WorldInfo(rank=rank, world_size=world, device=device)
+    return WorldInfo(rank=rank, world_size=world, device=device, local_rank=local,
+                     local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
 def agree_on_run_name(cfg: RunConfig, world: WorldInfo) -> RunConfig:

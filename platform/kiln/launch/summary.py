@@ -52,6 +52,10 @@ class Summary:
             f"  throughput        {m['throughput/tokens_per_s']:,.0f} tokens/s steady state"
             + (f", MFU {100 * m['mfu']:.1f}%" if "mfu" in m else ""),
             f"  first step after  {self.seconds_to_first_step:.1f} s; data wait {100 * m['time/data_wait_share']:.1f}% of step time",
+        ]
+        if "time/compile_s" in m:
+            lines.append(f"  compile           {m['time/compile_s']:.1f} s (the first step, less a steady one)")
+        lines += [
             f"  MLflow run        {self.run_id} (experiment '{self.experiment}')",
             f"  open the UI       {ui_command(self.tracking_uri)}",
         ]

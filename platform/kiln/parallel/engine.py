@@ -20,7 +20,13 @@ from kiln.errors import ConfigError
 from kiln.model import GPT, GPTConfig
 from kiln.parallel.pipeline import check_coords, to_pipeline
 from kiln.train.loop import WorldInfo, prepare_process
-from kiln.train.optim import build_optimizer, build_scheduler, param_groups
+from kiln.train.optim import (
+    StepGate,
+    build_optimizer,
+    build_scheduler,
+    gate_optimizer,
+    param_groups,
+)
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +71,9 @@ def deepspeed_config(cfg: RunConfig, data_parallel_size: int, d_model: int = 0) 
         "train_batch_size": t.micro_batch_size * micro_batches * data_parallel_size,
         "gradient_clipping": t.grad_clip,
         "zero_optimization": zero,
-        "bf16": {"enabled": t.precision == "bf16"},
+        "bf16": {"enabled": t.precision == "bf16" and t.mixed_precision == "weights"},
+        # fp32 weights, bf16 matmuls (DeepSpeed wraps the forward in torch.autocast).
+        "torch_autocast": {"enabled": t.precision == "bf16" and t.mixed_precision == "autocast", "dtype": "bfloat16"},
         # Dynamic loss scaling (loss_scale 0): start at 2^16, halve on overflow and skip the step.
         "fp16": {"enabled": t.precision == "fp16", "loss_scale": 0, "initial_scale_power": 16},
         # Kiln passes a torch optimizer it built itself (param groups, fused/foreach impl).
@@ -126,10 +134,24 @@ def _has_ninja_module() -> bool:
 
 
 # ---- building the engine -------------------------------------------------------------------------
-def build_model(cfg: RunConfig, mcfg: GPTConfig, ds_config: dict) -> nn.Module:
-    """The GPT, constructed partitioned under ZeRO-3 so no rank ever holds all of it."""
+def build_model(cfg: RunConfig, mcfg: GPTConfig, ds_config: dict, device: torch.device) -> nn.Module:
+    """The GPT with its initial weights, never held whole in host RAM on its way to `device`.
+
+    ZeRO-3 constructs it partitioned (no rank ever holds all of it); otherwise it is built on the
+    meta device (shapes only) and materialized on `device` (lazy initialization). Either way
+    the RNG is re-seeded just before the init, so every build gives the same weights for a seed.
+    """
     if cfg.parallel.zero_stage != 3:
-        return GPT(mcfg)
+        with torch.device("meta"):
+            model = GPT(mcfg, init_weights=False)
+        model.to_empty(device=device)  # uninitialized memory: every tensor is filled below
+        model.lm_head.weight = model.wte.weight  # materializing makes new tensors: tie them again
+        for module in model.modules():  # the modules' own defaults (norms' ones and zeros)
+            if hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+        torch.manual_seed(cfg.train.seed)
+        model.apply(model.init_module)
+        return model
     import deepspeed
 
     remote = "cpu" if cfg.parallel.offload_params == "cpu" else None
@@ -138,6 +160,7 @@ def build_model(cfg: RunConfig, mcfg: GPTConfig, ds_config: dict) -> nn.Module:
     # Each weight is partitioned as soon as its module is built, so the init runs per module
     # on the gathered weight, on rank 0, and is scattered back. Same order as nn.Module.apply
     # (children first), so the RNG draws, hence the weights, equal an unpartitioned build.
+    torch.manual_seed(cfg.train.seed)
     for module in _post_order(model):
         own = list(module.parameters(recurse=False))
         with deepspeed.zero.GatheredParameters(own, modifier_rank=0):
@@ -152,6 +175,8 @@ def _post_order(module: nn.Module):
 
 
 def build_optimizer_for(model: nn.Module, cfg: RunConfig, on_cuda: bool) -> torch.optim.Optimizer:
+    """The torch optimizer DeepSpeed steps: fused where torch has a fused kernel (on CUDA), and
+    DeepSpeed's vectorised CPU Adam under optimizer offload."""
     o = cfg.optim
     if uses_cpu_adam(cfg):
         from deepspeed.ops.adam import DeepSpeedCPUAdam
@@ -165,28 +190,36 @@ def build_engine(cfg: RunConfig, world: WorldInfo):
     """(engine, scheduler) for `train_loop` on this rank: the process seeded first (the model's
     init draws from it), then the GPT wrapped as `parallel.*` says."""
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)  # Kiln logs its own progress
-    prepare_process(cfg, world.device)
+    prepare_process(cfg, world)
+    gate = StepGate()  # the health guard's way to withhold a bad step from the optimizer
     engine, scheduler = initialize(
-        cfg, gpt_config(cfg), world.world_size // cfg.parallel.pipeline_stages, on_cuda=world.device.type == "cuda",
-        scheduler_fn=lambda opt: build_scheduler(opt, cfg.schedule, cfg.train.max_steps),
+        cfg, gpt_config(cfg), world.world_size // cfg.parallel.pipeline_stages, device=world.device,
+        scheduler_fn=lambda opt: build_scheduler(gate_optimizer(opt, gate), cfg.schedule, cfg.train.max_steps, gate),
     )
     if cfg.parallel.pipeline_stages > 1:
         check_coords(engine, world.rank, world.world_size, cfg.parallel.pipeline_stages)
     return engine, scheduler
 
 
-def initialize(cfg: RunConfig, mcfg: GPTConfig, data_parallel_size: int, on_cuda: bool, scheduler_fn):
+def initialize(cfg: RunConfig, mcfg: GPTConfig, data_parallel_size: int, device: torch.device, scheduler_fn):
     """(engine, scheduler): a DeepSpeedEngine, or a PipelineEngine when pipeline_stages > 1."""
     import deepspeed
+
+    on_cuda = device.type == "cuda"
 
     ds_config = deepspeed_config(cfg, data_parallel_size, mcfg.d_model)
     # DeepSpeed's comm layer over the torch process group that Ray Train or torchrun set up (a
     # no-op if done already); a PipelineModule needs it before deepspeed.initialize.
     deepspeed.init_distributed(dist_backend="nccl" if on_cuda else "gloo")
     if cfg.parallel.pipeline_stages > 1:
-        model = to_pipeline(GPT(mcfg), cfg.parallel, mcfg.activation_checkpointing)
+        model = to_pipeline(build_model(cfg, mcfg, ds_config, torch.device("cpu")), cfg.parallel,
+                            mcfg.activation_checkpointing)
     else:
-        model = build_model(cfg, mcfg, ds_config)
+        model = build_model(cfg, mcfg, ds_config, device)
+    if cfg.train.compile:
+        # In place (nn.Module.compile): the state dict keeps its names, so compiled and eager
+        # runs share checkpoints. Compilation happens at the first forward, inside step 1.
+        model.compile()
     optimizer = build_optimizer_for(model, cfg, on_cuda)
     scheduler = scheduler_fn(optimizer)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,

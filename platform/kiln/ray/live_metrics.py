@@ -49,6 +49,8 @@ SERIES: tuple[Series, ...] = (
     Series("kiln_train_optimizer_seconds", "gauge", "Optimizer-step time of the last step.", "time/optimizer_s"),
     Series("kiln_train_loss_scale", "gauge", "fp16 dynamic loss scale.", "train/loss_scale"),
     Series("kiln_memory_rss_bytes", "gauge", "Resident memory of this worker process.", "memory/rss_gib", GIB),
+    Series("kiln_memory_leak_bytes_per_step", "gauge", "Steady memory growth after warm-up (host or "
+           "device, the faster), in bytes per step; 0 when memory is flat.", "memory/leak_bytes_per_step"),
     Series("kiln_memory_cuda_allocated_bytes", "gauge", "Peak CUDA memory allocated by tensors.",
            "memory/max_allocated_gib", GIB),
     Series("kiln_memory_cuda_reserved_bytes", "gauge", "Peak CUDA memory reserved by the allocator.",
@@ -104,6 +106,8 @@ class RayLive:
             metric.set_default_tags(tags)
             self._m[s.name] = metric
         self._nonfinite = 0
+        self._last_step = 0  # counters advance by the steps since the last observed one (the
+        # loop observes only the steps whose metrics it reads: every logging.log_every)
         self._m["kiln_train_max_steps"].set(max_steps)
         self._m["kiln_memory_device_limit_bytes"].set(device_limit_bytes)
         # Until the first checkpoint its age counts from the run's start.
@@ -116,8 +120,12 @@ class RayLive:
                 self._m[s.name].set(float(value) * s.scale)
         self._m["kiln_train_step"].set(step)
         self._m["kiln_train_last_step_timestamp_seconds"].set(time.time())
-        self._m["kiln_train_steps_total"].inc(1.0)
-        self._m["kiln_train_tokens_total"].inc(metrics["tokens/seen"] / step)  # tokens per step
+        # The first observed step (step 1, or the first after a resume) counts one; a rollback
+        # observes an earlier step again, which counts one too.
+        steps = max(step - self._last_step, 1) if self._last_step else 1
+        self._last_step = step
+        self._m["kiln_train_steps_total"].inc(float(steps))
+        self._m["kiln_train_tokens_total"].inc(steps * metrics["tokens/seen"] / step)  # tokens per step
         used = metrics.get("memory/max_reserved_gib")
         used = used * GIB if used is not None else psutil.Process().memory_info().rss
         self._m["kiln_memory_device_used_bytes"].set(float(used))

@@ -43,7 +43,8 @@ def _worker_entry(loop_config: dict[str, Any]) -> None:
     cfg = config_from_dict(loop_config["config"])
     ctx = ray.train.get_context()
     world = WorldInfo(rank=ctx.get_world_rank(), world_size=ctx.get_world_size(),
-                      device=ray.train.torch.get_device())
+                      device=ray.train.torch.get_device(), local_rank=ctx.get_local_rank(),
+                      local_world_size=ctx.get_local_world_size())
     source = _source(cfg, world)
     run_id = loop_config.get("mlflow_run_id")
     placement = _placement(world)

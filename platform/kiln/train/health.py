@@ -1,32 +1,30 @@
 """Training-health guard: a non-finite or spiking loss never reaches the optimizer unnoticed.
 
-Each micro-batch's loss is checked right after its forward pass and before its backward pass,
-and every rank takes the same decision (one all-reduce of two numbers), so the ranks' later
-collectives stay paired. A loss is bad when it is not finite on some rank, or when the ranks'
-mean exceeds `spike_factor` times the median of the last `spike_window` good losses.
+The check stays off the host's hot path: each micro-batch's loss is judged on the device as it
+comes (`observe`, no host read), and the step's verdict is taken once, before the optimizer
+step, with one all-reduce and one host read (`verdict`), so every rank takes the same decision.
+A loss is bad when it is not finite, or when it exceeds `spike_factor` times the median of the
+last `spike_window` good steps' mean losses (each rank against its own median).
 
-What happens then is the policy:
-- skip: the micro-batch gets no backward pass and the next one from the stream takes its place,
-  so the optimizer step is made of good micro-batches only;
+What happens to a step with a bad micro-batch is the policy:
+- skip: the step's gradients never reach the optimizer (the loop shuts the `StepGate`), and the
+  step is run again on the next micro-batches of the stream;
 - rollback: the newest complete checkpoint is loaded and training goes on from its step with
   the data after the bad batch (the window between the checkpoint and the bad batch is skipped);
 - stop: the run ends with the step, the loss and the reason.
-A pipeline runs forward, backward and the step inside DeepSpeed's schedule, so there the check
-sees the loss after the step: rollback and stop work, skip is refused when the config is loaded.
+A pipeline runs forward, backward and the step inside DeepSpeed's schedule, so there the verdict
+comes after the step: rollback and stop work, skip is refused when the config is loaded.
 """
 
 from __future__ import annotations
 
-import collections
-import math
-import statistics
-
 import torch
+import torch.distributed as dist
 
 from kiln.config import HealthConfig
-from kiln.train.collectives import mean_over_ranks, ranks
+from kiln.train.collectives import ranks
 
-MIN_HISTORY = 10  # good losses seen before a spike can be called: the first steps fall fast
+MIN_HISTORY = 10  # good steps seen before a spike can be called: the first steps fall fast
 
 
 class BadLoss(Exception):
@@ -40,7 +38,13 @@ class BadLoss(Exception):
 class HealthGuard:
     def __init__(self, cfg: HealthConfig, rank: int, device: torch.device):
         self.cfg, self.rank, self.device = cfg, rank, device
-        self._recent: collections.deque[float] = collections.deque(maxlen=cfg.spike_window)
+        # On the device: the step's [non-finite, spiking, micro-batches, loss sum of the finite
+        # ones] micro-batch counts, and the ring of recent good steps' mean losses (NaN: empty) the median reads.
+        self._step = torch.zeros(4, device=device)
+        self._recent = torch.full((cfg.spike_window,), float("nan"), device=device)
+        self._threshold = torch.full((), float("inf"), device=device)
+        self._worst = torch.zeros((), device=device)  # this rank's highest spiking loss this step
+        self._filled = 0  # good steps in the ring (host count: the verdict is read on the host)
         self._pending = cfg.injections()
         self.in_a_row = 0
         self.skipped = 0
@@ -61,39 +65,63 @@ class HealthGuard:
             return loss * 100.0
         return loss
 
-    def check(self, loss: torch.Tensor, step: int) -> str | None:
-        """None if this micro-batch's loss is good, else why not. Every rank must call it for
-        every micro-batch: the verdict is reached together."""
+    def observe(self, loss: torch.Tensor) -> None:
+        """Judge one micro-batch's loss on the device; nothing is read back to the host."""
+        if not self.active:
+            return
+        value = loss.detach().float().reshape(())
+        finite = torch.isfinite(value)
+        spiking = finite & (value > self._threshold)
+        self._worst = torch.maximum(self._worst, torch.where(spiking, value, torch.zeros_like(value)))
+        self._step += torch.stack([(~finite).float(), spiking.float(), torch.ones_like(value),
+                                   torch.where(finite, value, torch.zeros_like(value))])
+
+    def verdict(self, step: int) -> str | None:
+        """None if every micro-batch of this step was good on every rank, else why not: one
+        all-reduce and one host read per step. Every rank must call it once per step."""
         if not self.active:
             return None
-        value = float(loss.detach().float())
-        finite = math.isfinite(value)
-        share_bad, mean = mean_over_ranks([0.0 if finite else 1.0, value if finite else 0.0], self.device)
-        reason = None
-        if share_bad:
-            world = ranks()
-            reason = f"loss is not finite on {round(share_bad * world)} of {world} rank(s)"
+        local = self._step.clone()
+        self._step.zero_()
+        # Ranks, not micro-batches, are counted: [ranks with a non-finite loss, ranks with a spike].
+        votes = torch.stack([local[0].clamp(max=1.0), local[1].clamp(max=1.0)])
+        if ranks() > 1:
+            dist.all_reduce(votes)
+        nonfinite, spiking = votes.tolist()
+        worst = self._worst.clone()
+        self._worst.zero_()
+        if not nonfinite and not spiking:
+            self._remember(local[3] / local[2].clamp(min=1.0))
+            self.in_a_row = 0
+            return None
+        where = f"on {int(nonfinite or spiking)} of {ranks()} rank(s)"
+        if nonfinite:
+            reason = f"loss is not finite {where}"
         else:
-            if self.cfg.spike_factor and len(self._recent) >= MIN_HISTORY:
-                median = statistics.median(self._recent)
-                if mean > self.cfg.spike_factor * median:
-                    reason = (f"loss {mean:.4g} is {mean / median:.1f}x the running median {median:.4g} "
-                              f"(train.health.spike_factor = {self.cfg.spike_factor:g})")
-            if reason is None:
-                self._recent.append(mean)
-                self.in_a_row = 0
-                return None
+            value, median = float(worst), float(torch.nanmedian(self._recent))
+            mine = f" {value:.4g} is {value / median:.1f}x the running median {median:.4g}" if value else \
+                f" above {self.cfg.spike_factor:g}x the running median"
+            reason = f"loss{mine} {where} (train.health.spike_factor = {self.cfg.spike_factor:g})"
         self.in_a_row += 1
         if self.in_a_row > self.cfg.max_in_a_row:
-            raise BadLoss(step, f"{reason}; {self.in_a_row} bad micro-batches in a row "
+            raise BadLoss(step, f"{reason}; {self.in_a_row} bad steps in a row "
                                 f"(train.health.max_in_a_row = {self.cfg.max_in_a_row}): the run diverged",
                           fatal=True)
         return reason
 
-    def skip(self, step: int, reason: str) -> None:
-        """A micro-batch left out under the skip policy: counted, and an event for the run."""
-        self.skipped += 1
-        self.events.append(f"step {step}: skipped a micro-batch: {reason}")
+    def _remember(self, mean_loss: torch.Tensor) -> None:
+        """A good step's mean loss into the ring; the spike threshold follows, on the device."""
+        if not self.cfg.spike_factor:
+            return
+        self._recent[self._filled % self.cfg.spike_window] = mean_loss
+        self._filled += 1
+        if self._filled >= MIN_HISTORY:
+            self._threshold = self.cfg.spike_factor * torch.nanmedian(self._recent)
+
+    def skip(self, step: int, micro_batches: int, reason: str) -> None:
+        """A step left out under the skip policy: counted, and an event for the run."""
+        self.skipped += micro_batches
+        self.events.append(f"step {step}: skipped the step's {micro_batches} micro-batch(es): {reason}")
 
     def metrics(self) -> dict[str, float]:
         return {"health/skipped_batches": float(self.skipped), "health/rollbacks": float(self.rollbacks)}

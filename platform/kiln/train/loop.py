@@ -15,7 +15,6 @@ import logging
 import math
 import os
 import shutil
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -26,12 +25,17 @@ from kiln.config import RunConfig, gpt_config
 from kiln.data.sources import BatchSource
 from kiln.errors import KilnError
 from kiln.model import num_params
+from kiln.train.affinity import pin_worker
 from kiln.train.checkpoint import TAG, CheckpointPolicy
 from kiln.train.collectives import mean_over_ranks
 from kiln.train.health import BadLoss, HealthGuard
-from kiln.train.meter import StepMeter, memory_metrics
+from kiln.train.leaks import LeakWatch
+from kiln.train.meter import StepMeter, memory_in_use, memory_metrics
+from kiln.train.optim import StepGate
+from kiln.train.prefetch import DevicePrefetcher
 from kiln.train.profiling import StepProfiler
 from kiln.train.sinks import Fetch, MetricLogger, Sinks
+from kiln.train.step import PhaseTimer, StepResult, train_step
 from kiln.ui.progress import LogLines, Progress, ProgressSink
 
 log = logging.getLogger("kiln.train")
@@ -46,22 +50,31 @@ class WorldInfo:
     rank: int = 0
     world_size: int = 1
     device: torch.device = torch.device("cpu")
+    local_rank: int = 0  # this worker's index among the workers on its host
+    local_world_size: int = 1  # workers on this host
 
 
-def prepare_process(cfg: RunConfig, device: torch.device) -> None:
-    """Seed and set up this process's torch before the model is built (its init draws)."""
+def prepare_process(cfg: RunConfig, world: WorldInfo) -> None:
+    """Seed and set up this process's torch before the model is built (its init draws): threads
+    and their cores on CPU, TF32 and the caching allocator's settings on GPU."""
     torch.manual_seed(cfg.train.seed)
-    if device.type == "cpu":
-        torch.set_num_threads(max(1, int(cfg.parallel.cpus_per_worker)))
-    else:
-        torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls on tensor cores
-        torch.backends.cudnn.allow_tf32 = True
+    p = cfg.parallel
+    if world.device.type == "cpu":
+        torch.set_num_threads(max(1, int(p.cpus_per_worker)))
+        if p.pin_cpu_threads:
+            pin_worker(world.local_rank, world.local_world_size, p.cpus_per_worker)
+        return
+    torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls on tensor cores
+    torch.backends.cudnn.allow_tf32 = True
+    if p.cuda_alloc_conf and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
+        torch.cuda.memory._set_allocator_settings(p.cuda_alloc_conf)
+    log.info("cuda allocator settings: %s", os.environ.get("PYTORCH_CUDA_ALLOC_CONF", p.cuda_alloc_conf) or "defaults")
 
 
 @torch.no_grad()
 def evaluate(engine, source: BatchSource, max_batches: int, device: torch.device, pipeline: bool) -> float:
     engine.eval()
-    total, count = 0.0, 0
+    total, count = torch.zeros((), device=device), 0  # summed on the device, read once
     for i, batch in enumerate(source.val_batches()):
         if max_batches and i >= max_batches:
             break
@@ -70,72 +83,10 @@ def evaluate(engine, source: BatchSource, max_batches: int, device: torch.device
             loss = engine.eval_batch(iter([(batch[:, :-1], batch[:, 1:])]), num_micro_batches=1)
         else:
             _, loss = engine(batch[:, :-1], batch[:, 1:])
-        total, count = total + loss.item(), count + 1
+        total, count = total + loss.detach().float(), count + 1
     engine.train()
-    (mean_total, mean_count) = mean_over_ranks([total, float(count)], device)
+    (mean_total, mean_count) = mean_over_ranks([total.item(), float(count)], device)
     return mean_total / max(mean_count, 1e-9)
-
-
-def _train_step(engine, batches: Iterator[torch.Tensor], micro_batches: int, device: torch.device,
-                pipeline: bool, guard: HealthGuard, step: int) -> tuple[torch.Tensor, dict[str, float]]:
-    """One optimizer step over `micro_batches` micro-batches: (mean loss, seconds spent per phase).
-
-    The phases are data wait, forward, backward (gradient all-reduce included) and optimizer.
-    On a GPU each phase ends in a synchronize so its kernels are counted in it; a pipeline runs
-    all of them inside DeepSpeed's schedule, so only the data wait is split out there.
-    The guard sees each micro-batch's loss before its backward pass (a pipeline's, after the
-    step): a bad one is left out and replaced by the next, and under rollback or stop the step
-    ends in BadLoss once it is complete, so DeepSpeed's accumulation count stays whole.
-    """
-    times = {"time/data_wait_s": 0.0}
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    clock = time.perf_counter
-
-    def next_batch() -> torch.Tensor:
-        wait_start = clock()
-        batch = next(batches).to(device, non_blocking=True)
-        times["time/data_wait_s"] += clock() - wait_start
-        return batch
-
-    if pipeline:  # DeepSpeed runs the whole 1F1B schedule (and the step) in train_batch
-        pairs = [(b[:, :-1], b[:, 1:]) for b in (next_batch() for _ in range(micro_batches))]
-        loss = guard.inject(engine.train_batch(data_iter=iter(pairs)).detach().float(), step)
-        reason = guard.check(loss, step)
-        if reason is not None:
-            raise BadLoss(step, reason)
-        return loss, times
-    times.update({"time/forward_s": 0.0, "time/backward_s": 0.0, "time/optimizer_s": 0.0})
-    loss_sum = torch.zeros((), device=device)
-    done, bad = 0, None
-    while done < micro_batches:
-        batch = next_batch()
-        t0 = clock()
-        _, loss = engine(batch[:, :-1], batch[:, 1:])
-        loss = guard.inject(loss, step)
-        reason = guard.check(loss, step)
-        if reason is not None:
-            if guard.cfg.policy == "stop":
-                raise BadLoss(step, reason)
-            if guard.cfg.policy == "skip":
-                guard.skip(step, reason)
-            bad = bad or reason
-            del loss  # no backward: its graph is freed and the next micro-batch takes its place
-            continue
-        sync()
-        t1 = clock()
-        engine.backward(loss)
-        sync()
-        t2 = clock()
-        engine.step()  # steps the optimizer at the accumulation boundary only
-        sync()
-        times["time/forward_s"] += t1 - t0
-        times["time/backward_s"] += t2 - t1
-        times["time/optimizer_s"] += clock() - t2
-        loss_sum += loss.detach()
-        done += 1
-    if bad is not None and guard.cfg.policy == "rollback":
-        raise BadLoss(step, bad)
-    return loss_sum / micro_batches, times
 
 
 def train_loop(cfg: RunConfig, world: WorldInfo, engine, scheduler, source: BatchSource, sinks: Sinks,
@@ -146,74 +97,123 @@ def train_loop(cfg: RunConfig, world: WorldInfo, engine, scheduler, source: Batc
     decisions (from step counts and a clock averaged over ranks), saves between the barriers
     inside `checkpoint.save`, and calls `sinks.report` the same number of times.
     """
-    t, device = cfg.train, world.device
-    pipeline = cfg.parallel.pipeline_stages > 1
-    micro_batches = cfg.micro_batches_per_step
-    dp_size = world.world_size // cfg.parallel.pipeline_stages
-    mcfg = gpt_config(cfg)
-    progress: ProgressSink = sinks.progress or LogLines(cfg.logging.progress_every)  # rank 0's view
-    policy = CheckpointPolicy(t, checkpoint_root, world.rank, world.world_size)
-    done, consumed = policy.resume(engine, micro_batches)
-    # Start reading now so the pipeline's start-up overlaps the first step; skip what the
-    # resumed steps consumed.
-    source.prefetch()
-    batches = _Counted(_prefetch_first(source.train_batches(skip=consumed)), consumed)
-    tokens_per_step = cfg.tokens_per_step(dp_size)
-    meter = StepMeter(cfg, mcfg, world.world_size, device, tokens_per_step, done)
-    if world.rank == 0:
-        _log_start(cfg, mcfg, world.world_size, tokens_per_step)
-    profiler = StepProfiler(t.profile, world.rank, world.world_size, device)
-    guard = HealthGuard(t.health, world.rank, device)
-    last: dict[str, float] = {}
-    ckpt = None
-    step = done
-    while step < t.max_steps:
-        step += 1
-        profiler.begin(step)
-        meter.begin()
-        lr = scheduler.get_last_lr()[0]
-        try:
-            loss_mean, phases = _train_step(engine, batches, micro_batches, device, pipeline, guard, step)
-        except BadLoss as bad:
-            step = _after_bad_loss(bad, guard, engine, policy.last_good, world.rank, sinks.logger)
-            continue
-        if guard.events:
-            _record_health(guard, sinks.logger, step, world.rank)
+    run = _Training(cfg, world, engine, scheduler, source, sinks, checkpoint_root)
+    try:
+        return run.train()
+    finally:
+        run.prefetcher.close()
+
+
+class _Training:
+    """One rank's training run: its parts, built once, and the loop over steps."""
+
+    def __init__(self, cfg: RunConfig, world: WorldInfo, engine, scheduler, source: BatchSource, sinks: Sinks,
+                 checkpoint_root: str | None):
+        t, device = cfg.train, world.device
+        self.cfg, self.world, self.engine, self.scheduler, self.source, self.sinks = (
+            cfg, world, engine, scheduler, source, sinks)
+        self.pipeline = cfg.parallel.pipeline_stages > 1
+        self.progress: ProgressSink = sinks.progress or LogLines(cfg.logging.progress_every)  # rank 0's view
+        self.policy = CheckpointPolicy(t, checkpoint_root, world.rank, world.world_size)
+        self.done, consumed = self.policy.resume(engine, cfg.micro_batches_per_step)
+        # Start reading now so the pipeline's start-up overlaps the first step; skip what the
+        # resumed steps consumed.
+        source.prefetch()
+        self.prefetcher = DevicePrefetcher(source.train_batches(skip=consumed), device, cfg.data.prefetch_batches)
+        self.batches = _Counted(self.prefetcher, consumed)
+        self.tokens_per_step = cfg.tokens_per_step(world.world_size // cfg.parallel.pipeline_stages)
+        mcfg = gpt_config(cfg)
+        self.meter = StepMeter(cfg, mcfg, world.world_size, device, self.tokens_per_step, self.done)
+        if world.rank == 0:
+            _log_start(cfg, mcfg, world.world_size, self.tokens_per_step)
+        self.profiler = StepProfiler(t.profile, world.rank, world.world_size, device)
+        self.guard = HealthGuard(t.health, world.rank, device)
+        self.gate = getattr(scheduler, "gate", None) or StepGate()  # build_engine gates the optimizer
+        self.timer = PhaseTimer(device)
+        self.leaks = LeakWatch(self.meter.warmup_end)
+
+    def train(self) -> dict[str, float]:
+        t, last, ckpt, step = self.cfg.train, {}, None, self.done
+        while step < t.max_steps:
+            step += 1
+            self.profiler.begin(step)
+            self.meter.begin()
+            lr = self.scheduler.get_last_lr()[0]
+            self.timer.on = read = _reads_metrics(step, self.cfg, self.meter, self.policy)
+            try:
+                result = train_step(self.engine, self.batches, self.cfg.micro_batches_per_step, self.pipeline,
+                                    self.guard, self.gate, self.timer, step)
+            except BadLoss as bad:
+                step = _after_bad_loss(bad, self.guard, self.engine, self.policy.last_good, self.world.rank,
+                                       self.sinks.logger)
+                continue
+            if self.guard.events:
+                _record_health(self.guard, self.sinks.logger, step, self.world.rank)
+            if result.skipped is not None:
+                step -= 1  # the same step again, on the next micro-batches
+                continue
+            _hand_in_profile(self.profiler.end(step), self.sinks.logger)
+            if not read:  # nothing read back from the device: the step's time on the host clock
+                self.meter.end(step, result.data_wait_s)
+                continue
+            metrics, save = self._metrics(step, result, lr)
+            last.update(metrics)
+            ckpt = self._save_and_report(step, metrics, save)
+        self.sinks.close()
+        final = last | self.meter.summary() | {"step": t.max_steps} | self.meter.held
+        if self.guard.active:
+            final.update(self.guard.metrics())
+        if self.sinks.report is not None:  # the last report carries the final checkpoint and the summary
+            self.sinks.report(final, ckpt)
+        return final
+
+    def _metrics(self, step: int, result: StepResult, lr: float) -> tuple[dict[str, float], bool]:
+        """The step's metrics, published (with validation where due), and whether to save now."""
+        device, meter = self.world.device, self.meter
         step_s = meter.step_time(step)
-        _hand_in_profile(profiler.end(step), sinks.logger)
-        # One all-reduce per step. The time since the last save rides along, so every rank
-        # takes the same save decision.
+        # One all-reduce per metrics step. The time since the last save rides along, so every
+        # rank takes the same save decision.
         loss_train, wait, since_save = mean_over_ranks(
-            [loss_mean.item(), phases["time/data_wait_s"], policy.seconds_since_save()], device)
-        metrics = meter.metrics(step, step_s, loss_train, lr, phases, wait, engine, world.rank)
+            [result.loss.item(), result.data_wait_s, self.policy.seconds_since_save()], device)
+        metrics = meter.metrics(step, step_s, loss_train, lr, self.timer.read(), wait, self.engine, self.world.rank)
         if not math.isfinite(loss_train):
             log.warning("step %d: non-finite training loss %s", step, loss_train)
-        save = policy.wants_save(step, since_save)
-        if policy.wants_eval(step, save):
-            metrics["loss/val"] = _timed_eval(meter, engine, source, t.eval_batches, device, pipeline)
+        save = self.policy.wants_save(step, since_save)
+        if self.policy.wants_eval(step, save):
+            metrics["loss/val"] = _timed_eval(meter, self.engine, self.source, self.cfg.train.eval_batches, device,
+                                              self.pipeline)
         metrics.update(memory_metrics(device))
-        _publish(sinks, progress, metrics, step, cfg, world.rank, meter.mean_step_s)
-        last.update(metrics)
-        meter.end(step, phases["time/data_wait_s"])
-        ckpt = None
+        metrics.update(self.leaks.sample(step, memory_in_use(device)))
+        _publish(self.sinks, self.progress, metrics, step, self.cfg, self.world.rank, meter.mean_step_s)
+        meter.end(step, result.data_wait_s)
+        return metrics, save
+
+    def _save_and_report(self, step: int, metrics: dict[str, float], save: bool) -> str | None:
+        """Save a checkpoint if due and report to Ray Train at evaluations and saves; the checkpoint."""
+        ckpt, sinks = None, self.sinks
         if save:
-            ckpt, save_s = policy.save(engine, step, {"step": step, "tokens_seen": step * tokens_per_step,
-                                                      "batches_consumed": batches.count}, metrics.get("loss/val"))
+            client = {"step": step, "tokens_seen": step * self.tokens_per_step, "batches_consumed": self.batches.count}
+            ckpt, save_s = self.policy.save(self.engine, step, client, metrics.get("loss/val"))
             if ckpt is not None:
                 sinks.live.checkpointed(save_s)
-                meter.saved(step, save_s)
-        if sinks.report is not None and step != t.max_steps and ("loss/val" in metrics or save):
+                self.meter.saved(step, save_s)
+        if sinks.report is not None and step != self.cfg.train.max_steps and ("loss/val" in metrics or save):
             sinks.logger.flush()  # first: a scheduler (ASHA) may stop this run once it sees the report
             fetch = sinks.report(metrics | {"step": step}, ckpt)
             if ckpt is not None and fetch is not None:
-                policy.last_good = fetch
-    sinks.close()
-    final = last | meter.summary() | {"step": t.max_steps} | meter.held
-    if guard.active:
-        final.update(guard.metrics())
-    if sinks.report is not None:  # the last report carries the final checkpoint and the summary metrics
-        sinks.report(final, ckpt)
-    return final
+                self.policy.last_good = fetch
+        return ckpt
+
+
+def _reads_metrics(step: int, cfg: RunConfig, meter: StepMeter, policy: CheckpointPolicy) -> bool:
+    """Whether this step's metrics are built, which reads the device (loss, phase times) and
+    all-reduces: steps logged or shown, evaluated or saved, the first (memory held) and the
+    last warm-up step (a CPU's peak is measured there). Every rank answers alike. A time-based
+    save (checkpoint_every_minutes) is decided on these steps too."""
+    t, lg = cfg.train, cfg.logging
+    return bool(step % lg.log_every == 0 or step % lg.progress_every == 0 or step == t.max_steps
+                or step in (meter.done + 1, meter.warmup_end)
+                or policy.wants_save(step, 0.0) or policy.wants_eval(step, False))
 
 
 def _log_start(cfg: RunConfig, mcfg, world_size: int, tokens_per_step: int) -> None:
@@ -307,32 +307,3 @@ class _Counted:
         item = next(self.it)
         self.count += 1
         return item
-
-
-def _prefetch_first(it: Iterator[torch.Tensor]) -> Iterator[torch.Tensor]:
-    """Fetch the first item on a thread at once; yield it, then the rest as usual.
-
-    Whatever the fetch raises (a Ray Data error, an exhausted shard) is re-raised to the
-    consumer, so the run fails with its real cause rather than a missing item.
-    """
-    box: dict = {}
-
-    def fetch():
-        try:
-            box["item"] = next(it)
-        except BaseException as e:  # noqa: BLE001 - handed to the consumer thread
-            box["error"] = e
-
-    thread = threading.Thread(target=fetch, daemon=True)
-    thread.start()
-
-    def gen():
-        thread.join()
-        if isinstance(box.get("error"), StopIteration):
-            return
-        if "error" in box:
-            raise box["error"]
-        yield box["item"]
-        yield from it
-
-    return gen()

@@ -33,6 +33,7 @@ class StepMeter:
     def __init__(self, cfg: RunConfig, mcfg: GPTConfig, world_size: int, device: torch.device,
                  tokens_per_step: int, done: int):
         self.precision, self.max_steps = cfg.train.precision, cfg.train.max_steps
+        self.compiled = cfg.train.compile
         self.world_size, self.device, self.tokens_per_step = world_size, device, tokens_per_step
         self.done = done  # steps done before this process started (a resume)
         self.warmup_end = done + WARMUP_STEPS_EXCLUDED  # the last step left out of the steady state
@@ -42,6 +43,7 @@ class StepMeter:
         self.steady_time = self.steady_wait = self.steady_save_time = 0.0
         self.steady_steps = 0
         self.first_step_unix = 0.0
+        self.first_step_s = 0.0  # the first step's own seconds: a compiled model compiles in it
         self.held: dict[str, float] = {}  # what the engine holds, measured after the first step
         self._skipped_before = 0
         self._start = self._eval_s = 0.0
@@ -56,6 +58,7 @@ class StepMeter:
         seconds = time.perf_counter() - self._start
         if step == self.done + 1:
             self.first_step_unix = time.time()
+            self.first_step_s = seconds
         return seconds
 
     @property
@@ -130,6 +133,9 @@ class StepMeter:
             out["mfu"] = self.mfu(out["throughput/tokens_per_s"])
         out["time/data_wait_share"] = self.steady_wait / max(self.steady_time, 1e-9)
         out["time/first_step_unix"] = self.first_step_unix
+        out["time/first_step_s"] = self.first_step_s
+        if self.compiled and self.steady_steps:  # what compiling cost: the first step over a steady one
+            out["time/compile_s"] = max(0.0, self.first_step_s - self.mean_step_s)
         return out
 
 
@@ -180,6 +186,14 @@ def memory_metrics(device: torch.device) -> dict[str, float]:
     if device.type == "cuda":
         out["memory/max_allocated_gib"] = torch.cuda.max_memory_allocated(device) / gib
         out["memory/max_reserved_gib"] = torch.cuda.max_memory_reserved(device) / gib
+    return out
+
+
+def memory_in_use(device: torch.device) -> dict[str, float]:
+    """Bytes this process holds now (not peaks): host RSS, and tensors on its GPU."""
+    out = {"host": float(psutil.Process().memory_info().rss)}
+    if device.type == "cuda":
+        out["device"] = float(torch.cuda.memory_allocated(device))
     return out
 
 

@@ -7,6 +7,8 @@ matmuls are. The LR schedule is in kiln.train.schedule.
 
 from __future__ import annotations
 
+import types
+
 import torch
 from torch import nn
 
@@ -75,5 +77,52 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, on_cuda: bool) -> torch.
     raise ValueError(f"unknown optimizer {cfg.name!r}")
 
 
-def build_scheduler(opt: torch.optim.Optimizer, sched: ScheduleConfig, max_steps: int):
-    return torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_multiplier(step, sched, max_steps))
+class StepGate:
+    """Whether the optimizer step under way may change the weights.
+
+    DeepSpeed takes the step inside `engine.step()` (clipping, ZeRO's partitions, the fp32
+    master copy), so the only place Kiln can withhold it, without reaching into ZeRO's internals,
+    is the torch optimizer at the bottom of that stack: `gate_optimizer` makes its `step` a no-op
+    while the gate is shut, and `GatedLambdaLR` holds the schedule still with it. The health
+    guard shuts the gate when the step's verdict is bad; DeepSpeed zeroes the gradients as usual.
+    """
+
+    def __init__(self):
+        self.open = True
+        self.withheld = 0  # steps the gate kept from the optimizer
+
+
+def gate_optimizer(opt: torch.optim.Optimizer, gate: StepGate) -> torch.optim.Optimizer:
+    """`opt`, its `step` a no-op while `gate` is shut (the instance's own step, patched: any
+    wrapper around it, DeepSpeed's or an LR scheduler's, calls through this)."""
+    inner = opt.step
+
+    def step(self, *args, **kwargs):
+        if gate.open:
+            return inner(*args, **kwargs)
+        gate.withheld += 1
+        return None
+
+    opt.step = types.MethodType(step, opt)  # a bound method, as LR schedulers expect to wrap
+    return opt
+
+
+class GatedLambdaLR(torch.optim.lr_scheduler.LambdaLR):
+    """LambdaLR that does not advance on a step the gate withheld: the schedule counts steps taken."""
+
+    def __init__(self, opt: torch.optim.Optimizer, lr_lambda, gate: StepGate):
+        self.gate = gate
+        super().__init__(opt, lr_lambda)
+
+    def step(self, *args, **kwargs):
+        if self.gate.open:
+            super().step(*args, **kwargs)
+
+
+def build_scheduler(opt: torch.optim.Optimizer, sched: ScheduleConfig, max_steps: int,
+                    gate: StepGate | None = None):
+    """The LR schedule; with `gate`, one that stands still on withheld steps."""
+    lr_lambda = lambda step: lr_multiplier(step, sched, max_steps)  # noqa: E731
+    if gate is None:
+        return torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
+    return GatedLambdaLR(opt, lr_lambda, gate)

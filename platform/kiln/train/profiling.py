@@ -3,12 +3,17 @@
 `train.profile.start_step: N` profiles steps N .. N+steps-1 on `train.profile.ranks`. Each
 profiled rank writes a Chrome trace (open it in chrome://tracing or https://ui.perfetto.dev),
 logs the top-10 operators by self time, and on a GPU also dumps a CUDA memory snapshot (open it
-in https://pytorch.org/memory_viz). The files go to the run's MLflow artifacts under `profile/`.
+in https://pytorch.org/memory_viz). Host memory is profiled over the same steps with memray
+(a maintained allocation tracker): its capture, a flame graph of where the window's peak host
+memory was allocated, and the top allocation sites. The files go to the run's MLflow artifacts
+under `profile/`.
 """
 
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -27,6 +32,8 @@ class StepProfiler:
         self.cfg, self.rank, self.device = cfg, rank, device
         self.enabled = cfg.start_step > 0 and rank in cfg.rank_set(world_size)
         self._prof = None
+        self._memray = None
+        self._out: Path | None = None
         self.last = cfg.start_step + cfg.steps - 1
 
     def begin(self, step: int) -> None:
@@ -36,15 +43,25 @@ class StepProfiler:
         if self.device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
             torch.cuda.memory._record_memory_history(max_entries=100_000)
+        self._out = Path(tempfile.mkdtemp(prefix="kiln-profile-"))
         self._prof = torch.profiler.profile(activities=activities, record_shapes=True, with_stack=False)
         self._prof.__enter__()
+        self._memray = _host_tracker(self._out / f"host_memory_rank{self.rank}.bin")
+        if self._memray is not None:
+            # Entered here, not in a helper: memray follows the frames entered after it starts, and
+            # loses its place when more than the frame that started it returns before them.
+            self._memray.__enter__()
         log.info("rank %d: profiling steps %d-%d", self.rank, step, self.last)
 
     def end(self, step: int) -> Path | None:
         if self._prof is None or step != self.last:
             return None
+        out = self._out
+        if self._memray is not None:
+            self._memray.__exit__(None, None, None)
         self._prof.__exit__(None, None, None)
-        out = Path(tempfile.mkdtemp(prefix="kiln-profile-"))
+        if self._memray is not None:
+            _host_report(out / f"host_memory_rank{self.rank}.bin")
         self._prof.export_chrome_trace(str(out / f"trace_rank{self.rank}.json"))
         sort = "self_cuda_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
         table = self._prof.key_averages().table(sort_by=sort, row_limit=10)
@@ -56,3 +73,35 @@ class StepProfiler:
             torch.cuda.memory._record_memory_history(enabled=None)
         self._prof = None
         return out
+
+
+def _host_tracker(path: Path):
+    """A memray Tracker writing to `path`, not yet entered; None where memray is missing."""
+    try:
+        import memray
+    except ImportError:
+        log.warning("memray is not installed: no host memory profile (pip install memray)")
+        return None
+    return memray.Tracker(str(path), follow_fork=False)
+
+
+def _host_report(capture: Path) -> None:
+    """Beside the capture: the top allocation sites at the window's peak (text) and a flame graph."""
+    from memray import FileReader
+
+    reader = FileReader(str(capture))
+    records = sorted(reader.get_high_watermark_allocation_records(merge_threads=True),
+                     key=lambda r: r.size, reverse=True)[:15]
+    lines = [f"peak host memory in the window: {reader.metadata.peak_memory / 2**20:.1f} MiB "
+             f"({reader.metadata.total_allocations:,} allocations)", "top allocation sites at the peak:"]
+    for r in records:
+        frame = next(iter(r.stack_trace()), None)
+        where = f"{frame[0]} {frame[1]}:{frame[2]}" if frame else "(no Python frame)"
+        lines.append(f"  {r.size / 2**20:9.2f} MiB in {r.n_allocations:6d} allocation(s)  {where}")
+    capture.with_suffix(".txt").write_text("\n".join(lines) + "\n")
+    log.info("%s", "\n".join(lines[:6]))
+    html = capture.with_suffix(".html")
+    done = subprocess.run([sys.executable, "-m", "memray", "flamegraph", "-f", "-o", str(html), str(capture)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        log.warning("memray flamegraph failed: %s", done.stderr.strip()[-300:])

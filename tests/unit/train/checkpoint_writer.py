@@ -24,7 +24,7 @@ def engine():
     cfg = load_config(None, ["model.flavour=debug", "model.vocab_size=512", "model.seq_len=64",
                              "parallel.num_workers=1", "parallel.zero_stage=2", "train.precision=fp32"])
     _world_from_env(use_gpu=False)
-    eng, _ = initialize(cfg, gpt_config(cfg), 1, on_cuda=False,
+    eng, _ = initialize(cfg, gpt_config(cfg), 1, device=torch.device("cpu"),
                         scheduler_fn=lambda opt: build_scheduler(opt, cfg.schedule, cfg.train.max_steps))
     # One real step, so the checkpoint carries Adam's moments as well as the weights.
     x = torch.randint(0, 512, (2, 65))

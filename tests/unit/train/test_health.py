@@ -25,22 +25,51 @@ def _guard(**kw) -> HealthGuard:
     return HealthGuard(HealthConfig(**kw), rank=0, device=CPU)
 
 
+def _judge(guard: HealthGuard, step: int, *losses: float) -> str | None:
+    for loss in losses:
+        guard.observe(torch.tensor(loss))
+    return guard.verdict(step)
+
+
 def test_verdicts_nan_inf_and_spikes_over_the_running_median():
     guard = _guard(policy="skip", spike_factor=3.0, max_in_a_row=2)
-    assert "not finite on 1 of 1" in guard.check(torch.tensor(float("nan")), 1)
-    assert "not finite" in guard.check(torch.tensor(float("inf")), 1)
+    assert "not finite on 1 of 1" in _judge(guard, 1, float("nan"))
+    assert "not finite" in _judge(guard, 1, 2.0, float("inf"))  # one bad micro-batch spoils the step
     for i in range(MIN_HISTORY - 1):  # too little history to call anything a spike
-        assert guard.check(torch.tensor(10.0 if i == 0 else 2.0), 2) is None
-    assert guard.check(torch.tensor(7.0), 3) is None  # the MIN_HISTORY-th good loss
-    said = guard.check(torch.tensor(7.0), 4)  # median 2.0: 3.5x
-    assert said is not None and "3.5x the running median 2" in said
-    assert guard.check(torch.tensor(5.9), 5) is None  # 2.95x: fine, and it resets the count
-    guard.check(torch.tensor(float("nan")), 6)
-    guard.check(torch.tensor(float("nan")), 6)
-    with pytest.raises(BadLoss, match="3 bad micro-batches in a row") as bad:
-        guard.check(torch.tensor(float("nan")), 6)
+        assert _judge(guard, 2, 10.0 if i == 0 else 2.0) is None
+    assert _judge(guard, 3, 7.0) is None  # the MIN_HISTORY-th good step
+    said = _judge(guard, 4, 2.0, 7.0)  # median 2.0: 3.5x
+    assert said is not None and "7 is 3.5x the running median 2 on 1 of 1 rank(s)" in said
+    assert _judge(guard, 5, 5.9) is None  # 2.95x: fine, and it resets the count
+    _judge(guard, 6, float("nan"))
+    _judge(guard, 7, float("nan"))
+    with pytest.raises(BadLoss, match="3 bad steps in a row") as bad:
+        _judge(guard, 8, float("nan"))
     assert bad.value.fatal
-    assert _guard(policy="off").check(torch.tensor(float("nan")), 1) is None
+    assert _judge(_guard(policy="off"), 1, float("nan")) is None
+
+
+def test_a_shut_gate_keeps_the_step_from_weights_optimizer_state_and_schedule():
+    from kiln.config import ScheduleConfig
+    from kiln.train.optim import StepGate, build_scheduler, gate_optimizer
+
+    model = torch.nn.Linear(4, 4)
+    gate = StepGate()
+    opt = gate_optimizer(torch.optim.AdamW(model.parameters(), lr=0.1), gate)
+    sched = build_scheduler(opt, ScheduleConfig(name="linear", warmup_steps=2), 10, gate)
+    model(torch.ones(1, 4)).sum().backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    lr = sched.get_last_lr()[0]
+    gate.open = False
+    opt.step()
+    sched.step()
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    assert not opt.state and sched.get_last_lr()[0] == lr and gate.withheld == 1
+    gate.open = True
+    opt.step()
+    sched.step()
+    assert not all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    assert sched.get_last_lr()[0] != lr
 
 
 def test_injections_hit_rank_0_once():
@@ -71,7 +100,7 @@ def test_each_policy_on_a_real_run(byte_dataset, tmp_path):
     # One process each, 2 micro-batches a step, all three at once. (Two ranks that must agree to
     # leave out a micro-batch whose loss is NaN on one of them: the ZeRO-2 run on Ray.)
     runs = {
-        "skip": ["train.health.spike_factor=3", "train.health.inject=nan@6,spike@10"],
+        "skip": ["train.health.spike_factor=3", "train.health.inject=nan@6,spike@12"],
         "rollback": ["train.checkpoint_every=4", "train.health.inject=nan@6"],
         "stop": ["train.checkpoint_every=4", "train.health.inject=nan@6"],
         # a second bad loss once the one rollback allowed is spent stops the run
@@ -86,10 +115,11 @@ def test_each_policy_on_a_real_run(byte_dataset, tmp_path):
     assert rc == 0, err[-3000:]
     run, client = _run(tmp_path / "skip")
     tags = _health_tags(run)
-    assert tags[0] == "step 6: skipped a micro-batch: loss is not finite on 1 of 1 rank(s)", tags
-    assert tags[1].startswith("step 10: skipped a micro-batch: loss ") and "x the running median" in tags[1], tags
+    assert tags[0] == "step 6: skipped the step's 2 micro-batch(es): loss is not finite on 1 of 1 rank(s)", tags
+    assert tags[1].startswith("step 12: skipped the step's 2 micro-batch(es): loss ") \
+        and "x the running median" in tags[1], tags
     skipped = client.get_metric_history(run.info.run_id, "health/skipped_batches")
-    assert sorted((m.step, m.value) for m in skipped) == [(6, 1.0), (10, 2.0)]
+    assert sorted((m.step, m.value) for m in skipped) == [(6, 2.0), (12, 4.0)]
     losses = _losses(client, run)
     assert [s for s, _ in losses] == list(range(1, 15)) and all(math.isfinite(v) for _, v in losses)
     assert losses[-1][1] < losses[0][1] - 0.5

@@ -4,6 +4,7 @@ same runs carry planted credentials, and nothing they log may contain one."""
 import json
 import os
 import pty
+import re
 import subprocess
 import sys
 import threading
@@ -194,3 +195,31 @@ def test_a_run_resumed_from_a_checkpoint_matches_the_uninterrupted_run(byte_data
     assert any(k.startswith("kiln_rng.rank0.pt") for k in want)
     differ = [k for k in want if not torch.equal(want[k], got[k])]
     assert not differ, differ[:10]
+
+
+def test_a_compiled_run_checkpoints_and_resumes_like_an_eager_one(byte_dataset, tmp_path, checkpoint_tensors):
+    """train.compile on CPU (inductor): it trains, says what compiling cost, and saves the state
+    dict under the eager names, so an eager run resumes from it and follows the compiled run's
+    losses (to float tolerance: fused kernels round differently)."""
+    from mlflow.tracking import MlflowClient
+
+    common = ["train.max_steps=8", "train.checkpoint_every=4", "train.eval_every=0", "parallel.zero_stage=1"]
+    a = _run_local(byte_dataset, tmp_path, *common, "train.compile=true", "logging.run_name=compiled")
+    assert a.returncode == 0, a.stderr[-3000:]
+    assert "compile " in a.stdout and "(the first step, less a steady one)" in a.stdout, a.stdout
+    runs = tmp_path / "runs"
+    b = _run_local(byte_dataset, tmp_path, *common, "logging.run_name=eager",
+                   f"train.resume_from={runs / 'compiled' / 'step_00000004'}")
+    assert b.returncode == 0, b.stderr[-3000:]
+    saved = checkpoint_tensors(runs / "compiled" / "step_00000008")
+    assert saved.keys() == checkpoint_tensors(runs / "eager" / "step_00000008").keys()
+    assert not [k for k in saved if "_orig_mod" in k]
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    runs_by_name = {r.info.run_name: r for r in client.search_runs([client.get_experiment_by_name("local").experiment_id])}
+    history = {n: {m.step: m.value for m in client.get_metric_history(r.info.run_id, "loss/train")}
+               for n, r in runs_by_name.items()}
+    compile_s = float(re.search(r"compile\s+([\d.]+) s", a.stdout).group(1))
+    assert compile_s > 1.0, a.stdout  # inductor takes seconds even for this model
+    for step in range(5, 9):
+        want, got = history["compiled"][step], history["eager"][step]
+        assert abs(got - want) <= 1e-3 * abs(want), (step, want, got)

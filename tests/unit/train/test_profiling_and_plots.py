@@ -12,14 +12,19 @@ from kiln.tracking.plots import training_plots
 from kiln.train.profiling import ProfileConfig, StepProfiler
 
 
-def test_profiler_window_writes_a_chrome_trace_and_top_operators():
+def _keep_mib(n: int) -> bytearray:
+    return bytearray(n * 2**20)  # memray names this frame: it is entered while the window tracks
+
+
+def test_profiler_window_writes_a_chrome_trace_top_operators_and_a_host_memory_profile():
     prof = StepProfiler(ProfileConfig(start_step=2, steps=2, ranks="0,1"), rank=1, world_size=2,
                         device=torch.device("cpu"))
     a = torch.randn(64, 64)
-    windows = []
+    windows, held = [], []
     for step in range(1, 6):
         prof.begin(step)
         (a @ a).relu_()
+        held.append(_keep_mib(24) if step in (2, 3) else None)  # 24 MiB kept in each profiled step
         windows.append(prof.end(step))
     assert windows[:2] == [None, None] and windows[3:] == [None, None]
     out = windows[2]
@@ -27,6 +32,12 @@ def test_profiler_window_writes_a_chrome_trace_and_top_operators():
     names = {e.get("name") for e in trace["traceEvents"]}
     assert "aten::mm" in names and "aten::relu_" in names
     assert "aten::mm" in (out / "top_ops_rank1.txt").read_text()
+    # memray saw the 48 MiB this test kept, and says where it was allocated
+    report = (out / "host_memory_rank1.txt").read_text()
+    peak = float(re.search(r"peak host memory in the window: ([\d.]+) MiB", report).group(1))
+    assert peak >= 48, report
+    assert re.search(r"^\s+48\.\d\d MiB in\s+2 allocation\(s\)  _keep_mib .*test_profiling_and_plots\.py", report, re.M), report
+    assert (out / "host_memory_rank1.html").read_text().lstrip().startswith("<!DOCTYPE html>")
     # ranks not listed, and start_step 0, do not profile
     assert not StepProfiler(ProfileConfig(start_step=2, ranks="0"), 1, 2, torch.device("cpu")).enabled
     assert not StepProfiler(ProfileConfig(start_step=0, ranks="all"), 0, 2, torch.device("cpu")).enabled
