@@ -16,7 +16,7 @@ import time
 import psutil
 import torch
 
-from kiln.cli import process_start
+from kiln.clock import process_start
 from kiln.config import OptimConfig, ScheduleConfig
 from kiln.data.manifest import load_manifest
 from kiln.data.sources import ParquetSource

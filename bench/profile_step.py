@@ -79,9 +79,13 @@ def main() -> None:
         for _ in range(5):
             step()
         sync()
-    busy = sum(e.self_device_time_total for e in prof.key_averages()) / 5 / 1e3
+    events = prof.key_averages()
+    # Kernels are events of their own; an op's self device time repeats its kernels', so count kernels only.
+    busy = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA) / 5e3
+    host = events.self_cpu_time_total / 5e3
     print(f"RESULT {'plain' if args.plain else f'zero-{args.zero_stage} {args.mixed_precision}'} {args.flavour} "
-          f"mb{args.batch}: wall {wall_ms:.1f} ms/step, device busy {busy:.1f} ms/step")
+          f"mb{args.batch}: wall {wall_ms:.1f} ms/step, device busy {busy:.1f} ms/step, host ops {host:.1f} ms/step "
+          "(the last two under the profiler)")
     key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
     print(prof.key_averages().table(sort_by=key, row_limit=args.top, max_name_column_width=60))
     if device.type == "cuda":

@@ -11,8 +11,9 @@ import argparse
 import sys
 from pathlib import Path
 
+from kiln.clock import process_start
 from kiln.errors import ConfigError, KilnError
-from kiln.launch.console import process_start, run_reporting_errors
+from kiln.launch.console import run_reporting_errors
 from kiln.tracking.redact import configure_logging
 
 _STARTED = process_start()

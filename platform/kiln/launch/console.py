@@ -15,22 +15,11 @@ import signal
 import sys
 import tempfile
 import threading
-import time
 import traceback
 from collections.abc import Callable
 
 from kiln.errors import KilnError
 from kiln.tracking.redact import scrub
-
-
-def process_start() -> float:
-    """When this process started (interpreter start-up and imports included)."""
-    try:
-        import psutil
-
-        return psutil.Process().create_time()
-    except Exception:
-        return time.time()
 
 
 def run_reporting_errors(command: Callable[[], int]) -> int:

@@ -22,10 +22,11 @@ from pathlib import Path
 
 import torch
 
+from kiln.clock import process_start, startup_mark
 from kiln.config import RunConfig, load_config
 from kiln.data.sources import ParquetSource
 from kiln.errors import KilnError
-from kiln.launch.console import process_start, run_reporting_errors
+from kiln.launch.console import run_reporting_errors
 from kiln.launch.preflight import preflight
 from kiln.launch.summary import Summary
 from kiln.parallel.engine import build_engine
@@ -91,8 +92,10 @@ def run_local(cfg: RunConfig, started: float | None = None) -> Summary | None:
     import deepspeed
 
     started = started or time.time()
+    marks = startup_mark("command", started)
     checked = preflight(cfg, local_storage=True, world_size=int(os.environ.get("WORLD_SIZE", "1")))
     cfg, manifest, tracking_uri = checked.cfg, checked.manifest, checked.tracking_uri
+    marks |= startup_mark("preflight")
     world = _world_from_env(cfg.parallel.use_gpu)
     cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, num_workers=world.world_size)).validate()
     deepspeed.init_distributed(dist_backend="nccl" if world.device.type == "cuda" else "gloo")
@@ -110,6 +113,7 @@ def run_local(cfg: RunConfig, started: float | None = None) -> Summary | None:
             run = open_run(cfg, manifest, tracking_uri, {"num_nodes": 1, "launcher": "local"})
             logger = MLflowLogger(tracking_uri, run.run_id, spill_dir=_run_root(cfg),
                                   outage_wait_s=cfg.logging.outage_wait_s)
+            marks |= startup_mark("mlflow")
     dp_rank, dp_size = data_parallel_coords(world.rank, world.world_size, cfg.parallel.pipeline_stages)
     source = ParquetSource(manifest, dp_rank, dp_size, cfg.train.micro_batch_size, cfg.train.eval_batches)
     ckpt_root = _run_root(cfg)
@@ -117,7 +121,8 @@ def run_local(cfg: RunConfig, started: float | None = None) -> Summary | None:
         # The loop shows progress on rank 0 only: a bar when stderr is a terminal, else log lines.
         progress = sink_for(sys.stderr, cfg.logging.progress_every)
         engine, scheduler = build_engine(cfg, world)
-        final = train_loop(cfg, world, engine, scheduler, source, Sinks(logger=logger, progress=progress), ckpt_root)
+        final = train_loop(cfg, world, engine, scheduler, source, Sinks(logger=logger, progress=progress), ckpt_root,
+                           marks | startup_mark("engine"))
     if world.rank != 0:
         return None
     checkpoint = f"{ckpt_root}/step_{final['step']:08d}"

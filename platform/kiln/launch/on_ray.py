@@ -17,6 +17,7 @@ from typing import IO
 
 import ray
 
+from kiln.clock import startup_mark
 from kiln.config import RunConfig
 from kiln.errors import KilnError, user_error_in
 from kiln.launch.preflight import preflight
@@ -37,20 +38,25 @@ def train(cfg: RunConfig, address: str | None = None, started: float | None = No
     elsewhere rank 0 logs a progress line every `logging.progress_every` steps."""
     started = started or time.time()
     address = address or os.environ.get("RAY_ADDRESS")
+    marks = startup_mark("command", started)
     checked = preflight(cfg, remote_cluster=bool(address))
     cfg, manifest, tracking_uri = checked.cfg, checked.manifest, checked.tracking_uri
+    marks |= startup_mark("preflight")
     connect_ray(cfg, address)
+    marks |= startup_mark("ray")
     resources = ray.cluster_resources()
     run = open_run(cfg, manifest, tracking_uri, {
         "num_nodes": len([n for n in ray.nodes() if n["Alive"]]),
         "cluster_cpus": resources.get("CPU", 0), "cluster_gpus": resources.get("GPU", 0),
     })
+    marks |= startup_mark("mlflow")
     with run.finishing():
         stream = progress_stream or sys.stderr
         board = ProgressBoard.remote() if is_terminal(stream) else None
         trainer = build_trainer(cfg, cfg.logging.run_name, tracking_uri, run.run_id,
                                 progress_board=board)
         with BoardWatcher(board, TerminalBar(stream)) if board is not None else contextlib.nullcontext():
+            marks |= startup_mark("fit")
             try:
                 result = trainer.fit()
             except Exception as e:
@@ -59,7 +65,7 @@ def train(cfg: RunConfig, address: str | None = None, started: float | None = No
                     raise
                 raise KilnError(f"run {cfg.logging.run_name!r} failed: {cause}") from None
     checkpoint = result.checkpoint.path if result.checkpoint else None
-    return Summary.of_run(cfg, manifest, result.metrics, run.run_id, tracking_uri, started, checkpoint)
+    return Summary.of_run(cfg, manifest, marks | result.metrics, run.run_id, tracking_uri, started, checkpoint)
 
 
 def connect_ray(cfg: RunConfig, address: str | None = None) -> None:

@@ -7,6 +7,7 @@ import json
 import math
 from dataclasses import dataclass
 
+from kiln.clock import startup_breakdown
 from kiln.config import RunConfig
 from kiln.data.manifest import Manifest
 from kiln.tracking.server import ui_command
@@ -53,6 +54,9 @@ class Summary:
             + (f", MFU {100 * m['mfu']:.1f}%" if "mfu" in m else ""),
             f"  first step after  {self.seconds_to_first_step:.1f} s; data wait {100 * m['time/data_wait_share']:.1f}% of step time",
         ]
+        steps = startup_breakdown(m)
+        if steps:
+            lines.append("  start-up          " + ", ".join(f"{what} {s:.1f} s" for what, s in steps))
         if "time/compile_s" in m:
             lines.append(f"  compile           {m['time/compile_s']:.1f} s (the first step, less a steady one)")
         lines += [

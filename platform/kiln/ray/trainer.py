@@ -20,6 +20,7 @@ import ray.train
 from ray.train import Checkpoint, CheckpointConfig, FailureConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
+from kiln.clock import process_start, startup_mark
 from kiln.config import RunConfig, config_from_dict
 from kiln.data.manifest import load_manifest
 from kiln.parallel.engine import build_engine
@@ -37,6 +38,7 @@ from kiln.train.sinks import NullLogger, Sinks
 
 def _worker_entry(loop_config: dict[str, Any]) -> None:
     """Runs on every Ray Train worker."""
+    startup = startup_mark("worker_process", process_start()) | startup_mark("worker_entry")
     import ray.train.torch
 
     _quiet_worker_logs()
@@ -79,7 +81,8 @@ def _worker_entry(loop_config: dict[str, Any]) -> None:
     try:
         engine, scheduler = build_engine(cfg, world)
         train_loop(cfg, world, engine, scheduler, source,
-                   Sinks(logger=logger, live=live, progress=progress, report=report), local_ckpt_root)
+                   Sinks(logger=logger, live=live, progress=progress, report=report), local_ckpt_root,
+                   startup | startup_mark("engine"))
     finally:
         if node_monitor is not None:
             node_monitor.finish()

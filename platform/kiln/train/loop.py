@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kiln.clock import startup_mark
 from kiln.config import RunConfig, gpt_config
 from kiln.data.sources import BatchSource
 from kiln.errors import KilnError
@@ -90,14 +91,15 @@ def evaluate(engine, source: BatchSource, max_batches: int, device: torch.device
 
 
 def train_loop(cfg: RunConfig, world: WorldInfo, engine, scheduler, source: BatchSource, sinks: Sinks,
-               checkpoint_root: str | None = None) -> dict[str, float]:
-    """Train `engine` to `train.max_steps`; return the final metrics.
+               checkpoint_root: str | None = None, startup: dict[str, float] | None = None) -> dict[str, float]:
+    """Train `engine` to `train.max_steps`; return the final metrics (with the launcher's
+    `startup` marks, kiln.clock, and the first step's).
 
     Rules that keep ranks in step: every rank runs the same steps, takes the same save and eval
     decisions (from step counts and a clock averaged over ranks), saves between the barriers
     inside `checkpoint.save`, and calls `sinks.report` the same number of times.
     """
-    run = _Training(cfg, world, engine, scheduler, source, sinks, checkpoint_root)
+    run = _Training(cfg, world, engine, scheduler, source, sinks, checkpoint_root, startup or {})
     try:
         return run.train()
     finally:
@@ -108,7 +110,7 @@ class _Training:
     """One rank's training run: its parts, built once, and the loop over steps."""
 
     def __init__(self, cfg: RunConfig, world: WorldInfo, engine, scheduler, source: BatchSource, sinks: Sinks,
-                 checkpoint_root: str | None):
+                 checkpoint_root: str | None, startup: dict[str, float]):
         t, device = cfg.train, world.device
         self.cfg, self.world, self.engine, self.scheduler, self.source, self.sinks = (
             cfg, world, engine, scheduler, source, sinks)
@@ -130,6 +132,7 @@ class _Training:
         self.guard = HealthGuard(t.health, world.rank, device)
         self.gate = getattr(scheduler, "gate", None) or StepGate()  # build_engine gates the optimizer
         self.timer = PhaseTimer(device)
+        self.startup = startup
         self.leaks = LeakWatch(self.meter.warmup_end)
 
     def train(self) -> dict[str, float]:
@@ -160,7 +163,8 @@ class _Training:
             last.update(metrics)
             ckpt = self._save_and_report(step, metrics, save)
         self.sinks.close()
-        final = last | self.meter.summary() | {"step": t.max_steps} | self.meter.held
+        final = last | self.meter.summary() | {"step": t.max_steps} | self.meter.held | self.startup
+        final |= startup_mark("first_step", self.meter.first_step_unix)
         if self.guard.active:
             final.update(self.guard.metrics())
         if self.sinks.report is not None:  # the last report carries the final checkpoint and the summary
