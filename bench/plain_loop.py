@@ -64,12 +64,7 @@ def main() -> None:
         for group in opt.param_groups:
             group["lr"] = args.lr * lr_multiplier(step, sched, args.steps)
         batch = next(batches).to(device, non_blocking=True)
-        with autocast:
-            _, loss = model(batch[:, :-1], batch[:, 1:])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        loss = plain_step(model, opt, batch, autocast)
         loss_value = loss.item()  # synchronises, as Kiln's loop does for logging
         if step == 0:
             first_step = time.time()
@@ -85,6 +80,17 @@ def main() -> None:
         out["max_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
     assert math.isfinite(loss_value)
     print(json.dumps(out))
+
+
+def plain_step(model, opt, batch: torch.Tensor, autocast) -> torch.Tensor:
+    """One optimizer step as a user writes it: autocast forward, backward, clip, fused AdamW."""
+    with autocast:
+        _, loss = model(batch[:, :-1], batch[:, 1:])
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    return loss
 
 
 if __name__ == "__main__":

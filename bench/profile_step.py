@@ -54,7 +54,12 @@ def main() -> None:
     opt = build_optimizer(model, cfg.optim, on_cuda=device.type == "cuda")
     batch = torch.randint(0, args.vocab, (args.batch, args.seq_len + 1), device=device)
     if args.plain:
-        step = _plain_step(model, opt, batch, args.precision == "bf16")
+        from plain_loop import plain_step  # bench/ is this script's directory
+
+        autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.precision == "bf16")
+
+        def step():
+            return plain_step(model, opt, batch, autocast)
     else:
         engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=deepspeed_config(cfg, 1),
                                           lr_scheduler=build_scheduler(opt, cfg.schedule, 100))
@@ -90,21 +95,6 @@ def main() -> None:
     print(prof.key_averages().table(sort_by=key, row_limit=args.top, max_name_column_width=60))
     if device.type == "cuda":
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60))
-
-
-def _plain_step(model, opt, batch, bf16: bool):
-    autocast = torch.autocast(batch.device.type, dtype=torch.bfloat16, enabled=bf16)
-
-    def step():
-        with autocast:
-            _, loss = model(batch[:, :-1], batch[:, 1:])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        return loss
-
-    return step
 
 
 if __name__ == "__main__":

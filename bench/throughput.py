@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from kiln.clock import startup_breakdown
+
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
@@ -141,6 +143,11 @@ def main() -> None:
         lines.append(f"| {label} | {tok:,.0f} | {ratio:.3f} | {first:.1f} | {fmt(first_s, '.1f')} "
                      f"| {fmt(wait and 100 * wait, '.1f')}{'%' if wait is not None else ''} "
                      f"| {fmt(mfu and 100 * mfu, '.1f')}{'%' if mfu is not None else ''} | {fmt(mem, '.2f')} |")
+    lines.append("")
+    for label, _, summary in kiln_runs:  # where each Kiln run's time to its first step went
+        steps = startup_breakdown(summary["metrics"])
+        if steps:
+            lines.append(f"Start-up, {label}: " + ", ".join(f"{what} {sec:.1f} s" for what, sec in steps) + ".  ")
     lines.append("")
     text = "\n".join(lines)
     print(text)

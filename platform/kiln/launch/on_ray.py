@@ -6,6 +6,7 @@ The driver side of a Ray Train run. Everything a user can get wrong is checked b
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import logging
 import math
@@ -24,7 +25,7 @@ from kiln.launch.preflight import preflight
 from kiln.launch.summary import Summary
 from kiln.ray.progress import BoardWatcher, ProgressBoard
 from kiln.ray.trainer import build_trainer
-from kiln.tracking.mlflow_run import open_run
+from kiln.tracking.mlflow_run import Run, open_run
 from kiln.ui.progress import TerminalBar, is_terminal
 
 log = logging.getLogger(__name__)
@@ -42,13 +43,11 @@ def train(cfg: RunConfig, address: str | None = None, started: float | None = No
     checked = preflight(cfg, remote_cluster=bool(address))
     cfg, manifest, tracking_uri = checked.cfg, checked.manifest, checked.tracking_uri
     marks |= startup_mark("preflight")
-    connect_ray(cfg, address)
-    marks |= startup_mark("ray")
+    run = _open_run_while_ray_starts(cfg, manifest, tracking_uri, address)
+    marks |= startup_mark("ray")  # the later of the two: the run opened meanwhile
     resources = ray.cluster_resources()
-    run = open_run(cfg, manifest, tracking_uri, {
-        "num_nodes": len([n for n in ray.nodes() if n["Alive"]]),
-        "cluster_cpus": resources.get("CPU", 0), "cluster_gpus": resources.get("GPU", 0),
-    })
+    run.set_tags({"kiln.num_nodes": len([n for n in ray.nodes() if n["Alive"]]),
+                  "kiln.cluster_cpus": resources.get("CPU", 0), "kiln.cluster_gpus": resources.get("GPU", 0)})
     marks |= startup_mark("mlflow")
     with run.finishing():
         stream = progress_stream or sys.stderr
@@ -66,6 +65,24 @@ def train(cfg: RunConfig, address: str | None = None, started: float | None = No
                 raise KilnError(f"run {cfg.logging.run_name!r} failed: {cause}") from None
     checkpoint = result.checkpoint.path if result.checkpoint else None
     return Summary.of_run(cfg, manifest, marks | result.metrics, run.run_id, tracking_uri, started, checkpoint)
+
+
+def _open_run_while_ray_starts(cfg: RunConfig, manifest, tracking_uri: str, address: str | None) -> Run:
+    """Open the MLflow run on a thread while Ray starts (or connects): the two take seconds each
+    and need nothing from each other. A cluster address that does not answer is refused first,
+    so that mistake still leaves nothing behind; if Ray then fails to start, the run that opened
+    meanwhile ends FAILED."""
+    if address or os.environ.get("RAY_ADDRESS"):
+        check_ray_address(address or os.environ["RAY_ADDRESS"])
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kiln-open-run") as pool:
+        opening = pool.submit(open_run, cfg, manifest, tracking_uri, {})
+        try:
+            connect_ray(cfg, address)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                opening.result().finish(False)
+            raise
+        return opening.result()
 
 
 def connect_ray(cfg: RunConfig, address: str | None = None) -> None:
@@ -90,7 +107,9 @@ def connect_ray(cfg: RunConfig, address: str | None = None) -> None:
     log.info("starting an embedded local Ray (no cluster address given)")
     # The dashboard backs Ray's state API, which Ray Train's placement-group cleaner polls; it
     # binds to loopback only.
-    ray.init(num_cpus=max(os.cpu_count() or 1, need), dashboard_host="127.0.0.1", log_to_driver=True)
+    # address="local": a new instance of its own, even where `ray start` left one running here.
+    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, need), dashboard_host="127.0.0.1",
+             log_to_driver=True)
 
 
 def check_ray_address(address: str, timeout: float = 5.0) -> None:
