@@ -49,7 +49,8 @@ class DataConfig:
     s3_region: str = "us-east-1"
     """Region passed to the S3 client; most S3-compatible servers ignore it."""
     prefetch_batches: int = knob(2, lambda v: v >= 0, "an integer >= 0")
-    """Blocks Ray Data reads ahead of the training step, hiding read and decode time."""
+    """Batches read ahead of the training step, hiding read and decode time: Ray Data's blocks
+    ahead, and the depth of the loop's prefetch queue (pinned host memory on a GPU; at least 1)."""
     read_task_cpus: float = knob(0.5, lambda v: v >= 0, "a number >= 0")
     """CPUs each Ray Data read task reserves. Decoding token Parquet is light next to training,
     so half a CPU; 0 lets reads run even where the training workers hold every CPU."""
