@@ -18,6 +18,7 @@ from torch import nn
 from kiln.config import RunConfig, gpt_config, uses_cpu_adam
 from kiln.errors import ConfigError
 from kiln.model import GPT, GPTConfig
+from kiln.parallel.ops import use_environment_cache
 from kiln.parallel.pipeline import check_coords, to_pipeline
 from kiln.train.loop import WorldInfo, prepare_process
 from kiln.train.optim import (
@@ -203,6 +204,7 @@ def build_engine(cfg: RunConfig, world: WorldInfo):
 
 def initialize(cfg: RunConfig, mcfg: GPTConfig, data_parallel_size: int, device: torch.device, scheduler_fn):
     """(engine, scheduler): a DeepSpeedEngine, or a PipelineEngine when pipeline_stages > 1."""
+    use_environment_cache()  # before DeepSpeed loads its first JIT op (the CPU allreduce)
     import deepspeed
 
     on_cuda = device.type == "cuda"

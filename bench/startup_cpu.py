@@ -1,0 +1,114 @@
+"""Where a run's start-up goes, in CPU-seconds per process, next to its wall-clock breakdown.
+
+Runs `kiln train` (the demo config by default) while sampling every process on the machine
+(psutil), and adds up the CPU time each kind of process (the driver, Ray's daemons, each Ray
+actor class, Kiln's workers) had spent by the run's first optimizer step. On a machine with
+few cores start-up is CPU-bound: the sum over processes, divided by the cores, is the floor on
+its wall time, and this says which processes make it up. Appends a table to bench/RESULTS.md.
+
+    python bench/startup_cpu.py                    # demo config, 10 steps
+    python bench/startup_cpu.py --set parallel.num_workers=1 --set parallel.cpus_per_worker=2
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psutil
+from throughput import BIN, REPO, machine
+
+from kiln.clock import STARTUP, startup_breakdown
+
+
+def sample(stop: threading.Event, seen: dict, interval: float = 0.2) -> None:
+    """Every `interval`: each process's (kind, cumulative CPU seconds, sample time)."""
+    me = os.getpid()
+    while not stop.is_set():
+        now = time.time()
+        for p in psutil.process_iter(["pid", "create_time", "cmdline", "name", "cpu_times"]):
+            try:
+                if p.info["pid"] == me or p.info["cpu_times"] is None:
+                    continue
+                cpu = p.info["cpu_times"].user + p.info["cpu_times"].system
+                key = (p.info["pid"], p.info["create_time"])
+                seen.setdefault(key, []).append((now, cpu, kind(p.info["cmdline"] or [p.info["name"]], p.name())))
+            except (psutil.Error, TypeError):
+                continue
+        stop.wait(interval)
+
+
+def kind(cmdline: list[str], name: str) -> str:
+    """A process's role, as its command line or Ray's process title says."""
+    line = " ".join(cmdline)
+    if name.startswith("ray::") or line.startswith("ray::"):
+        return re.sub(r"[ .].*", "", (line if line.startswith("ray::") else name))
+    for tag in ("kiln train", "gcs_server", "raylet", "dashboard.py", "dashboard_agent", "runtime_env",
+                "log_monitor", "monitor.py", "default_worker.py", "ray-dashboard"):
+        if tag in line or tag in name:
+            return tag
+    return "other: " + os.path.basename(cmdline[0])[:40]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", default="jobs/configs/debug.yaml")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--set", dest="sets", action="append", default=[], help="extra Kiln override, repeatable")
+    p.add_argument("--results", default=str(REPO / "bench" / "RESULTS.md"))
+    args = p.parse_args()
+    seen: dict = {}
+    stop = threading.Event()
+    before = time.time()
+    with tempfile.TemporaryDirectory() as tmp:
+        out = f"{tmp}/summary.json"
+        sets = [f"train.max_steps={args.steps}", f"logging.run_name=startup-{int(before)}", *args.sets]
+        cmd = [str(BIN / "kiln"), "train", "--config", args.config, "--summary-json", out,
+               *[a for s in sets for a in ("--set", s)]]
+        sampler = threading.Thread(target=sample, args=(stop, seen), daemon=True)
+        sampler.start()
+        subprocess.run(cmd, cwd=REPO, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        stop.set()
+        sampler.join()
+        metrics = json.loads(Path(out).read_text())["metrics"]
+    first_step = metrics[f"{STARTUP}first_step_unix"]
+    by_kind: collections.Counter = collections.Counter()
+    for (_, created), samples in seen.items():
+        upto = [(cpu, k) for t, cpu, k in samples if t <= first_step]
+        if not upto:
+            continue
+        if created < before - 1:  # running before the command (the OS, other work): their growth
+            by_kind["processes older than the run (their CPU meanwhile)"] += upto[-1][0] - samples[0][1]
+        else:
+            by_kind[upto[-1][1]] += upto[-1][0]
+    report(args, metrics, by_kind)
+
+
+def report(args, metrics: dict, by_kind: collections.Counter) -> None:
+    wall = sum(s for _, s in startup_breakdown(metrics))
+    total, cores = sum(by_kind.values()), psutil.cpu_count()
+    lines = [f"\n### Start-up CPU, {time.strftime('%Y-%m-%d %H:%M')} ({machine()})\n",
+             f"`python bench/startup_cpu.py --config {args.config} --steps {args.steps}"
+             + "".join(f" --set {s}" for s in args.sets) + "`\n",
+             f"Command start to first step: {wall:.1f} s wall; {total:.1f} CPU-s over all processes, "
+             f"{total / cores:.1f} s on {cores} cores if perfectly spread.\n",
+             "wall: " + ", ".join(f"{what} {s:.1f} s" for what, s in startup_breakdown(metrics)) + "\n",
+             "| process | CPU-s by the first step |", "|---|---:|"]
+    lines += [f"| {k.replace('|', '/')} | {v:.1f} |" for k, v in by_kind.most_common() if v >= 0.1]
+    text = "\n".join(lines) + "\n"
+    sys.stdout.write(text)
+    with open(args.results, "a") as f:
+        f.write(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""DeepSpeed's JIT-compiled ops (the CPU shared-memory allreduce, CPU Adam): their cache and
+their build at install time.
+
+DeepSpeed compiles these ops with torch's cpp_extension into one cache that every Python on
+the machine shares (~/.cache/torch_extensions). Two problems with that, both measured here:
+- Two virtual environments thrash it. Each sees the other's build as out of date (their torch
+  include paths differ) and builds again, 70-85 s inside the next run's start-up.
+- A build killed midway leaves its lock file behind. torch waits on it without end, so every
+  later run hangs in its first DeepSpeed call.
+
+So Kiln keeps the cache inside the environment (`TORCH_EXTENSIONS_DIR`, unless the user set
+it) and removes a lock older than any build. `python -m kiln.parallel.ops` builds both ops
+there, once, at install (`make install`), so that no run compiles them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import logging
+import os
+import sys
+import time
+
+log = logging.getLogger(__name__)
+
+# The slowest op (cpu_adam) builds in about 2 minutes on 2 cores; a lock this old is left over.
+STALE_LOCK_S = 20 * 60
+
+
+def use_environment_cache() -> str:
+    """Point torch's extension cache into this environment (once per process, before DeepSpeed
+    loads an op) and clear a stale build lock there. Returns the cache directory."""
+    path = os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
+    for lock in glob.glob(os.path.join(path, "*", "lock")):
+        with contextlib.suppress(FileNotFoundError):  # another process may finish and remove it
+            age = time.time() - os.path.getmtime(lock)
+            if age > STALE_LOCK_S:
+                log.warning("removing %s: an op build that died %d min ago left it, and every run would "
+                            "wait on it", lock, age // 60)
+                os.remove(lock)
+    return path
+
+
+def prebuild() -> bool:
+    """Build (or find built) the ops Kiln's CPU runs load; False if one could not be built.
+    A failure is not fatal: the shm allreduce falls back to gloo, and an optimizer offload
+    tries to build cpu_adam again when first used (and preflight names what is missing)."""
+    from deepspeed.ops.op_builder import CPUAdamBuilder
+    from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
+
+    cache, ok = use_environment_cache(), True
+    for builder, why in ((ShareMemCommBuilder, "CPU allreduce falls back to gloo"),
+                         (CPUAdamBuilder, "optimizer offload will try again when first used")):
+        try:
+            builder().load(verbose=False)
+            log.info("DeepSpeed op %s ready in %s", builder.NAME, cache)
+        except Exception as e:  # noqa: BLE001 - reported, and the run has a way around each
+            log.warning("DeepSpeed op %s did not build (%s): %s", builder.NAME, e, why)
+            ok = False
+    return ok
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    prebuild()

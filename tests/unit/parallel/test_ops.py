@@ -1,0 +1,30 @@
+"""DeepSpeed's JIT op cache: inside the environment, and a dead build's lock cleared."""
+
+import os
+import sys
+import time
+
+from kiln.parallel.ops import STALE_LOCK_S, use_environment_cache
+
+
+def test_the_cache_is_the_environments_own_unless_the_user_chose_one(monkeypatch, tmp_path):
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    assert use_environment_cache() == os.path.join(sys.prefix, "torch_extensions")
+    assert os.environ["TORCH_EXTENSIONS_DIR"] == os.path.join(sys.prefix, "torch_extensions")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    assert use_environment_cache() == str(tmp_path)
+
+
+def test_a_dead_builds_lock_is_removed_and_a_live_ones_kept(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    dead, live = tmp_path / "cpu_adam" / "lock", tmp_path / "deepspeed_shm_comm" / "lock"
+    for lock in (dead, live):
+        lock.parent.mkdir()
+        lock.write_text("")
+    old = time.time() - STALE_LOCK_S - 60
+    os.utime(dead, (old, old))
+    use_environment_cache()
+    assert not dead.exists()
+    assert live.exists()  # a build under way in another process
+    assert [r.message for r in caplog.records if "lock" in r.message] == [
+        f"removing {dead}: an op build that died 21 min ago left it, and every run would wait on it"]
