@@ -1,8 +1,9 @@
 """`make bench`: Kiln against a plain PyTorch loop on the same model, data and cores, in one run.
 
 Reports steady-state tokens/s of each and their ratio, the time from command start to the first
-optimizer step, and the share of step time Kiln's workers spent waiting for data; prints a
-table and appends it to bench/RESULTS.md with the command and the machine.
+optimizer step, and the share of step time Kiln's workers spent waiting for data: medians over
+`--repeats` rounds that alternate which runs first (this VM's speed drifts by 10-20% between
+minutes). Prints a table and appends it to bench/RESULTS.md with the command and the machine.
 
     python bench/throughput.py                     # CPU: the demo config (2 workers, ZeRO-2)
     python bench/throughput.py --launcher local --device cuda --config jobs/configs/gpt2-124m.yaml \
@@ -15,6 +16,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -27,6 +29,7 @@ from kiln.clock import startup_breakdown
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
+PLAIN = "Plain PyTorch loop, 1 process"
 
 
 def machine() -> str:
@@ -86,70 +89,13 @@ def main() -> None:
     p.add_argument("--compile", action="store_true", help="train.compile for Kiln, model.compile() for the plain loop")
     p.add_argument("--set", dest="sets", action="append", default=[], help="extra Kiln override, repeatable")
     p.add_argument("--results", default=str(REPO / "bench" / "RESULTS.md"))
+    p.add_argument("--repeats", type=int, default=3,
+                   help="rounds of every run, the plain loop first in every other round; the table shows "
+                        "medians (this VM's speed drifts by 10-20%% between minutes)")
     args = p.parse_args()
-
-    cores = os.cpu_count() or 1
-    rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        common = [f"data.path={args.data}", f"model.flavour={args.flavour}", f"train.max_steps={args.steps}",
-                  "train.eval_every=0", "train.eval_batches=4", f"train.micro_batch_size={args.batch}",
-                  f"train.precision={args.precision}", "logging.experiment=bench",
-                  f"logging.tracking_uri=sqlite:///{tmp}/mlflow.db", f"train.storage_path={tmp}/runs",
-                  f"train.compile={args.compile}", *args.sets]
-        kiln_runs = []
-        workers = [int(w) for w in args.workers.split(",")] if args.launcher == "ray" else [1]
-        global_batch = args.batch * workers[0]
-        if args.launcher == "ray":
-            for n in workers:
-                cpus = max(1, cores // n)
-                label = (f"Kiln: Ray Train, {n} worker(s) x {cpus} CPU, micro-batch {global_batch // n}, "
-                         f"ZeRO-{2 if n > 1 else 0}")
-                over = [f"parallel.num_workers={n}", f"parallel.cpus_per_worker={cpus}",
-                        f"parallel.zero_stage={2 if n > 1 else 0}", f"train.micro_batch_size={global_batch // n}"]
-                kiln_runs.append((label, n, run_kiln(args, common + over, f"{tmp}/k{n}.json")))
-        else:
-            for z in (int(s) for s in args.zero_stages.split(",")):
-                label = f"Kiln: local launcher (no Ray), 1 {args.device} worker, ZeRO-{z}, {args.precision}"
-                over = ["parallel.num_workers=1", f"parallel.zero_stage={z}", f"parallel.use_gpu={args.device == 'cuda'}",
-                        f"parallel.cpus_per_worker={cores if args.device == 'cpu' else 1}"]
-                kiln_runs.append((label, 1, run_kiln(args, common + over, f"{tmp}/z{z}.json")))
-        plain = run_plain(args, global_batch)
-
-    rows.append(("Plain PyTorch loop, 1 process", plain["tokens_per_s"], 1.0, plain["seconds_to_first_step"],
-                 plain["first_step_s"], None, plain.get("mfu"), plain.get("max_reserved_gib")))
-    for label, _, s in kiln_runs:
-        m = s["metrics"]
-        rows.append((label, m["throughput/tokens_per_s"], None, s["seconds_to_first_step"], m.get("time/first_step_s"),
-                     m["time/data_wait_share"], m.get("mfu"), m.get("memory/max_reserved_gib")))
-    # Every run has the same global batch, so ratios compare like with like.
-    base = plain["tokens_per_s"]
-    rows = [(r[0], r[1], r[1] / base, *r[3:]) for r in rows]
-
-    def fmt(v, spec):
-        return "-" if v is None else format(v, spec)
-
-    lines = [
-        f"## {time.strftime('%Y-%m-%d %H:%M')} — {args.launcher} launcher, {args.device}, {args.flavour}, "
-        f"{args.precision}{', compiled' if args.compile else ''}, micro-batch {args.batch}, {args.steps} steps",
-        "",
-        f"Command: `python bench/throughput.py {' '.join(sys.argv[1:])}`  ",
-        f"Machine: {machine()}",
-        "",
-        "| run | tokens/s (steady) | ratio vs plain | s to first step | first step s (compile) | data wait share "
-        "| MFU | max reserved GiB |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for label, tok, ratio, first, first_s, wait, mfu, mem in rows:
-        lines.append(f"| {label} | {tok:,.0f} | {ratio:.3f} | {first:.1f} | {fmt(first_s, '.1f')} "
-                     f"| {fmt(wait and 100 * wait, '.1f')}{'%' if wait is not None else ''} "
-                     f"| {fmt(mfu and 100 * mfu, '.1f')}{'%' if mfu is not None else ''} | {fmt(mem, '.2f')} |")
-    lines.append("")
-    for label, _, summary in kiln_runs:  # where each Kiln run's time to its first step went
-        steps = startup_breakdown(summary["metrics"])
-        if steps:
-            lines.append(f"Start-up, {label}: " + ", ".join(f"{what} {sec:.1f} s" for what, sec in steps) + ".  ")
-    lines.append("")
-    text = "\n".join(lines)
+        rounds = [one_round(args, tmp, r) for r in range(args.repeats)]
+    text = report(args, rounds)
     print(text)
     results = Path(args.results)
     if not results.exists():
@@ -157,6 +103,85 @@ def main() -> None:
                            "Each section is one run on one machine; compare ratios within a section.\n\n")
     with results.open("a") as f:
         f.write(text + "\n")
+
+
+def kiln_configs(args, tmp: str) -> list[tuple[str, list[str]]]:
+    """(label, overrides) of each Kiln run; every one has the same global batch as the plain loop."""
+    cores = os.cpu_count() or 1
+    common = [f"data.path={args.data}", f"model.flavour={args.flavour}", f"train.max_steps={args.steps}",
+              "train.eval_every=0", "train.eval_batches=4", f"train.micro_batch_size={args.batch}",
+              f"train.precision={args.precision}", "logging.experiment=bench",
+              f"logging.tracking_uri=sqlite:///{tmp}/mlflow.db", f"train.storage_path={tmp}/runs",
+              f"train.compile={args.compile}", *args.sets]
+    if args.launcher == "local":
+        return [(f"Kiln: local launcher (no Ray), 1 {args.device} worker, ZeRO-{z}, {args.precision}",
+                 common + ["parallel.num_workers=1", f"parallel.zero_stage={z}", f"parallel.use_gpu={args.device == 'cuda'}",
+                           f"parallel.cpus_per_worker={cores if args.device == 'cpu' else 1}"])
+                for z in (int(s) for s in args.zero_stages.split(","))]
+    workers = [int(w) for w in args.workers.split(",")]
+    configs = []
+    for n in workers:
+        cpus, zero, micro = max(1, cores // n), 2 if n > 1 else 0, args.batch * workers[0] // n
+        configs.append((f"Kiln: Ray Train, {n} worker(s) x {cpus} CPU, micro-batch {micro}, ZeRO-{zero}",
+                        common + [f"parallel.num_workers={n}", f"parallel.cpus_per_worker={cpus}",
+                                  f"parallel.zero_stage={zero}", f"train.micro_batch_size={micro}"]))
+    return configs
+
+
+def one_round(args, tmp: str, r: int) -> dict[str, dict]:
+    """Every run once, as {label: figures}; the plain loop goes first in odd rounds, last in even."""
+    global_batch = args.batch * (int(args.workers.split(",")[0]) if args.launcher == "ray" else 1)
+    out: dict[str, dict] = {}
+
+    def plain():
+        m = run_plain(args, global_batch)
+        out[PLAIN] = {"tok": m["tokens_per_s"], "first": m["seconds_to_first_step"], "first_s": m["first_step_s"],
+                      "wait": None, "mfu": m.get("mfu"), "mem": m.get("max_reserved_gib"), "startup": []}
+
+    if r % 2:
+        plain()
+    for i, (label, over) in enumerate(kiln_configs(args, tmp)):
+        s = run_kiln(args, over, f"{tmp}/r{r}k{i}.json")
+        m = s["metrics"]
+        out[label] = {"tok": m["throughput/tokens_per_s"], "first": s["seconds_to_first_step"],
+                      "first_s": m.get("time/first_step_s"), "wait": m["time/data_wait_share"], "mfu": m.get("mfu"),
+                      "mem": m.get("memory/max_reserved_gib"), "startup": startup_breakdown(m)}
+    if not r % 2:
+        plain()
+    return out
+
+
+def report(args, rounds: list[dict[str, dict]]) -> str:
+    """The table of medians over rounds; a ratio is the median of each round's own ratio."""
+    def fmt(v, spec, pct=False):
+        return "-" if v is None else format(100 * v if pct else v, spec) + ("%" if pct else "")
+
+    def med(label, key):
+        values = [r[label][key] for r in rounds if r[label][key] is not None]
+        return statistics.median(values) if values else None
+
+    lines = [
+        f"## {time.strftime('%Y-%m-%d %H:%M')} — {args.launcher} launcher, {args.device}, {args.flavour}, "
+        f"{args.precision}{', compiled' if args.compile else ''}, micro-batch {args.batch}, {args.steps} steps",
+        "", f"Command: `python bench/throughput.py {' '.join(sys.argv[1:])}`  ", f"Machine: {machine()}  ",
+        f"Medians of {len(rounds)} round(s); the ratio range is the lowest and highest of the rounds' own ratios.", "",
+        "| run | tokens/s (steady) | ratio vs plain | ratio range | s to first step | first step s (compile) "
+        "| data wait share | MFU | max reserved GiB |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for label in [PLAIN, *(k for k in rounds[0] if k != PLAIN)]:
+        ratios = [r[label]["tok"] / r[PLAIN]["tok"] for r in rounds]
+        lines.append(f"| {label} | {med(label, 'tok'):,.0f} | {statistics.median(ratios):.3f} "
+                     f"| {min(ratios):.3f}-{max(ratios):.3f} | {med(label, 'first'):.1f} "
+                     f"| {fmt(med(label, 'first_s'), '.1f')} | {fmt(med(label, 'wait'), '.1f', True)} "
+                     f"| {fmt(med(label, 'mfu'), '.1f', True)} | {fmt(med(label, 'mem'), '.2f')} |")
+    lines.append("")
+    for label, figures in rounds[0].items():  # where each Kiln run's time to its first step went
+        if figures["startup"]:
+            lines.append(f"Start-up (first round), {label}: "
+                         + ", ".join(f"{what} {sec:.1f} s" for what, sec in figures["startup"]) + ".  ")
+    lines.append("")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
