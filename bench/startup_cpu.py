@@ -31,7 +31,7 @@ from kiln.clock import STARTUP, startup_breakdown
 
 
 def sample(stop: threading.Event, seen: dict, interval: float = 0.2) -> None:
-    """Every `interval`: each process's (kind, cumulative CPU seconds, sample time)."""
+    """Every `interval`: each process's (sample time, cumulative CPU seconds, kind)."""
     me = os.getpid()
     while not stop.is_set():
         now = time.time()
