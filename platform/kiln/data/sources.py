@@ -31,8 +31,7 @@ Samples = tuple[np.ndarray, torch.Tensor]  # (sample ids, token rows) of one mic
 
 class BatchSource(Protocol):
     def prefetch(self) -> None:
-        """Start fetching ahead; a launcher calls it before building the engine, and a second call
-        does nothing."""
+        """Start fetching ahead (called once before the model is built)."""
 
     def train_batches(self, skip: int = 0) -> Iterator[torch.Tensor]:
         """Endless: epoch after epoch, starting after the first `skip` batches (a resume)."""
@@ -85,9 +84,7 @@ class OrderedSource:
 
     def prefetch(self) -> None:
         # Validation reads the same batches every time, so they are read once, in the
-        # background from the start, and kept. A second call finds the read under way.
-        if self._val_thread is not None:
-            return
+        # background from the start, and kept.
         self._val_thread = threading.Thread(target=self._fill_val_cache, daemon=True, name="kiln-val-prefetch")
         self._val_thread.start()
 

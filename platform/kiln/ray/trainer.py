@@ -48,9 +48,6 @@ def _worker_entry(loop_config: dict[str, Any]) -> None:
                       device=ray.train.torch.get_device(), local_rank=ctx.get_local_rank(),
                       local_world_size=ctx.get_local_world_size())
     source = _source(cfg, world)
-    # The first Ray Data read (planning, read-task workers) starts now and overlaps the
-    # engine's build, instead of waiting for the first step.
-    source.prefetch()
     run_id = loop_config.get("mlflow_run_id")
     placement = _placement(world)
     logging.getLogger("kiln.train").info("rank %d of %d on node %s", world.rank, world.world_size,
