@@ -118,23 +118,27 @@ def kiln_configs(args, tmp: str) -> list[tuple[str, list[str]]]:
                  common + ["parallel.num_workers=1", f"parallel.zero_stage={z}", f"parallel.use_gpu={args.device == 'cuda'}",
                            f"parallel.cpus_per_worker={cores if args.device == 'cpu' else 1}"])
                 for z in (int(s) for s in args.zero_stages.split(","))]
-    workers = [int(w) for w in args.workers.split(",")]
     configs = []
-    for n in workers:
-        cpus, zero, micro = max(1, cores // n), 2 if n > 1 else 0, args.batch * workers[0] // n
+    for n in (int(w) for w in args.workers.split(",")):
+        cpus, zero, micro = max(1, cores // n), 2 if n > 1 else 0, global_batch(args) // n
         configs.append((f"Kiln: Ray Train, {n} worker(s) x {cpus} CPU, micro-batch {micro}, ZeRO-{zero}",
                         common + [f"parallel.num_workers={n}", f"parallel.cpus_per_worker={cpus}",
                                   f"parallel.zero_stage={zero}", f"train.micro_batch_size={micro}"]))
     return configs
 
 
+def global_batch(args) -> int:
+    """Sequences per optimizer step in every run: `--batch` per worker of the first (largest)
+    worker count on Ray, `--batch` on the local launcher's one worker."""
+    return args.batch * (int(args.workers.split(",")[0]) if args.launcher == "ray" else 1)
+
+
 def one_round(args, tmp: str, r: int) -> dict[str, dict]:
     """Every run once, as {label: figures}; the plain loop goes first in odd rounds, last in even."""
-    global_batch = args.batch * (int(args.workers.split(",")[0]) if args.launcher == "ray" else 1)
     out: dict[str, dict] = {}
 
     def plain():
-        m = run_plain(args, global_batch)
+        m = run_plain(args, global_batch(args))
         out[PLAIN] = {"tok": m["tokens_per_s"], "first": m["seconds_to_first_step"], "first_s": m["first_step_s"],
                       "wait": None, "mfu": m.get("mfu"), "mem": m.get("max_reserved_gib"), "startup": []}
 

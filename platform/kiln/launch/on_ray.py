@@ -72,8 +72,8 @@ def _open_run_while_ray_starts(cfg: RunConfig, manifest, tracking_uri: str, addr
     and need nothing from each other. A cluster address that does not answer is refused first,
     so that mistake still leaves nothing behind; if Ray then fails to start, the run that opened
     meanwhile ends FAILED."""
-    if address or os.environ.get("RAY_ADDRESS"):
-        check_ray_address(address or os.environ["RAY_ADDRESS"])
+    if address:  # train() has resolved it from $RAY_ADDRESS already
+        check_ray_address(address)
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kiln-open-run") as pool:
         opening = pool.submit(open_run, cfg, manifest, tracking_uri, {})
         try:
