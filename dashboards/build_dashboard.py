@@ -40,6 +40,13 @@ PANELS: list[tuple[str, str, list[tuple[str, str]], int, str]] = [
     ("Step time per rank", "s", [
         ("rank {{rank}} {{run}}", f"ray_kiln_train_step_seconds{R}"),
     ], 8, "A rank slower than the rest holds every collective back."),
+    ("Step time p50 / p99", "s", [
+        ("p50 {{run}}", "histogram_quantile(0.5, sum by (run, le) "
+                        f"(rate(ray_kiln_train_step_duration_seconds_bucket{R}[$__rate_interval])))"),
+        ("p99 {{run}}", "histogram_quantile(0.99, sum by (run, le) "
+                        f"(rate(ray_kiln_train_step_duration_seconds_bucket{R}[$__rate_interval])))"),
+    ], 8, "Every step's time, over all ranks, as quantiles: a p99 far above the p50 means stalls "
+          "(a slow data read, a straggling rank, a save) that the per-step gauge can miss."),
     ("Data wait share", "percentunit", [
         ("rank {{rank}} {{run}}", f"ray_kiln_train_data_wait_seconds{R} / ray_kiln_train_step_seconds{R}"),
     ], 8, "Share of step time spent waiting for batches; above 20% the input pipeline is the bottleneck."),

@@ -1,8 +1,9 @@
 """The `kiln` command: data, train, sweep, runs, lr, plan, cluster, services, config.
 
 Every failure ends as one line (`kiln.launch.console`): a user's mistake or environment
-`kiln: error: ...` and exit 2, a bug `kiln: internal error: ...` and exit 1; a traceback, where
-there is one, goes to a private file named on that line.
+`kiln: error: ...`, a bug `kiln: internal error: ...`; a traceback, where there is one, goes to a
+private file named on that line. Exit codes (`kiln.errors`): 2 for a wrong command or config, 1
+for a failure while running, 130 when interrupted.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
                    help="also write the run summary (final metrics, run id) as JSON here")
     p.add_argument("--dry-run", action="store_true",
                    help="run every pre-launch check and print the resolved plan; start nothing (no Ray, no MLflow run)")
+    p.add_argument("--verbose", action="store_true",
+                   help="also show Ray's and DeepSpeed's output on the console (always in the run's workers.log)")
     p.add_argument("--profile", action="store_true",
                    help="profile 3 steps on rank 0 after warm-up (train.profile.start_step=min(10, max_steps-2)); "
                         "trace and top operators go to the run's MLflow artifacts under profile/")
@@ -226,7 +229,7 @@ def _train(args: argparse.Namespace) -> int:
         print("kiln train --dry-run: every pre-launch check passed; nothing was started.\n"
               + preflight(cfg, remote_cluster=bool(address)).describe())
         return 0
-    summary = train(cfg, address=args.address, started=_STARTED)
+    summary = train(cfg, address=args.address, started=_STARTED, verbose=args.verbose)
     print(summary.render())
     if args.summary_json:
         Path(args.summary_json).write_text(summary.to_json())

@@ -18,6 +18,7 @@ import difflib
 import inspect
 import math
 import os
+import tempfile
 import textwrap
 import types
 import typing
@@ -331,6 +332,16 @@ class RunConfig:
     def micro_batches_per_step(self) -> int:
         """Micro-batches each data-parallel replica runs per optimizer step."""
         return self.parallel.micro_batches if self.parallel.pipeline_stages > 1 else self.train.grad_accum_steps
+
+    def local_run_dir(self) -> str:
+        """This run's directory on this machine, for what is not a checkpoint (worker logs,
+        metrics MLflow never took): beside the checkpoints when `train.storage_path` is local,
+        else in the temp dir (checkpoints on S3)."""
+        from kiln.storage import absolute, is_url
+
+        storage = self.train.storage_path or "runs"
+        root = tempfile.gettempdir() if is_url(storage) else absolute(storage)
+        return os.path.join(root, self.logging.run_name)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -2,17 +2,26 @@
 
 Anything a user can cause (a config typo, a bad path, a corrupt shard, an unreachable endpoint)
 raises a `KilnError` with a message that names the field or file and what was expected. The CLI
-prints that message and exits non-zero without a traceback; anything else is a bug and keeps its
-traceback.
+prints that message without a traceback and exits with the error's `exit_code`:
+
+- 2: the command as given is wrong (argparse's usage errors, and `ConfigError`: a config field,
+  an override or a flag's value). Fix the command and run it again.
+- 1: the command was well formed but failed while it ran (a missing or corrupt file, an
+  unreachable server, an unhealthy run). Anything else is a bug: it keeps its traceback, in a
+  file, and exits 1 too.
 """
 
 
 class KilnError(Exception):
     """An error caused by the user's input or environment, reported without a traceback."""
 
+    exit_code = 1  # a runtime failure unless a subclass says otherwise
+
 
 class ConfigError(KilnError):
-    """A config file or override is invalid."""
+    """A config file, an override or a command-line flag is invalid."""
+
+    exit_code = 2  # argparse's code for usage errors: the command, not the world, is wrong
 
 
 class DataError(KilnError):

@@ -19,7 +19,7 @@ from urllib.parse import urlparse
 
 import pyarrow.fs as pafs
 
-from kiln.errors import StorageError
+from kiln.errors import ConfigError, StorageError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -141,11 +141,11 @@ def resolve(uri: str, s3_endpoint_url: str = "", region: str = "us-east-1") -> L
     if uri.startswith("s3://"):
         bucket_path = uri[len("s3://") :].rstrip("/")
         if not bucket_path:
-            raise StorageError(f"{uri!r}: expected s3://bucket/prefix")
+            raise ConfigError(f"{uri!r}: expected s3://bucket/prefix")
         endpoint = s3_endpoint(s3_endpoint_url)
         return Location(s3_filesystem(endpoint, region), bucket_path, uri.rstrip("/"), endpoint)
     if is_url(uri):
-        raise StorageError(f"{uri!r}: unsupported scheme; expected a local path or s3://bucket/prefix")
+        raise ConfigError(f"{uri!r}: unsupported scheme; expected a local path or s3://bucket/prefix")
     path = os.path.abspath(os.path.expanduser(uri))
     return Location(pafs.LocalFileSystem(), path, path)
 

@@ -14,7 +14,9 @@ import pytest
 
 from kiln.launch.local import free_port
 
-BIN = Path(sys.executable).parent
+sys.path.insert(0, str(Path(__file__).parent))
+from ray_nodes import BIN, start_head, stop_ray_cluster  # noqa: E402
+
 KILN = str(BIN / "kiln")
 S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
 
@@ -86,18 +88,11 @@ def ray_cluster(tmp_path_factory):
     # Workers report metrics every 2 s (Ray's default 10 s would leave a short run few points).
     env = dict(os.environ, RAY_AUTH_MODE="token", RAY_metrics_report_interval_ms="2000", **S3_ENV)
     gcs_port, dash_port = free_port(), free_port()
-    subprocess.run([str(BIN / "ray"), "stop", "--force"], env=env, capture_output=True)
     # With RAY_AUTH_MODE=token, `ray start` wants a token to exist; a fresh machine has none.
     # This creates ~/.ray/auth_token only when missing (output captured: it prints the token).
     subprocess.run([str(BIN / "ray"), "get-auth-token", "--generate"], env=env, capture_output=True,
                    check=True, timeout=60)
-    start = subprocess.run(
-        [str(BIN / "ray"), "start", "--head", f"--port={gcs_port}", f"--dashboard-port={dash_port}",
-         "--dashboard-host=127.0.0.1", "--num-cpus=4", '--resources={"kiln_head": 1}', "--disable-usage-stats",
-         f"--ray-client-server-port={free_port()}"],
-        env=env, capture_output=True, text=True, timeout=180,
-    )
-    assert start.returncode == 0, start.stdout + start.stderr
+    start_head(gcs_port, dash_port, env, "--num-cpus=4", '--resources={"kiln_head": 1}')
     old = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", *S3_ENV)}
     os.environ.update(RAY_AUTH_MODE="token", **S3_ENV)
     try:
@@ -108,7 +103,7 @@ def ray_cluster(tmp_path_factory):
 
         if ray.is_initialized():
             ray.shutdown()
-        subprocess.run([str(BIN / "ray"), "stop", "--force"], env=env, capture_output=True, timeout=120)
+        stop_ray_cluster(gcs_port)
         for k, v in old.items():
             if v is None:
                 os.environ.pop(k, None)

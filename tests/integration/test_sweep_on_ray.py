@@ -54,7 +54,7 @@ def test_asha_sweep_six_trials_parent_and_children_in_mlflow(ray_cluster, byte_d
         assert time.time() < deadline, "the third trial never started"
         time.sleep(2)
     first.send_signal(signal.SIGINT)
-    assert first.wait(timeout=300) == 2
+    assert first.wait(timeout=300) == 130  # interrupted by its user
     said = (tmp_path / "first.log").read_text()
     assert "kiln: error: sweep 'it-sweep' interrupted" in said and "kiln sweep --resume it-sweep" in said, said[-3000:]
     proc = subprocess.run([KILN, "sweep", "--resume", "it-sweep", "--storage-path", str(tmp_path / "sweeps"),

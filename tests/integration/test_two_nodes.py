@@ -27,7 +27,9 @@ from mlflow.tracking import MlflowClient
 
 from kiln.launch.local import free_port
 
-BIN = Path(sys.executable).parent
+sys.path.insert(0, str(Path(__file__).parent))
+from ray_nodes import BIN, node_ports  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 120  # ~0.15 s a step here: long enough to be killed after a checkpoint is registered
 LABEL = "kiln_node_b"  # the second node's custom resource: how the test tells the nodes apart
@@ -42,10 +44,8 @@ class SecondNode:
         self.gcs_address, self.env, self.manager_port = gcs_address, env, 0
 
     def start(self) -> None:
-        self.manager_port = free_port()
-        ports = {"--node-manager-port": self.manager_port, "--object-manager-port": free_port(),
-                 "--dashboard-agent-listen-port": free_port(), "--dashboard-agent-grpc-port": free_port(),
-                 "--metrics-export-port": free_port(), "--runtime-env-agent-port": free_port()}
+        ports = node_ports()
+        self.manager_port = ports["--node-manager-port"]
         out = subprocess.run(
             [str(BIN / "ray"), "start", f"--address={self.gcs_address}", "--num-cpus=2",
              f"--resources={json.dumps({LABEL: 1})}", "--disable-usage-stats",
@@ -133,9 +133,9 @@ def _check_services_guards(root: Path, port: int, tmp_path: Path) -> None:
     local = [line.split()[3] for line in ss.splitlines()]
     assert local and all(a.startswith("127.0.0.1:") for a in local), ss
     again = _services("up", "--dir", root, "--port", port)
-    assert again.returncode == 2 and "already running" in again.stderr and "Traceback" not in again.stderr
+    assert again.returncode == 1 and "already running" in again.stderr and "Traceback" not in again.stderr
     busy = _services("up", "--dir", tmp_path / "other", "--port", port)
-    assert busy.returncode == 2 and f"port {port} on 127.0.0.1 is in use" in busy.stderr
+    assert busy.returncode == 1 and f"port {port} on 127.0.0.1 is in use" in busy.stderr
     assert "running" in _services("status", "--dir", root).stdout
 
 

@@ -15,8 +15,10 @@ def kiln(*args, cwd, env=None, timeout=120):
     return subprocess.run([*KILN, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
-def assert_clean_error(out, needle):
-    assert out.returncode == 2, (out.returncode, out.stderr[-2000:])
+def assert_clean_error(out, needle, code=2):
+    """`code`: 2 where the command or config is wrong, 1 where it failed while running
+    (`kiln.errors`)."""
+    assert out.returncode == code, (out.returncode, out.stderr[-2000:])
     assert "Traceback" not in out.stderr, out.stderr[-2000:]
     errors = [line for line in out.stderr.splitlines() if line.startswith("kiln: error:")]
     assert len(errors) == 1 and needle in errors[0], out.stderr[-2000:]
@@ -24,7 +26,7 @@ def assert_clean_error(out, needle):
 
 def test_missing_corpus(tmp_path):
     out = kiln("data", "prepare", "--input", "nope", "--output", "ds", "--tokenizer", "byte", cwd=tmp_path)
-    assert_clean_error(out, "input 'nope' does not exist")
+    assert_clean_error(out, "input 'nope' does not exist", code=1)
     assert not (tmp_path / "ds").exists()
 
 
@@ -32,7 +34,7 @@ def test_empty_corpus(tmp_path):
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "a.txt").write_text("")
     out = kiln("data", "prepare", "--input", "empty", "--output", "ds", "--tokenizer", "byte", cwd=tmp_path)
-    assert_clean_error(out, "the corpus is empty")
+    assert_clean_error(out, "the corpus is empty", code=1)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"]
 
 
@@ -42,7 +44,7 @@ def test_output_holding_a_different_dataset(tmp_path, byte_dataset, corpus):
     before = (ds / "manifest.json").read_bytes()
     out = kiln("data", "prepare", "--input", corpus[0], "--output", str(ds), "--tokenizer", "byte", "--seq-len", "32",
                cwd=tmp_path)
-    assert_clean_error(out, "already holds a different dataset")
+    assert_clean_error(out, "already holds a different dataset", code=1)
     assert (ds / "manifest.json").read_bytes() == before
 
 
@@ -74,7 +76,7 @@ def test_corrupt_parquet_shard_is_named(tmp_path, byte_dataset):
     raw[-8:-4] = b"\x00\x00\x00\x7f"
     shard.write_bytes(bytes(raw))
     out = kiln("train", "--set", f"data.path={ds}", cwd=tmp_path)
-    assert_clean_error(out, f"shard {shard} is not a readable Parquet file")
+    assert_clean_error(out, f"shard {shard} is not a readable Parquet file", code=1)
 
 
 def test_a_shard_corrupted_inside_is_named_by_its_checksum(tmp_path, byte_dataset):
@@ -89,12 +91,12 @@ def test_a_shard_corrupted_inside_is_named_by_its_checksum(tmp_path, byte_datase
     raw[len(raw) // 3 : len(raw) // 3 + 4096] = bytes(4096)
     shard.write_bytes(bytes(raw))
     verify = kiln("data", "verify", str(ds), cwd=tmp_path)
-    assert_clean_error(verify, f"1 bad shard(s) in {ds}: shard {shard} does not match the SHA-256")
+    assert_clean_error(verify, f"1 bad shard(s) in {ds}: shard {shard} does not match the SHA-256", code=1)
     out = subprocess.run([sys.executable, "-m", "kiln.launch.local", "--set", f"data.path={ds}",
                           "--set", f"logging.tracking_uri=sqlite:///{tmp_path}/m.db", "--set", "train.max_steps=2",
                           "--set", f"train.storage_path={tmp_path}/runs"],
                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert_clean_error(out, "reading the train split failed (")
+    assert_clean_error(out, "reading the train split failed (", code=1)
     assert f"shard {shard} does not match the SHA-256 in its manifest" in out.stderr
     intact = kiln("data", "verify", str(byte_dataset), cwd=tmp_path)
     assert intact.returncode == 0 and "shards match their manifest" in intact.stdout, intact.stderr
@@ -108,15 +110,15 @@ def test_fp16_on_cpu_is_refused(tmp_path, byte_dataset):
 def test_unreachable_s3_endpoint(tmp_path, corpus):
     out = kiln("data", "prepare", "--input", corpus[0], "--output", "s3://bucket/ds", "--tokenizer", "byte",
                "--s3-endpoint", "http://127.0.0.1:9", cwd=tmp_path, timeout=120)
-    assert_clean_error(out, "(S3 endpoint http://127.0.0.1:9)")
+    assert_clean_error(out, "(S3 endpoint http://127.0.0.1:9)", code=1)
     out = kiln("train", "--set", "data.path=s3://bucket/ds", "--set", "data.s3_endpoint=http://127.0.0.1:9", cwd=tmp_path)
-    assert_clean_error(out, "cannot access s3://bucket/ds")
+    assert_clean_error(out, "cannot access s3://bucket/ds", code=1)
 
 
 def test_unreachable_mlflow_server(tmp_path, byte_dataset):
     out = kiln("train", "--set", f"data.path={byte_dataset}", "--set", "logging.tracking_uri=http://127.0.0.1:9",
                cwd=tmp_path)
-    assert_clean_error(out, "MLflow tracking server http://127.0.0.1:9 is unreachable")
+    assert_clean_error(out, "MLflow tracking server http://127.0.0.1:9 is unreachable", code=1)
 
 
 @pytest.mark.parametrize("overrides, needle", [
@@ -177,11 +179,11 @@ def test_plan_prints_options_and_a_table(tmp_path):
 
 def test_no_ray_cluster_at_the_address(tmp_path, byte_dataset):
     """A mistyped address would leave `ray.init` waiting for ever; it is one line, and no run."""
-    for address, needle in (("127.0.0.1:9", "no Ray cluster answers at 127.0.0.1:9"),
-                            ("head-node", "Ray address 'head-node': expected host:port")):
+    for address, needle, code in (("127.0.0.1:9", "no Ray cluster answers at 127.0.0.1:9", 1),
+                                  ("head-node", "Ray address 'head-node': expected host:port", 2)):
         out = kiln("train", "--address", address, "--set", f"data.path={byte_dataset}",
                    "--set", f"logging.tracking_uri=sqlite:///{tmp_path}/m.db", cwd=tmp_path)
-        assert_clean_error(out, needle)
+        assert_clean_error(out, needle, code=code)
     assert not (tmp_path / "m.db").exists()
 
 
@@ -195,23 +197,23 @@ def test_kiln_config_prints_no_secret(tmp_path):
 
 def test_an_mlflow_store_it_cannot_open_is_one_line_without_the_password(tmp_path):
     out = kiln("runs", "list", "--tracking-uri", "htpp://user:hunter22@127.0.0.1:9", cwd=tmp_path)
-    assert_clean_error(out, "unsupported URI 'htpp://user:***@127.0.0.1:9'")
+    assert_clean_error(out, "unsupported URI 'htpp://user:***@127.0.0.1:9'", code=1)
     assert "hunter22" not in out.stderr
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["plan", "--model", "debug", "--device-memory-gib", "nan"], "--device-memory-gib = nan: expected a finite number > 0"),
-    (["plan", "--model", "debug", "--device-memory-gib", "inf"], "--device-memory-gib = inf: expected a finite number > 0"),
-    (["plan", "--model", "debug", "--seq-len", "-5"], "--seq-len = -5: expected an integer >= 1"),
-    (["lr", "plot", "--out", "no-such-dir/lr.png"], "--out no-such-dir/lr.png: expected a PNG file path"),
-    (["runs", "list"], "no MLflow store at sqlite:///"),
+@pytest.mark.parametrize("args, needle, code", [
+    (["plan", "--model", "debug", "--device-memory-gib", "nan"], "--device-memory-gib = nan: expected a finite number > 0", 2),
+    (["plan", "--model", "debug", "--device-memory-gib", "inf"], "--device-memory-gib = inf: expected a finite number > 0", 2),
+    (["plan", "--model", "debug", "--seq-len", "-5"], "--seq-len = -5: expected an integer >= 1", 2),
+    (["lr", "plot", "--out", "no-such-dir/lr.png"], "--out no-such-dir/lr.png: expected a PNG file path", 2),
+    (["runs", "list"], "no MLflow store at sqlite:///", 1),
 ], ids=["plan-nan", "plan-inf", "plan-negative-seq", "lr-bad-out", "runs-in-an-empty-dir"])
-def test_bad_values_for_plan_lr_and_runs_leave_nothing_behind(tmp_path, args, needle):
+def test_bad_values_for_plan_lr_and_runs_leave_nothing_behind(tmp_path, args, needle, code):
     import os
 
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}  # the default store, here
     out = kiln(*args, cwd=tmp_path, env=env)
-    assert_clean_error(out, needle)
+    assert_clean_error(out, needle, code=code)
     assert list(tmp_path.iterdir()) == []  # no mlflow.db, no half-written PNG
 
 

@@ -11,7 +11,7 @@ import dataclasses
 
 from kiln.config import RunConfig
 from kiln.data.manifest import Manifest, check_shards, load_manifest
-from kiln.errors import DataError
+from kiln.errors import ConfigError, DataError
 from kiln.model import padded_vocab
 from kiln.storage import absolute, resolve
 
@@ -26,12 +26,12 @@ def resolve_against_data(cfg: RunConfig) -> tuple[RunConfig, Manifest]:
     vocab, seq = manifest.vocab_size, manifest.seq_len
     m = cfg.model
     if m.vocab_size and m.vocab_size < vocab:
-        raise DataError(
+        raise ConfigError(
             f"model.vocab_size = {m.vocab_size} is smaller than the vocab of {loc.uri} ({vocab}): "
             f"expected model.vocab_size >= {vocab}, or 0 to take it from the data"
         )
     if m.seq_len and m.seq_len != seq:
-        raise DataError(
+        raise ConfigError(
             f"model.seq_len = {m.seq_len} does not match the seq_len of {loc.uri} ({seq}): "
             f"expected {seq}, or 0 to take it from the data"
         )
@@ -41,7 +41,7 @@ def resolve_against_data(cfg: RunConfig) -> tuple[RunConfig, Manifest]:
     for split in ("train", "val"):
         rows = manifest.split(split)["rows"]
         if rows < per_step:
-            raise DataError(
+            raise ConfigError(
                 f"the {split} split of {loc.uri} has {rows} rows, fewer than one micro-batch on every "
                 f"worker ({cfg.parallel.num_workers} x {cfg.train.micro_batch_size}); lower "
                 "train.micro_batch_size or parallel.num_workers, or prepare more data"

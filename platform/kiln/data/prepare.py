@@ -39,7 +39,7 @@ import kiln
 from kiln.data import replace
 from kiln.data.manifest import FORMAT_VERSION, MANIFEST, SAMPLE_ID, TOKENIZER_FILE, TOKENS
 from kiln.data.tokenizer import BPETokenizer, ByteTokenizer, describe, unigram_entropy_bits
-from kiln.errors import DataError, KilnError
+from kiln.errors import ConfigError, DataError, KilnError
 from kiln.storage import Location, resolve
 
 log = logging.getLogger(__name__)
@@ -237,22 +237,22 @@ def fingerprint(cfg: PrepareConfig, corpus_hash: str) -> str:
 
 def _validate(cfg: PrepareConfig) -> None:
     if cfg.tokenizer not in ("byte", "bpe"):
-        raise KilnError(f"--tokenizer {cfg.tokenizer!r}: expected 'byte' or 'bpe'")
+        raise ConfigError(f"--tokenizer {cfg.tokenizer!r}: expected 'byte' or 'bpe'")
     if cfg.tokenizer == "bpe" and not 257 <= cfg.vocab_size <= 1 << 20:
-        raise KilnError(f"--vocab-size {cfg.vocab_size}: expected 257..{1 << 20} for BPE")
+        raise ConfigError(f"--vocab-size {cfg.vocab_size}: expected 257..{1 << 20} for BPE")
     if cfg.vocab_size < 1:
-        raise KilnError(f"--vocab-size {cfg.vocab_size}: expected a positive integer")
+        raise ConfigError(f"--vocab-size {cfg.vocab_size}: expected a positive integer")
     if cfg.seq_len < 2:
-        raise KilnError(f"--seq-len {cfg.seq_len}: expected an integer >= 2")
+        raise ConfigError(f"--seq-len {cfg.seq_len}: expected an integer >= 2")
     if cfg.shard_tokens < cfg.seq_len + 1:
-        raise KilnError(f"--shard-tokens {cfg.shard_tokens}: expected at least one row of --seq-len + 1 = "
+        raise ConfigError(f"--shard-tokens {cfg.shard_tokens}: expected at least one row of --seq-len + 1 = "
                         f"{cfg.seq_len + 1} tokens per shard")
     if cfg.on_binary not in ("error", "skip"):
-        raise KilnError(f"--on-binary {cfg.on_binary!r}: expected error or skip")
+        raise ConfigError(f"--on-binary {cfg.on_binary!r}: expected error or skip")
     if not 0.0 < cfg.val_fraction < 1.0:
-        raise KilnError(f"--val-fraction {cfg.val_fraction}: expected a number in (0, 1)")
+        raise ConfigError(f"--val-fraction {cfg.val_fraction}: expected a number in (0, 1)")
     if cfg.if_exists not in ("error", "reuse", "overwrite"):
-        raise KilnError(f"--if-exists {cfg.if_exists!r}: expected error, reuse or overwrite")
+        raise ConfigError(f"--if-exists {cfg.if_exists!r}: expected error, reuse or overwrite")
 
 
 def _check_output(cfg: PrepareConfig, out: Location, fp: str) -> dict | None:

@@ -1,10 +1,11 @@
 """A command front end's console: when the process started, and errors as one clean line.
 
-A user mistake (KilnError) prints `kiln: error: ...` (secrets masked) and exits 2. So does an
+A user mistake (KilnError) prints `kiln: error: ...` (secrets masked) and exits with its
+`exit_code` (`kiln.errors`: 2 for a wrong command or config, 1 for a failure while running). An
 error the user's input or environment causes that Kiln did not name itself (a file that cannot
-be read or written, bytes that are not text, YAML that does not parse, a store MLflow refuses),
-with its traceback saved to a file named on that line. Anything else is a bug in Kiln: it says
-so, exits 1, and names the file holding the traceback. Ctrl-C exits 130. Nothing on the console
+be read or written, bytes that are not text, YAML that does not parse, a store MLflow refuses)
+prints the same line and exits 1, with its traceback saved to a file named on that line.
+Anything else is a bug in Kiln: it says so, exits 1, and names the file holding the traceback. Ctrl-C exits 130. Nothing on the console
 or in the file escapes redaction. `kiln` and `python -m kiln.launch.local` share it.
 """
 
@@ -31,7 +32,7 @@ def run_reporting_errors(command: Callable[[], int]) -> int:
         return command()
     except KilnError as e:
         print(f"kiln: error: {scrub(str(e))}", file=sys.stderr)
-        return 2
+        return e.exit_code
     except KeyboardInterrupt:
         print("kiln: interrupted", file=sys.stderr)
         return 130
@@ -40,7 +41,7 @@ def run_reporting_errors(command: Callable[[], int]) -> int:
         what = scrub(f"{type(e).__name__}: {e}".strip().splitlines()[0])
         if isinstance(e, _environment_errors()):
             print(f"kiln: error: {what} (traceback in {where})", file=sys.stderr)
-            return 2
+            return 1
         print(f"kiln: internal error: {what}. This is a bug in Kiln: please report it with the "
               f"traceback in {where}", file=sys.stderr)
         return 1

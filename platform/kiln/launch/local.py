@@ -31,7 +31,6 @@ from kiln.launch.preflight import preflight
 from kiln.launch.summary import Summary
 from kiln.parallel.engine import build_engine
 from kiln.parallel.pipeline import data_parallel_coords
-from kiln.storage import absolute
 from kiln.tracking.redact import configure_logging
 from kiln.train.loop import WorldInfo, train_loop
 from kiln.train.sinks import NullLogger, Sinks
@@ -84,7 +83,7 @@ def agree_on_run_name(cfg: RunConfig, world: WorldInfo) -> RunConfig:
 def _run_root(cfg: RunConfig) -> str:
     """Where this run's checkpoints (and any metrics MLflow never took) are written: a local
     directory (preflight refuses a URL for this launcher)."""
-    return os.path.join(absolute(cfg.train.storage_path), cfg.logging.run_name)
+    return cfg.local_run_dir()
 
 
 def run_local(cfg: RunConfig, started: float | None = None) -> Summary | None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import logging
 import math
 import os
@@ -20,9 +21,10 @@ import ray
 
 from kiln.clock import startup_mark
 from kiln.config import RunConfig
-from kiln.errors import KilnError, user_error_in
+from kiln.errors import ConfigError, KilnError, user_error_in
 from kiln.launch.preflight import preflight
 from kiln.launch.summary import Summary
+from kiln.ray.console import WorkerLogRouter
 from kiln.ray.progress import BoardWatcher, ProgressBoard
 from kiln.ray.trainer import build_trainer
 from kiln.tracking.mlflow_run import Run, open_run
@@ -32,42 +34,56 @@ log = logging.getLogger(__name__)
 
 
 def train(cfg: RunConfig, address: str | None = None, started: float | None = None,
-          progress_stream: IO[str] | None = None) -> Summary:
+          progress_stream: IO[str] | None = None, verbose: bool = False) -> Summary:
     """Validate everything, then train on Ray Train (embedded local Ray or a cluster).
 
     On a terminal (`progress_stream`, stderr by default) the driver draws a live progress bar;
-    elsewhere rank 0 logs a progress line every `logging.progress_every` steps."""
+    elsewhere rank 0 logs a progress line every `logging.progress_every` steps. The console
+    shows Kiln's own lines; Ray's and DeepSpeed's output goes to the run's `workers.log`
+    (`kiln.ray.console`), or to the console as well with `verbose`."""
     started = started or time.time()
     address = address or os.environ.get("RAY_ADDRESS")
     marks = startup_mark("command", started)
     checked = preflight(cfg, remote_cluster=bool(address))
     cfg, manifest, tracking_uri = checked.cfg, checked.manifest, checked.tracking_uri
     marks |= startup_mark("preflight")
-    run = _open_run_while_ray_starts(cfg, manifest, tracking_uri, address)
+    run = _open_run_while_ray_starts(cfg, manifest, tracking_uri, address, verbose)
     marks |= startup_mark("ray")  # the later of the two: the run opened meanwhile
     resources = ray.cluster_resources()
     run.set_tags({"kiln.num_nodes": len([n for n in ray.nodes() if n["Alive"]]),
                   "kiln.cluster_cpus": resources.get("CPU", 0), "kiln.cluster_gpus": resources.get("GPU", 0)})
     marks |= startup_mark("mlflow")
+    worker_log = os.path.join(cfg.local_run_dir(), "workers.log")
     with run.finishing():
         stream = progress_stream or sys.stderr
-        board = ProgressBoard.remote() if is_terminal(stream) else None
+        bar = TerminalBar(stream) if is_terminal(stream) else None
+        board = ProgressBoard.remote() if bar is not None else None
         trainer = build_trainer(cfg, cfg.logging.run_name, tracking_uri, run.run_id,
                                 progress_board=board)
-        with BoardWatcher(board, TerminalBar(stream)) if board is not None else contextlib.nullcontext():
+        with WorkerLogRouter(worker_log, bar.print_above if bar else None, verbose), \
+                BoardWatcher(board, bar) if bar is not None else contextlib.nullcontext():
             marks |= startup_mark("fit")
-            try:
-                result = trainer.fit()
-            except Exception as e:
-                cause = user_error_in(e)  # e.g. the health guard stopped it: one line, not Ray's dump
-                if cause is None:
-                    raise
-                raise KilnError(f"run {cfg.logging.run_name!r} failed: {cause}") from None
+            result = _fit(trainer, cfg.logging.run_name, worker_log)
     checkpoint = result.checkpoint.path if result.checkpoint else None
-    return Summary.of_run(cfg, manifest, marks | result.metrics, run.run_id, tracking_uri, started, checkpoint)
+    summary = Summary.of_run(cfg, manifest, marks | result.metrics, run.run_id, tracking_uri, started, checkpoint)
+    return dataclasses.replace(summary, worker_log=worker_log)
 
 
-def _open_run_while_ray_starts(cfg: RunConfig, manifest, tracking_uri: str, address: str | None) -> Run:
+def _fit(trainer, run_name: str, worker_log: str):
+    """trainer.fit(); a user error raised on a worker (the health guard's stop, a corrupt
+    shard) becomes one line, not Ray's dump, which stays in the worker log."""
+    try:
+        return trainer.fit()
+    except Exception as e:
+        cause = user_error_in(e)
+        if cause is None:
+            log.error("run %r failed; the workers' output is in %s", run_name, worker_log)
+            raise
+        raise KilnError(f"run {run_name!r} failed: {cause} (the workers' output is in {worker_log})") from None
+
+
+def _open_run_while_ray_starts(cfg: RunConfig, manifest, tracking_uri: str, address: str | None,
+                               verbose: bool = False) -> Run:
     """Open the MLflow run on a thread while Ray starts (or connects): the two take seconds each
     and need nothing from each other. A cluster address that does not answer is refused first,
     so that mistake still leaves nothing behind; if Ray then fails to start, the run that opened
@@ -77,7 +93,7 @@ def _open_run_while_ray_starts(cfg: RunConfig, manifest, tracking_uri: str, addr
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kiln-open-run") as pool:
         opening = pool.submit(open_run, cfg, manifest, tracking_uri, {})
         try:
-            connect_ray(cfg, address)
+            connect_ray(cfg, address, verbose)
         except BaseException:
             with contextlib.suppress(Exception):
                 opening.result().finish(False)
@@ -85,15 +101,19 @@ def _open_run_while_ray_starts(cfg: RunConfig, manifest, tracking_uri: str, addr
         return opening.result()
 
 
-def connect_ray(cfg: RunConfig, address: str | None = None) -> None:
+def connect_ray(cfg: RunConfig, address: str | None = None, verbose: bool = True) -> None:
+    """Join the cluster at `address` (or $RAY_ADDRESS), else start an embedded Ray. Not
+    `verbose`: Ray's own driver-side notices (token auth, where the dashboard is) are kept to
+    errors, and Kiln says what matters of them itself."""
     if ray.is_initialized():
         return
     address = address or os.environ.get("RAY_ADDRESS")
+    ray_logging = {"logging_level": logging.INFO if verbose else logging.ERROR}
     if address:
         log.info("connecting to the Ray cluster at %s", address)
         check_ray_address(address)
         try:
-            ray.init(address=address, log_to_driver=True)
+            ray.init(address=address, log_to_driver=True, **ray_logging)
         except ConnectionError as e:
             raise KilnError(
                 f"could not join the Ray cluster at {address}: {e}. A cluster started with `ray start "
@@ -108,8 +128,10 @@ def connect_ray(cfg: RunConfig, address: str | None = None) -> None:
     # The dashboard backs Ray's state API, which Ray Train's placement-group cleaner polls; it
     # binds to loopback only.
     # address="local": a new instance of its own, even where `ray start` left one running here.
-    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, need), dashboard_host="127.0.0.1",
-             log_to_driver=True)
+    context = ray.init(address="local", num_cpus=max(os.cpu_count() or 1, need), dashboard_host="127.0.0.1",
+                       log_to_driver=True, **ray_logging)
+    log.info("embedded Ray started: %d CPUs, dashboard at http://%s", ray.cluster_resources().get("CPU", 0),
+             context.dashboard_url)
 
 
 def check_ray_address(address: str, timeout: float = 5.0) -> None:
@@ -118,7 +140,7 @@ def check_ray_address(address: str, timeout: float = 5.0) -> None:
         return
     host, _, port = address.split("://", 1)[-1].rpartition(":")
     if not port.isdigit():
-        raise KilnError(f"Ray address {address!r}: expected host:port (the head's GCS port, 6379 by "
+        raise ConfigError(f"Ray address {address!r}: expected host:port (the head's GCS port, 6379 by "
                         "default) or ray://host:port")
     try:
         with socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout):

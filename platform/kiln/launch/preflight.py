@@ -159,7 +159,7 @@ def check_storage(cfg: RunConfig, field: str = "train.storage_path", local_only:
     (`local_only`) needs a local directory."""
     path = cfg.train.storage_path
     if local_only and is_url(path):
-        raise StorageError(f"{field} = {path!r}: the local launcher writes checkpoints to a local directory; "
+        raise ConfigError(f"{field} = {path!r}: the local launcher writes checkpoints to a local directory; "
                            "expected a local path (an s3:// storage path is for `kiln train` on Ray)")
     if not path.startswith("s3://"):
         return

@@ -24,6 +24,8 @@ class Summary:
     seconds_to_first_step: float
     checkpoint: str | None
     num_workers: int
+    worker_log: str = ""
+    """Where Ray's and DeepSpeed's output went (`kiln.ray.console`); empty without Ray."""
 
     @classmethod
     def of_run(cls, cfg: RunConfig, manifest: Manifest, final: dict, run_id: str, tracking_uri: str,
@@ -65,4 +67,6 @@ class Summary:
         ]
         if self.checkpoint:
             lines.append(f"  checkpoint        {self.checkpoint}")
+        if self.worker_log:
+            lines.append(f"  worker logs       {self.worker_log} (Ray's and DeepSpeed's output; --verbose shows it)")
         return "\n".join(lines)

@@ -5,8 +5,8 @@ Every rank exports its own series, labelled run, experiment and rank, through
 name with `ray_`, so `kiln_train_loss` is scraped as `ray_kiln_train_loss`). Names follow
 Prometheus conventions: base units (seconds, bytes, ratios) and `_total` on counters.
 
-The training loop only sees `observe(metrics, step)`, `checkpointed(seconds)` and
-`close()` (`kiln.train.sinks.LiveMetrics`); `NullLive` stands in where no Ray runs.
+The training loop only sees `observe(metrics, step)`, `step_seconds(seconds)` (every step),
+`checkpointed(seconds)` and `close()` (`kiln.train.sinks.LiveMetrics`); `NullLive` stands in where no Ray runs.
 """
 
 from __future__ import annotations
@@ -75,6 +75,13 @@ DIRECT: tuple[Series, ...] = (
     Series("kiln_train_tokens_total", "counter", "Tokens trained on, over all workers."),
     Series("kiln_checkpoints_total", "counter", "Checkpoints completed."),
 )
+# Every step's own wall time, as a histogram: its p50 and p99 over any window, which the
+# last-value gauge above cannot give (a stall between two observed steps never shows there).
+# Buckets from 5 ms (a tiny model) to 2 min (a large one's step on a slow interconnect).
+STEP_SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+STEP_HISTOGRAM = Series("kiln_train_step_duration_seconds", "histogram",
+                        "Wall time of each optimizer step on this rank (validation and saves excluded).")
+HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")  # what Prometheus scrapes of one histogram
 LABELS = ("run", "experiment", "rank")
 
 
@@ -89,14 +96,15 @@ def device_limit_bytes(device) -> float:
 
 def exported_names() -> set[str]:
     """Every name as Prometheus sees it on Ray's endpoint."""
-    return {PREFIX + s.name for s in SERIES + DIRECT}
+    histogram = {PREFIX + STEP_HISTOGRAM.name + suffix for suffix in HISTOGRAM_SUFFIXES}
+    return {PREFIX + s.name for s in SERIES + DIRECT} | histogram
 
 
 class RayLive:
     """Exports through `ray.util.metrics`; must be built inside a Ray worker."""
 
     def __init__(self, run: str, experiment: str, rank: int, max_steps: int, device_limit_bytes: float):
-        from ray.util.metrics import Counter, Gauge
+        from ray.util.metrics import Counter, Gauge, Histogram
 
         tags = {"run": run, "experiment": experiment, "rank": str(rank)}
         self._m = {}
@@ -105,6 +113,9 @@ class RayLive:
             metric = cls(s.name, description=s.help, tag_keys=LABELS)
             metric.set_default_tags(tags)
             self._m[s.name] = metric
+        self._steps = Histogram(STEP_HISTOGRAM.name, description=STEP_HISTOGRAM.help,
+                                boundaries=list(STEP_SECONDS_BUCKETS), tag_keys=LABELS)
+        self._steps.set_default_tags(tags)
         self._nonfinite = 0
         self._last_step = 0  # counters advance by the steps since the last observed one (the
         # loop observes only the steps whose metrics it reads: every logging.log_every)
@@ -132,6 +143,9 @@ class RayLive:
         self._nonfinite += not math.isfinite(metrics.get("loss/train", 0.0))
         self._m["kiln_train_nonfinite_loss_steps"].set(self._nonfinite)
         self._m["kiln_train_skipped_steps"].set(metrics.get("train/skipped_steps_total", 0.0))
+
+    def step_seconds(self, seconds: float) -> None:
+        self._steps.observe(seconds)
 
     def checkpointed(self, seconds: float) -> None:
         self._m["kiln_checkpoint_duration_seconds"].set(seconds)

@@ -25,10 +25,11 @@ from kiln.config import RunConfig, config_from_dict
 from kiln.data.manifest import load_manifest
 from kiln.parallel.engine import build_engine
 from kiln.parallel.pipeline import data_parallel_coords
+from kiln.ray.console import WORKER_FORMAT
 from kiln.ray.live_metrics import RayLive, device_limit_bytes
 from kiln.ray.progress import BoardSink
 from kiln.ray.source import RayDataSource
-from kiln.storage import absolute, is_url, resolve
+from kiln.storage import absolute, resolve
 from kiln.tracking.mlflow_run import ArtifactLogger, MLflowLogger
 from kiln.tracking.redact import ScrubFilter
 from kiln.train.collectives import barrier
@@ -96,8 +97,7 @@ def _logger(cfg: RunConfig, world: WorldInfo, loop_config: dict[str, Any], resta
     run_id, uri = loop_config.get("mlflow_run_id"), loop_config["tracking_uri"]
     if world.rank == 0 and run_id:
         # Metrics MLflow never took land beside local checkpoints, else in this node's temp dir.
-        spill = tempfile.gettempdir() if is_url(cfg.train.storage_path) else cfg.train.storage_path
-        return MLflowLogger(uri, run_id, spill_dir=os.path.join(spill, cfg.logging.run_name),
+        return MLflowLogger(uri, run_id, spill_dir=cfg.local_run_dir(),
                             outage_wait_s=cfg.logging.outage_wait_s,
                             skip_through=_logged_through(uri, run_id) if restarted else 0)
     if run_id and world.rank in cfg.train.profile.rank_set(world.world_size) and cfg.train.profile.start_step:
@@ -215,11 +215,12 @@ def _checkpoint_score(cfg: RunConfig) -> dict:
 
 
 def _quiet_worker_logs() -> None:
-    """Kiln's own INFO lines on workers; Ray's and DeepSpeed's chatter only from WARNING."""
+    """Kiln's own INFO lines on workers, with their level for the driver's console router
+    (`kiln.ray.console`); Ray's and DeepSpeed's chatter only from WARNING."""
     kiln_log = logging.getLogger("kiln")
     if not kiln_log.handlers:
         handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s"))
+        handler.setFormatter(logging.Formatter(WORKER_FORMAT))  # the driver's router parses it
         handler.addFilter(ScrubFilter())
         kiln_log.addHandler(handler)
         kiln_log.setLevel(logging.INFO)

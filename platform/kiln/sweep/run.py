@@ -192,6 +192,8 @@ def run_sweep(sweep: Sweep, address: str | None = None, resume: bool = False) ->
 class SweepInterrupted(KilnError):
     """Ctrl-C stopped the sweep after Tune saved its state."""
 
+    exit_code = 130  # stopped by its user, as Ctrl-C anywhere else in Kiln
+
 
 def _start_parent(sweep: Sweep, uri: str, exp_dir: str) -> Run:
     """A new sweep: its parent run, and the state file `--resume` reads (private: the base config

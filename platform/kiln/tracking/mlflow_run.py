@@ -23,7 +23,7 @@ from kiln.data.manifest import Manifest
 from kiln.errors import KilnError
 from kiln.tracking.plots import PLOTTED, training_plots
 from kiln.tracking.redact import redact, redact_tree, scrub
-from kiln.tracking.sender import Sender
+from kiln.tracking.sender import Journal, Sender
 from kiln.train.sinks import NullLogger
 
 log = logging.getLogger(__name__)
@@ -51,6 +51,7 @@ class MLflowLogger:
         """`skip_through`: steps up to this one are in the run already (a restarted worker group
         trains them again from its checkpoint); they are not logged twice."""
         import mlflow
+        from mlflow.entities import Metric
         from mlflow.tracking import MlflowClient
 
         self._client = MlflowClient(tracking_uri)
@@ -62,11 +63,20 @@ class MLflowLogger:
             self._monitor = SystemMetricsMonitor(run_id, sampling_interval=10)
             self._monitor.start()
         self._run_id = run_id
-        self._sender = Sender(self._client, run_id, tracking_uri)
         self._spill_path = os.path.join(spill_dir, f"undelivered-metrics-{run_id}.jsonl")
+        self._journal = Journal(self._spill_path)  # every metric on disk until MLflow has it
+        self._sender = Sender(self._client, run_id, tracking_uri, journal=self._journal)
+        recovered = self._journal.recovered  # a killed predecessor's, on this node: sent first
+        if recovered:
+            log.warning("delivering %d metrics that run %s handed over before it was killed (from %s)",
+                        len(recovered), run_id, self._spill_path)
+            self._sender.send_metrics([Metric(m["key"], m["value"], m["timestamp"], m["step"]) for m in recovered],
+                                      journaled=len(recovered))
+            skip_through = max(skip_through, max(m["step"] for m in recovered))
         self._outage_wait_s = outage_wait_s
         self._flush_every, self._flush_secs = flush_every, flush_secs
         self._buffer: list = []
+        self._journaled = len(recovered)  # the journal's count after the last metric logged
         self._last_flush = time.monotonic()
         self._steps = 0
         self._skip_through = skip_through
@@ -78,7 +88,9 @@ class MLflowLogger:
         if step <= self._skip_through:
             return
         now = int(time.time() * 1000)
-        self._buffer.extend(Metric(k, float(v), now, step) for k, v in metrics.items())
+        new = [Metric(k, float(v), now, step) for k, v in metrics.items()]
+        self._journaled = self._journal.append(new)  # on disk now; sent with the next batch
+        self._buffer.extend(new)
         for k in PLOTTED.intersection(metrics):
             self._history.setdefault(k, []).append((step, float(metrics[k])))
         self._steps += 1
@@ -95,7 +107,7 @@ class MLflowLogger:
         # log_batch takes at most 1000 metrics per call.
         while self._buffer:
             chunk, self._buffer = self._buffer[:1000], self._buffer[1000:]
-            self._sender.send_metrics(chunk)
+            self._sender.send_metrics(chunk, journaled=self._journaled - len(self._buffer))
         self._last_flush = time.monotonic()
 
     def flush(self, timeout: float = 30.0) -> None:

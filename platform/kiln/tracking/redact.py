@@ -65,7 +65,11 @@ def _environment_secrets() -> list[str]:
 
 
 def configure_logging() -> None:
-    """INFO to stderr for a command front end, with every line passed through `scrub`."""
+    """INFO to stderr for a command front end, with every line passed through `scrub`. MLflow's
+    own notices (creating a store's tables, system metrics starting) from WARNING, unless
+    $MLFLOW_LOGGING_LEVEL says otherwise; read by MLflow when it is imported, here and in the
+    Ray workers that inherit this environment."""
+    os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     for handler in logging.getLogger().handlers:
         handler.addFilter(ScrubFilter())

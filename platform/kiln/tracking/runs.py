@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from kiln.errors import KilnError
+from kiln.errors import ConfigError, KilnError
 from kiln.tracking.server import check_reachable, resolve_tracking_uri
 from kiln.ui.table import format_table
 
@@ -24,7 +24,7 @@ def fetch_runs(experiment: str, tracking_uri: str = "", sort: str | None = None,
         raise KilnError(f"no MLflow store at {uri}: nothing has been logged here yet; pass --tracking-uri "
                         "or set $MLFLOW_TRACKING_URI to where your runs are")
     if limit < 1:
-        raise KilnError(f"--limit {limit}: expected a positive number of runs")
+        raise ConfigError(f"--limit {limit}: expected a positive number of runs")
     client = MlflowClient(uri)
     exp = client.get_experiment_by_name(experiment)
     if exp is None:

@@ -5,12 +5,17 @@ its async logging drops what it cannot send: the first stalls training, the seco
 So rank 0 hands each batch to this sender and goes on training. The sender delivers in order,
 keeps whatever failed at the head of its queue, tries again with backoff, and warns once per
 outage, naming the server. A run that ends while the server is still away waits a bounded time
-for it, then writes the metrics it still holds to a JSON-lines file and names that file.
+for it, then leaves the metrics it still holds in a JSON-lines file and names that file.
+
+That file is a `Journal` kept from the start: metrics are appended as they are handed over, so
+a SIGKILL of the process loses none of them, and a restarted worker group on the same node
+delivers what its predecessor could not.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import logging
 import os
@@ -30,18 +35,107 @@ STALL_WARN_S = 10.0  # a call that has not returned in this long is an outage, n
 MAX_BACKOFF_S = 10.0  # between attempts while the server is away: a return is noticed this fast
 
 
+class Journal:
+    """Metrics handed over but not yet delivered, on disk before they are queued.
+
+    One JSON object per line: a metric (`key`, `value`, `timestamp`, `step`), or a marker
+    `{"delivered": n}` saying the file's first n metrics reached MLflow. Delivery is in order,
+    so the metrics after the last marker are the undelivered ones. The file is emptied whenever
+    everything is delivered, and removed at a clean end. Writes are flushed to the OS, which
+    keeps them when the process is killed (a machine crash needs fsync, which each step would
+    pay for). Hand-written: MLflow's own async logging keeps its queue in memory only."""
+
+    def __init__(self, path: str):
+        self.path = path
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        self.recovered = undelivered(path) if os.path.exists(path) else []
+        if self.recovered:
+            _write_atomically(path, self.recovered)  # markers dropped: the file is just those
+        self._f = open(path, "a")  # noqa: SIM115 - open for the run's life, closed in close()
+        self._written, self._delivered = len(self.recovered), 0
+        self._lock = threading.Lock()
+
+    def append(self, metrics: list) -> int:
+        """Write metrics down; the count written so far, which `delivered` is later told."""
+        lines = "".join(json.dumps(_as_dict(m)) + "\n" for m in metrics)
+        with self._lock:
+            self._f.write(lines)
+            self._f.flush()
+            self._written += len(metrics)
+            return self._written
+
+    def delivered(self, through: int) -> None:
+        with self._lock:
+            self._delivered = max(self._delivered, through)
+            if self._delivered == self._written:  # nothing outstanding: start an empty file
+                self._f.seek(0)
+                self._f.truncate()
+                self._written = self._delivered = 0
+            else:
+                self._f.write(json.dumps({"delivered": self._delivered}) + "\n")
+                self._f.flush()
+
+    def outstanding(self) -> int:
+        with self._lock:
+            return self._written - self._delivered
+
+    def close(self) -> None:
+        """Remove the file if everything was delivered; else leave only the undelivered metrics."""
+        with self._lock:
+            if self._f.closed:
+                return
+            self._f.close()
+            if self._written == self._delivered:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(self.path)
+            else:
+                _write_atomically(self.path, undelivered(self.path))
+
+
+def undelivered(path: str) -> list[dict]:
+    """The metrics of a journal (or of an end-of-run spill file) that never reached MLflow."""
+    metrics, done = [], 0
+    with open(path) as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut short by the kill: it was never handed over whole
+            if "delivered" in item:
+                done = max(done, int(item["delivered"]))
+            else:
+                metrics.append(item)
+    return metrics[done:]
+
+
+def _as_dict(m) -> dict:
+    return {"key": m.key, "value": m.value, "timestamp": m.timestamp, "step": m.step}
+
+
+def _write_atomically(path: str, metrics: list[dict]) -> None:
+    tmp = path + ".partial"
+    with open(tmp, "w") as f:
+        f.writelines(json.dumps(m) + "\n" for m in metrics)
+    os.replace(tmp, path)
+
+
 @dataclass
 class _Batch:
     metrics: list = field(default_factory=list)  # mlflow.entities.Metric
     tags: list = field(default_factory=list)  # mlflow.entities.RunTag
     artifacts: tuple[str, str] | None = None  # (a private copy of the directory, artifact path)
+    journaled: int = 0  # the journal's count once these metrics are delivered (0: not journaled)
 
 
 class Sender:
     """An ordered queue of MLflow writes for one run, drained by a daemon thread."""
 
-    def __init__(self, client, run_id: str, uri: str, stall_warn_s: float = STALL_WARN_S):
+    def __init__(self, client, run_id: str, uri: str, stall_warn_s: float = STALL_WARN_S,
+                 journal: Journal | None = None):
         self._client, self._run_id, self._uri = client, run_id, scrub(uri)
+        self._journal = journal
         self._address = server_address(uri)  # None for a local store: nothing to probe
         self._stall_warn_s = stall_warn_s
         self._queue: collections.deque[_Batch] = collections.deque()
@@ -54,9 +148,11 @@ class Sender:
 
     # -- the training thread's side: never blocks on the server -------------------------------
 
-    def send_metrics(self, metrics: list) -> None:
+    def send_metrics(self, metrics: list, journaled: int = 0) -> None:
+        """Queue metrics; `journaled`: the journal's count once they are delivered, if the
+        caller wrote them down already (`Journal.append`)."""
         if metrics:
-            self._put(_Batch(metrics=list(metrics)))
+            self._put(_Batch(metrics=list(metrics), journaled=journaled))
 
     def send_tags(self, tags: list) -> None:
         if tags:
@@ -93,8 +189,8 @@ class Sender:
         return True
 
     def close(self, timeout: float, spill_path: str) -> None:
-        """Deliver what is left, waiting at most `timeout` for a server that is away; then write
-        the undelivered metrics to `spill_path` and say so."""
+        """Deliver what is left, waiting at most `timeout` for a server that is away; then leave
+        the undelivered metrics in `spill_path` (the journal's file, if there is one) and say so."""
         if self.in_outage and self._queue:
             log.warning("waiting up to %.0f s for MLflow at %s to come back: %d metrics are not delivered yet",
                         timeout, self._uri, self.pending_metrics())
@@ -106,15 +202,15 @@ class Sender:
             self._cv.notify_all()
         if delivered:
             self._thread.join(timeout=5)
+        if self._journal is not None:
+            self._journal.close()
+        if delivered:
             return
         # The thread may still be inside MLflow's own retries; it is a daemon and dies with us.
         metrics = [m for b in left for m in b.metrics]
-        tmp = spill_path + ".partial"
-        os.makedirs(os.path.dirname(os.path.abspath(spill_path)), exist_ok=True)
-        with open(tmp, "w") as f:
-            for m in metrics:
-                f.write(json.dumps({"key": m.key, "value": m.value, "timestamp": m.timestamp, "step": m.step}) + "\n")
-        os.replace(tmp, spill_path)
+        if self._journal is None:
+            os.makedirs(os.path.dirname(os.path.abspath(spill_path)), exist_ok=True)
+            _write_atomically(spill_path, [_as_dict(m) for m in metrics])
         lost_artifacts = [b.artifacts[1] for b in left if b.artifacts]
         lost_tags = [t.key for b in left for t in b.tags]
         log.error("MLflow at %s did not come back within %.0f s: %d metrics of run %s are in %s "
@@ -169,6 +265,8 @@ class Sender:
                     self._cv.wait(backoff)
                 backoff = min(2 * backoff, MAX_BACKOFF_S)
                 continue
+            if batch.journaled and self._journal is not None:
+                self._journal.delivered(batch.journaled)
             with self._cv:
                 self._queue.popleft()
                 self._busy_since = None

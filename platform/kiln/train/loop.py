@@ -37,7 +37,7 @@ from kiln.train.prefetch import DevicePrefetcher
 from kiln.train.profiling import StepProfiler
 from kiln.train.sinks import Fetch, MetricLogger, Sinks
 from kiln.train.step import PhaseTimer, StepResult, train_step
-from kiln.ui.progress import LogLines, Progress, ProgressSink
+from kiln.ui.progress import LogLines, Progress, ProgressSink, console
 
 log = logging.getLogger("kiln.train")
 
@@ -102,6 +102,9 @@ def train_loop(cfg: RunConfig, world: WorldInfo, engine, scheduler, source: Batc
     run = _Training(cfg, world, engine, scheduler, source, sinks, checkpoint_root, startup or {})
     try:
         return run.train()
+    except Exception:
+        sinks.close()  # what the run logged before it failed still reaches MLflow
+        raise
     finally:
         run.prefetcher.close()
 
@@ -157,7 +160,7 @@ class _Training:
                 continue
             _hand_in_profile(self.profiler.end(step), self.sinks.logger)
             if not read:  # nothing read back from the device: the step's time on the host clock
-                self.meter.end(step, result.data_wait_s)
+                self._end_step(step, result.data_wait_s)
                 continue
             metrics, save = self._metrics(step, result, lr)
             last.update(metrics)
@@ -189,8 +192,13 @@ class _Training:
         metrics.update(memory_metrics(device))
         metrics.update(self.leaks.sample(step, memory_in_use(device)))
         _publish(self.sinks, self.progress, metrics, step, self.cfg, self.world.rank, meter.mean_step_s)
-        meter.end(step, result.data_wait_s)
+        self._end_step(step, result.data_wait_s)
         return metrics, save
+
+    def _end_step(self, step: int, data_wait_s: float) -> None:
+        """Every step's own time goes to the live step-time histogram (its p99 shows stalls
+        that the logged metrics steps alone would miss)."""
+        self.sinks.live.step_seconds(self.meter.end(step, data_wait_s))
 
     def _save_and_report(self, step: int, metrics: dict[str, float], save: bool) -> str | None:
         """Save a checkpoint if due and report to Ray Train at evaluations and saves; the checkpoint."""
@@ -222,7 +230,7 @@ def _reads_metrics(step: int, cfg: RunConfig, meter: StepMeter, policy: Checkpoi
 
 def _log_start(cfg: RunConfig, mcfg, world_size: int, tokens_per_step: int) -> None:
     stages = cfg.parallel.pipeline_stages
-    log.info("training %s (%.2fM params) for %d steps, %d tokens/step on %d worker(s)%s",
+    console.info("training %s (%.2fM params) for %d steps, %d tokens/step on %d worker(s)%s",
              cfg.model.flavour, num_params(mcfg, non_embedding=False) / 1e6, cfg.train.max_steps,
              tokens_per_step, world_size,
              f" ({world_size // stages} data-parallel x {stages} pipeline stages)" if stages > 1 else "")

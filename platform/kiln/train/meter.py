@@ -110,12 +110,16 @@ class StepMeter:
     def evaluated(self, seconds: float) -> None:
         self._eval_s += seconds
 
-    def end(self, step: int, data_wait: float) -> None:
-        """Count the iteration, from `begin` to now, into the steady state (validation excluded)."""
+    def end(self, step: int, data_wait: float) -> float:
+        """The iteration's seconds, from `begin` to now on the host clock (validation excluded),
+        counted into the steady state after warm-up. The host reads the step's health verdict
+        before its optimizer step, so a step's device work lands in it, or in the next one."""
+        seconds = time.perf_counter() - self._start - self._eval_s
         if step > self.warmup_end or self.short:
-            self.steady_time += time.perf_counter() - self._start - self._eval_s
+            self.steady_time += seconds
             self.steady_wait += data_wait
             self.steady_steps += 1
+        return seconds
 
     def saved(self, step: int, seconds: float) -> None:
         if step != self.max_steps and step > self.warmup_end:

@@ -52,6 +52,7 @@ class NullLogger:
 
 class LiveMetrics(Protocol):
     def observe(self, metrics: dict[str, float], step: int) -> None: ...
+    def step_seconds(self, seconds: float) -> None: ...
     def checkpointed(self, seconds: float) -> None: ...
     def close(self) -> None: ...
 
@@ -60,6 +61,9 @@ class NullLive:
     """Where no Ray runs (the local launcher, tests): no live export."""
 
     def observe(self, metrics: dict[str, float], step: int) -> None:
+        pass
+
+    def step_seconds(self, seconds: float) -> None:
         pass
 
     def checkpointed(self, seconds: float) -> None:

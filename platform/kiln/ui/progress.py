@@ -16,7 +16,10 @@ import shutil
 import time
 from typing import IO, Protocol
 
-log = logging.getLogger("kiln.train")
+# Lines for the user's console, wherever they are logged: on a Ray worker the driver's
+# `kiln.ray.console` shows this logger's lines and sends other INFO lines to the run's log file.
+CONSOLE_LOGGER = "kiln.console"
+console = logging.getLogger(CONSOLE_LOGGER)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +73,7 @@ class LogLines:
 
     def update(self, p: Progress) -> None:
         if p.step == 1 or p.step % self.every == 0 or p.step == p.total:
-            log.info("%s", format_line(p))
+            console.info("%s", format_line(p))
 
     def close(self) -> None:
         pass
@@ -84,6 +87,7 @@ class TerminalBar:
         self.stream, self.min_interval_s = stream, min_interval_s
         self._last_draw = float("-inf")  # the first frame always draws
         self._drawn = False
+        self._text = ""
 
     def update(self, p: Progress) -> None:
         self.draw(format_line(p), force=p.step >= p.total)
@@ -95,7 +99,14 @@ class TerminalBar:
         columns = shutil.get_terminal_size((120, 24)).columns
         self.stream.write("\r\x1b[K" + text[: max(20, columns - 1)])
         self.stream.flush()
-        self._last_draw, self._drawn = now, True
+        self._last_draw, self._drawn, self._text = now, True, text
+
+    def print_above(self, lines: str) -> None:
+        """Lines (each ending in a newline) above the bar, which is drawn again below them."""
+        self.stream.write(("\r\x1b[K" if self._drawn else "") + lines)
+        self.stream.flush()
+        if self._drawn:
+            self.draw(self._text, force=True)
 
     def close(self) -> None:
         if self._drawn:  # leave the last frame on screen and move past it

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import yaml
 
-from kiln.errors import ConfigError
+from kiln.errors import ConfigError, DataError
 from kiln.launch.console import run_reporting_errors
 
 
@@ -26,17 +26,19 @@ def _traceback_file(err: str) -> str:
     return match.group(1)
 
 
-def test_a_kiln_error_is_one_line_exit_2(capsys):
+def test_a_kiln_error_is_one_line_with_its_class_exit_code(capsys):
     code, err = _run(capsys, ConfigError("optim.lr = 0 is out of range"))
-    assert (code, err) == (2, "kiln: error: optim.lr = 0 is out of range\n")
+    assert (code, err) == (2, "kiln: error: optim.lr = 0 is out of range\n")  # the command is wrong
+    code, err = _run(capsys, DataError("shard x.parquet is not a readable Parquet file"))
+    assert (code, err) == (1, "kiln: error: shard x.parquet is not a readable Parquet file\n")  # it failed running
 
 
-def test_an_environment_error_is_one_line_exit_2_with_its_traceback_saved(capsys):
+def test_an_environment_error_is_one_line_exit_1_with_its_traceback_saved(capsys):
     for exc in (PermissionError(13, "Permission denied", "/data/out"), UnicodeDecodeError("utf-8", b"\xff", 0, 1, "bad"),
                 yaml.YAMLError("mapping values are not allowed")):
         code, err = _run(capsys, exc)
         lines = err.splitlines()
-        assert code == 2 and len(lines) == 1 and lines[0].startswith("kiln: error: "), err
+        assert code == 1 and len(lines) == 1 and lines[0].startswith("kiln: error: "), err
         assert type(exc).__name__ in lines[0] and "Traceback" not in err
         path = _traceback_file(err)
         assert "Traceback" in Path(path).read_text()

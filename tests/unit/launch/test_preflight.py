@@ -128,4 +128,4 @@ def test_dry_run_prints_the_resolved_plan_and_starts_nothing(byte_dataset, tmp_p
     assert list(tmp_path.iterdir()) == []  # no mlflow.db, no runs/, no Ray session here
     bad = subprocess.run([*kiln, "--set", f"data.path={tmp_path}/nope"], cwd=tmp_path, capture_output=True,
                          text=True, timeout=120)
-    assert bad.returncode == 2 and "kiln: error: dataset" in bad.stderr and "does not exist" in bad.stderr
+    assert bad.returncode == 1 and "kiln: error: dataset" in bad.stderr and "does not exist" in bad.stderr

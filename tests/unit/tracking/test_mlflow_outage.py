@@ -20,7 +20,8 @@ from mlflow.tracking import MlflowClient
 
 from kiln.launch.local import free_port
 from kiln.tracking import services
-from kiln.tracking.sender import Sender
+from kiln.tracking.mlflow_run import MLflowLogger
+from kiln.tracking.sender import Sender, undelivered
 
 REPO = Path(__file__).resolve().parents[3]
 STEPS = 600  # about 40 ms each: the outage falls inside training
@@ -106,3 +107,41 @@ def test_metrics_that_never_reach_mlflow_are_written_to_a_file(tmp_path, caplog)
     assert [json.loads(line)["step"] for line in lines] == [1, 2, 3]
     said = caplog.text
     assert f"MLflow at {url}" in said and str(spill) in said and "3 metrics" in said
+
+
+def test_a_killed_rank_loses_no_metric_it_handed_over_and_its_restart_delivers_them(tmp_path):
+    """Rank 0 is SIGKILLed during an outage, holding metrics it could not deliver; the restarted
+    rank 0 on the same node (a real SQLite store standing in for the server that is back)
+    delivers them first and skips the steps it trains again, so each step is logged once."""
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(store)
+    run_id = client.create_run(client.create_experiment("journal")).info.run_id
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens: the outage
+    script = (
+        "import sys\n"
+        "from kiln.tracking.mlflow_run import MLflowLogger\n"
+        f"logger = MLflowLogger({dead!r}, {run_id!r}, system_metrics=False, spill_dir={str(tmp_path)!r}, "
+        "flush_every=5)\n"
+        "for step in range(1, 13):\n"
+        "    logger.log({'loss/train': 10.0 - step, 'lr': 0.001}, step)\n"
+        "print('logged', flush=True)\n"
+        "sys.stdin.read()\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        assert proc.stdout.readline().strip() == "logged"
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    journal = tmp_path / f"undelivered-metrics-{run_id}.jsonl"
+    held = undelivered(str(journal))
+    assert len(held) == 24 and sorted({m["step"] for m in held}) == list(range(1, 13))  # none lost
+
+    successor = MLflowLogger(store, run_id, system_metrics=False, spill_dir=str(tmp_path))
+    for step in range(10, 16):  # resumed from a checkpoint at step 9: 10-12 train again
+        successor.log({"loss/train": 1.0, "lr": 0.001}, step)
+    successor.close()
+    history = sorted(client.get_metric_history(run_id, "loss/train"), key=lambda m: m.step)
+    assert [m.step for m in history] == list(range(1, 16))  # each step once
+    assert [m.value for m in history[:12]] == [10.0 - s for s in range(1, 13)]  # the killed rank's values
+    assert not journal.exists()  # everything delivered: nothing left behind

@@ -50,7 +50,7 @@ def test_off_a_terminal_it_logs_every_n_steps(caplog, monkeypatch):
     monkeypatch.setenv("TERM", "dumb")
     assert isinstance(sink_for(FakeTerminal(), every=10), LogLines)
     lines = LogLines(every=10)
-    with caplog.at_level(logging.INFO, logger="kiln.train"):
+    with caplog.at_level(logging.INFO, logger="kiln.console"):
         for step in range(1, 26):
             lines.update(Progress(step, 25, 1.0, 1.0, 1e-3, 0.1))
     logged = [r.getMessage() for r in caplog.records]

@@ -1,0 +1,70 @@
+"""Start Ray nodes on this machine the way a user would (`ray start`), and stop exactly the
+cluster a test started: never `ray stop --force`, which stops every Ray on the machine."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+
+from kiln.launch.local import free_port
+
+BIN = Path(sys.executable).parent
+
+
+def node_ports() -> dict[str, int]:
+    """Free ports for the per-node daemons, so a second node (or someone else's Ray on the
+    same machine) never collides with Ray's fixed defaults."""
+    names = ("--node-manager-port", "--object-manager-port", "--dashboard-agent-listen-port",
+             "--dashboard-agent-grpc-port", "--metrics-export-port", "--runtime-env-agent-port")
+    return {name: free_port() for name in names}
+
+
+def start_head(gcs_port: int, dash_port: int, env: dict, *args: str) -> None:
+    """`ray start --head` with token auth (from `env`), its dashboard on loopback for jobs."""
+    ports = {**node_ports(), "--ray-client-server-port": free_port()}
+    out = subprocess.run(
+        [str(BIN / "ray"), "start", "--head", f"--port={gcs_port}", f"--dashboard-port={dash_port}",
+         "--dashboard-host=127.0.0.1", "--disable-usage-stats", *(f"{k}={v}" for k, v in ports.items()), *args],
+        env=env, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def ray_cluster_processes(gcs_port: int) -> list[psutil.Process]:
+    """Every process of the Ray cluster whose GCS listens on `gcs_port`, on any node of this
+    machine: each daemon names the GCS in its command line (`--gcs_server_port=P`,
+    `--gcs-address=host:P`, `--address=host:P`), and workers and agents are their children."""
+    names = re.compile(rf"--(gcs_server_port=|gcs-address=\S+:|address=\S+:){gcs_port}(\s|$)")
+    roots = []
+    for proc in psutil.process_iter(["cmdline"]):
+        with contextlib.suppress(psutil.Error):
+            if names.search(" ".join(proc.info["cmdline"] or [])):
+                roots.append(proc)
+    found = {p.pid: p for root in roots for p in (root, *_children(root))}
+    return list(found.values())
+
+
+def _children(proc: psutil.Process) -> list[psutil.Process]:
+    with contextlib.suppress(psutil.Error):
+        return proc.children(recursive=True)
+    return []
+
+
+def stop_ray_cluster(gcs_port: int, grace: float = 15) -> None:
+    """Stop the cluster this session started, and nothing else. `ray stop --force` would stop
+    every Ray on the machine, other people's included."""
+    procs = ray_cluster_processes(gcs_port)
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            proc.terminate()
+    _, alive = psutil.wait_procs(procs, timeout=grace)
+    for proc in alive:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    psutil.wait_procs(alive, timeout=grace)
+
+
