@@ -3,18 +3,19 @@
 CPU smoke (embedded Ray):
     python jobs/pretrain.py --config jobs/configs/debug.yaml --set train.max_steps=20
 On a cluster (RAY_AUTH_MODE=token when it uses token auth):
-    ray job submit --working-dir . -- python jobs/pretrain.py --config jobs/configs/debug.yaml
+    ray job submit --runtime-env jobs/runtime_env.yaml -- python jobs/pretrain.py --config jobs/configs/debug.yaml
 """
 
 import os
 import sys
 
-try:
-    import kiln  # noqa: F401  (installed with `pip install -e .` / `make demo`)
-except ImportError:  # a checkout whose package is not installed: use platform/ directly
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "platform"))
+# The package beside this script first: a job runs the code submitted with it (the runtime
+# env's py_modules does the same for the workers), not a copy a node installed earlier.
+_PLATFORM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "platform")
+if os.path.isdir(os.path.join(_PLATFORM, "kiln")):
+    sys.path.insert(0, _PLATFORM)
 
-from kiln.cli import main
+from kiln.cli import main  # noqa: E402 (after the path line, so the submitted copy wins)
 
 if __name__ == "__main__":
     sys.exit(main(["train", *sys.argv[1:]]))

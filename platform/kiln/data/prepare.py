@@ -235,6 +235,19 @@ def fingerprint(cfg: PrepareConfig, corpus_hash: str) -> str:
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def _config_from(fields: dict) -> PrepareConfig:
+    known = {f.name: f for f in dataclasses.fields(PrepareConfig)}
+    unknown = sorted(set(fields) - set(known))
+    if unknown:
+        raise ConfigError(f"prepare: unknown option(s) {unknown}; expected some of {sorted(known)}")
+    missing = [n for n in ("inputs", "output") if n not in fields]
+    if missing:
+        raise ConfigError(f"prepare: {' and '.join(missing)} must be given")
+    if isinstance(fields["inputs"], (str, os.PathLike)):
+        fields = {**fields, "inputs": [fields["inputs"]]}  # one path is a list of one
+    return PrepareConfig(**{k: (list(map(str, v)) if k == "inputs" else v) for k, v in fields.items()})
+
+
 def _validate(cfg: PrepareConfig) -> None:
     if cfg.tokenizer not in ("byte", "bpe"):
         raise ConfigError(f"--tokenizer {cfg.tokenizer!r}: expected 'byte' or 'bpe'")
@@ -277,8 +290,11 @@ def _check_output(cfg: PrepareConfig, out: Location, fp: str) -> dict | None:
     return old
 
 
-def prepare(cfg: PrepareConfig) -> dict:
-    """Build the dataset and return its manifest (or the existing one, with if_exists=reuse)."""
+def prepare(cfg: PrepareConfig | None = None, /, **fields) -> dict:
+    """Build the dataset and return its manifest (or the existing one, with if_exists=reuse).
+    Takes a `PrepareConfig`, or its fields as keywords (`kiln.data.prepare(inputs=[...],
+    output=..., tokenizer="bpe")`)."""
+    cfg = cfg if cfg is not None else _config_from(fields)
     _validate(cfg)
     out = resolve(cfg.output, cfg.s3_endpoint)
     stats = CorpusStats()

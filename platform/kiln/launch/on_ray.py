@@ -28,17 +28,18 @@ from kiln.ray.console import WorkerLogRouter
 from kiln.ray.progress import BoardWatcher, ProgressBoard
 from kiln.ray.trainer import build_trainer
 from kiln.tracking.mlflow_run import Run, open_run
-from kiln.ui.progress import TerminalBar, is_terminal
+from kiln.ui.progress import DriverBar, TerminalBar, is_terminal
 
 log = logging.getLogger(__name__)
 
 
 def train(cfg: RunConfig, address: str | None = None, started: float | None = None,
-          progress_stream: IO[str] | None = None, verbose: bool = False) -> Summary:
+          progress_stream: IO[str] | None = None, verbose: bool = False, bar: DriverBar | None = None) -> Summary:
     """Validate everything, then train on Ray Train (embedded local Ray or a cluster).
 
-    On a terminal (`progress_stream`, stderr by default) the driver draws a live progress bar;
-    elsewhere rank 0 logs a progress line every `logging.progress_every` steps. The console
+    The driver draws `bar` (the Python API's tqdm bar) or, on a terminal (`progress_stream`,
+    stderr by default), a live progress line; elsewhere rank 0 logs a progress line every
+    `logging.progress_every` steps. The console
     shows Kiln's own lines; Ray's and DeepSpeed's output goes to the run's `workers.log`
     (`kiln.ray.console`), or to the console as well with `verbose`."""
     started = started or time.time()
@@ -56,7 +57,7 @@ def train(cfg: RunConfig, address: str | None = None, started: float | None = No
     worker_log = os.path.join(cfg.local_run_dir(), "workers.log")
     with run.finishing():
         stream = progress_stream or sys.stderr
-        bar = TerminalBar(stream) if is_terminal(stream) else None
+        bar = bar or (TerminalBar(stream) if is_terminal(stream) else None)
         board = ProgressBoard.remote() if bar is not None else None
         trainer = build_trainer(cfg, cfg.logging.run_name, tracking_uri, run.run_id,
                                 progress_board=board)

@@ -15,6 +15,7 @@ late worker line follows the summary; `verbose` keeps it on throughout.
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import re
@@ -31,8 +32,9 @@ RAY_HANDLER = "ray_print_logs"  # the name ray.init gives its printer of worker 
 KILN_HANDLER = "kiln_worker_logs"
 WORKER_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # what the router parses
 _KILN_LINE = re.compile(r"^(?P<time>\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+) (?P<level>[A-Z]+) "
-                        r"(?P<name>kiln[\w.]*): (?P<message>.*)$")
+                        r"(?P<name>kiln(?:\.[\w.]+)?): (?P<message>.*)$")
 _SHOWN_LEVELS = {"WARNING", "ERROR", "CRITICAL"}
+SEEN_LINES = 4096  # console lines remembered for the duplicate check
 
 
 def console_line(line: str) -> str | None:
@@ -61,6 +63,9 @@ class WorkerLogRouter:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         self._file = open(path, "a")  # noqa: SIM115 - open while the run trains, closed in close()
         self._lock = threading.Lock()
+        # Ray may forward one line more than once (two nodes' log monitors tailing one session
+        # directory): the console shows a (node, process, line) once. Ray's printer dedups too.
+        self._shown: collections.OrderedDict[tuple, None] = collections.OrderedDict()
 
     def __enter__(self) -> WorkerLogRouter:
         from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
@@ -83,9 +88,18 @@ class WorkerLogRouter:
                 return
             self._file.writelines(f"{prefix} {line}\n" for line in lines)
             self._file.flush()
-        shown = [c for c in map(console_line, lines) if c is not None]
+        shown = [c for c in map(console_line, lines) if c is not None and self._first((data.get("ip"), data.get("pid"), c))]
         if shown and not self.verbose:  # verbose: Ray's printer shows them already
             self._show("".join(c + "\n" for c in shown))
+
+    def _first(self, key: tuple) -> bool:
+        with self._lock:
+            if key in self._shown:
+                return False
+            self._shown[key] = None
+            if len(self._shown) > SEEN_LINES:
+                self._shown.popitem(last=False)
+            return True
 
     def close(self) -> None:
         from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher

@@ -14,7 +14,7 @@ import time
 
 import ray
 
-from kiln.ui.progress import Progress, TerminalBar, format_line
+from kiln.ui.progress import DriverBar, Progress
 
 log = logging.getLogger("kiln.train")
 
@@ -52,9 +52,9 @@ class BoardSink:
 
 
 class BoardWatcher:
-    """The driver's side: a thread that polls the board and redraws `bar` while fit() blocks."""
+    """The driver's side: a thread that polls the board and updates `bar` while fit() blocks."""
 
-    def __init__(self, board, bar: TerminalBar, interval_s: float = 0.5):
+    def __init__(self, board, bar: DriverBar, interval_s: float = 0.5):
         self.board, self.bar, self.interval_s = board, bar, interval_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kiln-progress", daemon=True)
@@ -82,4 +82,4 @@ class BoardWatcher:
             return
         if latest and latest != self._shown:
             self._shown = latest
-            self.bar.draw(format_line(Progress(**latest)), force=True)
+            self.bar.update(Progress(**latest))

@@ -11,7 +11,6 @@ import contextlib
 import json
 import logging
 import os
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -24,17 +23,10 @@ from kiln.errors import KilnError
 from kiln.tracking.plots import PLOTTED, training_plots
 from kiln.tracking.redact import redact, redact_tree, scrub
 from kiln.tracking.sender import Journal, Sender
+from kiln.tracking.source import UNKNOWN, git_commit
 from kiln.train.sinks import NullLogger
 
 log = logging.getLogger(__name__)
-
-
-def git_commit(path: str | os.PathLike = ".") -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=path, capture_output=True, text=True, timeout=5)
-        return out.stdout.strip() if out.returncode == 0 else "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
 
 
 class MLflowLogger:
@@ -242,7 +234,7 @@ def _context_tags() -> dict[str, str]:
     tags = registry.resolve_tags()
     if MLFLOW_GIT_COMMIT not in tags:
         commit = git_commit(os.path.dirname(kiln.__file__))
-        if commit != "unknown":
+        if commit != UNKNOWN:
             tags[MLFLOW_GIT_COMMIT] = commit
     return tags
 

@@ -64,6 +64,13 @@ class ProgressSink(Protocol):
     def close(self) -> None: ...
 
 
+class DriverBar(ProgressSink, Protocol):
+    """A bar the driver draws from rank 0's progress (`TerminalBar`, `TqdmBar`), with room for
+    other lines above it."""
+
+    def print_above(self, lines: str) -> None: ...
+
+
 class LogLines:
     """A log line on the first step, every `every` steps and on the last: readable in CI logs
     and `ray job logs`, where a redrawn line would be one line per frame."""
@@ -113,6 +120,35 @@ class TerminalBar:
             self.stream.write("\n")
             self.stream.flush()
             self._drawn = False
+
+
+class TqdmBar:
+    """The bar for notebooks and scripts (`kiln.train`): `tqdm.auto`, a widget in Jupyter and a
+    text bar elsewhere, fed the same `Progress` as `TerminalBar`."""
+
+    def __init__(self):
+        self._bar = None
+
+    def update(self, p: Progress) -> None:
+        from tqdm.auto import tqdm
+
+        if self._bar is None:
+            self._bar = tqdm(total=p.total, unit="step", desc="train", dynamic_ncols=True)
+        self._bar.n = p.step
+        val = f" | val {p.val:.3f}" if p.val is not None else ""
+        self._bar.set_postfix_str(f"loss {p.loss:.3f}{val} | {p.tokens_per_s:,.0f} tok/s | lr {p.lr:.2e}",
+                                  refresh=False)
+        self._bar.refresh()
+
+    def print_above(self, lines: str) -> None:
+        from tqdm.auto import tqdm
+
+        tqdm.write(lines.rstrip("\n"))
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
 
 
 def is_terminal(stream: IO[str]) -> bool:

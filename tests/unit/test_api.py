@@ -1,0 +1,53 @@
+"""The Python API a notebook uses: prepare, train (with its tqdm bar), read the runs back, and a
+mistake raised as one KilnError. Run as a user's script would, in a process of its own."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+SCRIPT = """
+import json
+import kiln
+from kiln.errors import ConfigError
+
+mistakes = []
+for call in (lambda: kiln.data.prepare(inputz=["x"], output="ds"),
+             lambda: kiln.load_config({"optim": {"lrr": 0.1}}),
+             lambda: kiln.load_config(None, ["parallel.zero_stage=4"])):
+    try:
+        call()
+    except ConfigError as e:
+        mistakes.append(str(e))
+manifest = kiln.data.prepare(inputs=CORPUS, output="ds", tokenizer="byte", seq_len=64, shard_tokens=1 << 16)
+summary = kiln.train(CONFIG, overrides=["data.path=ds", "train.max_steps=20", "train.eval_every=10",
+                                        "logging.experiment=api", "logging.progress_every=1000"])
+rows = kiln.runs("api", sort="loss/val")
+print(json.dumps({"fingerprint": manifest["fingerprint"], "val": summary.metrics["loss/val"],
+                  "run_id": summary.run_id, "rows": rows, "mistakes": mistakes, "rendered": summary.render()}))
+"""
+
+
+def test_prepare_train_and_read_runs_from_python(corpus, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI")}
+    script = SCRIPT.replace("CORPUS", repr([corpus[0]])).replace("CONFIG", repr(str(REPO / "jobs/configs/debug.yaml")))
+    out = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-4000:]
+    said = json.loads(out.stdout.splitlines()[-1])
+    assert said["mistakes"] == [
+        "prepare: unknown option(s) ['inputz']; expected some of " + said["mistakes"][0].split("expected some of ")[1],
+        "unknown config key 'optim.lrr'; did you mean 'lr'?",
+        "parallel.zero_stage = 4 is out of range: expected one of 0, 1, 2, 3",
+    ]
+    assert json.loads((tmp_path / "ds/manifest.json").read_text())["fingerprint"] == said["fingerprint"]
+    (row,) = said["rows"]
+    assert row["run_id"] == said["run_id"] and row["status"] == "FINISHED"
+    assert row["metrics"]["loss/val"] == said["val"] and row["params"]["train.max_steps"] == "20"
+    assert said["rendered"].startswith("Kiln run '") and "finished: 20 steps" in said["rendered"]
+    # The tqdm bar reached the end (a text bar here; a widget in Jupyter), with the run's numbers.
+    assert "20/20" in out.stderr and "tok/s" in out.stderr, out.stderr[-3000:]
+    assert "TrainingReport(" not in out.stderr  # the quiet console holds in the API too
