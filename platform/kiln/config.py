@@ -261,8 +261,9 @@ class TrainConfig:
     peak_flops: float = knob(0.0, lambda v: v >= 0.0, "a number >= 0")
     """Per-device peak FLOP/s for MFU. 0: looked up for known GPUs, measured on CPU."""
     resume_from: str = ""
-    """A Kiln checkpoint directory (.../step_N) to start from: weights, optimizer, LR schedule and
-    step; data continues after the batches those steps consumed."""
+    """A checkpoint to start from: a run's directory (runs/<name>: its newest complete checkpoint)
+    or one checkpoint in it (Ray Train's checkpoint_<time>, the local launcher's step_N). Weights,
+    optimizer, LR schedule, step, RNG states; data continues after the batches already used."""
     max_failures: int = knob(0, lambda v: v >= -1, "an integer >= -1 (-1: no limit)")
     """Restarts Ray Train may make after a worker or its node dies (FailureConfig); each restart
     resumes from the newest reported checkpoint, losing only the steps since. -1: no limit.

@@ -11,8 +11,12 @@ REPO = Path(__file__).resolve().parents[2]
 
 SCRIPT = """
 import json
+import os
+import mlflow
 import kiln
 from kiln.errors import ConfigError
+
+fluent_before = mlflow.get_tracking_uri()  # the notebook's own MLflow default
 
 mistakes = []
 for call in (lambda: kiln.data.prepare(inputz=["x"], output="ds"),
@@ -26,7 +30,9 @@ manifest = kiln.data.prepare(inputs=CORPUS, output="ds", tokenizer="byte", seq_l
 summary = kiln.train(CONFIG, overrides=["data.path=ds", "train.max_steps=20", "train.eval_every=10",
                                         "logging.experiment=api", "logging.progress_every=1000"])
 rows = kiln.runs("api", sort="loss/val")
-print(json.dumps({"fingerprint": manifest["fingerprint"], "val": summary.metrics["loss/val"],
+print(json.dumps({"env_uri": os.environ.get("MLFLOW_TRACKING_URI"),
+                  "fluent_kept": mlflow.get_tracking_uri() == fluent_before,
+                  "fingerprint": manifest["fingerprint"], "val": summary.metrics["loss/val"],
                   "run_id": summary.run_id, "rows": rows, "mistakes": mistakes, "rendered": summary.render()}))
 """
 
@@ -51,3 +57,5 @@ def test_prepare_train_and_read_runs_from_python(corpus, tmp_path):
     # The tqdm bar reached the end (a text bar here; a widget in Jupyter), with the run's numbers.
     assert "20/20" in out.stderr and "tok/s" in out.stderr, out.stderr[-3000:]
     assert "TrainingReport(" not in out.stderr  # the quiet console holds in the API too
+    # The notebook's own MLflow settings are as they were: Kiln addressed its store by client only.
+    assert said["env_uri"] is None and said["fluent_kept"]

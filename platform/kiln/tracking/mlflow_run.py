@@ -42,7 +42,6 @@ class MLflowLogger:
                  skip_through: int = 0):
         """`skip_through`: steps up to this one are in the run already (a restarted worker group
         trains them again from its checkpoint); they are not logged twice."""
-        import mlflow
         from mlflow.entities import Metric
         from mlflow.tracking import MlflowClient
 
@@ -51,8 +50,7 @@ class MLflowLogger:
         if system_metrics:  # CPU, memory, disk, network (and GPU if pynvml is there) every 10 s
             from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
-            mlflow.set_tracking_uri(tracking_uri)
-            self._monitor = SystemMetricsMonitor(run_id, sampling_interval=10)
+            self._monitor = SystemMetricsMonitor(run_id, sampling_interval=10, tracking_uri=tracking_uri)
             self._monitor.start()
         self._run_id = run_id
         self._spill_path = os.path.join(spill_dir, f"undelivered-metrics-{run_id}.jsonl")
@@ -147,11 +145,11 @@ class Run:
                  tags: dict | None = None, run_id: str | None = None):
         """A new run, or (run_id given) a handle on an existing one. A child run (parent_run_id)
         nests under its parent in the MLflow UI."""
-        import mlflow
         from mlflow.tracking import MlflowClient
 
+        # Through a client only, never mlflow.set_tracking_uri: that would also set the process's
+        # $MLFLOW_TRACKING_URI, changing the store of a notebook's (or a test's) later runs.
         self.tracking_uri = tracking_uri
-        mlflow.set_tracking_uri(tracking_uri)
         self.client = MlflowClient(tracking_uri)
         try:
             if run_id:

@@ -38,6 +38,7 @@ TAG = "state"  # DeepSpeed's tag: the subdirectory holding the shards
 MARKER = "kiln_complete.rank{rank}.json"
 RNG = "kiln_rng.rank{rank}.pt"
 STEP_DIR = re.compile(r"^step_(\d{8})$")
+RAY_DIR = re.compile(r"^checkpoint_\d{4}-\d\d-\d\d_")  # Ray Train's name for a registered checkpoint
 SCORE = "loss/val"  # what `keep_checkpoints_by: loss/val` ranks by, lowest best
 
 
@@ -166,13 +167,22 @@ def _step_dirs(root: str) -> list[str]:
     return [os.path.join(root, n) for n in sorted(os.listdir(root)) if STEP_DIR.match(n)]  # zero-padded
 
 
+def _newest_reported(root: str) -> str | None:
+    """The complete checkpoint of highest step among a Ray run's directory's: Ray Train stores
+    what each rank reported as `checkpoint_<time>/` (the `step_N` contents, markers included)."""
+    found = [(m["step"], d) for d in (os.path.join(root, n) for n in os.listdir(root) if RAY_DIR.match(n))
+             if (m := _markers(d)) is not None]
+    return max(found)[1] if found else None
+
+
 def resolve_resume(path: str, world_size: int) -> tuple[str, int]:
-    """(checkpoint directory, its step) for train.resume_from: a `step_N` directory, or a run's
-    checkpoint root whose newest complete checkpoint is taken. Refuses anything incomplete."""
+    """(checkpoint directory, its step) for train.resume_from: a checkpoint directory, or a run's
+    directory (the local launcher's `step_N`s, or Ray Train's `checkpoint_<time>`s) whose newest
+    complete checkpoint is taken. Refuses anything incomplete."""
     if not os.path.isdir(path):
         raise ConfigError(f"train.resume_from = {path!r}: no such directory")
     directory = path if (os.path.exists(os.path.join(path, MARKER.format(rank=0)))
-                         or os.path.isdir(os.path.join(path, TAG))) else latest_complete(path)
+                         or os.path.isdir(os.path.join(path, TAG))) else latest_complete(path) or _newest_reported(path)
     if directory is None:
         raise ConfigError(f"train.resume_from = {path!r}: holds no complete Kiln checkpoint "
                           "(expected a step_N directory with a kiln_complete marker per rank)")

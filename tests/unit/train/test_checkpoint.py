@@ -45,6 +45,14 @@ def test_resume_from_a_root_takes_the_newest_complete_step(tmp_path):
     assert checkpoint.resolve_resume(str(tmp_path), world_size=2) == (str(tmp_path / "step_00000020"), 20)
 
 
+def test_resume_from_a_ray_run_takes_its_complete_checkpoint_of_highest_step(tmp_path):
+    """Under Ray Train a run's directory holds `checkpoint_<time>` copies of what the ranks reported."""
+    for step, when in ((30, "2026-11-24_10-00-03.0"), (20, "2026-11-24_10-00-02.0"), (40, "2026-11-24_09-00-00.0")):
+        _fake(tmp_path, step, world=2, markers=1 if step == 40 else None).rename(tmp_path / f"checkpoint_{when}")
+    (tmp_path / "checkpoint_manager_snapshot.json").write_text("{}")
+    assert checkpoint.resolve_resume(str(tmp_path), world_size=2) == (str(tmp_path / "checkpoint_2026-11-24_10-00-03.0"), 30)
+
+
 def test_resume_from_an_incomplete_step_is_refused_by_name(tmp_path):
     d = _fake(tmp_path, 20, world=2, markers=1)
     with pytest.raises(ConfigError, match=r"step_00000020.*incomplete"):
