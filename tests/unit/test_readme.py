@@ -32,7 +32,7 @@ def _commands() -> list[str]:
 
 def test_every_kiln_command_in_the_readme_parses():
     commands = _commands()
-    assert len(commands) >= 20, commands  # the how-to sections show the commands
+    assert len(commands) >= 15, commands  # the how-to sections show the commands
     parser = build_parser()
     shown = set()
     for line in commands:

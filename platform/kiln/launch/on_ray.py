@@ -39,9 +39,9 @@ def train(cfg: RunConfig, address: str | None = None, started: float | None = No
 
     The driver draws `bar` (the Python API's tqdm bar) or, on a terminal (`progress_stream`,
     stderr by default), a live progress line; elsewhere rank 0 logs a progress line every
-    `logging.progress_every` steps. The console
-    shows Kiln's own lines; Ray's and DeepSpeed's output goes to the run's `workers.log`
-    (`kiln.ray.console`), or to the console as well with `verbose`."""
+    `logging.progress_every` steps. The console shows Kiln's own lines; Ray's and DeepSpeed's
+    output goes to the run's `workers.log` (`kiln.ray.console`), or to the console as well with
+    `verbose`."""
     started = started or time.time()
     address = address or os.environ.get("RAY_ADDRESS")
     marks = startup_mark("command", started)
