@@ -30,29 +30,13 @@ def load_config(config: str | os.PathLike | dict | RunConfig | None = None,
                 overrides: Iterable[str] = ()) -> RunConfig:
     """A validated run config from a YAML path, a dict shaped like one, a `RunConfig`, or None
     (the defaults), with `a.b=c` overrides applied as `--set` applies them."""
-    overrides = list(overrides)
     if config is None or isinstance(config, (str, os.PathLike)):
-        return _load_yaml(config, overrides)
+        return _load_yaml(config, list(overrides))
     if isinstance(config, RunConfig):
         config = config.to_dict()
     if not isinstance(config, dict):
         raise ConfigError(f"config: expected a YAML path, a dict or a RunConfig, got {type(config).__name__}")
-    cfg = config_from_dict(config)
-    return _load_yaml(None, [*_as_overrides(cfg.to_dict()), *overrides]) if overrides else cfg
-
-
-def _as_overrides(tree: dict[str, Any], prefix: str = "") -> list[str]:
-    """A config tree as `a.b=c` overrides, so that user overrides apply on top of it exactly as
-    they do on a YAML file (one parser, one set of rules)."""
-    import json
-
-    out = []
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out += _as_overrides(value, f"{prefix}{key}.")
-        else:
-            out.append(f"{prefix}{key}={json.dumps(value)}")
-    return out
+    return config_from_dict(config, overrides)
 
 
 def train(config: str | os.PathLike | dict | RunConfig | None = None, overrides: Iterable[str] = (), *,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import copy
 import dataclasses
 import difflib
 import inspect
@@ -22,6 +23,7 @@ import tempfile
 import textwrap
 import types
 import typing
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
@@ -668,13 +670,16 @@ def read_yaml_mapping(path: str | os.PathLike, what: str) -> dict[str, Any]:
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()) -> RunConfig:
     """Read a YAML run config (or the defaults), apply `a.b=c` overrides, validate."""
     tree = read_yaml_mapping(path, f"config file {str(path)!r}") if path is not None else {}
+    return config_from_dict(tree, overrides)
+
+
+def config_from_dict(tree: dict[str, Any], overrides: Iterable[str] = ()) -> RunConfig:
+    """A validated config from a tree shaped like the YAML (left as it was), with `a.b=c`
+    overrides applied as `--set` applies them."""
+    tree = copy.deepcopy(tree)
     for text in overrides:
         key, value = parse_override(text)
         set_dotted(tree, key, value)
-    return build_section(RunConfig, tree).validate()
-
-
-def config_from_dict(tree: dict[str, Any]) -> RunConfig:
     return build_section(RunConfig, tree).validate()
 
 
