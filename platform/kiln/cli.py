@@ -10,14 +10,43 @@ from __future__ import annotations
 
 import argparse
 import sys
+import typing
 from pathlib import Path
 
 from kiln.clock import process_start
 from kiln.errors import ConfigError, KilnError
 from kiln.launch.console import run_reporting_errors
-from kiln.tracking.redact import configure_logging
+from kiln.redact import configure_logging
+from kiln.storage import writable_dir, write_whole
 
 _STARTED = process_start()
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's usage errors in Kiln's one-line form (`kiln: error: ...`), still exit 2."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.print_usage(sys.stderr)
+        self.exit(2, f"kiln: error: {self.prog}: {message}\n")
+
+
+def _output_file(path: str | None, flag: str) -> Path | None:
+    """A file the command writes when it is done, checked before it starts: its directory must
+    exist and take new files, so a typo does not cost a finished run its result."""
+    if path is None:
+        return None
+    out = Path(path)
+    parent = out.parent.resolve()
+    if out.is_dir() or not parent.is_dir() or not writable_dir(parent):
+        raise ConfigError(f"{flag} {path}: expected a file path in an existing directory this user can write to")
+    return out
+
+
+def _port(text: str) -> int:
+    """An argparse type: a TCP port a server can listen on."""
+    if not text.isdigit() or not 1 <= int(text) <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a port number in 1..65535")
+    return int(text)
 
 
 def _add_train_args(p: argparse.ArgumentParser) -> None:
@@ -46,7 +75,7 @@ def _flavours() -> list[str]:
 def build_parser() -> argparse.ArgumentParser:
     import kiln
 
-    parser = argparse.ArgumentParser(prog="kiln", description="Efficient LLM training on Ray.")
+    parser = _Parser(prog="kiln", description="Efficient LLM training on Ray.")
     parser.add_argument("--version", action="version", version=f"kiln {kiln.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for add in (_data_parser, _train_parser, _sweep_parser, _lr_parser, _runs_parser, _plan_parser,
@@ -168,11 +197,11 @@ def _services_parser(sub) -> None:
         s.add_argument("--dir", default="runs/services", help="state, logs, SQLite store and artifacts")
         if name == "up":
             s.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
-            s.add_argument("--port", type=int, default=5000, help="MLflow server port (default 5000)")
+            s.add_argument("--port", type=_port, default=5000, help="MLflow server port (default 5000)")
             s.add_argument("--backend-store-uri", help="default sqlite:///<dir>/mlflow.db; e.g. postgresql://...")
             s.add_argument("--artifacts-destination", help="default <dir>/artifacts; e.g. s3://bucket/mlflow")
             s.add_argument("--prometheus", action="store_true", help="also run Prometheus on Ray's metrics")
-            s.add_argument("--prometheus-port", type=int, default=9090, help="Prometheus port (default 9090)")
+            s.add_argument("--prometheus-port", type=_port, default=9090, help="Prometheus port (default 9090)")
 
 
 def _config_parser(sub) -> None:
@@ -220,6 +249,7 @@ def _train(args: argparse.Namespace) -> int:
         steps = load_config(args.config, overrides).train.max_steps
         overrides.append(f"train.profile.start_step={max(1, min(10, steps - 2))}")
     cfg = load_config(args.config, overrides)  # validated before anything starts
+    summary_json = _output_file(args.summary_json, "--summary-json")
     if args.dry_run:
         import os
 
@@ -231,8 +261,8 @@ def _train(args: argparse.Namespace) -> int:
         return 0
     summary = train(cfg, address=args.address, started=_STARTED, verbose=args.verbose)
     print(summary.render())
-    if args.summary_json:
-        Path(args.summary_json).write_text(summary.to_json())
+    if summary_json:
+        write_whole(summary_json, summary.to_json())
     return 0
 
 
@@ -248,6 +278,7 @@ def _runs(args: argparse.Namespace) -> int:
 def _sweep(args: argparse.Namespace) -> int:
     from kiln.sweep.run import run_sweep
 
+    summary_json = _output_file(args.summary_json, "--summary-json")
     if args.resume:
         from kiln.sweep.config import stored_sweep
 
@@ -257,8 +288,8 @@ def _sweep(args: argparse.Namespace) -> int:
 
         summary = run_sweep(load_sweep(args.config, args.overrides), address=args.address)
     print(summary.render())
-    if args.summary_json:
-        Path(args.summary_json).write_text(summary.to_json())
+    if summary_json:
+        write_whole(summary_json, summary.to_json())
     return 0
 
 
@@ -267,9 +298,7 @@ def _lr(args: argparse.Namespace) -> int:
     from kiln.train.schedule import plot_schedule
 
     cfg = load_config(args.config, args.overrides)
-    out = Path(args.out)
-    if out.is_dir() or not out.parent.resolve().is_dir():
-        raise ConfigError(f"--out {args.out}: expected a PNG file path in an existing directory")
+    _output_file(args.out, "--out")
     plot_schedule(cfg.schedule, cfg.optim.lr, cfg.train.max_steps, args.out)
     print(f"wrote {args.out}: {cfg.schedule.name} over {cfg.train.max_steps} steps, peak lr {cfg.optim.lr:g}")
     return 0
@@ -319,7 +348,7 @@ def _services(args: argparse.Namespace) -> int:
 
 def _config(args: argparse.Namespace) -> int:
     from kiln.config import annotated_yaml, config_from_dict, load_config
-    from kiln.tracking.redact import redact_tree, scrub
+    from kiln.redact import redact_tree, scrub
 
     cfg = load_config(args.config, args.overrides)
     print(scrub(annotated_yaml(config_from_dict(redact_tree(cfg.to_dict())))))  # never a secret in clear

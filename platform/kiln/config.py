@@ -19,6 +19,7 @@ import difflib
 import inspect
 import math
 import os
+import re
 import tempfile
 import textwrap
 import types
@@ -43,6 +44,30 @@ def knob(default: Any, ok: typing.Callable[[Any], bool], allowed: str) -> Any:
     return field(default=default, metadata={RANGE: (ok, allowed)})
 
 
+MAX_STEPS = 1_000_000_000  # a billion optimizer steps: far past any run, short of an absurd typo
+MAX_SEQ_LEN = 10_000_000  # ten million tokens of context: past any model's, short of a typo
+MAX_INT = 1 << 53  # no config integer goes past this: beyond it a float (YAML's 1e26) is inexact
+
+
+def span(lo: float, hi: float, what: str = "an integer", note: str = "", *, lo_open: bool = False,
+         ) -> tuple[typing.Callable[[Any], bool], str]:
+    """`knob`'s (ok, allowed) for a number in [lo, hi] ((lo, hi] with lo_open): every numeric
+    field states its sane maximum, and the check and its message come from the same numbers."""
+    def ok(v: float) -> bool:
+        return (lo < v if lo_open else lo <= v) and v <= hi
+
+    allowed = f"{what} in {'(' if lo_open else '['}{_readable(lo)}, {_readable(hi)}]"
+    return ok, allowed + (f" ({note})" if note else "")
+
+
+def _readable(x: float) -> str:
+    """1e9 rather than 1000000000 where that is exact; every digit otherwise."""
+    short = f"{x:.0e}".replace("e+0", "e").replace("e+", "e")
+    if abs(x) >= 1e6 and float(short) == x:
+        return short
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+
 @dataclass
 class DataConfig:
     path: str = "data/stdlib-bpe"
@@ -51,10 +76,10 @@ class DataConfig:
     """S3-compatible endpoint URL (MinIO, moto, ...). Empty: $AWS_ENDPOINT_URL, else AWS."""
     s3_region: str = "us-east-1"
     """Region passed to the S3 client; most S3-compatible servers ignore it."""
-    prefetch_batches: int = knob(2, lambda v: v >= 0, "an integer >= 0")
+    prefetch_batches: int = knob(2, *span(0, 64))
     """Batches read ahead of the training step, hiding read and decode time: Ray Data's blocks
     ahead, and the depth of the loop's prefetch queue (pinned host memory on a GPU; at least 1)."""
-    read_task_cpus: float = knob(0.5, lambda v: v >= 0, "a number >= 0")
+    read_task_cpus: float = knob(0.5, *span(0, 1024, "a number"))
     """CPUs each Ray Data read task reserves. Decoding token Parquet is light next to training,
     so half a CPU; 0 lets reads run even where the training workers hold every CPU."""
 
@@ -63,26 +88,26 @@ class DataConfig:
 class ModelConfig:
     flavour: str = knob("debug", lambda v: v in FLAVOURS, f"one of {sorted(FLAVOURS)}")
     """Model shape: one of kiln.model.FLAVOURS (debug, gpt2-124m, 350m, 1.3b, 2.7b, 6.7b, 13b)."""
-    vocab_size: int = knob(0, lambda v: v >= 0, "0 (from the data) or a positive integer")
+    vocab_size: int = knob(0, *span(0, 10_000_000, note="0: from the data"))
     """0: the dataset's vocab padded to a multiple of 64. Must be >= the dataset's vocab."""
-    seq_len: int = knob(0, lambda v: v >= 0, "0 (from the data) or a positive integer")
+    seq_len: int = knob(0, *span(0, MAX_SEQ_LEN, note="0: from the data"))
     """0: the dataset's sequence length. Otherwise it must equal it."""
     dropout: float = knob(0.0, lambda v: 0.0 <= v < 1.0, "a number in [0, 1)")
     """Dropout on attention, MLP and embeddings; 0 is right for single-pass pretraining."""
     activation_checkpointing: bool = False
     """Recompute each block's activations during backward to save memory."""
-    n_layer: int = 0
+    n_layer: int = knob(0, *span(0, 1024, note="0: the flavour's depth"))
     """0: the flavour's depth. Otherwise that many blocks of the flavour's width (a deeper debug
     model gives a pipeline's stages something to split)."""
 
 
 @dataclass
 class ParallelConfig:
-    num_workers: int = knob(2, lambda v: v >= 1, "an integer >= 1")
+    num_workers: int = knob(2, *span(1, 100_000))
     """Ray Train workers (data-parallel ranks)."""
     use_gpu: bool = False
     """One GPU per worker, NCCL backend. False: CPU workers with gloo."""
-    cpus_per_worker: float = knob(1.0, lambda v: v > 0, "a number > 0")
+    cpus_per_worker: float = knob(1.0, *span(0, 1024, "a number", lo_open=True))
     """Logical CPUs Ray reserves per worker; also the worker's torch thread count."""
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
     """How Ray places the workers' bundles on nodes. PACK (Ray's default) fills few nodes, so
@@ -97,15 +122,15 @@ class ParallelConfig:
     """ZeRO-Infinity (stage 3 only): parameters live in CPU RAM (or on NVMe) between uses."""
     nvme_path: str = ""
     """Directory on fast local disk for 'nvme' offload; must exist on every worker."""
-    pipeline_stages: int = knob(1, lambda v: v >= 1, "an integer >= 1")
+    pipeline_stages: int = knob(1, *span(1, 1024))
     """Pipeline-parallel stages (DeepSpeed PipelineModule). num_workers must be a multiple of it;
     data-parallel replicas = num_workers / pipeline_stages."""
-    micro_batches: int = knob(4, lambda v: v >= 1, "an integer >= 1")
+    micro_batches: int = knob(4, *span(1, 100_000))
     """Micro-batches per optimizer step through the pipeline. The idle bubble is (P-1)/(M+P-1) of
     the step, so more micro-batches waste less."""
     partition_method: Literal["parameters", "uniform"] = "parameters"
     """How pipeline stages split the layers: balance parameter counts, or layer counts."""
-    device_memory_gib: float = knob(0.0, lambda v: v >= 0.0, "a number >= 0 (0: detect)")
+    device_memory_gib: float = knob(0.0, *span(0, 100_000, "a number", note="0: detect"))
     """Memory per device that the planner checks the run against before launch. 0: detected
     (the GPU's memory; on CPU workers, RAM divided by the workers on this node)."""
     cuda_alloc_conf: str = "expandable_segments:True"
@@ -128,7 +153,7 @@ class OptimConfig:
     add it to the gradient as L2, as each defines it. LAMB is Kiln's own (kiln.train.lamb)."""
     lr: float = knob(1e-3, lambda v: 0.0 < v < 10.0, "a number in (0, 10)")
     """Peak learning rate, reached at the end of warmup."""
-    weight_decay: float = knob(0.1, lambda v: v >= 0.0, "a number >= 0")
+    weight_decay: float = knob(0.1, *span(0, 10, "a number"))
     """Weight decay (decoupled for adamw and lamb, L2 for the others), on the groups no_decay leaves."""
     no_decay: str = knob(
         "norms,biases,embeddings", lambda v: _no_decay_ok(v), "a comma list of norms, biases, embeddings (or '')")
@@ -138,7 +163,7 @@ class OptimConfig:
     """First-moment decay (Adam, AdamW, LAMB)."""
     beta2: float = knob(0.95, lambda v: 0.0 <= v < 1.0, "a number in [0, 1)")
     """Second-moment decay (Adam, AdamW, LAMB); 0.95 rather than 0.999 is steadier for LLMs."""
-    eps: float = knob(1e-8, lambda v: v > 0.0, "a number > 0")
+    eps: float = knob(1e-8, *span(0, 1, "a number", lo_open=True))
     """Denominator epsilon (Adam, AdamW, LAMB, RMSprop)."""
     momentum: float = knob(0.9, lambda v: 0.0 <= v < 1.0, "a number in [0, 1)")
     """Momentum for SGD and RMSprop (0 disables it)."""
@@ -152,16 +177,16 @@ class OptimConfig:
 class ScheduleConfig:
     name: Literal["cosine", "linear", "constant", "exponential", "inverse_sqrt", "cosine_restarts"] = "cosine"
     """Shape of the learning rate after warmup (kiln.train.schedule has each formula)."""
-    warmup_steps: int = knob(20, lambda v: v >= 0, "an integer >= 0")
+    warmup_steps: int = knob(20, *span(0, MAX_STEPS))
     """Linear warmup from lr/warmup_steps to optim.lr over this many optimizer steps."""
     min_lr_ratio: float = knob(0.1, lambda v: 0.0 <= v <= 1.0, "a number in [0, 1]")
     """Floor of the LR as a fraction of optim.lr: cosine and linear end there, the others never
     go below it."""
-    decay_rate: float = knob(0.01, lambda v: v >= 0.0, "a number >= 0 (per step)")
+    decay_rate: float = knob(0.01, *span(0, 10, "a number", note="per step"))
     """exponential: lambda in lr_t = lr * exp(-lambda * t), t counted in steps after warmup."""
-    restart_period: int = knob(100, lambda v: v >= 1, "an integer >= 1")
+    restart_period: int = knob(100, *span(1, MAX_STEPS))
     """cosine_restarts (SGDR): steps in the first cosine cycle, T_0."""
-    restart_mult: int = knob(2, lambda v: v >= 1, "an integer >= 1")
+    restart_mult: int = knob(2, *span(1, 1000))
     """cosine_restarts (SGDR): each cycle is this many times longer than the last, T_mult."""
 
 
@@ -216,13 +241,13 @@ class HealthConfig:
 
 @dataclass
 class TrainConfig:
-    max_steps: int = knob(300, lambda v: v >= 1, "an integer >= 1")
+    max_steps: int = knob(300, *span(1, MAX_STEPS))
     """Optimizer steps to run."""
-    micro_batch_size: int = knob(16, lambda v: v >= 1, "an integer >= 1")
+    micro_batch_size: int = knob(16, *span(1, 100_000))
     """Sequences per worker per forward/backward."""
-    grad_accum_steps: int = knob(1, lambda v: v >= 1, "an integer >= 1")
+    grad_accum_steps: int = knob(1, *span(1, 100_000))
     """Micro-batches accumulated per optimizer step. Global batch = micro * accum * workers."""
-    grad_clip: float = knob(1.0, lambda v: v >= 0.0, "a number >= 0 (0 disables clipping)")
+    grad_clip: float = knob(1.0, *span(0, 1e6, "a number", note="0 disables clipping"))
     """Clip the global gradient norm to this; 0 disables clipping."""
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     """Compute precision. bf16/fp16 keep fp32 master weights; fp16 uses dynamic loss scaling."""
@@ -236,16 +261,16 @@ class TrainConfig:
     GPUs (fewer launches, less memory traffic) after a compile of tens of seconds, which the run
     summary reports apart; on CPU it rarely pays (see bench/RESULTS.md). ZeRO 0-2 only, no
     pipeline: ZeRO-3's parameter hooks and DeepSpeed's pipeline schedule break the graph."""
-    eval_every: int = knob(100, lambda v: v >= 0, "an integer >= 0")
+    eval_every: int = knob(100, *span(0, MAX_STEPS))
     """Validate every this many steps (and at the end); 0: only at the end."""
-    eval_batches: int = knob(16, lambda v: v >= 0, "an integer >= 0")
+    eval_batches: int = knob(16, *span(0, 1_000_000))
     """Validation micro-batches per worker per evaluation; 0: the whole validation split."""
-    checkpoint_every: int = knob(0, lambda v: v >= 0, "an integer >= 0")
+    checkpoint_every: int = knob(0, *span(0, MAX_STEPS))
     """Save a DeepSpeed checkpoint every this many steps; 0: only at the end."""
-    checkpoint_every_minutes: float = knob(0.0, lambda v: v >= 0, "a number of minutes >= 0 (0: off)")
+    checkpoint_every_minutes: float = knob(0.0, *span(0, 60 * 24 * 365, "a number of minutes", note="0: off"))
     """Also save once this many minutes have passed since the last save (0: off): bounds the work
     a failure can cost when step times vary. Ranks decide together, on their mean clock."""
-    keep_checkpoints: int = knob(0, lambda v: v >= 0, "an integer >= 0 (0: keep all)")
+    keep_checkpoints: int = knob(0, *span(0, 1_000_000, note="0: keep all"))
     """Keep only this many complete checkpoints (0: keep all), chosen by keep_checkpoints_by. Ray
     Train deletes the others from storage_path (CheckpointConfig.num_to_keep); the local launcher
     prunes its own."""
@@ -260,13 +285,13 @@ class TrainConfig:
     data.s3_endpoint and data.s3_region). On a multi-node cluster it must be shared storage, so a
     worker restarted on another node finds the checkpoint. Empty: $KILN_STORAGE_PATH (the files
     in cluster/ set it to the cluster's bucket), else ./runs."""
-    peak_flops: float = knob(0.0, lambda v: v >= 0.0, "a number >= 0")
+    peak_flops: float = knob(0.0, *span(0, 1e21, "a number", note="0: measure or look up"))
     """Per-device peak FLOP/s for MFU. 0: looked up for known GPUs, measured on CPU."""
     resume_from: str = ""
     """A checkpoint to start from: a run's directory (runs/<name>: its newest complete checkpoint)
     or one checkpoint in it (Ray Train's checkpoint_<time>, the local launcher's step_N). Weights,
     optimizer, LR schedule, step, RNG states; data continues after the batches already used."""
-    max_failures: int = knob(0, lambda v: v >= -1, "an integer >= -1 (-1: no limit)")
+    max_failures: int = knob(0, *span(-1, 1_000_000, note="-1: no limit"))
     """Restarts Ray Train may make after a worker or its node dies (FailureConfig); each restart
     resumes from the newest reported checkpoint, losing only the steps since. -1: no limit.
     Set train.checkpoint_every (or _minutes) too, or a restart begins again from step 0."""
@@ -286,11 +311,11 @@ class LoggingConfig:
     """MLflow run name; empty: generated from the flavour and a timestamp."""
     tracking_uri: str = ""
     """MLflow tracking URI. Empty: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the cwd."""
-    log_every: int = knob(1, lambda v: v >= 1, "an integer >= 1")
+    log_every: int = knob(1, *span(1, MAX_STEPS))
     """Log per-step metrics every this many steps (buffered, sent in batches)."""
-    progress_every: int = knob(10, lambda v: v >= 1, "an integer >= 1")
+    progress_every: int = knob(10, *span(1, MAX_STEPS))
     """Print a progress line every this many steps."""
-    outage_wait_s: float = knob(300.0, lambda v: v >= 0, "a number of seconds >= 0")
+    outage_wait_s: float = knob(300.0, *span(0, 7 * 24 * 3600, "a number of seconds"))
     """How long a finished run waits for an unreachable MLflow server to answer again before it
     writes the metrics it still holds to `undelivered-metrics-<run id>.jsonl` beside its
     checkpoints. Training itself never waits for MLflow."""
@@ -362,6 +387,16 @@ def no_decay_kinds(text: str) -> set[str]:
 
 def _no_decay_ok(text: str) -> bool:
     return no_decay_kinds(text) <= set(NO_DECAY_KINDS)
+
+
+def field_range(dotted: str) -> tuple[typing.Callable[[Any], bool], str]:
+    """The (ok, allowed) a RunConfig field declares with `knob`, for a flag elsewhere that sets
+    the same quantity (`kiln plan --seq-len` and model.seq_len share one limit)."""
+    cls: Any = RunConfig
+    *sections, name = dotted.split(".")
+    for section in sections:
+        cls = typing.get_type_hints(cls)[section]
+    return {f.name: f for f in dataclasses.fields(cls)}[name].metadata[RANGE]
 
 
 def _check_ranges(cfg: RunConfig) -> None:
@@ -519,16 +554,19 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     if tp is int:
         if isinstance(value, bool):
             raise ConfigError(f"{where} = {value!r} is not an integer")
+        number = None
         if isinstance(value, int):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        if isinstance(value, str):
-            try:
-                return int(value)
-            except ValueError:
-                pass
-        raise ConfigError(f"{where} = {value!r} is not an integer")
+            number = value
+        elif isinstance(value, float) and value.is_integer():
+            number = int(value)
+        elif isinstance(value, str):
+            with contextlib.suppress(ValueError):
+                number = int(value)
+        if number is None:
+            raise ConfigError(f"{where} = {value!r} is not an integer")
+        if abs(number) > MAX_INT:
+            raise ConfigError(f"{where} = {value!r} is too large: expected an integer of at most 2**53")
+        return number
     if tp is float:
         number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -616,6 +654,9 @@ def parse_override(text: str) -> tuple[str, Any]:
     if "=" not in text:
         raise ConfigError(f"--set {text!r}: expected KEY=VALUE, e.g. --set optim.lr=3e-4")
     key, raw = text.split("=", 1)
+    if not key.strip() or "" in key.strip().split("."):
+        raise ConfigError(f"--set {text!r}: {key.strip()!r} is not a field name; expected KEY=VALUE, "
+                          "e.g. --set optim.lr=3e-4")
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError:
@@ -639,6 +680,10 @@ def _mapping_without_duplicates(loader: _StrictLoader, node: yaml.MappingNode) -
 
 
 _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping_without_duplicates)
+# YAML 1.1 (PyYAML) needs a dot in a float, so `lr: 3e-4` would load as the string "3e-4";
+# YAML 1.2 and every user read it as a number, and so does Kiln, in run configs and sweep files.
+_StrictLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+$"), list("-+0123456789"))
 
 
 def _yaml_problem(e: yaml.YAMLError) -> str:
@@ -696,7 +741,7 @@ def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def annotated_yaml(cfg: RunConfig | None = None) -> str:
-    """The config as YAML with each field's docstring as a comment above it."""
+    """The config as YAML with each field's docstring, and its allowed range, as a comment above it."""
     cfg = cfg or RunConfig()
     lines: list[str] = []
     for section in dataclasses.fields(RunConfig):
@@ -705,8 +750,10 @@ def annotated_yaml(cfg: RunConfig | None = None) -> str:
         lines.append(f"{section.name}:")
         docs = field_docs(type(value))
         for f in dataclasses.fields(value):
-            if f.name in docs:
-                lines.extend(f"  # {line}" for line in textwrap.wrap(docs[f.name], 94))
+            doc = docs.get(f.name, "")
+            if RANGE in f.metadata:
+                doc += f" Allowed: {f.metadata[RANGE][1]}."
+            lines.extend(f"  # {line}" for line in textwrap.wrap(doc.strip(), 94))
             v = getattr(value, f.name)
             v = dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v
             dumped = yaml.safe_dump({f.name: v}, default_flow_style=True)

@@ -11,6 +11,7 @@ import contextlib
 import logging
 import os
 import posixpath
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -46,9 +47,25 @@ def absolute(path: str) -> str:
 
 def write_private(path: str | os.PathLike, text: str) -> None:
     """Write a local file that may hold connection settings: readable by its owner only (0600),
-    and whole or not at all (a temp file beside it, then a rename)."""
+    and whole or not at all."""
+    write_whole(path, text, 0o600)
+
+
+def writable_dir(path: str | os.PathLike) -> bool:
+    """Whether this process can create files in the directory `path`. Tried, not inferred from
+    mode bits (root ignores them; a read-only mount does not show in them): an unnamed temp file
+    (O_TMPFILE on Linux) that leaves nothing behind."""
+    try:
+        with tempfile.TemporaryFile(dir=path):
+            return True
+    except OSError:
+        return False
+
+
+def write_whole(path: str | os.PathLike, text: str, mode: int = 0o644) -> None:
+    """Write a local file whole or not at all: a temp file beside it, then a rename."""
     tmp = f"{os.fspath(path)}.tmp-{os.getpid()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
@@ -103,6 +120,17 @@ class Location:
                 f.write(data)
         except OSError as e:
             raise _storage_error(self, e) from None
+
+    def first_entry(self) -> str | None:
+        """The name of one entry directly below this location (None: empty), without walking
+        the tree under it."""
+        try:
+            infos = self.fs.get_file_info(pafs.FileSelector(self.path, recursive=False))
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise _storage_error(self, e) from None
+        return min((posixpath.basename(i.path.rstrip("/")) for i in infos), default=None)
 
     def list_files(self) -> list[str]:
         """Paths (relative to this location) of all files below it, sorted."""

@@ -1,7 +1,8 @@
 """A Ray Tune sweep on the shared Ray cluster: 6 trials, each a 2-worker Ray Train + DeepSpeed
 run on 2 cores (logical CPUs oversubscribed), ASHA stopping the laggards, every trial a child
 run in a real MLflow store, and `kiln runs compare` ranking them. Midway the driver gets Ctrl-C
-and the sweep is resumed with `kiln sweep --resume`: one run per trial all the same."""
+and the sweep is resumed with `kiln sweep --resume`: one run per trial all the same. The driver
+runs with planted secrets in its environment, and nothing the sweep prints or writes holds one."""
 
 import json
 import signal
@@ -15,6 +16,9 @@ import yaml
 from mlflow.tracking import MlflowClient
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tests" / "bad_inputs"))
+from cases import ENV_SECRETS  # noqa: E402
+
 KILN = str(Path(sys.executable).parent / "kiln")
 MAX_STEPS = 20
 
@@ -22,6 +26,7 @@ MAX_STEPS = 20
 @pytest.mark.timeout(1800)  # 6 Ray Train runs plus a restart, on 2 cores
 def test_asha_sweep_six_trials_parent_and_children_in_mlflow(ray_cluster, byte_dataset, tmp_path):
     address, _, env = ray_cluster
+    env = env | ENV_SECRETS
     db = f"sqlite:///{tmp_path}/mlflow.db"
     sweep = {
         "name": "it-sweep",
@@ -111,12 +116,20 @@ def test_asha_sweep_six_trials_parent_and_children_in_mlflow(ray_cluster, byte_d
 
     # `kiln runs compare` lists the trials in metric order.
     cmp = subprocess.run([KILN, "runs", "compare", "--experiment", "sweep-it", "--sweep", "it-sweep",
-                          "--tracking-uri", db, "--sort", "loss/val"], capture_output=True, text=True, timeout=120)
+                          "--tracking-uri", db, "--sort", "loss/val"], capture_output=True, text=True, timeout=120,
+                         env=env)
     assert cmp.returncode == 0, cmp.stderr
     lines = cmp.stdout.strip().splitlines()[2:]
     listed = [line.split()[1] for line in lines]  # the run-id column (12 chars)
     expected = sorted(children, key=lambda c: c.data.metrics["loss/val"])
     assert listed == [c.info.run_id[:12] for c in expected]
+
+    # No planted secret in the console, the state file, the MLflow store or anything else written.
+    printed = said + proc.stdout + proc.stderr + cmp.stdout + cmp.stderr
+    written = [f for f in tmp_path.rglob("*") if f.is_file()]
+    assert any(f.name == "kiln-sweep.json" for f in written)
+    assert not [s for s in ENV_SECRETS.values() if s in printed]
+    assert not [(f.name, s) for f in written for s in ENV_SECRETS.values() if s.encode() in f.read_bytes()]
 
 
 def _trial_runs(db: str) -> list:

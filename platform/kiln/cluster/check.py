@@ -24,7 +24,7 @@ from typing import Any
 import yaml
 
 from kiln.errors import ConfigError
-from kiln.tracking.redact import SECRET_PATTERN, TOKEN_SHAPES, URL_USERINFO
+from kiln.redact import SECRET_PATTERN, TOKEN_SHAPES, URL_USERINFO
 
 KUBERAY_KINDS = ("RayCluster", "RayJob")
 

@@ -168,6 +168,29 @@ def check_shards(manifest: Manifest) -> None:
                 raise DataError(
                     f"shard {loc.uri} has {meta.num_rows} rows but the manifest says {entry['rows']}"
                 )
+            low, high = _token_range(meta)
+            if high is not None and (low < 0 or high >= manifest.vocab_size):
+                raise DataError(f"shard {loc.uri} holds token ids {low}..{high}, but the manifest's "
+                                f"tokenizer.vocab_size is {manifest.vocab_size}: expected ids in "
+                                f"0..{manifest.vocab_size - 1}")
+
+
+def _token_range(meta: pq.FileMetaData) -> tuple[int | None, int | None]:
+    """The smallest and largest token id in a shard, from its footer's column statistics (no
+    data read); (None, None) where a writer left them out."""
+    lows, highs = [], []
+    for g in range(meta.num_row_groups):
+        group = meta.row_group(g)
+        for c in range(group.num_columns):
+            col = group.column(c)
+            if col.path_in_schema.split(".")[0] != TOKENS:
+                continue
+            stats = col.statistics
+            if stats is None or not stats.has_min_max:
+                return None, None
+            lows.append(stats.min)
+            highs.append(stats.max)
+    return (min(lows), max(highs)) if highs else (None, None)
 
 
 def find_corrupt_shards(manifest: Manifest, splits: tuple[str, ...] = ("train", "val"),

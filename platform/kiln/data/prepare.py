@@ -39,11 +39,13 @@ import kiln
 from kiln.data import replace
 from kiln.data.manifest import FORMAT_VERSION, MANIFEST, SAMPLE_ID, TOKENIZER_FILE, TOKENS
 from kiln.data.tokenizer import BPETokenizer, ByteTokenizer, describe, unigram_entropy_bits
+from kiln.config import MAX_INT, MAX_SEQ_LEN
 from kiln.errors import ConfigError, DataError, KilnError
 from kiln.storage import Location, resolve
 
 log = logging.getLogger(__name__)
 
+MAX_SHARD_TOKENS = 1 << 32  # 16 GiB of int32 tokens: a shard is built and read whole in memory
 TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".text", ".jsonl", ".parquet"}
 
 
@@ -91,13 +93,28 @@ def _input_files(inputs: list[str]) -> list[Path]:
         if not p.exists():
             raise DataError(f"input {raw!r} does not exist")
         if p.is_dir():
-            found = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in TEXT_SUFFIXES)
+            found = sorted(f for f in _walk(p, raw) if f.suffix in TEXT_SUFFIXES)
             if not found:
                 raise DataError(f"input directory {raw!r} holds no text files ({sorted(TEXT_SUFFIXES)})")
             files.extend(found)
         else:
             files.append(p)
     return files
+
+
+def _walk(root: Path, raw: str) -> Iterator[Path]:
+    """Every file under `root`. Unlike `Path.rglob`, which skips a directory it cannot list
+    without a word, an unreadable directory is an error that names it."""
+    def refuse(e: OSError) -> None:
+        if Path(e.filename) == root:
+            raise DataError(f"input directory {raw!r} cannot be read ({e.strerror})")
+        raise DataError(f"input {raw!r}: its directory {e.filename!r} cannot be read ({e.strerror})")
+
+    for folder, _, names in os.walk(root, onerror=refuse):
+        for name in names:
+            f = Path(folder) / name
+            if f.is_file():
+                yield f
 
 
 def _read_documents(path: Path, text_field: str) -> Iterator[str]:
@@ -255,11 +272,16 @@ def _validate(cfg: PrepareConfig) -> None:
         raise ConfigError(f"--vocab-size {cfg.vocab_size}: expected 257..{1 << 20} for BPE")
     if cfg.vocab_size < 1:
         raise ConfigError(f"--vocab-size {cfg.vocab_size}: expected a positive integer")
-    if cfg.seq_len < 2:
-        raise ConfigError(f"--seq-len {cfg.seq_len}: expected an integer >= 2")
+    if not 2 <= cfg.seq_len <= MAX_SEQ_LEN:
+        raise ConfigError(f"--seq-len {cfg.seq_len}: expected an integer in [2, {MAX_SEQ_LEN:_}]")
     if cfg.shard_tokens < cfg.seq_len + 1:
         raise ConfigError(f"--shard-tokens {cfg.shard_tokens}: expected at least one row of --seq-len + 1 = "
-                        f"{cfg.seq_len + 1} tokens per shard")
+                          f"{cfg.seq_len + 1} tokens per shard")
+    if cfg.shard_tokens > MAX_SHARD_TOKENS:
+        raise ConfigError(f"--shard-tokens {cfg.shard_tokens}: expected at most {MAX_SHARD_TOKENS:_} tokens "
+                          "per shard (a shard is read whole into memory)")
+    if not 0 <= cfg.seed <= MAX_INT:
+        raise ConfigError(f"--seed {cfg.seed}: expected an integer in [0, 2**53]")
     if cfg.on_binary not in ("error", "skip"):
         raise ConfigError(f"--on-binary {cfg.on_binary!r}: expected error or skip")
     if not 0.0 < cfg.val_fraction < 1.0:
@@ -271,13 +293,15 @@ def _validate(cfg: PrepareConfig) -> None:
 def _check_output(cfg: PrepareConfig, out: Location, fp: str) -> dict | None:
     """The Kiln dataset already at `out` that `if_exists` allows to reuse or replace (None: the
     output is new or empty); refuse anything else before any work is done."""
-    existing = out.list_files() if out.exists() else []
-    if not existing:
+    if cfg.if_exists == "overwrite":
+        replace.refuse_protected(out)
+    first = out.first_entry() if out.exists() else None
+    if first is None:
         return None
-    old = replace.kiln_manifest(out, existing)
-    if old is None:
+    old = replace.kiln_manifest(out)
+    if old is None:  # found without listing the tree below: --output / must not walk the disk
         raise DataError(f"output {out.uri} already holds files that are not a Kiln dataset (such as "
-                        f"{existing[0]}); Kiln never writes over them. Choose a new or empty --output")
+                        f"{first}); Kiln never writes over them. Choose a new or empty --output")
     same = old.get("fingerprint") == fp
     if same and cfg.if_exists == "reuse":
         return old
@@ -286,7 +310,6 @@ def _check_output(cfg: PrepareConfig, out: Location, fp: str) -> dict | None:
             f"output {out.uri} already holds {'this same dataset' if same else 'a different dataset'}; it "
             f"is never overwritten silently. Choose another --output, or pass --if-exists "
             f"{'reuse' if same else 'overwrite'}")
-    replace.refuse_protected(out)
     return old
 
 
@@ -297,6 +320,8 @@ def prepare(cfg: PrepareConfig | None = None, /, **fields) -> dict:
     cfg = cfg if cfg is not None else _config_from(fields)
     _validate(cfg)
     out = resolve(cfg.output, cfg.s3_endpoint)
+    if not out.is_s3:
+        replace.writable_ancestor(out)
     stats = CorpusStats()
     docs, corpus_hash = read_corpus(cfg, stats)
     fp = fingerprint(cfg, corpus_hash)

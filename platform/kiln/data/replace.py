@@ -22,17 +22,18 @@ from pathlib import Path
 
 from kiln.data.manifest import MANIFEST, TOKENIZER_FILE, is_kiln_manifest
 from kiln.errors import DataError
-from kiln.storage import Location, resolve
+from kiln.storage import Location, resolve, writable_dir
 
 log = logging.getLogger(__name__)
 
 
-def kiln_manifest(out: Location, files: list[str]) -> dict | None:
+def kiln_manifest(out: Location) -> dict | None:
     """The manifest at `out` when it is one `kiln data prepare` wrote, else None."""
-    if MANIFEST not in files:
+    mloc = out.join(MANIFEST)
+    if not mloc.info().is_file:
         return None
     try:
-        raw = json.loads(out.join(MANIFEST).read_bytes())
+        raw = json.loads(mloc.read_bytes())
     except (json.JSONDecodeError, UnicodeDecodeError):
         return None
     return raw if is_kiln_manifest(raw) else None
@@ -67,11 +68,25 @@ def staging(out: Location) -> Location:
     on S3 the final prefix itself."""
     if out.is_s3:
         return out
-    parent = Path(out.path).parent
-    parent.mkdir(parents=True, exist_ok=True)
-    tmp = parent / f".{Path(out.path).name}.tmp-{uuid.uuid4().hex[:8]}"
+    # In the nearest directory that exists, so a failure before `commit` leaves no new parents.
+    tmp = writable_ancestor(out) / f".{Path(out.path).name}.tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     return resolve(str(tmp))
+
+
+def writable_ancestor(out: Location) -> Path:
+    """The nearest existing directory at or above a local output's parent, after proving that
+    this process can create files in it; checked before any tokenizing, so a read-only or
+    mistyped --output fails in a second, not after the work."""
+    place = Path(out.path).parent
+    while not place.exists():
+        place = place.parent
+    if not place.is_dir():
+        raise DataError(f"--output {out.uri}: {place} is a file, not a directory")
+    if not writable_dir(place):
+        raise DataError(f"--output {out.uri}: cannot write in {place} (permission denied or a read-only "
+                        "filesystem)")
+    return place
 
 
 def remove_dataset(out: Location, manifest: dict) -> None:
@@ -89,6 +104,7 @@ def commit(staged: Location, out: Location, old: dict | None) -> None:
         return
     target = Path(out.path)
     if old is None and not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
         os.rename(staged.path, target)  # atomic: the whole dataset appears at once
         return
     if old is not None:

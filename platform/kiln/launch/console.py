@@ -20,7 +20,7 @@ import traceback
 from collections.abc import Callable
 
 from kiln.errors import KilnError
-from kiln.tracking.redact import scrub
+from kiln.redact import scrub
 
 
 def run_reporting_errors(command: Callable[[], int]) -> int:

@@ -31,7 +31,7 @@ from kiln.launch.preflight import preflight
 from kiln.launch.summary import Summary
 from kiln.parallel.engine import build_engine
 from kiln.parallel.pipeline import data_parallel_coords
-from kiln.tracking.redact import configure_logging
+from kiln.redact import configure_logging
 from kiln.train.loop import WorldInfo, train_loop
 from kiln.train.sinks import NullLogger, Sinks
 from kiln.ui.progress import sink_for

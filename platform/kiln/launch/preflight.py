@@ -23,9 +23,9 @@ from kiln.model import num_params
 from kiln.parallel.engine import check_offload_ops
 from kiln.parallel.pipeline import check_partition
 from kiln.plan.memory import plan_input, refuse_if_too_big
+from kiln.redact import scrub
 from kiln.storage import absolute, is_url, resolve
-from kiln.tracking.redact import scrub
-from kiln.tracking.server import check_reachable, resolve_tracking_uri
+from kiln.tracking.server import check_store, resolve_tracking_uri
 from kiln.train.checkpoint import resolve_resume
 
 log = logging.getLogger(__name__)
@@ -79,7 +79,7 @@ def preflight(cfg: RunConfig, remote_cluster: bool = False, storage_field: str =
     cfg = with_run_name(cfg)
     memory = check_resources(cfg, remote_cluster)
     tracking_uri = resolve_tracking_uri(cfg.logging.tracking_uri)
-    check_reachable(tracking_uri)
+    check_store(tracking_uri)
     check_storage(cfg, storage_field, local_storage)  # after with_run_name: $KILN_STORAGE_PATH
     return Checked(cfg, manifest, tracking_uri, memory)
 

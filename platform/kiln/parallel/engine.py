@@ -20,6 +20,7 @@ from kiln.errors import ConfigError
 from kiln.model import GPT, GPTConfig
 from kiln.parallel.ops import use_environment_cache
 from kiln.parallel.pipeline import check_coords, to_pipeline
+from kiln.redact import redact_tree
 from kiln.train.loop import WorldInfo, prepare_process
 from kiln.train.optim import (
     StepGate,
@@ -226,6 +227,9 @@ def initialize(cfg: RunConfig, mcfg: GPTConfig, data_parallel_size: int, device:
     scheduler = scheduler_fn(optimizer)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                            config=ds_config)
+    # DeepSpeed has parsed its config by now, and keeps the raw dict only to save it into every
+    # checkpoint (`ds_config`): masked, a secret in the passthrough never reaches a checkpoint.
+    engine.config = redact_tree(engine.config)
     install_fp32_clipping(engine)
     return engine, scheduler
 

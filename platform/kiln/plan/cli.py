@@ -6,7 +6,7 @@ import argparse
 import dataclasses
 import math
 
-from kiln.config import RunConfig, deepspeed_refusal, load_config
+from kiln.config import RunConfig, deepspeed_refusal, field_range, load_config, span
 from kiln.errors import ConfigError
 from kiln.model import FLAVOURS, GPTConfig, config_for
 from kiln.plan.memory import PlanInput, format_table, plan_input
@@ -33,8 +33,6 @@ def plan_from_args(args: argparse.Namespace) -> str:
         from kiln.devices import DEVICES
         from kiln.plan.throughput import cluster_from_yaml
 
-        if not 0 < args.mfu <= 1:
-            raise ConfigError(f"--mfu = {args.mfu}: expected a fraction in (0, 1]")
         cluster = cluster_from_yaml(args.cluster, args.nodes)
         args.world_size = args.world_size or cluster.world_size
         args.device_memory_gib = args.device_memory_gib or DEVICES[cluster.node.device].memory_gib
@@ -72,16 +70,23 @@ def _with_data_shapes(cfg: RunConfig) -> RunConfig:
         return cfg
 
 
+# Flags that set a run-config field take that field's range (kiln.config); the rest their own.
+_FIELD_OF_FLAG = {"seq_len": "model.seq_len", "vocab_size": "model.vocab_size", "world_size": "parallel.num_workers",
+                  "micro_batch": "train.micro_batch_size", "pipeline_stages": "parallel.pipeline_stages",
+                  "micro_batches": "parallel.micro_batches", "device_memory_gib": "parallel.device_memory_gib"}
+_OWN_RANGE = {"nodes": span(1, 100_000), "target_tokens": span(0, 1e18, "a number", lo_open=True),
+              "usd_per_hour": span(0, 1e9, "a number", lo_open=True), "mfu": span(0, 1, "a fraction", lo_open=True)}
+
+
 def _check_flags(args: argparse.Namespace) -> None:
-    """Numbers given on the command line: finite, and positive where a count or a size."""
-    for name in ("seq_len", "vocab_size", "world_size", "micro_batch", "pipeline_stages", "micro_batches", "nodes"):
+    """Numbers given on the command line: finite, positive, and within their field's range."""
+    for name in [*_FIELD_OF_FLAG, *_OWN_RANGE]:
         value = getattr(args, name, None)
-        if value is not None and value < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} = {value}: expected an integer >= 1")
-    for name in ("device_memory_gib", "target_tokens", "usd_per_hour", "mfu"):
-        value = getattr(args, name, None)
-        if value is not None and not (math.isfinite(value) and value > 0):
-            raise ConfigError(f"--{name.replace('_', '-')} = {value}: expected a finite number > 0")
+        if value is None:
+            continue
+        ok, allowed = _OWN_RANGE[name] if name in _OWN_RANGE else field_range(_FIELD_OF_FLAG[name])
+        if not (math.isfinite(value) and value > 0 and ok(value)):
+            raise ConfigError(f"--{name.replace('_', '-')} = {value}: expected {allowed}, and > 0")
 
 
 def _check(p: PlanInput) -> None:

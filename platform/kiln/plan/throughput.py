@@ -28,8 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
+from kiln.config import read_yaml_mapping
 from kiln.devices import DEVICES
 from kiln.errors import ConfigError
 from kiln.model import GPTConfig, flops_per_token, num_params
@@ -72,11 +71,10 @@ class Cluster:
 def cluster_from_yaml(path: str | Path, nodes: int | None = None) -> Cluster:
     """The GPU node type of a Ray launcher YAML and its node count (max_workers unless given)."""
     path = Path(path)
-    try:
-        cfg = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as e:
-        raise ConfigError(f"--cluster {path}: cannot read it: {e}") from None
-    types = (cfg or {}).get("available_node_types") or {}
+    cfg = read_yaml_mapping(path, f"--cluster {path}")
+    types = cfg.get("available_node_types") or {}
+    if not isinstance(types, dict) or not all(isinstance(t, dict) for t in types.values()):
+        raise ConfigError(f"--cluster {path}: available_node_types must map node type names to mappings")
     gpu = []
     for name, t in types.items():
         nc = t.get("node_config") or {}

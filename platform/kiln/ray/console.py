@@ -23,7 +23,7 @@ import sys
 import threading
 from collections.abc import Callable
 
-from kiln.tracking.redact import scrub
+from kiln.redact import scrub
 from kiln.ui.progress import CONSOLE_LOGGER
 
 log = logging.getLogger(__name__)

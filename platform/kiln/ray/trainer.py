@@ -29,9 +29,9 @@ from kiln.ray.console import WORKER_FORMAT
 from kiln.ray.live_metrics import RayLive, device_limit_bytes
 from kiln.ray.progress import BoardSink
 from kiln.ray.source import RayDataSource
+from kiln.redact import ScrubFilter
 from kiln.storage import absolute, resolve
 from kiln.tracking.mlflow_run import ArtifactLogger, MLflowLogger
-from kiln.tracking.redact import ScrubFilter
 from kiln.train.collectives import barrier
 from kiln.train.loop import WorldInfo, train_loop
 from kiln.train.sinks import NullLogger, Sinks

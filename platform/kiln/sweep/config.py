@@ -35,6 +35,7 @@ from kiln.config import (
     parse_override,
     read_yaml_mapping,
     set_dotted,
+    span,
 )
 from kiln.errors import ConfigError
 from kiln.storage import absolute
@@ -184,8 +185,9 @@ def validate(sweep: Sweep) -> None:
     for key, value in (("num_samples", cfg.num_samples), ("max_concurrent_trials", cfg.max_concurrent_trials),
                        ("scheduler.grace_period", cfg.scheduler.grace_period),
                        ("resources_per_trial.num_workers", cfg.resources_per_trial.num_workers)):
-        if value < 1:
-            raise ConfigError(f"sweep.{key} = {value} is out of range: expected an integer >= 1")
+        ok, allowed = span(1, 100_000)
+        if not ok(value):
+            raise ConfigError(f"sweep.{key} = {value} is out of range: expected {allowed}")
     if cfg.scheduler.name == "pbt":
         raise ConfigError("sweep.scheduler.name = 'pbt' is not supported yet: PBT copies one trial's checkpoint "
                           "into another, and Ray Train V2's TuneReportCallback hands Tune metrics only, not "
@@ -315,5 +317,16 @@ def stored_sweep(storage_path: str, name: str) -> Sweep:
         found = sorted(d for d in os.listdir(root) if os.path.isfile(os.path.join(root, d, STATE_FILE))) \
             if os.path.isdir(root) else []
         raise ConfigError(f"no sweep {name!r} to resume under {root} (no {STATE_FILE}); sweeps there: {found}")
-    with open(state) as f:
-        return Sweep.from_dict(json.load(f)["sweep"])
+    try:
+        with open(state) as f:
+            saved = json.load(f)
+        removed, tree = saved.get("secrets_removed", []), saved["sweep"]
+        sweep = Sweep.from_dict(tree)
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
+        raise ConfigError(f"{state} is not a Kiln sweep state file ({type(e).__name__}: {e})") from None
+    if removed:
+        raise ConfigError(
+            f"sweep {name!r} cannot be resumed: its state was saved without the secrets in {', '.join(removed)} "
+            "(Kiln never writes one to disk). Give credentials through the environment instead "
+            "(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, MLFLOW_TRACKING_USERNAME / _PASSWORD) and start it again")
+    return sweep

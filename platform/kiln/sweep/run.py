@@ -24,6 +24,7 @@ from typing import Any
 from kiln.errors import KilnError
 from kiln.launch.on_ray import connect_ray
 from kiln.launch.preflight import preflight
+from kiln.redact import redact_tree, redacted_paths
 from kiln.storage import absolute, write_private
 from kiln.sweep.config import STATE_FILE, Sweep, expected_trials, param_space
 from kiln.tracking.mlflow_run import Run, experiment_id
@@ -196,12 +197,14 @@ class SweepInterrupted(KilnError):
 
 
 def _start_parent(sweep: Sweep, uri: str, exp_dir: str) -> Run:
-    """A new sweep: its parent run, and the state file `--resume` reads (private: the base config
-    may hold connection settings)."""
+    """A new sweep: its parent run, and the state file `--resume` reads. The file never holds a
+    secret: those are masked, and their fields listed, so a resume can say what it lacks."""
     parent = _open_parent(sweep, uri, sweep.base_config.logging.experiment)
     os.makedirs(exp_dir, exist_ok=True)
-    write_private(os.path.join(exp_dir, STATE_FILE),
-                  json.dumps({"parent_run_id": parent.run_id, "sweep": sweep.to_dict()}, indent=2))
+    state = sweep.to_dict()
+    write_private(os.path.join(exp_dir, STATE_FILE), json.dumps(
+        {"parent_run_id": parent.run_id, "sweep": redact_tree(state), "secrets_removed": redacted_paths(state)},
+        indent=2))
     return parent
 
 

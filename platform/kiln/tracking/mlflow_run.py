@@ -20,8 +20,8 @@ import kiln
 from kiln.config import RunConfig, flatten
 from kiln.data.manifest import Manifest
 from kiln.errors import KilnError
+from kiln.redact import redact, redact_tree, scrub
 from kiln.tracking.plots import PLOTTED, training_plots
-from kiln.tracking.redact import redact, redact_tree, scrub
 from kiln.tracking.sender import Journal, Sender
 from kiln.tracking.source import UNKNOWN, git_commit
 from kiln.train.sinks import NullLogger

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 from kiln.errors import ConfigError, KilnError
-from kiln.tracking.server import check_reachable, resolve_tracking_uri
+from kiln.tracking.server import check_store, resolve_tracking_uri
 from kiln.ui.table import format_table
 
 DEFAULT_METRICS = ("loss/train", "loss/val", "throughput/tokens_per_s", "mfu")
@@ -17,14 +17,18 @@ def fetch_runs(experiment: str, tracking_uri: str = "", sort: str | None = None,
     per-step metrics) are left out of a ranking; `sweep` keeps only that sweep's trials."""
     from mlflow.tracking import MlflowClient
 
-    uri = resolve_tracking_uri(tracking_uri)
-    check_reachable(uri)
-    if uri.startswith("sqlite:///") and not os.path.exists(uri[len("sqlite:///"):]):
-        # MlflowClient would create an empty store just to report that it is empty.
-        raise KilnError(f"no MLflow store at {uri}: nothing has been logged here yet; pass --tracking-uri "
-                        "or set $MLFLOW_TRACKING_URI to where your runs are")
     if limit < 1:
         raise ConfigError(f"--limit {limit}: expected a positive number of runs")
+    for flag, text in (("--sweep", sweep), ("--sort", sort)):
+        if text and any(q in text for q in "'\"`"):
+            raise ConfigError(f"{flag} {text!r}: expected a name without quotes or backticks")
+    uri = resolve_tracking_uri(tracking_uri)
+    check_store(uri, "--tracking-uri")
+    path = uri[len("sqlite:///"):] if uri.startswith("sqlite:///") else None
+    if path is not None and not (os.path.isfile(path) and os.path.getsize(path)):
+        # MlflowClient would create an empty store (or fill an empty file) just to report that it is empty.
+        raise KilnError(f"no MLflow store at {uri}: nothing has been logged here yet; pass --tracking-uri "
+                        "or set $MLFLOW_TRACKING_URI to where your runs are")
     client = MlflowClient(uri)
     exp = client.get_experiment_by_name(experiment)
     if exp is None:

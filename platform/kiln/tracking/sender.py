@@ -26,7 +26,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from kiln.tracking.redact import scrub
+from kiln.redact import scrub
 from kiln.tracking.server import server_address
 
 log = logging.getLogger(__name__)

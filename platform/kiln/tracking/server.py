@@ -6,9 +6,9 @@ import os
 import socket
 from urllib.parse import urlparse
 
-from kiln.errors import KilnError
+from kiln.errors import ConfigError, KilnError
+from kiln.redact import scrub
 from kiln.storage import is_url
-from kiln.tracking.redact import scrub
 
 
 def resolve_tracking_uri(configured: str = "") -> str:
@@ -28,6 +28,38 @@ def server_address(uri: str) -> tuple[str, int] | None:
     if parsed.scheme not in ("http", "https"):
         return None
     return parsed.hostname, parsed.port or (443 if parsed.scheme == "https" else 80)
+
+
+# The schemes MLflow 3 has tracking stores for (a database's may name its driver:
+# postgresql+psycopg2://); anything else fails inside MLflow, after the run has started.
+STORE_SCHEMES = ("file", "sqlite", "postgresql", "mysql", "mssql", "http", "https", "databricks",
+                 "databricks-uc", "uc")
+SQLITE_HEADER = b"SQLite format 3\x00"
+
+
+def check_store(uri: str, name: str = "logging.tracking_uri") -> None:
+    """Before any work: MLflow has a store for the URI's scheme, a database's driver is
+    installed, an SQLite file is one, and a server answers. `name` is the field or flag that
+    gave the URI, for the error."""
+    scheme = urlparse(uri).scheme.partition("+")[0]
+    if scheme not in STORE_SCHEMES:
+        raise ConfigError(f"{name} = {scrub(uri)!r}: MLflow has no store for {scheme + '://'!r}; expected "
+                          "sqlite:///path, file:///path, http(s)://host:port or a database URL")
+    if scheme in ("postgresql", "mysql", "mssql"):
+        import sqlalchemy
+
+        try:
+            sqlalchemy.engine.make_url(uri).get_dialect().import_dbapi()
+        except ImportError as e:
+            raise KilnError(f"{name} = {scrub(uri)!r} needs the database driver {e.name!r}, which is not "
+                            f"installed here (pip install {e.name})") from None
+    if scheme == "sqlite":
+        path = uri[len("sqlite:///"):]
+        if os.path.isfile(path) and os.path.getsize(path):
+            with open(path, "rb") as f:
+                if f.read(len(SQLITE_HEADER)) != SQLITE_HEADER:
+                    raise KilnError(f"{name}: {path} is not an SQLite database, so not an MLflow store")
+    check_reachable(uri)
 
 
 def check_reachable(uri: str, timeout: float = 5.0) -> None:

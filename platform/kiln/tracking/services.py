@@ -27,6 +27,9 @@ import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import psutil
+import pydantic
+
 from kiln.errors import KilnError
 from kiln.storage import write_private
 
@@ -42,6 +45,9 @@ class Service:
     pid: int
     url: str
     log: str
+    started: float = 0.0
+    """The process's start time (psutil's create_time): with the pid, what makes it the process
+    Kiln started. A pid alone is reused after the server exits or the machine reboots."""
 
 
 def _alive(pid: int) -> bool:
@@ -57,6 +63,19 @@ def _alive(pid: int) -> bool:
         return done == 0
     except ChildProcessError:
         return True
+
+
+def _started(pid: int) -> float | None:
+    try:
+        return psutil.Process(pid).create_time()
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return None
+
+
+def _running(s: Service) -> bool:
+    """Whether the process Kiln recorded is still running: the pid alive and started when the
+    record says. Anything else under that pid is not Kiln's, and is never signalled."""
+    return _alive(s.pid) and _started(s.pid) == s.started
 
 
 def _port_free(host: str, port: int) -> bool:
@@ -88,13 +107,16 @@ def _wait_http(url: str, proc: subprocess.Popen, timeout: float, log_path: Path)
 
 
 def _load(root: Path) -> list[Service]:
+    path = root / STATE
     try:
-        return [Service(**s) for s in json.loads((root / STATE).read_text())]
+        return pydantic.TypeAdapter(list[Service]).validate_json(path.read_bytes(), strict=True)
     except FileNotFoundError:
         return []
-    except (json.JSONDecodeError, TypeError) as e:
-        raise KilnError(f"{root / STATE} is not a services state file ({e}); remove it and stop the "
-                        "processes by hand") from None
+    except pydantic.ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(map(str, first["loc"])) or "the file"
+        raise KilnError(f"{path} is not a services state file: at {where}, {first['msg'].lower()}; "
+                        "remove it and stop the processes by hand") from None
 
 
 def _save(root: Path, services: list[Service]) -> None:
@@ -112,8 +134,9 @@ def up(root: str | Path = "runs/services", host: str = "127.0.0.1", port: int = 
        backend_store_uri: str | None = None, artifacts_destination: str | None = None,
        prometheus: bool = False, prometheus_port: int = 9090, timeout: float = 120.0) -> list[Service]:
     root = Path(root).resolve()
-    root.mkdir(parents=True, exist_ok=True)
-    running = [s for s in _load(root) if _alive(s.pid)]
+    if root.exists() and not root.is_dir():
+        raise KilnError(f"--dir {root}: a file, not a directory for the services' state and logs")
+    running = [s for s in _load(root) if _running(s)]
     if running:
         raise KilnError(f"services already running from {root}: "
                         + ", ".join(f"{s.name} at {s.url} (pid {s.pid})" for s in running)
@@ -129,6 +152,7 @@ def up(root: str | Path = "runs/services", host: str = "127.0.0.1", port: int = 
         raise KilnError("--prometheus: no `prometheus` binary on PATH; install Debian's package "
                         "(apt-get install prometheus) or leave --prometheus off")
 
+    root.mkdir(parents=True, exist_ok=True)  # only once every check has passed
     started: list[Service] = []
     try:
         backend = backend_store_uri or f"sqlite:///{root / 'mlflow.db'}"
@@ -139,7 +163,7 @@ def up(root: str | Path = "runs/services", host: str = "127.0.0.1", port: int = 
                "--workers", "2"]
         proc = _spawn(cmd, mlflow_log)
         url = f"http://{host}:{port}"
-        started.append(Service("mlflow", proc.pid, url, str(mlflow_log)))
+        started.append(Service("mlflow", proc.pid, url, str(mlflow_log), _started(proc.pid) or 0.0))
         _wait_http(f"{url}/health", proc, timeout, mlflow_log)
         if prometheus:
             cfg = root / "prometheus.yml"
@@ -154,7 +178,7 @@ def up(root: str | Path = "runs/services", host: str = "127.0.0.1", port: int = 
             proc = _spawn([prom_bin, f"--config.file={cfg}", f"--storage.tsdb.path={root / 'prometheus-data'}",
                            f"--web.listen-address={host}:{prometheus_port}"], prom_log)
             purl = f"http://{host}:{prometheus_port}"
-            started.append(Service("prometheus", proc.pid, purl, str(prom_log)))
+            started.append(Service("prometheus", proc.pid, purl, str(prom_log), _started(proc.pid) or 0.0))
             _wait_http(f"{purl}/-/ready", proc, timeout, prom_log)
     except BaseException:
         _stop(started)
@@ -164,6 +188,12 @@ def up(root: str | Path = "runs/services", host: str = "127.0.0.1", port: int = 
 
 
 def _stop(services: list[Service], timeout: float = 30.0) -> None:
+    gone = [s for s in services if not _running(s)]
+    for s in gone:
+        if _alive(s.pid):
+            log.warning("pid %d is no longer the %s Kiln started (another process has that pid now); "
+                        "left alone", s.pid, s.name)
+    services = [s for s in services if s not in gone]
     for s in services:
         try:
             os.killpg(s.pid, signal.SIGTERM)  # the server and its gunicorn/uvicorn workers
@@ -186,4 +216,4 @@ def down(root: str | Path = "runs/services") -> list[Service]:
 
 
 def status(root: str | Path = "runs/services") -> list[tuple[Service, bool]]:
-    return [(s, _alive(s.pid)) for s in _load(Path(root).resolve())]
+    return [(s, _running(s)) for s in _load(Path(root).resolve())]

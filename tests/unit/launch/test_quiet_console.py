@@ -1,5 +1,7 @@
 """`kiln train` on the embedded Ray prints Kiln's lines only, and its summary last: Ray's and
-DeepSpeed's output goes to the run's workers.log, which the summary names."""
+DeepSpeed's output goes to the run's workers.log, which the summary names. The same run carries
+planted secrets (in the environment, a URL and the DeepSpeed passthrough), and nothing it
+prints or writes (console, workers.log, checkpoints, the MLflow store and artifacts) holds one."""
 
 import os
 import re
@@ -7,16 +9,20 @@ import subprocess
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bad_inputs"))
+from cases import DS_SECRET, DS_SET, ENV_SECRETS, TOKEN_USER  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[3]
 KILN = str(Path(sys.executable).parent / "kiln")
 KILN_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ kiln[\w.]*: ")  # the driver's and the router's format
 
 
 def test_the_demo_console_is_kilns_own_lines_ending_in_the_summary(byte_dataset, tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI")}
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI")} | ENV_SECRETS
     out = subprocess.run(
         [KILN, "train", "--config", str(REPO / "jobs/configs/debug.yaml"), "--set", f"data.path={byte_dataset}",
-         "--set", "train.max_steps=40", "--set", "train.eval_every=20", "--set", "train.checkpoint_every=40"],
+         "--set", "train.max_steps=40", "--set", "train.eval_every=20", "--set", "train.checkpoint_every=40",
+         "--set", DS_SET, "--set", f"data.s3_endpoint=http://{TOKEN_USER}@127.0.0.1:9"],
         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
     lines = out.stdout.splitlines()
     assert out.returncode == 0, out.stdout[-4000:]
@@ -37,3 +43,14 @@ def test_the_demo_console_is_kilns_own_lines_ending_in_the_summary(byte_dataset,
     said = log.read_text()
     assert "TrainingReport(" in said and "Setting up process group" in said
     assert "kiln.console" in said  # Kiln's own worker lines are kept there too
+
+    # No planted secret in anything the run printed or wrote (the MLflow store's bytes included),
+    # nor in `kiln runs list` over that store.
+    listed = subprocess.run([KILN, "runs", "list", "--experiment", "kiln-demo"], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert listed.returncode == 0 and "debug" in listed.stdout, listed.stderr[-2000:]
+    secrets = [*ENV_SECRETS.values(), DS_SECRET, TOKEN_USER]
+    assert not [s for s in secrets if s in out.stdout + listed.stdout + listed.stderr]
+    written = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert {p.name for p in written} >= {"mlflow.db", "workers.log"}
+    assert not [(p, s) for p in written for s in secrets if s.encode() in p.read_bytes()]

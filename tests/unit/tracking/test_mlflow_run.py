@@ -1,6 +1,6 @@
 import os
 
-from kiln.tracking.redact import REDACTED, redact
+from kiln.redact import REDACTED, redact
 from kiln.tracking.server import resolve_tracking_uri, ui_command
 
 
@@ -28,7 +28,7 @@ def test_tracking_uri_resolution(monkeypatch, tmp_path):
 
 
 def test_url_passwords_and_environment_secrets_are_scrubbed(monkeypatch):
-    from kiln.tracking.redact import redact_tree, scrub
+    from kiln.redact import redact_tree, scrub
 
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wJalrXUtnFEMI/K7MDENG")
     monkeypatch.setenv("RAY_AUTH_MODE", "token")  # a setting, not a secret: left alone

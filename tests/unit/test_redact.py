@@ -3,7 +3,7 @@ tokens, passwords holding `@`, and credentials known by their shape."""
 
 import pytest
 
-from kiln.tracking.redact import scrub
+from kiln.redact import scrub
 
 
 @pytest.mark.parametrize("text, expected", [

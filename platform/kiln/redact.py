@@ -42,6 +42,25 @@ def redact_tree(tree: Any) -> Any:
     return scrub(tree) if isinstance(tree, str) else tree
 
 
+def redacted_paths(tree: Any, prefix: str = "") -> list[str]:
+    """The dotted paths in a tree whose values `redact_tree` masks: what a file written with
+    the masked tree no longer holds."""
+    if isinstance(tree, dict):
+        items = tree.items()
+    elif isinstance(tree, list):
+        items = ((str(i), v) for i, v in enumerate(tree))
+    else:
+        return [prefix] if redact_tree(tree) != tree else []
+    found = []
+    for k, v in items:
+        path = f"{prefix}.{k}" if prefix else str(k)
+        if isinstance(k, str) and SECRET_PATTERN.search(k):
+            found.append(path)
+        else:
+            found.extend(redacted_paths(v, path))
+    return found
+
+
 def scrub(text: str) -> str:
     """Text with URL credentials masked (`user:***@`, or `***@` for a bare token), well-known
     token shapes masked, and the value of every credential-named environment variable (AWS

@@ -1,0 +1,392 @@
+"""The bad-input table: one row per mistake a user can make, across every `kiln` command.
+
+Each row is the command as typed (`{ws}` is the case's own empty directory, `{corpus}` a
+directory of real text, `{ds}` a copy of a valid byte dataset where `dataset=True`), what the
+one `kiln: error:` line must contain (the field or file it names), the exit code (2: the
+command or config is wrong, 1: it failed while running) and any files the user had there
+first. Secrets planted in a row's own arguments or files are listed in `secrets`; the
+harness adds secrets to every case's environment too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Planted in every case's environment, in the shapes `kiln.redact` knows.
+ENV_SECRETS = {
+    "AWS_ACCESS_KEY_ID": "AKIAPLANTEDENVKEY000",
+    "AWS_SECRET_ACCESS_KEY": "planted-env-aws-secret-Zq81",
+    "HF_TOKEN": "hf_PlantedEnvTokenValue0123456789ab",
+    "GITHUB_TOKEN": "ghp_PlantedEnvTokenValue0123456789abcd",
+    "MLFLOW_TRACKING_PASSWORD": "planted-env-mlflow-pw-Qx7",
+}
+PW = "planted-pass-Vb92"  # a password in a URL's userinfo
+TOKEN_USER = "ghp_PlantedUrlToken0123456789abcdefgh"  # a token as a URL's whole userinfo
+DS_SECRET = "planted-ds-secret-Kq55"  # in the DeepSpeed passthrough
+DS_SET = f"parallel.deepspeed.aws_secret_access_key={DS_SECRET}"
+
+
+@dataclass
+class Case:
+    id: str
+    argv: list[str]
+    needle: str
+    code: int = 2
+    files: dict[str, str | bytes] = field(default_factory=dict)
+    dataset: bool = False
+    secrets: tuple[str, ...] = ()
+
+
+def _train(id, sets, needle, code=2, **kw):
+    """A `kiln train` case; every one also carries a secret in the DeepSpeed passthrough."""
+    args = [a for s in [*sets, DS_SET] for a in ("--set", s)]
+    return Case(id, ["train", *args], needle, code, secrets=(DS_SECRET, *kw.pop("secrets", ())), **kw)
+
+
+def _cfg(id, yaml_text, needle, code=2, command="train", **kw):
+    """A config file the user wrote, given to a command that reads one."""
+    return Case(id, [*command.split(), "--config", "c.yaml"], needle, code, files={"c.yaml": yaml_text}, **kw)
+
+
+def _prep(id, args, needle, code=2, **kw):
+    base = {"--input": "{corpus}", "--output": "out", "--tokenizer": "byte", "--seq-len": "32"}
+    given = dict(zip(args[::2], args[1::2]))
+    argv = ["data", "prepare"] + [x for k, v in {**base, **given}.items() if v is not None for x in (k, v)]
+    return Case(id, argv, needle, code, **kw)
+
+
+
+
+PREPARE = [
+    _prep("prep-missing-input", ["--input", "nope.txt"], "input 'nope.txt' does not exist", 1),
+    _prep("prep-glob-no-match", ["--input", "*.nothing"], "input pattern '*.nothing' matches no files", 1),
+    _prep("prep-dir-without-text", ["--input", "pics"], "input directory 'pics' holds no text files", 1,
+          files={"pics/a.png": b"\x89PNG\r\n"}),
+    _prep("prep-empty-corpus", ["--input", "e"], "the corpus is empty", 1, files={"e/a.txt": ""}),
+    _prep("prep-binary-input", ["--input", "ls.txt"], "ls.txt", 1, files={"ls.txt": b"\x7fELF\x02\x01\x00\x00" * 64}),
+    _prep("prep-binary-only-skipped", ["--input", "ls.txt", "--on-binary", "skip"], "the corpus is empty", 1,
+          files={"ls.txt": b"\x7fELF\x02\x01\x00\x00" * 64}),
+    _prep("prep-jsonl-bad-json", ["--input", "d.jsonl"], "d.jsonl", 1, files={"d.jsonl": '{"text": "a"}\n{oops\n'}),
+    _prep("prep-jsonl-missing-field", ["--input", "d.jsonl", "--text-field", "body"], "body", 1,
+          files={"d.jsonl": '{"text": "hello there"}\n'}),
+    _prep("prep-parquet-not-parquet", ["--input", "d.parquet"], "d.parquet", 1, files={"d.parquet": "not parquet"}),
+    _prep("prep-seq-len-zero", ["--seq-len", "0"], "--seq-len 0"),
+    _prep("prep-seq-len-one", ["--seq-len", "1"], "--seq-len 1"),
+    _prep("prep-seq-len-negative", ["--seq-len", "-3"], "--seq-len -3"),
+    _prep("prep-seq-len-absurd", ["--seq-len", "100000000"], "--seq-len 100000000"),
+    _prep("prep-seq-len-not-int", ["--seq-len", "3e2"], "--seq-len"),
+    _prep("prep-vocab-negative-byte", ["--vocab-size", "-7"], "--vocab-size -7"),
+    _prep("prep-vocab-small-bpe", ["--tokenizer", "bpe", "--vocab-size", "100"], "--vocab-size 100"),
+    _prep("prep-vocab-absurd-bpe", ["--tokenizer", "bpe", "--vocab-size", "99999999"], "--vocab-size 99999999"),
+    _prep("prep-shard-tokens-negative", ["--shard-tokens", "-1"], "--shard-tokens -1"),
+    _prep("prep-shard-tokens-below-a-row", ["--shard-tokens", "5"], "--shard-tokens 5"),
+    _prep("prep-shard-tokens-absurd", ["--shard-tokens", "100000000000000"], "--shard-tokens 100000000000000"),
+    _prep("prep-val-fraction-zero", ["--val-fraction", "0"], "--val-fraction 0"),
+    _prep("prep-val-fraction-one", ["--val-fraction", "1"], "--val-fraction 1"),
+    _prep("prep-val-fraction-nan", ["--val-fraction", "nan"], "--val-fraction nan"),
+    _prep("prep-seed-negative", ["--seed", "-1"], "--seed -1"),
+    _prep("prep-unknown-tokenizer", ["--tokenizer", "sentencepiece"], "--tokenizer"),
+    _prep("prep-unknown-if-exists", ["--if-exists", "clobber"], "--if-exists"),
+    _prep("prep-unknown-on-binary", ["--on-binary", "ignore"], "--on-binary"),
+    _prep("prep-output-is-a-file", ["--output", "notes.txt"], "notes.txt", 1, files={"notes.txt": "mine"}),
+    _prep("prep-output-under-a-file", ["--output", "notes.txt/ds"], "notes.txt", 1, files={"notes.txt": "mine"}),
+    _prep("prep-output-foreign-dir", ["--output", "mine"], "not a Kiln dataset", 1, files={"mine/notes.md": "keep"}),
+    _prep("prep-overwrite-foreign-dir", ["--output", "mine", "--if-exists", "overwrite"], "not a Kiln dataset", 1,
+          files={"mine/notes.md": "keep", "mine/other/manifest.json": "{}"}),
+    _prep("prep-overwrite-cwd", ["--output", ".", "--if-exists", "overwrite"], "--output", 1,
+          files={"notes.md": "keep"}),
+    _prep("prep-overwrite-home", ["--output", "~", "--if-exists", "overwrite"], "--output", 1,
+          files={"home/notes.md": "keep"}),
+    _prep("prep-overwrite-root", ["--output", "/", "--if-exists", "overwrite"], "--output", 1),
+    _prep("prep-overwrite-repo-root", ["--output", "repo", "--if-exists", "overwrite"], "repo", 1,
+          files={"repo/.git/HEAD": "ref: refs/heads/main\n", "repo/manifest.json": "{}"}),
+    _prep("prep-different-dataset-there", ["--output", "ds", "--seq-len", "16"], "already holds a different dataset", 1,
+          dataset=True),
+    _prep("prep-fake-manifest-overwrite", ["--output", "fake", "--if-exists", "overwrite"], "not a Kiln dataset", 1,
+          files={"fake/manifest.json": '{"format_version": 1, "splits": {"train": {"shards": [{"path": "../x"}]}}}',
+                 "x": "keep"}),
+    _prep("prep-s3-unreachable", ["--output", "s3://bucket/ds", "--s3-endpoint", f"http://kiln:{PW}@127.0.0.1:9"],
+          "s3://bucket/ds", 1, secrets=(PW,)),
+    _prep("prep-s3-token-url", ["--output", "s3://bucket/ds", "--s3-endpoint", f"http://{TOKEN_USER}@127.0.0.1:9"],
+          "s3://bucket/ds", 1, secrets=(TOKEN_USER,)),
+    _prep("prep-s3-whole-bucket", ["--output", "s3://bucket", "--if-exists", "overwrite",
+                                   "--s3-endpoint", "http://127.0.0.1:9"], "s3://bucket", 1),
+    _prep("prep-no-output", ["--output", None], "--output"),
+    Case("prep-no-input", ["data", "prepare", "--output", "out"], "--input"),
+]
+
+VERIFY = [
+    Case("verify-missing", ["data", "verify", "nope"], "nope", 1),
+    Case("verify-no-manifest", ["data", "verify", "d"], "d", 1, files={"d/a.txt": "x"}),
+    Case("verify-manifest-not-json", ["data", "verify", "d"], "manifest.json", 1, files={"d/manifest.json": "{nope"}),
+    Case("verify-manifest-number", ["data", "verify", "d"], "manifest.json", 1, files={"d/manifest.json": "42"}),
+    Case("verify-manifest-latin1", ["data", "verify", "d"], "manifest.json", 1, files={"d/manifest.json": b'{"a": "\xe9"}'}),
+    Case("verify-tokenizer-a-string", ["data", "verify", "ds"], "tokenizer", 1, dataset=True),
+    Case("verify-shard-without-bytes", ["data", "verify", "ds"], "bytes", 1, dataset=True),
+    Case("verify-seq-len-changed", ["data", "verify", "ds"], "seq_len", 1, dataset=True),
+    Case("verify-shard-missing", ["data", "verify", "ds"], "is missing", 1, dataset=True),
+    Case("verify-shard-truncated", ["data", "verify", "ds"], "shard", 1, dataset=True),
+    Case("verify-shard-corrupted", ["data", "verify", "ds"], "does not match the SHA-256", 1, dataset=True),
+    Case("verify-format-version", ["data", "verify", "ds"], "format_version", 1, dataset=True),
+    Case("verify-vocab-below-tokens", ["data", "verify", "ds"], "vocab", 1, dataset=True),
+    Case("verify-s3-unreachable", ["data", "verify", "s3://bucket/ds", "--s3-endpoint", f"http://u:{PW}@127.0.0.1:9"],
+         "s3://bucket/ds", 1, secrets=(PW,)),
+]
+
+CONFIG_FILES = [
+    _cfg("config-empty", "", "c.yaml"),
+    _cfg("config-only-comments", "# nothing\n", "c.yaml"),
+    _cfg("config-duplicate-key", "train:\n  max_steps: 5\n  max_steps: 6\n", "max_steps"),
+    _cfg("config-latin1", b"train:\n  max_steps: 5 # caf\xe9\n", "c.yaml"),
+    _cfg("config-yaml-syntax", "train: [max_steps: 5\n", "c.yaml"),
+    _cfg("config-top-level-list", "- train\n", "c.yaml"),
+    _cfg("config-top-level-scalar", "42\n", "c.yaml"),
+    _cfg("config-section-a-list", "optim: []\n", "optim"),
+    _cfg("config-section-a-scalar", "optim: 3\n", "optim"),
+    _cfg("config-unknown-section", "optimiser:\n  lr: 0.1\n", "optimiser"),
+    _cfg("config-unknown-key", "optim:\n  lrr: 0.1\n", "optim.lrr"),
+    _cfg("config-overflow-float", "optim:\n  lr: 1e400\n", "optim.lr"),
+    _cfg("config-inf", "parallel:\n  cpus_per_worker: .inf\n", "parallel.cpus_per_worker"),
+    _cfg("config-nan", "optim:\n  lr: .nan\n", "optim.lr"),
+    _cfg("config-absurd-steps", "train:\n  max_steps: 1.0e+26\n", "train.max_steps"),
+    _cfg("config-steps-over-cap", "train:\n  max_steps: 2000000000\n", "train.max_steps"),
+    _cfg("config-steps-string", "train:\n  max_steps: many\n", "train.max_steps"),
+    _cfg("config-steps-bool", "train:\n  max_steps: true\n", "train.max_steps"),
+    _cfg("config-flavour-list", "model:\n  flavour: [debug]\n", "model.flavour"),
+    _cfg("config-deepspeed-not-mapping", "parallel:\n  deepspeed: 5\n", "parallel.deepspeed"),
+    _cfg("config-anchor-bomb", "a: &a [x, x, x]\nb: &b [*a, *a, *a]\nc: [*b, *b, *b]\n", "unknown config key 'a'"),
+    _cfg("config-python-tag", "train: !!python/object/apply:os.system ['true']\n", "c.yaml"),
+    _cfg("config-secret-in-uri-and-bad", f"logging:\n  tracking_uri: http://me:{PW}@127.0.0.1:9\n  log_every: 0\n",
+         "logging.log_every", secrets=(PW,)),
+    Case("config-missing-file", ["train", "--config", "nope.yaml"], "nope.yaml"),
+    Case("config-a-directory", ["train", "--config", "cfgdir"], "cfgdir", files={"cfgdir/x": ""}),
+    Case("config-binary", ["train", "--config", "c.yaml"], "c.yaml", files={"c.yaml": b"\x00\x01\x02\xff" * 30}),
+]
+
+OVERRIDES = [
+    _train("set-no-equals", ["optim.lr"], "optim.lr"),
+    _train("set-empty-key", ["=3"], "--set"),
+    _train("set-unknown-field", ["optim.lrr=0.1"], "optim.lrr"),
+    _train("set-unknown-section", ["optimiser.lr=0.1"], "optimiser"),
+    _train("set-too-deep", ["optim.lr.value=0.1"], "optim.lr"),
+    _train("set-lr-zero", ["optim.lr=0"], "optim.lr"),
+    _train("set-lr-negative", ["optim.lr=-1"], "optim.lr"),
+    _train("set-lr-inf", ["optim.lr=inf"], "optim.lr"),
+    _train("set-lr-nan", ["optim.lr=nan"], "optim.lr"),
+    _train("set-lr-word", ["optim.lr=fast"], "optim.lr"),
+    _train("set-zero-stage-4", ["parallel.zero_stage=4"], "parallel.zero_stage"),
+    _train("set-workers-zero", ["parallel.num_workers=0"], "parallel.num_workers"),
+    _train("set-workers-absurd", ["parallel.num_workers=10000000"], "parallel.num_workers"),
+    _train("set-steps-absurd", ["train.max_steps=100000000000000000000000000"], "train.max_steps"),
+    _train("set-micro-batch-zero", ["train.micro_batch_size=0"], "train.micro_batch_size"),
+    _train("set-accum-absurd", ["train.grad_accum_steps=1000000000"], "train.grad_accum_steps"),
+    _train("set-seq-len-absurd", ["model.seq_len=1000000000"], "model.seq_len"),
+    _train("set-vocab-negative", ["model.vocab_size=-5"], "model.vocab_size"),
+    _train("set-n-layer-absurd", ["model.n_layer=100000"], "model.n_layer"),
+    _train("set-dropout-one", ["model.dropout=1"], "model.dropout"),
+    _train("set-flavour-unknown", ["model.flavour=gpt5"], "model.flavour"),
+    _train("set-optimizer-unknown", ["optim.name=adafactor"], "optim.name"),
+    _train("set-schedule-unknown", ["schedule.name=step"], "schedule.name"),
+    _train("set-beta-one", ["optim.beta2=1"], "optim.beta2"),
+    _train("set-eps-zero", ["optim.eps=0"], "optim.eps"),
+    _train("set-warmup-negative", ["schedule.warmup_steps=-1"], "schedule.warmup_steps"),
+    _train("set-min-lr-ratio-two", ["schedule.min_lr_ratio=2"], "schedule.min_lr_ratio"),
+    _train("set-grad-clip-negative", ["train.grad_clip=-1"], "train.grad_clip"),
+    _train("set-precision-fp8", ["train.precision=fp8"], "train.precision"),
+    _train("set-fp16-on-cpu", ["data.path={ds}", "train.precision=fp16"], "train.precision", dataset=True),
+    _train("set-pipeline-zero2", ["parallel.pipeline_stages=2", "parallel.zero_stage=2"], "parallel.zero_stage"),
+    _train("set-pipeline-not-multiple", ["parallel.pipeline_stages=3"], "parallel.num_workers"),
+    _train("set-param-offload-zero2", ["parallel.offload_params=cpu"], "parallel.offload_params"),
+    _train("set-offload-gpu", ["parallel.offload_optimizer=gpu"], "parallel.offload_optimizer"),
+    _train("set-placement-unknown", ["parallel.placement_strategy=RANDOM"], "parallel.placement_strategy"),
+    _train("set-health-inject", ["train.health.inject=boom@3"], "train.health.inject"),
+    _train("set-health-spike", ["train.health.spike_factor=0.5"], "train.health.spike_factor"),
+    _train("set-health-window-absurd", ["train.health.spike_window=1e30"], "train.health.spike_window"),
+    _train("set-profile-ranks", ["train.profile.start_step=2", "train.profile.ranks=x"], "train.profile.ranks"),
+    _train("set-profile-past-end", ["train.max_steps=5", "train.profile.start_step=4"], "train.profile"),
+    _train("set-checkpoint-minutes-absurd", ["train.checkpoint_every_minutes=1e12"], "train.checkpoint_every_minutes"),
+    _train("set-keep-by-unknown", ["train.keep_checkpoints_by=oldest"], "train.keep_checkpoints_by"),
+    _train("set-max-failures", ["train.max_failures=-2"], "train.max_failures"),
+    _train("set-log-every-zero", ["logging.log_every=0"], "logging.log_every"),
+    _train("set-experiment-blank", ["logging.experiment= "], "logging.experiment"),
+    _train("set-peak-flops-absurd", ["train.peak_flops=1e30"], "train.peak_flops"),
+    _train("set-outage-wait-negative", ["logging.outage_wait_s=-1"], "logging.outage_wait_s"),
+    Case("set-deepspeed-scalar", ["train", "--set", "parallel.deepspeed=5"], "parallel.deepspeed"),
+    _train("set-data-section", ["data=3"], "data"),
+]
+
+LAUNCH = [
+    _train("train-no-dataset", ["data.path=nowhere"], "nowhere", 1),
+    _train("train-path-not-a-dataset", ["data.path=d"], "d", 1, files={"d/a.txt": "x"}),
+    _train("train-seq-len-mismatch", ["data.path={ds}", "model.seq_len=32"], "model.seq_len", dataset=True),
+    _train("train-vocab-too-small", ["data.path={ds}", "model.vocab_size=128"], "model.vocab_size", dataset=True),
+    _train("train-manifest-wrong-shape", ["data.path={ds}"], "tokenizer", 1, dataset=True),
+    _train("train-resume-missing", ["data.path={ds}", "train.resume_from=runs/nope"], "train.resume_from", 2,
+           dataset=True),
+    _train("train-resume-not-checkpoint", ["data.path={ds}", "train.resume_from=ckpt"], "train.resume_from", 2,
+           dataset=True, files={"ckpt/notes.txt": "x"}),
+    _train("train-tracking-unreachable", ["data.path={ds}", f"logging.tracking_uri=http://me:{PW}@127.0.0.1:9"],
+           "127.0.0.1:9", 1, dataset=True, secrets=(PW,)),
+    _train("train-tracking-bad-scheme", ["data.path={ds}", f"logging.tracking_uri=htpp://me:{PW}@127.0.0.1:9"],
+           "htpp://me:***@127.0.0.1:9", 2, dataset=True, secrets=(PW,)),
+    _train("train-storage-s3-unreachable", ["data.path={ds}", "train.storage_path=s3://bucket/runs",
+                                            f"data.s3_endpoint=http://{TOKEN_USER}@127.0.0.1:9"],
+           "s3://bucket/runs", 1, dataset=True, secrets=(TOKEN_USER,)),
+    _train("train-data-s3-unreachable", ["data.path=s3://bucket/ds", "data.s3_endpoint=http://127.0.0.1:9"],
+           "s3://bucket/ds", 1),
+    _train("train-too-big", ["data.path={ds}", "parallel.zero_stage=0", "parallel.device_memory_gib=0.025"],
+           "parallel.device_memory_gib", dataset=True),
+    _train("train-stage-without-block", ["data.path={ds}", "parallel.zero_stage=1", "parallel.pipeline_stages=2",
+                                         "parallel.partition_method=uniform"], "stage 1", dataset=True),
+    Case("train-address-garbage", ["train", "--address", "head-node", "--set", "data.path={ds}"], "head-node",
+         dataset=True),
+    Case("train-address-unreachable", ["train", "--address", "127.0.0.1:9", "--set", "data.path={ds}"],
+         "127.0.0.1:9", 1, dataset=True),
+    Case("train-summary-json-nowhere", ["train", "--set", "data.path={ds}", "--summary-json", "no/such/dir/s.json"],
+         "--summary-json", dataset=True),
+    Case("train-dry-run-bad", ["train", "--dry-run", "--set", "data.path=nowhere"], "nowhere", 1),
+    Case("train-unknown-flag", ["train", "--stepz", "5"], "--stepz"),
+]
+
+SWEEP_OK = "name: s\nbase: base.yaml\nspace:\n  optim.lr: {loguniform: [1e-4, 1e-2]}\n"
+BASE = "train:\n  max_steps: 20\n  eval_every: 10\n"
+
+
+def _sweep(id, text, needle, code=2, args=(), **kw):
+    return Case(id, ["sweep", "--config", "s.yaml", *args], needle, code,
+                files={"s.yaml": text, "base.yaml": BASE, **kw.pop("files", {})}, **kw)
+
+
+SWEEP = [
+    Case("sweep-missing-file", ["sweep", "--config", "nope.yaml"], "nope.yaml"),
+    _sweep("sweep-empty", "", "s.yaml"),
+    _sweep("sweep-a-list", "- 1\n", "s.yaml"),
+    _sweep("sweep-unknown-key", SWEEP_OK + "samples: 3\n", "samples"),
+    _sweep("sweep-no-name", SWEEP_OK.replace("name: s", "name: ''"), "name"),
+    _sweep("sweep-no-base", SWEEP_OK.replace("base: base.yaml", "base: ''"), "base"),
+    _sweep("sweep-base-missing", SWEEP_OK.replace("base.yaml", "gone.yaml"), "gone.yaml"),
+    _sweep("sweep-base-bad", SWEEP_OK, "optim.lrr", files={"base.yaml": "optim:\n  lrr: 1\n"}),
+    _sweep("sweep-space-empty", "name: s\nbase: base.yaml\nspace: {}\n", "sweep.space"),
+    _sweep("sweep-space-unknown-field", SWEEP_OK.replace("optim.lr", "optim.lrr"), "optim.lrr"),
+    _sweep("sweep-space-bad-kind", SWEEP_OK.replace("loguniform", "gaussian"), "sweep.space.optim.lr"),
+    _sweep("sweep-uniform-reversed", SWEEP_OK.replace("loguniform: [1e-4, 1e-2]", "uniform: [0.1, 0.01]"),
+           "low must be below high"),
+    _sweep("sweep-loguniform-zero", SWEEP_OK.replace("1e-4", "0"), "loguniform"),
+    _sweep("sweep-out-of-range-value", SWEEP_OK.replace("loguniform: [1e-4, 1e-2]", "uniform: [1e-3, 20.0]"),
+           "optim.lr"),
+    _sweep("sweep-num-samples-zero", SWEEP_OK + "num_samples: 0\n", "sweep.num_samples"),
+    _sweep("sweep-num-samples-absurd", SWEEP_OK + "num_samples: 1000000000\n", "sweep.num_samples"),
+    _sweep("sweep-concurrency-zero", SWEEP_OK + "max_concurrent_trials: 0\n", "sweep.max_concurrent_trials"),
+    _sweep("sweep-pbt", SWEEP_OK + "scheduler: {name: pbt}\n", "pbt"),
+    _sweep("sweep-grace-past-end", SWEEP_OK + "scheduler: {name: asha, grace_period: 50}\n", "grace_period"),
+    _sweep("sweep-grid-with-uniform", SWEEP_OK + "search: grid\n", "grid"),
+    _sweep("sweep-metric-without-eval", SWEEP_OK, "eval_every", files={"base.yaml": "train:\n  eval_every: 0\n"}),
+    _sweep("sweep-set-tag", SWEEP_OK, "name", args=("--set", "name.tag=x")),
+    _sweep("sweep-set-bad-override", SWEEP_OK, "optim.lrr", args=("--set", "overrides.optim.lrr=1")),
+    _sweep("sweep-secret-data-unreachable", SWEEP_OK + f"overrides:\n  data.path: s3://b/ds\n  data.s3_endpoint: "
+                                                       f"http://me:{PW}@127.0.0.1:9\n", "s3://b/ds", 1, secrets=(PW,)),
+    Case("sweep-resume-unknown", ["sweep", "--resume", "nope"], "nope"),
+    Case("sweep-no-config", ["sweep"], "--config"),
+]
+
+LR = [
+    Case("lr-out-a-dir", ["lr", "plot", "--out", "pics"], "--out pics", files={"pics/a": ""}),
+    Case("lr-out-missing-dir", ["lr", "plot", "--out", "no/such/lr.png"], "--out no/such/lr.png"),
+    Case("lr-out-under-a-file", ["lr", "plot", "--out", "f.txt/lr.png"], "--out f.txt/lr.png", files={"f.txt": "x"}),
+    Case("lr-bad-config", ["lr", "plot", "--set", "schedule.name=wavy"], "schedule.name"),
+    Case("lr-bad-warmup", ["lr", "plot", "--set", "schedule.warmup_steps=-4"], "schedule.warmup_steps"),
+    Case("lr-steps-absurd", ["lr", "plot", "--set", "train.max_steps=1e15"], "train.max_steps"),
+]
+
+RUNS = [
+    Case("runs-empty-dir", ["runs", "list"], "no MLflow store", 1),
+    Case("runs-empty-file", ["runs", "list", "--tracking-uri", "sqlite:///m.db"], "no MLflow store", 1,
+         files={"m.db": b""}),
+    Case("runs-unknown-experiment", ["runs", "list", "--tracking-uri", "sqlite:///m.db", "--experiment", "nope"],
+         "nope", 1, files={"m.db": "STORE"}),
+    Case("runs-limit-negative", ["runs", "list", "--limit", "-1", "--tracking-uri", "sqlite:///m.db"], "--limit -1"),
+    Case("runs-limit-zero", ["runs", "compare", "--limit", "0", "--tracking-uri", "sqlite:///m.db"], "--limit 0"),
+    Case("runs-limit-word", ["runs", "list", "--limit", "many"], "--limit"),
+    Case("runs-postgres-no-driver", ["runs", "list", "--tracking-uri", f"postgresql://me:{PW}@127.0.0.1:9/db"],
+         "postgresql://me:***@127.0.0.1:9/db", 1, secrets=(PW,)),
+    Case("runs-bad-scheme", ["runs", "list", "--tracking-uri", f"htpp://user:{PW}@127.0.0.1:9"], "htpp://user:***@", 2,
+         secrets=(PW,)),
+    Case("runs-token-url", ["runs", "list", "--tracking-uri", f"http://{TOKEN_USER}@127.0.0.1:9"], "127.0.0.1:9", 1,
+         secrets=(TOKEN_USER,)),
+    Case("runs-unreachable", ["runs", "compare", "--tracking-uri", "http://127.0.0.1:9"], "127.0.0.1:9", 1),
+    Case("runs-sqlite-missing-dir", ["runs", "list", "--tracking-uri", "sqlite:///no/such/m.db"], "no/such/m.db", 1),
+    Case("runs-quote-in-sweep", ["runs", "list", "--tracking-uri", "sqlite:///m.db", "--sweep", "a'b"], "--sweep", 2,
+         files={"m.db": "STORE"}),
+    Case("runs-quote-in-sort", ["runs", "compare", "--tracking-uri", "sqlite:///m.db", "--sort", "lo'ss"], "--sort", 2,
+         files={"m.db": "STORE"}),
+    Case("runs-db-not-sqlite", ["runs", "list", "--tracking-uri", "sqlite:///m.db"], "m.db", 1,
+         files={"m.db": "this is not a database" * 100}),
+]
+
+PLAN = [
+    Case("plan-unknown-model", ["plan", "--model", "huge"], "--model 'huge'"),
+    Case("plan-memory-nan", ["plan", "--model", "debug", "--device-memory-gib", "nan"], "--device-memory-gib"),
+    Case("plan-memory-inf", ["plan", "--model", "debug", "--device-memory-gib", "inf"], "--device-memory-gib"),
+    Case("plan-memory-negative", ["plan", "--model", "debug", "--device-memory-gib", "-8"], "--device-memory-gib"),
+    Case("plan-seq-negative", ["plan", "--model", "debug", "--seq-len", "-5"], "--seq-len"),
+    Case("plan-world-zero", ["plan", "--model", "debug", "--world-size", "0"], "--world-size"),
+    Case("plan-micro-zero", ["plan", "--model", "debug", "--micro-batch", "0"], "--micro-batch"),
+    Case("plan-pipeline-zero2", ["plan", "--model", "debug", "--world-size", "2", "--pipeline-stages", "2",
+                                 "--zero-stage", "2"], "zero"),
+    Case("plan-world-not-multiple", ["plan", "--model", "debug", "--world-size", "3", "--pipeline-stages", "2",
+                                     "--zero-stage", "1"], "--pipeline-stages"),
+    Case("plan-mfu-two", ["plan", "--model", "debug", "--mfu", "2"], "--mfu"),
+    Case("plan-mfu-nan", ["plan", "--model", "debug", "--mfu", "nan"], "--mfu"),
+    Case("plan-target-negative", ["plan", "--model", "debug", "--cluster", "{repo}/cluster/aws-gpu.yaml",
+                                  "--target-tokens", "-1"], "--target-tokens"),
+    Case("plan-usd-nan", ["plan", "--model", "debug", "--cluster", "{repo}/cluster/aws-gpu.yaml",
+                          "--usd-per-hour", "nan"], "--usd-per-hour"),
+    Case("plan-cluster-missing", ["plan", "--model", "debug", "--cluster", "nope.yaml"], "nope.yaml"),
+    Case("plan-cluster-binary", ["plan", "--model", "debug", "--cluster", "c.yaml"], "c.yaml",
+         files={"c.yaml": b"\x00\xff\xfe" * 50}),
+    Case("plan-nodes-zero", ["plan", "--model", "debug", "--cluster", "{repo}/cluster/aws-gpu.yaml", "--nodes", "0"],
+         "--nodes"),
+    Case("plan-bad-config", ["plan", "--config", "c.yaml"], "model.flavour", files={"c.yaml": "model: {flavour: 3b}\n"}),
+    Case("plan-memory-absurd", ["plan", "--model", "debug", "--device-memory-gib", "1e300"], "--device-memory-gib"),
+    Case("plan-vocab-zero", ["plan", "--model", "debug", "--vocab-size", "0"], "--vocab-size"),
+]
+
+CLUSTER = [
+    Case("cluster-missing", ["cluster", "check", "nope.yaml"], "nope.yaml"),
+    Case("cluster-a-dir", ["cluster", "check", "cdir"], "cdir", files={"cdir/a.yaml": "x: 1\n"}),
+    Case("cluster-binary", ["cluster", "check", "c.yaml"], "c.yaml", files={"c.yaml": b"\x7fELF\x00\xff" * 40}),
+    Case("cluster-not-yaml", ["cluster", "check", "c.yaml"], "c.yaml", files={"c.yaml": "a: [b\n"}),
+    Case("cluster-a-list", ["cluster", "check", "c.yaml"], "c.yaml", files={"c.yaml": "- a\n"}),
+    Case("cluster-empty", ["cluster", "check", "c.yaml"], "c.yaml", files={"c.yaml": ""}),
+    Case("cluster-no-provider", ["cluster", "check", "c.yaml"], "provider",
+         files={"c.yaml": "cluster_name: x\nmax_workers: 2\n"}),
+    Case("cluster-aws-secret", ["cluster", "check", "c.yaml"], "a credential in clear",
+         files={"c.yaml": "cluster_name: x\nprovider: {type: aws, region: us-east-1}\nsetup_commands:\n"
+                          f"  - export AWS_SECRET_ACCESS_KEY={PW}\n"}, secrets=(PW,)),
+    Case("cluster-kuberay-bad", ["cluster", "check", "k.yaml"], "k.yaml",
+         files={"k.yaml": "apiVersion: ray.io/v1\nkind: RayCluster\nspec: 3\n"}),
+]
+
+SERVICES = [
+    Case("services-status-corrupt", ["services", "status", "--dir", "svc"], "services.json", 1,
+         files={"svc/services.json": "{not json"}),
+    Case("services-down-corrupt", ["services", "down", "--dir", "svc"], "services.json", 1,
+         files={"svc/services.json": "[1, 2]"}),
+    Case("services-down-pid-a-word", ["services", "down", "--dir", "svc"], "services.json", 1,
+         files={"svc/services.json": '[{"name": "mlflow", "pid": "1; rm -rf /", "url": "u", "log": "l"}]'}),
+    Case("services-up-port-word", ["services", "up", "--dir", "svc", "--port", "http"], "--port"),
+    Case("services-up-port-out-of-range", ["services", "up", "--dir", "svc", "--port", "99999"], "--port"),
+    Case("services-up-dir-a-file", ["services", "up", "--dir", "f.txt"], "f.txt", 1, files={"f.txt": "x"}),
+    Case("services-up-running", ["services", "up", "--dir", "svc"], "already running", 1,
+         files={"svc/services.json": "RUNNING"}),
+]
+
+KILN_CONFIG = [
+    Case("kiln-config-bad-set", ["config", "--set", "optim.lr=-3"], "optim.lr"),
+    Case("kiln-config-missing", ["config", "--config", "nope.yaml"], "nope.yaml"),
+    Case("kiln-config-dup", ["config", "--config", "c.yaml"], "lr", files={"c.yaml": "optim:\n  lr: 1\n  lr: 2\n"}),
+    Case("kiln-unknown-command", ["fly"], "fly"),
+    Case("kiln-no-command", [], "command"),
+]
+
+CASES = PREPARE + VERIFY + CONFIG_FILES + OVERRIDES + LAUNCH + SWEEP + LR + RUNS + PLAN + CLUSTER + SERVICES + KILN_CONFIG

@@ -1,0 +1,37 @@
+"""`kiln services down` signals only the processes `up` started: a pid is checked against the
+start time recorded with it, so a pid reused by another process (after the server exited, or a
+reboot) is left alone."""
+
+import json
+import signal
+import subprocess
+
+import psutil
+
+from kiln.storage import write_private
+from kiln.tracking import services
+
+
+def _record(root, procs_and_starts):
+    write_private(root / services.STATE, json.dumps([
+        {"name": f"svc{i}", "pid": p.pid, "url": "http://127.0.0.1:1", "log": "l", "started": started}
+        for i, (p, started) in enumerate(procs_and_starts)]))
+
+
+def test_down_stops_what_up_started_and_leaves_a_reused_pid_alone(tmp_path):
+    ours = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    stranger = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    try:
+        # `stranger` has the pid the file records, but started an hour after the recorded start.
+        _record(tmp_path, [(ours, psutil.Process(ours.pid).create_time()),
+                           (stranger, psutil.Process(stranger.pid).create_time() - 3600)])
+        assert [alive for _, alive in services.status(tmp_path)] == [True, False]
+        stopped = services.down(tmp_path)
+        assert [s.pid for s in stopped] == [ours.pid, stranger.pid]  # what the file listed
+        assert ours.wait(timeout=30) == -signal.SIGTERM  # stopped, by down
+        assert stranger.poll() is None  # never signalled
+        assert not (tmp_path / services.STATE).exists()
+    finally:
+        for p in (ours, stranger):
+            p.kill()
+            p.wait()
