@@ -285,6 +285,8 @@ SWEEP = [
     _sweep("sweep-set-bad-override", SWEEP_OK, "optim.lrr", args=("--set", "overrides.optim.lrr=1")),
     _sweep("sweep-secret-data-unreachable", SWEEP_OK + f"overrides:\n  data.path: s3://b/ds\n  data.s3_endpoint: "
                                                        f"http://me:{PW}@127.0.0.1:9\n", "s3://b/ds", 1, secrets=(PW,)),
+    _sweep("sweep-no-ray-at-address", SWEEP_OK, "127.0.0.1:9", 1, args=("--address", "127.0.0.1:9"), dataset=True,
+           files={"base.yaml": BASE + "data:\n  path: ds\nlogging:\n  tracking_uri: sqlite:///m.db\n"}),
     Case("sweep-resume-unknown", ["sweep", "--resume", "nope"], "nope"),
     Case("sweep-no-config", ["sweep"], "--config"),
 ]
