@@ -28,7 +28,9 @@ def test_down_stops_what_up_started_and_leaves_a_reused_pid_alone(tmp_path):
         assert [alive for _, alive in services.status(tmp_path)] == [True, False]
         stopped = services.down(tmp_path)
         assert [s.pid for s in stopped] == [ours.pid, stranger.pid]  # what the file listed
-        assert ours.wait(timeout=30) == -signal.SIGTERM  # stopped, by down
+        # Stopped by down: wait() times out otherwise. Its code is -SIGTERM, or 0 where down's own
+        # liveness check reaped the zombie first (this test is the process's parent).
+        assert ours.wait(timeout=30) in (0, -signal.SIGTERM)
         assert stranger.poll() is None  # never signalled
         assert not (tmp_path / services.STATE).exists()
     finally:
