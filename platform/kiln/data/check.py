@@ -11,7 +11,7 @@ import dataclasses
 
 from kiln.config import RunConfig
 from kiln.data.manifest import Manifest, check_shards, load_manifest
-from kiln.errors import ConfigError, DataError
+from kiln.errors import ConfigError
 from kiln.model import padded_vocab
 from kiln.storage import absolute, resolve
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import pyarrow as pa
-import pydantic
 import pyarrow.parquet as pq
+import pydantic
 
 from kiln.errors import DataError
 from kiln.storage import Location

@@ -17,17 +17,15 @@ prepare leaves nothing that looks like a dataset.
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import hashlib
 import io
 import json
 import logging
 import os
-import shutil
 import time
-import uuid
 from collections.abc import Iterator
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,11 +34,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 import kiln
+from kiln.config import MAX_INT, MAX_SEQ_LEN
 from kiln.data import replace
 from kiln.data.manifest import FORMAT_VERSION, MANIFEST, SAMPLE_ID, TOKENIZER_FILE, TOKENS
 from kiln.data.tokenizer import BPETokenizer, ByteTokenizer, describe, unigram_entropy_bits
-from kiln.config import MAX_INT, MAX_SEQ_LEN
-from kiln.errors import ConfigError, DataError, KilnError
+from kiln.errors import ConfigError, DataError
 from kiln.storage import Location, resolve
 
 log = logging.getLogger(__name__)

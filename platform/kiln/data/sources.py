@@ -19,8 +19,8 @@ import pyarrow as pa
 import torch
 
 from kiln.data.manifest import SAMPLE_ID, TOKENS, Manifest, read_failure
-from kiln.errors import DataError
 from kiln.data.order import Slice, batches_per_epoch, read_slice, replica_slices, resume_point
+from kiln.errors import DataError
 
 # What a shard that cannot be read raises, also when Ray Data re-raises it from a read task
 # (its RayTaskError subclasses the original type). A lost actor or node is not among them.

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from kiln.data.manifest import load_manifest
-from kiln.errors import DataError
-from kiln.storage import resolve
 from kiln.data.order import Slice, batches_per_epoch, read_slice, replica_slices, resume_point
 from kiln.data.sources import ParquetSource, _checked_order, _micro_batches
+from kiln.errors import DataError
+from kiln.storage import resolve
 
 
 def _rows(slices: list[Slice], shard_rows: list[int]) -> list[int]:

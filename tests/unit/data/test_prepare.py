@@ -67,7 +67,7 @@ def test_bpe_tokenizer_is_saved_and_round_trips(tmp_path, corpus):
     text = "def parse(s):\n    return json.loads(s)  # ünïcode\n"
     assert tok.decode(tok.encode_batch([text])[0].tolist()) == text
     # BPE compresses: fewer tokens than bytes
-    assert m["splits"]["train"]["tokens"] < sum(len(open(f, "rb").read()) for d in corpus for f in __import__("glob").glob(d + "/**/*.py", recursive=True))
+    assert m["splits"]["train"]["tokens"] < sum(f.stat().st_size for d in corpus for f in Path(d).rglob("*.py"))
 
 
 def test_jsonl_and_parquet_inputs(tmp_path):
