@@ -36,9 +36,12 @@ $(DEMO_DATA): $(STAMP)
 	$(BIN)/kiln data prepare --input '$(STDLIB)/*.py' --output data/stdlib-bpe \
 		--tokenizer bpe --vocab-size 2048 --seq-len 128 --shard-tokens 131072 --if-exists reuse
 
-# Train the `debug` GPT with DeepSpeed ZeRO-2 on 2 Ray Train workers on an embedded local Ray.
+# Train the `debug` GPT with DeepSpeed ZeRO-2 on 2 Ray Train workers on an embedded local Ray,
+# then sample from the checkpoint it ended with (its path is in the run summary).
 demo: $(DEMO_DATA)
-	$(BIN)/kiln train --config jobs/configs/debug.yaml
+	$(BIN)/kiln train --config jobs/configs/debug.yaml --summary-json runs/demo-summary.json
+	$(BIN)/kiln generate --model "$$($(BIN)/python -c 'import json; print(json.load(open("runs/demo-summary.json"))["checkpoint"])')" \
+		--prompt 'def ' --prompt 'import ' --max-new-tokens 40 --temperature 0.8 --top-k 50
 
 # Debian's Prometheus (prometheus + promtool) for the dashboard and alert tests.
 prometheus-tools:
@@ -59,6 +62,7 @@ bench: $(DEMO_DATA)
 	$(BIN)/python bench/throughput.py
 	$(BIN)/python bench/checkpoint_overhead.py
 	$(BIN)/python bench/startup_cpu.py
+	$(BIN)/python bench/generate.py
 	# The example sweep with ASHA and with every trial to the end (~30 min on 2 cores).
 	$(BIN)/python bench/sweep_asha.py
 

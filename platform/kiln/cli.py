@@ -1,4 +1,4 @@
-"""The `kiln` command: data, train, sweep, runs, lr, plan, cluster, services, config.
+"""The `kiln` command: data, train, sweep, export, generate, runs, lr, plan, cluster, services, config.
 
 Every failure ends as one line (`kiln.launch.console`): a user's mistake or environment
 `kiln: error: ...`, a bug `kiln: internal error: ...`; a traceback, where there is one, goes to a
@@ -78,8 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="kiln", description="Efficient LLM training on Ray.")
     parser.add_argument("--version", action="version", version=f"kiln {kiln.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_data_parser, _train_parser, _sweep_parser, _lr_parser, _runs_parser, _plan_parser,
-                _cluster_parser, _services_parser, _config_parser):
+    for add in (_data_parser, _train_parser, _sweep_parser, _export_parser, _generate_parser, _eval_parser, _lr_parser,
+                _runs_parser, _plan_parser, _cluster_parser, _services_parser, _config_parser):
         add(sub)
     return parser
 
@@ -91,13 +91,17 @@ def _data_parser(sub) -> None:
     prep.add_argument("--input", action="append", required=True,
                       help="text file, directory, .jsonl or .parquet (repeatable)")
     prep.add_argument("--output", required=True, help="directory or s3://bucket/prefix")
-    prep.add_argument("--tokenizer", choices=["byte", "bpe"], default="bpe",
-                      help="bpe: a byte-level BPE trained on the train split (default); byte: 256 byte ids + EOT")
+    prep.add_argument("--tokenizer", default="bpe",
+                      help="bpe: a byte-level BPE trained on the train split (default); byte: 256 byte ids + EOT; "
+                           "or a pretrained tokenizer.json, or the Hugging Face directory of a model to fine-tune")
     prep.add_argument("--vocab-size", type=int, default=4096, help="BPE vocab size (default 4096)")
     prep.add_argument("--seq-len", type=int, default=128, help="tokens per training sequence")
     prep.add_argument("--val-fraction", type=float, default=0.1, help="share of documents for validation")
     prep.add_argument("--shard-tokens", type=int, default=1 << 20, help="target tokens per shard")
     prep.add_argument("--text-field", default="text", help="JSONL field / Parquet column with the text")
+    prep.add_argument("--prompt-field", default="", help="instruction data: the field holding each prompt "
+                      "(with --response-field; only responses are scored)")
+    prep.add_argument("--response-field", default="", help="instruction data: the field holding each response")
     prep.add_argument("--seed", type=int, default=1234, help="seeds the train/val split and the row shuffle")
     prep.add_argument("--if-exists", choices=["error", "reuse", "overwrite"], default="error",
                       help="if the output already holds a dataset (default: error)")
@@ -126,6 +130,77 @@ def _sweep_parser(sub) -> None:
     sweep.add_argument("--storage-path", default="runs/sweeps", help="with --resume: where the sweep's state is")
     sweep.add_argument("--address", default=None, help="Ray cluster address; default $RAY_ADDRESS, else embedded")
     sweep.add_argument("--summary-json", default=None, metavar="PATH", help="also write the ranked trials as JSON")
+
+
+_MODEL_HELP = ("a run's directory (its newest checkpoint), a checkpoint directory, an exported (Hugging Face) "
+               "directory, or an MLflow model: models:/NAME/VERSION or models:/MODEL_ID")
+_TRACKING_HELP = "MLflow store for models:/ URIs (default $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db)"
+
+
+def _tracking_uri(given: str) -> str:
+    from kiln.tracking.server import check_store, resolve_tracking_uri
+
+    uri = resolve_tracking_uri(given)
+    check_store(uri, "--tracking-uri")
+    return uri
+
+
+def _local_model(spec: str, tracking_uri: str) -> str:
+    """A models:/ or runs:/ URI downloaded from MLflow; any other spec as it is."""
+    if not spec.startswith(("models:/", "runs:/")):
+        return spec
+    from kiln.infer.mlflow_model import download
+
+    return download(spec, _tracking_uri(tracking_uri))
+
+
+def _export_parser(sub) -> None:
+    exp = sub.add_parser("export", help="write a trained model as a Hugging Face directory (safetensors)",
+                         description="Consolidate a checkpoint's ZeRO or pipeline shards into one Hugging Face "
+                                     "GPT-2 directory: config, model.safetensors, tokenizer, generation config.")
+    exp.add_argument("model", help=_MODEL_HELP)
+    exp.add_argument("--output", required=True, help="directory to create, or s3://bucket/prefix")
+    exp.add_argument("--s3-endpoint", default="", help="S3-compatible endpoint URL (default $AWS_ENDPOINT_URL)")
+    exp.add_argument("--overwrite", action="store_true", help="replace an earlier export at --output")
+    exp.add_argument("--tracking-uri", default="", help=_TRACKING_HELP)
+
+
+def _generate_parser(sub) -> None:
+    from kiln.infer.generate import Sampling
+
+    d = Sampling()
+    gen = sub.add_parser("generate", help="sample text from a trained model, streamed as it decodes")
+    gen.add_argument("--model", required=True, help=_MODEL_HELP)
+    gen.add_argument("--prompt", action="append", default=[], help="text to continue (repeatable)")
+    gen.add_argument("--prompts", metavar="FILE", help="a file of prompts, one per line")
+    gen.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, help=f"default {d.max_new_tokens}")
+    gen.add_argument("--temperature", type=float, default=d.temperature, help=f"0: greedy (default {d.temperature})")
+    gen.add_argument("--top-k", type=int, default=d.top_k, help="sample among the k likeliest (default 0: all)")
+    gen.add_argument("--top-p", type=float, default=d.top_p, help="nucleus: the likeliest summing to p (default 1)")
+    gen.add_argument("--repetition-penalty", type=float, default=d.repetition_penalty,
+                     help="> 1 discourages recent tokens (default 1: off)")
+    gen.add_argument("--repetition-window", type=int, default=d.repetition_window,
+                     help=f"how many recent tokens the penalty looks at (default {d.repetition_window})")
+    gen.add_argument("--seed", type=int, default=d.seed, help=f"sampling seed (default {d.seed})")
+    gen.add_argument("--no-stop", action="store_true", help="do not stop at end-of-text")
+    gen.add_argument("--batch-size", type=int, default=1, help="prompts decoded together (default 1: streamed)")
+    gen.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    gen.add_argument("--tracking-uri", default="", help=_TRACKING_HELP)
+
+
+def _eval_parser(sub) -> None:
+    ev = sub.add_parser("eval", help="a model's loss and bits per byte on a prepared dataset",
+                        description="Score a split of a dataset prepared with the model's tokenizer. Bits per byte "
+                                    "compare models with different tokenizers. With an MLflow model (models:/...) "
+                                    "or --run-id, the figures are logged to that run.")
+    ev.add_argument("--model", required=True, help=_MODEL_HELP)
+    ev.add_argument("--data", required=True, help="dataset directory or s3://bucket/prefix")
+    ev.add_argument("--split", choices=["val", "train"], default="val", help="default val")
+    ev.add_argument("--batch-size", type=int, default=8, help="rows per forward (default 8)")
+    ev.add_argument("--max-batches", type=int, default=0, help="stop after this many batches (default 0: all)")
+    ev.add_argument("--run-id", default="", help="MLflow run to log the figures to")
+    ev.add_argument("--tracking-uri", default="", help=_TRACKING_HELP)
+    ev.add_argument("--s3-endpoint", default="", help="S3-compatible endpoint URL (default $AWS_ENDPOINT_URL)")
 
 
 def _lr_parser(sub) -> None:
@@ -214,7 +289,8 @@ def _config_parser(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     """Carry out a parsed command; its handler prints the result and returns the exit code."""
     handlers = {"data": _data, "train": _train, "runs": _runs, "sweep": _sweep, "lr": _lr, "plan": _plan,
-                "cluster": _cluster, "services": _services, "config": _config}
+                "cluster": _cluster, "services": _services, "config": _config, "export": _export,
+                "generate": _generate, "eval": _eval}
     return handlers[args.command](args)
 
 
@@ -226,7 +302,7 @@ def _data(args: argparse.Namespace) -> int:
     m = prepare(PrepareConfig(
         inputs=args.input, output=args.output, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
         seq_len=args.seq_len, val_fraction=args.val_fraction, shard_tokens=args.shard_tokens,
-        text_field=args.text_field, seed=args.seed, if_exists=args.if_exists, s3_endpoint=args.s3_endpoint,
+        text_field=args.text_field, prompt_field=args.prompt_field, response_field=args.response_field, seed=args.seed, if_exists=args.if_exists, s3_endpoint=args.s3_endpoint,
         on_binary=args.on_binary,
     ))
     tr, va = m["splits"]["train"], m["splits"]["val"]
@@ -291,6 +367,66 @@ def _sweep(args: argparse.Namespace) -> int:
     if summary_json:
         write_whole(summary_json, summary.to_json())
     return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from kiln.infer.commands import export
+    from kiln.model import num_params
+
+    loaded, files = export(_local_model(args.model, args.tracking_uri), args.output, args.overwrite, args.s3_endpoint)
+    arch = {"gpt": "GPT-2", "llama": "Llama"}[loaded.cfg.arch]
+    print(f"exported {loaded.source} -> {args.output}: {arch} architecture, {num_params(loaded.cfg):,} "
+          f"non-embedding params, vocab {loaded.vocab_size}, {len(files)} files")
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from kiln.infer.commands import read_prompts, run_generate
+    from kiln.infer.generate import Sampling
+
+    s = Sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.repetition_penalty,
+                 args.repetition_window, args.seed, not args.no_stop)
+    check_sampling(s, args.batch_size)
+    prompts = read_prompts(args.prompt, args.prompts)
+
+    def write(text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    result = run_generate(_local_model(args.model, args.tracking_uri), prompts, s, args.batch_size, args.device, write)
+    print(f"{result.new_tokens} tokens in {result.seconds:.2f} s: "
+          f"{result.new_tokens / max(result.seconds, 1e-9):,.1f} tokens/s", file=sys.stderr)
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from kiln.infer.evaluate import evaluate_model
+
+    for flag, value in (("--batch-size", args.batch_size), ("--max-batches", args.max_batches + 1)):
+        if not 1 <= value <= 1_000_000:
+            raise ConfigError(f"{flag} {value}: expected an integer in {'0' if flag == '--max-batches' else '1'}..1000000")
+    uri = _tracking_uri(args.tracking_uri) if args.model.startswith(("models:/", "runs:/")) or args.run_id else ""
+    result, logged_to = evaluate_model(args.model, args.data, args.split, args.batch_size, args.max_batches,
+                                       args.s3_endpoint, uri, args.run_id)
+    print(f"eval {args.data} ({result.split}): loss {result.loss:.4f} nats/token, {result.bits_per_byte:.4f} "
+          f"bits/byte over {result.tokens:,} tokens ({result.bytes:,} bytes)"
+          + (f"; logged to MLflow run {logged_to}" if logged_to else ""))
+    return 0
+
+
+def check_sampling(s, batch_size: int) -> None:
+    """Each sampling control's range, named by its flag."""
+    checks = [("--max-new-tokens", s.max_new_tokens, 1 <= s.max_new_tokens <= 1_000_000, "an integer >= 1"),
+              ("--temperature", s.temperature, 0 <= s.temperature <= 100, "a number in [0, 100]"),
+              ("--top-k", s.top_k, s.top_k >= 0, "an integer >= 0"),
+              ("--top-p", s.top_p, 0 < s.top_p <= 1, "a number in (0, 1]"),
+              ("--repetition-penalty", s.repetition_penalty, 0 < s.repetition_penalty <= 100, "a number in (0, 100]"),
+              ("--repetition-window", s.repetition_window, s.repetition_window >= 0, "an integer >= 0"),
+              ("--seed", s.seed, 0 <= s.seed < 2**63, "an integer >= 0"),
+              ("--batch-size", batch_size, 1 <= batch_size <= 4096, "an integer in 1..4096")]
+    for flag, value, ok, expected in checks:
+        if not ok:
+            raise ConfigError(f"{flag} {value}: expected {expected}")
 
 
 def _lr(args: argparse.Namespace) -> int:

@@ -32,7 +32,7 @@ from typing import Any, Literal
 
 import yaml
 
-from kiln.errors import ConfigError
+from kiln.errors import ConfigError, KilnError
 from kiln.model import FLAVOURS, GPTConfig, config_for
 
 RANGE = "kiln.range"  # dataclass field metadata: (predicate, what is allowed)
@@ -87,7 +87,9 @@ class DataConfig:
 @dataclass
 class ModelConfig:
     flavour: str = knob("debug", lambda v: v in FLAVOURS, f"one of {sorted(FLAVOURS)}")
-    """Model shape: one of kiln.model.FLAVOURS (debug, gpt2-124m, 350m, 1.3b, 2.7b, 6.7b, 13b)."""
+    """Model family and shape: one of kiln.model.FLAVOURS. GPT-2 architecture: debug, gpt2-124m,
+    350m, 1.3b, 2.7b, 6.7b, 13b; Llama architecture (RoPE, RMSNorm, SwiGLU, grouped-query
+    attention): llama-debug, llama-1b, llama-7b."""
     vocab_size: int = knob(0, *span(0, 10_000_000, note="0: from the data"))
     """0: the dataset's vocab padded to a multiple of 64. Must be >= the dataset's vocab."""
     seq_len: int = knob(0, *span(0, MAX_SEQ_LEN, note="0: from the data"))
@@ -99,6 +101,11 @@ class ModelConfig:
     n_layer: int = knob(0, *span(0, 1024, note="0: the flavour's depth"))
     """0: the flavour's depth. Otherwise that many blocks of the flavour's width (a deeper debug
     model gives a pipeline's stages something to split)."""
+    init_from: str = ""
+    """A Hugging Face checkpoint directory or s3:// prefix (config.json and safetensors, GPT-2 or
+    Llama architecture; S3 through data.s3_endpoint) to start from, e.g. a model to fine-tune or a `kiln export`. Its shape replaces
+    the flavour's and its weights the random init; the data must be tokenized with its tokenizer
+    (`kiln data prepare --tokenizer <the directory>`), which is checked before launch."""
 
 
 @dataclass
@@ -319,6 +326,16 @@ class LoggingConfig:
     """How long a finished run waits for an unreachable MLflow server to answer again before it
     writes the metrics it still holds to `undelivered-metrics-<run id>.jsonl` beside its
     checkpoints. Training itself never waits for MLflow."""
+    log_model: bool = True
+    """Log the final checkpoint as an MLflow model of the run (a pyfunc that generates text, with
+    the Hugging Face export inside), linked to the run's final metrics. Needs a local
+    train.storage_path; sweep trials log none."""
+    register_as: str = ""
+    """Also register the logged model in MLflow's Model Registry under this name (a new version
+    each run); empty: not registered."""
+    export_to: str = ""
+    """A directory the final model is exported to when the run ends (`kiln export`'s Hugging Face
+    format; an earlier export there is replaced); empty: none."""
 
 
 @dataclass
@@ -502,14 +519,45 @@ def uses_cpu_adam(cfg: RunConfig) -> bool:
 
 
 def gpt_config(cfg: RunConfig) -> GPTConfig:
-    """The model's shape; vocab_size and seq_len must be resolved (non-zero) by now."""
+    """The model's shape; vocab_size and seq_len must be resolved (non-zero) by now. With
+    model.init_from, the checkpoint's shape (its context may be longer than the data's rows)."""
     m = cfg.model
     assert m.vocab_size > 0 and m.seq_len > 0, "resolve model.vocab_size/seq_len from the data first"
+    if m.init_from:
+        return dataclasses.replace(pretrained_shape(cfg), dropout=m.dropout,
+                                   activation_checkpointing=m.activation_checkpointing)
     depth = {"n_layer": m.n_layer} if m.n_layer else {}
     return config_for(
         m.flavour, vocab_size=m.vocab_size, seq_len=m.seq_len, dropout=m.dropout,
         activation_checkpointing=m.activation_checkpointing, **depth,
     )
+
+
+def model_name(cfg: RunConfig) -> str:
+    """What the console calls the model: its flavour, or the checkpoint it starts from."""
+    return f"{Path(cfg.model.init_from).name} (init_from)" if cfg.model.init_from else cfg.model.flavour
+
+
+def pretrained_dir(cfg: RunConfig) -> Path:
+    """model.init_from as a local directory (an s3:// prefix is copied into a local cache once
+    per machine, with data.s3_endpoint's S3)."""
+    from kiln.hf_checkpoint import local_copy
+
+    try:
+        return local_copy(cfg.model.init_from, cfg.data.s3_endpoint, cfg.data.s3_region)
+    except KilnError as e:
+        raise ConfigError(f"model.init_from = {cfg.model.init_from!r}: {e}") from None
+
+
+def pretrained_shape(cfg: RunConfig) -> GPTConfig:
+    """The shape of model.init_from's checkpoint, its config.json's errors named by the field."""
+    from kiln.hf_checkpoint import read_config
+
+    path = pretrained_dir(cfg)
+    try:
+        return read_config(path)
+    except ConfigError as e:
+        raise ConfigError(f"model.init_from = {cfg.model.init_from!r}: {e}") from None
 
 
 # ---- loading ----------------------------------------------------------------------------------

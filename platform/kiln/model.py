@@ -1,8 +1,16 @@
-"""A GPT decoder in plain PyTorch.
+"""A decoder-only transformer in plain PyTorch, in two families.
 
-This file imports only torch and reads top to bottom: config and flavours, attention, MLP,
-block, the model, and the FLOPs estimate used for MFU. Parallelism (DeepSpeed ZeRO, pipeline
-stages) is applied from outside; nothing here knows about Ray, DeepSpeed or MLflow.
+- `gpt`: GPT-2's architecture. Learned positions, LayerNorm, a GELU MLP, tied embeddings.
+- `llama`: what Llama, Mistral and Qwen-style checkpoints use. Rotary positions (RoPE), RMSNorm,
+  a SwiGLU MLP, grouped-query attention (fewer key/value heads than query heads), and
+  embeddings tied or not.
+
+Both share one set of module names (wte, blocks.i.{ln_1, attn, ln_2, mlp}, ln_f, lm_head), so
+that ZeRO, pipeline stages, activation checkpointing, the memory planner and MFU treat them
+alike. This file imports only torch and reads top to bottom: config and flavours, norms and
+rotary positions, attention with its KV cache, MLPs, block, the model, and the parameter and
+FLOPs counts used for MFU. Parallelism (DeepSpeed ZeRO, pipeline stages) is applied from
+outside; nothing here knows about Ray, DeepSpeed or MLflow.
 """
 
 from __future__ import annotations
@@ -31,12 +39,42 @@ class GPTConfig:
     """No biases in linears and norms: slightly faster and no worse (as in nanoGPT, PaLM)."""
     activation_checkpointing: bool = False
     """Recompute each block's activations in backward: trades ~33% more compute for memory."""
+    arch: str = "gpt"
+    """'gpt' (GPT-2) or 'llama' (RoPE, RMSNorm, SwiGLU, grouped-query attention)."""
+    n_kv_head: int = 0
+    """Key/value heads (llama); 0: n_head. Fewer than n_head shares each among n_head/n_kv_head
+    query heads, which shrinks the KV cache at little cost in quality (GQA, Ainslie et al. 2023)."""
+    ffn_hidden: int = 0
+    """The MLP's hidden width; 0: 4 x d_model for gpt, and for llama 8/3 x d_model rounded up to
+    a multiple of 256 (SwiGLU has three matrices, so 8/3 keeps the parameter count of 4 x)."""
+    tie_embeddings: bool = True
+    """The output projection shares the token embedding's matrix (fewer params, and better
+    perplexity at small scale; Press & Wolf 2017). Large Llamas untie them."""
+    rope_theta: float = 10000.0
+    """RoPE's base: the wavelengths of the rotary frequencies (10k in Llama 2, 500k in Llama 3)."""
+    norm_eps: float = 1e-5
+    """Added to the variance in every norm (GPT-2 and Llama 2 use 1e-5, Llama 3 1e-5 too)."""
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_head or self.n_head
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+    @property
+    def hidden(self) -> int:
+        if self.ffn_hidden:
+            return self.ffn_hidden
+        return 4 * self.d_model if self.arch == "gpt" else -(-8 * self.d_model // 3 // 256) * 256
 
 
 # Shapes follow GPT-2 (124M, 350M) and GPT-3 (1.3B XL, 2.7B, 6.7B; 13B with d_model 5120 so heads
-# are 128 wide). `debug` is small enough that a training step takes milliseconds on one CPU core,
-# so every test can run the whole training function. The large ones are for the memory planner.
-FLAVOURS: dict[str, dict[str, int]] = {
+# are 128 wide), and Llama 2 7B and Llama 3.2 1B. The debug ones are small enough that a
+# training step takes milliseconds on one CPU core, so every test can run the whole training
+# function; llama-debug has GQA and untied embeddings, so the tests cover both.
+FLAVOURS: dict[str, dict] = {
     "debug": dict(n_layer=2, n_head=4, d_model=128, seq_len=128),
     "gpt2-124m": dict(n_layer=12, n_head=12, d_model=768, seq_len=1024),
     "350m": dict(n_layer=24, n_head=16, d_model=1024, seq_len=1024),
@@ -44,6 +82,12 @@ FLAVOURS: dict[str, dict[str, int]] = {
     "2.7b": dict(n_layer=32, n_head=32, d_model=2560, seq_len=2048),
     "6.7b": dict(n_layer=32, n_head=32, d_model=4096, seq_len=2048),
     "13b": dict(n_layer=40, n_head=40, d_model=5120, seq_len=2048),
+    "llama-debug": dict(arch="llama", n_layer=2, n_head=4, n_kv_head=2, d_model=128, seq_len=128,
+                        tie_embeddings=False),
+    "llama-1b": dict(arch="llama", n_layer=16, n_head=32, n_kv_head=8, d_model=2048, ffn_hidden=8192,
+                     seq_len=2048, rope_theta=500000.0),
+    "llama-7b": dict(arch="llama", n_layer=32, n_head=32, d_model=4096, ffn_hidden=11008, seq_len=4096,
+                     tie_embeddings=False),
 }
 
 
@@ -58,66 +102,179 @@ def config_for(flavour: str, **overrides) -> GPTConfig:
     return replace(GPTConfig(**FLAVOURS[flavour]), **overrides)
 
 
+class KVCache:
+    """Keys and values of every token decoded so far, one pair per block, so that each new token
+    attends to them without recomputing them (generation only; training never passes one).
+
+    Rows may be left-padded: `valid` (B, S) marks the real tokens among the S cached ones, and a
+    query attends to valid keys at or before its own position. Each token also always sees itself,
+    so a padding row's softmax is never empty (its output is unused). Without padding, no mask is
+    built: a new token sees every cached key, and a first batch is plainly causal."""
+
+    def __init__(self, n_layer: int):
+        self.k: list[torch.Tensor | None] = [None] * n_layer
+        self.v: list[torch.Tensor | None] = [None] * n_layer
+        self.length = 0  # tokens cached so far, S
+        self.valid: torch.Tensor | None = None  # (B, S) bool, once any row has had padding
+
+    def extend(self, T: int, valid: torch.Tensor | None, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Register T new tokens per row (`valid`: (B, T) bool, False for left padding; None: all
+        real); return their positions ((B, T), or (T,) when every row has the same) and the
+        attention mask (B, 1, T, S) for this forward, or None: see `CausalSelfAttention`."""
+        start, S = self.length, self.length + T
+        self.length = S
+        if self.valid is None and (valid is None or bool(valid.all())):
+            positions = torch.arange(start, S, device=device)
+            if T == 1 or start == 0:
+                return positions, None
+            return positions, (positions[:, None] >= torch.arange(S, device=positions.device))[None, None]
+        if valid is None:
+            valid = torch.ones(self.valid.shape[0], T, dtype=torch.bool, device=device)
+        past = self.valid if self.valid is not None else torch.ones(valid.shape[0], start, dtype=torch.bool,
+                                                                   device=device)
+        self.valid = torch.cat([past, valid], dim=1)
+        counted = self.valid.long().cumsum(1) - 1  # a token's position counts only real tokens
+        positions = counted[:, start:].clamp(min=0)
+        q = torch.arange(start, S, device=device)[:, None]
+        k = torch.arange(S, device=device)[None, :]
+        mask = (k <= q)[None] & self.valid[:, None, :]  # causal, and only real keys
+        mask = mask | (k == q)[None]  # a token always sees itself
+        return positions, mask[:, None]
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.k[layer] is not None:
+            k = torch.cat([self.k[layer], k], dim=2)
+            v = torch.cat([self.v[layer], v], dim=2)
+        self.k[layer], self.v[layer] = k, v
+        return k, v
+
+
+def norm(cfg: GPTConfig) -> nn.Module:
+    """LayerNorm for gpt; RMSNorm for llama (no mean, no bias: cheaper, and as good)."""
+    if cfg.arch == "llama":
+        return nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+    return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
+
+
+def rotary(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin (B, 1, T, head_dim) of RoPE's angles for `positions` (B, T) or (T,): channel
+    pair i turns by position x theta^(-2i/head_dim) (Su et al. 2021), in fp32."""
+    inv_freq = theta ** -(torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
+    angles = positions.float()[..., None] * inv_freq
+    angles = torch.cat([angles, angles], dim=-1)  # the half-split layout Llama checkpoints use
+    if angles.dim() == 2:
+        angles = angles[None]
+    return angles.cos()[:, None], angles.sin()[:, None]
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    turned = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x * cos + turned * sin).to(x.dtype)
+
+
 class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, layer: int = 0):
         super().__init__()
         assert cfg.d_model % cfg.n_head == 0, "d_model must be divisible by n_head"
-        self.n_head = cfg.n_head
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=cfg.bias)
+        assert cfg.n_head % cfg.kv_heads == 0, "n_head must be a multiple of n_kv_head"
+        self.cfg, self.layer = cfg, layer  # layer: which of a KVCache's slots is this block's
+        hd = cfg.head_dim
+        # One matmul for queries, keys and values (faster than three).
+        self.qkv = nn.Linear(cfg.d_model, (cfg.n_head + 2 * cfg.kv_heads) * hd, bias=cfg.bias)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
         self.proj.is_residual_projection = True
-        self.dropout = cfg.dropout
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                cache: KVCache | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
         B, T, C = x.shape
-        q, k, v = self.qkv(x).split(C, dim=2)
-        # (B, T, C) -> (B, heads, T, head_dim)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        # SDPA picks flash / memory-efficient kernels where available.
+        H, KV, hd = self.cfg.n_head, self.cfg.kv_heads, self.cfg.head_dim
+        q, k, v = self.qkv(x).split([H * hd, KV * hd, KV * hd], dim=2)
+        # (B, T, heads * hd) -> (B, heads, T, hd)
+        q, k, v = (t.view(B, T, -1, hd).transpose(1, 2) for t in (q, k, v))
+        if self.cfg.arch == "llama":
+            if rope is None:  # called alone (a pipeline stage's block): positions 0..T-1
+                rope = rotary(torch.arange(T, device=x.device), hd, self.cfg.rope_theta)
+            q, k = rotate(q, *rope), rotate(k, *rope)
+        if cache is not None:
+            k, v = cache.append(self.layer, k, v)
+        # SDPA picks flash / memory-efficient kernels where available. No mask is causal, or with
+        # one query (a decode step) every cached key; a KVCache gives one where rows are padded
+        # or the queries are the last T of S > T positions.
         y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+            q, k, v, attn_mask=mask, is_causal=mask is None and T > 1, enable_gqa=KV != H,
+            dropout_p=self.cfg.dropout if self.training else 0.0,
         )
         return self.proj(y.transpose(1, 2).contiguous().view(B, T, C))
 
 
 class MLP(nn.Module):
+    """GELU (gpt), or SwiGLU for llama: down(silu(gate(x)) * up(x)) (Shazeer 2020), with gate
+    and up in one matmul."""
+
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.fc = nn.Linear(cfg.d_model, 4 * cfg.d_model, bias=cfg.bias)
-        self.proj = nn.Linear(4 * cfg.d_model, cfg.d_model, bias=cfg.bias)
+        self.swiglu = cfg.arch == "llama"
+        self.fc = nn.Linear(cfg.d_model, (2 if self.swiglu else 1) * cfg.hidden, bias=cfg.bias)
+        self.proj = nn.Linear(cfg.hidden, cfg.d_model, bias=cfg.bias)
         self.proj.is_residual_projection = True
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.swiglu:
+            gate, up = self.fc(x).chunk(2, dim=-1)
+            return self.dropout(self.proj(F.silu(gate) * up))
         return self.dropout(self.proj(F.gelu(self.fc(x), approximate="tanh")))
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, layer: int = 0):
         super().__init__()
-        self.ln_1 = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
-        self.attn = CausalSelfAttention(cfg)
-        self.ln_2 = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
+        self.ln_1 = norm(cfg)
+        self.attn = CausalSelfAttention(cfg, layer)
+        self.ln_2 = norm(cfg)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                cache: KVCache | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), rope, cache, mask)
         return x + self.mlp(self.ln_2(x))
 
 
-def embed(wte: nn.Embedding, wpe: nn.Embedding, drop: nn.Dropout, idx: torch.Tensor) -> torch.Tensor:
-    """Token plus learned position embeddings, then dropout: the input of the first block (of
-    the GPT, and of a pipeline's first stage)."""
-    pos = torch.arange(idx.shape[1], device=idx.device)
-    return drop(wte(idx) + wpe(pos))
+def embed(wte: nn.Embedding, wpe: nn.Embedding | None, drop: nn.Dropout, idx: torch.Tensor,
+          positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Token embeddings, plus learned position embeddings where the model has them (gpt; llama
+    rotates queries and keys instead), then dropout: the input of the first block (of the model,
+    and of a pipeline's first stage). `positions` (B, T) default to 0..T-1."""
+    x = wte(idx)
+    if wpe is not None:
+        x = x + wpe(torch.arange(idx.shape[1], device=idx.device) if positions is None else positions)
+    return drop(x)
+
+
+IGNORE = -100  # a target that is not scored (F.cross_entropy's ignore_index)
+
+
+def inputs_and_targets(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch of packed rows (B, T + 1) as the model's inputs (B, T) and targets (B, T).
+
+    Instruction data stores a context token (a prompt's) as -(id + 1): the model reads it, but
+    is not scored on predicting it, so the loss counts only response tokens. Pretraining rows
+    hold no negative ids, and every target counts."""
+    ids = torch.where(rows < 0, -rows - 1, rows)
+    targets = torch.where(rows[:, 1:] < 0, IGNORE, rows[:, 1:])
+    return ids[:, :-1], targets
 
 
 def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of the next-token predictions, in fp32 whatever the compute precision
-    (a bf16 softmax over 50k logits loses the small probabilities)."""
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
+    """Mean cross-entropy of the scored next-token predictions (targets equal to IGNORE are
+    not), in fp32 whatever the compute precision (a bf16 softmax over 50k logits loses the
+    small probabilities). A batch with nothing to score has loss 0, not NaN."""
+    flat = targets.reshape(-1)
+    total = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), flat, ignore_index=IGNORE, reduction="sum")
+    return total / (flat != IGNORE).sum().clamp(min=1)
 
 
 class GPT(nn.Module):
@@ -127,16 +284,20 @@ class GPT(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.wpe = nn.Embedding(cfg.seq_len, cfg.d_model)
+        self.wpe = nn.Embedding(cfg.seq_len, cfg.d_model) if cfg.arch == "gpt" else None
         self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
-        self.ln_f = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
+        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
+        self.ln_f = norm(cfg)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        # Weight tying: input embedding and output projection share one matrix (fewer params,
-        # and better perplexity at small scale; Press & Wolf 2017).
-        self.lm_head.weight = self.wte.weight
+        self.tie()
         if init_weights:
             self.apply(self.init_module)
+
+    def tie(self) -> None:
+        """Share the token embedding with the output projection, where the config ties them
+        (again after anything that makes new tensors, such as materializing from meta)."""
+        if self.cfg.tie_embeddings:
+            self.lm_head.weight = self.wte.weight
 
     def init_module(self, module: nn.Module) -> None:
         # GPT-2 init: N(0, 0.02), with residual projections scaled by 1/sqrt(2 * n_layer) so the
@@ -151,39 +312,63 @@ class GPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """cos/sin once per forward for all blocks (llama); None for gpt."""
+        return rotary(positions, self.cfg.head_dim, self.cfg.rope_theta) if self.cfg.arch == "llama" else None
+
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         """Logits for `idx` (B, T); with `targets`, also the mean next-token cross-entropy."""
         T = idx.shape[1]
         if self.cfg.seq_len < T:
             raise ValueError(f"sequence of length {T} exceeds the model's seq_len {self.cfg.seq_len}")
         x = embed(self.wte, self.wpe, self.drop, idx)
+        rope = self._rope(torch.arange(T, device=idx.device))
         for block in self.blocks:
             if self.cfg.activation_checkpointing and self.training:
-                x = recompute(block, x, use_reentrant=False)
+                x = recompute(block, x, rope, use_reentrant=False)
             else:
-                x = block(x)
+                x = block(x, rope)
         logits = self.lm_head(self.ln_f(x))
         if targets is None:
             return logits
         return logits, next_token_loss(logits, targets)
 
+    @torch.no_grad()
+    def decode(self, idx: torch.Tensor, cache: KVCache, valid: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of the last position of each row, for `idx` (B, T) fed after what `cache` holds
+        (the prompt first, then one token at a time). `valid` marks real tokens (False: left
+        padding); default all real."""
+        if cache.length + idx.shape[1] > self.cfg.seq_len:
+            raise ValueError(f"{cache.length + idx.shape[1]} tokens exceed the model's seq_len {self.cfg.seq_len}")
+        positions, mask = cache.extend(idx.shape[1], valid, idx.device)
+        x = embed(self.wte, self.wpe, self.drop, idx, positions)
+        rope = self._rope(positions)
+        for block in self.blocks:
+            x = block(x, rope, cache, mask)
+        return self.lm_head(self.ln_f(x[:, -1]))
+
 
 def num_params(cfg: GPTConfig, non_embedding: bool = True) -> int:
-    """Parameter count from shapes alone, so planners need not build the model."""
-    d, L = cfg.d_model, cfg.n_layer
-    norm = d * (2 if cfg.bias else 1)
-    per_block = (3 * d * d + d * d + 8 * d * d) + 2 * norm
+    """Parameter count from shapes alone, so planners need not build the model. Non-embedding
+    leaves out the learned position table only: the token embedding is also the output
+    projection's matmul (or an untied head is counted beside it)."""
+    d, L, hd = cfg.d_model, cfg.n_layer, cfg.head_dim
+    qkv = d * (cfg.n_head + 2 * cfg.kv_heads) * hd
+    mlp = (3 if cfg.arch == "llama" else 2) * d * cfg.hidden
+    norm_size = d * (2 if cfg.bias and cfg.arch == "gpt" else 1)
+    per_block = qkv + d * d + mlp + 2 * norm_size
     if cfg.bias:
-        per_block += 3 * d + d + 4 * d + d
-    n = L * per_block + norm + cfg.vocab_size * d  # tied lm_head counts once
-    if not non_embedding:
+        per_block += (cfg.n_head + 2 * cfg.kv_heads) * hd + d + cfg.hidden * (2 if cfg.arch == "llama" else 1) + d
+    n = L * per_block + norm_size + cfg.vocab_size * d * (1 if cfg.tie_embeddings else 2)
+    if not non_embedding and cfg.arch == "gpt":
         n += cfg.seq_len * d
     return n
 
 
 def largest_layer_params(cfg: GPTConfig) -> int:
     """Parameters of the biggest single module: what ZeRO-3 gathers at once."""
-    return max(cfg.vocab_size * cfg.d_model, 4 * cfg.d_model * cfg.d_model)
+    mlp_in = (2 if cfg.arch == "llama" else 1) * cfg.hidden * cfg.d_model
+    return max(cfg.vocab_size * cfg.d_model, mlp_in)
 
 
 def flops_per_token(cfg: GPTConfig) -> float:

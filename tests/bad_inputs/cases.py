@@ -86,6 +86,12 @@ PREPARE = [
     _prep("prep-val-fraction-nan", ["--val-fraction", "nan"], "--val-fraction nan"),
     _prep("prep-seed-negative", ["--seed", "-1"], "--seed -1"),
     _prep("prep-unknown-tokenizer", ["--tokenizer", "sentencepiece"], "--tokenizer"),
+    _prep("prep-prompt-field-alone", ["--prompt-field", "prompt"], "--prompt-field"),
+    _prep("prep-tokenizer-not-json", ["--tokenizer", "tok.json"], "tok.json", files={"tok.json": "{not json"}),
+    _prep("prep-tokenizer-binary", ["--tokenizer", "tok.bin"], "tok.bin", files={"tok.bin": b"\x00\xff\xfe"}),
+    _prep("prep-tokenizer-without-eot", ["--tokenizer", "tok.json"], "has no end-of-text token",
+          files={"tok.json": '{"version": "1.0", "model": {"type": "WordLevel", "vocab": {"a": 0, "b": 1}, '
+                             '"unk_token": "a"}}'}),
     _prep("prep-unknown-if-exists", ["--if-exists", "clobber"], "--if-exists"),
     _prep("prep-unknown-on-binary", ["--on-binary", "ignore"], "--on-binary"),
     _prep("prep-output-is-a-file", ["--output", "notes.txt"], "notes.txt", 1, files={"notes.txt": "mine"}),
@@ -391,4 +397,31 @@ KILN_CONFIG = [
     Case("kiln-no-command", [], "command"),
 ]
 
-CASES = PREPARE + VERIFY + CONFIG_FILES + OVERRIDES + LAUNCH + SWEEP + LR + RUNS + PLAN + CLUSTER + SERVICES + KILN_CONFIG
+BERT = '{"model_type": "bert"}'
+MODELS = [
+    Case("export-no-such-model", ["export", "nope", "--output", "out"], "nope"),
+    Case("export-not-a-checkpoint", ["export", "notckpt", "--output", "out"], "notckpt",
+         files={"notckpt/readme.txt": "hi"}),
+    Case("export-output-holds-files", ["export", "hf", "--output", "mine"], "mine",
+         files={"hf/config.json": BERT, "mine/todo.txt": "keep"}),
+    Case("export-output-holds-files-overwrite", ["export", "hf", "--output", "mine", "--overwrite"], "mine",
+         files={"hf/config.json": BERT, "mine/todo.txt": "keep"}),
+    Case("export-unsupported-arch", ["export", "hf", "--output", "out"], "model_type 'bert'",
+         files={"hf/config.json": BERT}),
+    Case("export-truncated-config", ["export", "hf", "--output", "out"], "config.json",
+         files={"hf/config.json": '{"model_type": "gpt2"'}),
+    Case("export-config-missing-field", ["export", "hf", "--output", "out"], "n_embd",
+         files={"hf/config.json": '{"model_type": "gpt2", "n_layer": 2}'}),
+    Case("generate-no-prompt", ["generate", "--model", "x"], "--prompt"),
+    Case("generate-prompts-file-missing", ["generate", "--model", "x", "--prompts", "p.txt"], "p.txt"),
+    Case("generate-top-p-zero", ["generate", "--model", "x", "--prompt", "a", "--top-p", "0"], "--top-p"),
+    Case("generate-temperature-nan", ["generate", "--model", "x", "--prompt", "a", "--temperature", "nan"],
+         "--temperature"),
+    Case("generate-no-such-model", ["generate", "--model", "nope", "--prompt", "a"], "nope"),
+    Case("generate-model-is-bert", ["generate", "--model", "hf", "--prompt", "a"], "model_type 'bert'",
+         files={"hf/config.json": BERT}),
+    Case("eval-batch-size-zero", ["eval", "--model", "x", "--data", "d", "--batch-size", "0"], "--batch-size"),
+    Case("eval-no-such-data", ["eval", "--model", "x", "--data", "nope"], "nope", 1),
+]
+
+CASES = MODELS + PREPARE + VERIFY + CONFIG_FILES + OVERRIDES + LAUNCH + SWEEP + LR + RUNS + PLAN + CLUSTER + SERVICES + KILN_CONFIG

@@ -198,6 +198,9 @@ def _submit_and_kill(node, dashboard, env, s3_server, s3_dataset, mlflow_url, tm
 
 def _check(out: str, dashboard: str, s3_server: str, mlflow_url: str) -> None:
     assert "unigram entropy" in out and "steps on 2 worker(s)" in out  # the job printed its summary
+    # The summary names the checkpoint by its URI; a model on S3 is not logged, with a warning.
+    assert f"checkpoint        s3://kiln-test/{PREFIX}checkpoint_" in out, out[-3000:]
+    assert "the model is not exported or logged to MLflow" in out, out[-3000:]
     client = MlflowClient(mlflow_url)
     runs = client.search_runs([client.get_experiment_by_name("two-nodes").experiment_id])
     assert len(runs) == 1, [r.info.run_name for r in runs]  # the restart continued the same run

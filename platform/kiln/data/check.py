@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from kiln.config import RunConfig
+from kiln.config import RunConfig, pretrained_dir, pretrained_shape
 from kiln.data.manifest import Manifest, check_shards, load_manifest
+from kiln.data.tokenizer import describe, pretrained
 from kiln.errors import ConfigError
 from kiln.model import padded_vocab
 from kiln.storage import absolute, resolve
@@ -35,7 +36,10 @@ def resolve_against_data(cfg: RunConfig) -> tuple[RunConfig, Manifest]:
             f"model.seq_len = {m.seq_len} does not match the seq_len of {loc.uri} ({seq}): "
             f"expected {seq}, or 0 to take it from the data"
         )
-    model = dataclasses.replace(m, vocab_size=m.vocab_size or padded_vocab(vocab), seq_len=seq)
+    if m.init_from:
+        model = _pretrained_model(cfg, manifest)
+    else:
+        model = dataclasses.replace(m, vocab_size=m.vocab_size or padded_vocab(vocab), seq_len=seq)
     cfg = dataclasses.replace(cfg, model=model)
     per_step = cfg.data_parallel_size * cfg.train.micro_batch_size
     for split in ("train", "val"):
@@ -47,3 +51,25 @@ def resolve_against_data(cfg: RunConfig) -> tuple[RunConfig, Manifest]:
                 "train.micro_batch_size or parallel.num_workers, or prepare more data"
             )
     return cfg, manifest
+
+
+def _pretrained_model(cfg: RunConfig, manifest: Manifest):
+    """model.init_from's checkpoint against the data: its context must hold the data's rows, and
+    the data must be tokenized with its tokenizer (same vocab, same ids)."""
+    m, where = cfg.model, f"model.init_from = {cfg.model.init_from!r}"
+    shape, local = pretrained_shape(cfg), pretrained_dir(cfg)
+    if m.vocab_size or m.n_layer:
+        raise ConfigError(f"{where} sets the model's shape: leave model.vocab_size and model.n_layer at 0")
+    if manifest.seq_len > shape.seq_len:
+        raise ConfigError(f"{where}: its context is {shape.seq_len} tokens, shorter than the rows of "
+                          f"{manifest.location.uri} ({manifest.seq_len}); prepare the data with --seq-len "
+                          f"<= {shape.seq_len}")
+    if not (local / "tokenizer.json").is_file():
+        raise ConfigError(f"{where}: has no tokenizer.json, so the data's tokenizer cannot be checked against it")
+    theirs, ours = pretrained(str(local)), manifest.tokenizer()
+    same = ours.vocab() == theirs.vocab()
+    if not same or ours.vocab_size > shape.vocab_size:
+        raise ConfigError(f"{where}: {manifest.location.uri} was tokenized with a different tokenizer "
+                          f"({ours.vocab_size} tokens, {describe(ours)['type']}) than the model's "
+                          f"({theirs.vocab_size} tokens); prepare it with kiln data prepare --tokenizer {local}")
+    return dataclasses.replace(m, vocab_size=shape.vocab_size, seq_len=manifest.seq_len)

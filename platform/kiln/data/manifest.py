@@ -17,6 +17,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pydantic
 
+from kiln.data.tokenizer import from_description
 from kiln.errors import DataError
 from kiln.storage import Location
 
@@ -43,6 +44,12 @@ class Manifest:
     @property
     def fingerprint(self) -> str:
         return self.raw["fingerprint"]
+
+    def tokenizer(self):
+        """The tokenizer the shards were written with (byte, or BPE from its tokenizer.json)."""
+        desc = self.raw["tokenizer"]
+        text = self.location.join(desc["file"]).read_bytes().decode() if desc.get("file") else None
+        return from_description(desc, text)
 
     def split(self, name: str) -> dict[str, Any]:
         return self.raw["splits"][name]
@@ -169,7 +176,9 @@ def check_shards(manifest: Manifest) -> None:
                     f"shard {loc.uri} has {meta.num_rows} rows but the manifest says {entry['rows']}"
                 )
             low, high = _token_range(meta)
-            if high is not None and (low < 0 or high >= manifest.vocab_size):
+            # Instruction data stores prompt tokens as -(id + 1) (kiln.model.inputs_and_targets).
+            lowest = -manifest.vocab_size if "loss_mask" in manifest.raw else 0
+            if high is not None and (low < lowest or high >= manifest.vocab_size):
                 raise DataError(f"shard {loc.uri} holds token ids {low}..{high}, but the manifest's "
                                 f"tokenizer.vocab_size is {manifest.vocab_size}: expected ids in "
                                 f"0..{manifest.vocab_size - 1}")

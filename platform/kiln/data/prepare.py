@@ -37,7 +37,13 @@ import kiln
 from kiln.config import MAX_INT, MAX_SEQ_LEN
 from kiln.data import replace
 from kiln.data.manifest import FORMAT_VERSION, MANIFEST, SAMPLE_ID, TOKENIZER_FILE, TOKENS
-from kiln.data.tokenizer import BPETokenizer, ByteTokenizer, describe, unigram_entropy_bits
+from kiln.data.tokenizer import (
+    BPETokenizer,
+    ByteTokenizer,
+    describe,
+    pretrained,
+    unigram_entropy_bits,
+)
 from kiln.errors import ConfigError, DataError
 from kiln.storage import Location, resolve
 
@@ -54,7 +60,8 @@ class PrepareConfig:
     output: str
     """Local directory or s3://bucket/prefix."""
     tokenizer: str = "bpe"
-    """'byte' (257 ids, no training) or 'bpe' (trained on the train split)."""
+    """'byte' (257 ids, no training), 'bpe' (trained on the train split), or a pretrained one: a
+    tokenizer.json, or a Hugging Face checkpoint directory holding one (to fine-tune that model)."""
     vocab_size: int = 4096
     """BPE vocabulary size, including the end-of-text token. Ignored for 'byte'."""
     seq_len: int = 128
@@ -64,6 +71,11 @@ class PrepareConfig:
     shard_tokens: int = 1 << 20
     """Target tokens per Parquet shard (~4 MiB at int32)."""
     text_field: str = "text"
+    prompt_field: str = ""
+    response_field: str = ""
+    """Instruction data: with both set, each JSONL record (or Parquet row) holds a prompt and a
+    response, packed as prompt + response + EOT, and only the response and its EOT are scored
+    (a prompt token is stored as -(id + 1): `kiln.model.inputs_and_targets`)."""
     """Field of JSONL records / column of Parquet inputs that holds the text."""
     seed: int = 1234
     """Seeds the train/val split and the row shuffle."""
@@ -115,7 +127,11 @@ def _walk(root: Path, raw: str) -> Iterator[Path]:
                 yield f
 
 
-def _read_documents(path: Path, text_field: str) -> Iterator[str]:
+Document = str | tuple[str, str]  # a text, or an instruction example's (prompt, response)
+
+
+def _read_documents(path: Path, cfg: PrepareConfig) -> Iterator[Document]:
+    fields = (cfg.prompt_field, cfg.response_field) if cfg.prompt_field else (cfg.text_field,)
     if path.suffix == ".jsonl":
         with path.open(encoding="utf-8", errors="replace") as f:
             for lineno, line in enumerate(f, 1):
@@ -125,17 +141,23 @@ def _read_documents(path: Path, text_field: str) -> Iterator[str]:
                     rec = json.loads(line)
                 except json.JSONDecodeError as e:
                     raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-                if not isinstance(rec, dict) or not isinstance(rec.get(text_field), str):
-                    raise DataError(f"{path}:{lineno}: expected an object with a string field {text_field!r}")
-                yield rec[text_field]
+                for name in fields:
+                    if not isinstance(rec, dict) or not isinstance(rec.get(name), str):
+                        raise DataError(f"{path}:{lineno}: expected an object with a string field {name!r}")
+                yield rec[fields[0]] if len(fields) == 1 else (rec[fields[0]], rec[fields[1]])
     elif path.suffix == ".parquet":
         try:
             table = pq.read_table(path)
         except (OSError, pa.ArrowInvalid) as e:
             raise DataError(f"input {path} is not a readable Parquet file: {e}") from None
-        if text_field not in table.column_names:
-            raise DataError(f"input {path} has no column {text_field!r} (columns: {table.column_names})")
-        yield from (t for t in table.column(text_field).to_pylist() if t)
+        for name in fields:
+            if name not in table.column_names:
+                raise DataError(f"input {path} has no column {name!r} (columns: {table.column_names})")
+        columns = [table.column(n).to_pylist() for n in fields]
+        yield from (c[0] for c in zip(*columns) if c[0]) if len(fields) == 1 else zip(*columns)
+    elif cfg.prompt_field:
+        raise DataError(f"input {path}: instruction data (--prompt-field/--response-field) is read from .jsonl or "
+                        ".parquet files")
     else:
         yield read_text(path)
 
@@ -167,14 +189,14 @@ class CorpusStats:
     """U+FFFD characters the decoding put where bytes were not UTF-8 (Latin-1 text, say)."""
 
 
-def read_corpus(cfg: PrepareConfig, stats: CorpusStats | None = None) -> tuple[list[str], str]:
+def read_corpus(cfg: PrepareConfig, stats: CorpusStats | None = None) -> tuple[list[Document], str]:
     """All non-empty documents, and a content hash of the inputs for the fingerprint."""
     stats = stats if stats is not None else CorpusStats()
     digest = hashlib.sha256()
-    docs: list[str] = []
+    docs: list[Document] = []
     for path in _input_files(cfg.inputs):
         try:
-            file_docs = list(_read_documents(path, cfg.text_field))
+            file_docs = list(_read_documents(path, cfg))
         except BinaryInput as e:
             if cfg.on_binary != "skip":
                 raise DataError(f"{e}; leave it out of --input, or pass --on-binary skip") from None
@@ -182,10 +204,11 @@ def read_corpus(cfg: PrepareConfig, stats: CorpusStats | None = None) -> tuple[l
             stats.binary_files_skipped += 1
             continue
         for doc in file_docs:
-            if doc.strip():
-                stats.invalid_utf8_chars += doc.count("\ufffd")
+            text = doc if isinstance(doc, str) else f"{doc[0]}\x1f{doc[1]}"  # a separator no text holds
+            if (doc if isinstance(doc, str) else doc[1]).strip():
+                stats.invalid_utf8_chars += text.count("\ufffd")
                 docs.append(doc)
-                digest.update(doc.encode("utf-8", errors="replace"))
+                digest.update(text.encode("utf-8", errors="replace"))
                 digest.update(b"\0")
     if stats.invalid_utf8_chars:
         log.warning("the corpus is not all UTF-8: %d invalid byte sequence(s) were replaced by U+FFFD",
@@ -196,7 +219,9 @@ def read_corpus(cfg: PrepareConfig, stats: CorpusStats | None = None) -> tuple[l
 
 
 # ---- tokenizing and packing --------------------------------------------------------------------
-def _split_documents(docs: list[str], frac: float, seed: int) -> tuple[list[str], list[str]]:
+def _split_documents(docs: list[Document], frac: float, seed: int) -> tuple[list[Document], list[Document]]:
+    if len(docs) == 1 and not isinstance(docs[0], str):
+        raise DataError("instruction data needs at least two examples: one for training, one for validation")
     if len(docs) == 1:  # one document: hold out its tail instead
         cut = int(len(docs[0]) * (1 - frac))
         return [docs[0][:cut]], [docs[0][cut:]]
@@ -205,15 +230,23 @@ def _split_documents(docs: list[str], frac: float, seed: int) -> tuple[list[str]
     return [docs[i] for i in order[n_val:]], [docs[i] for i in order[:n_val]]
 
 
-def _pack(tok, docs: list[str], seq_len: int, batch: int = 256) -> tuple[np.ndarray, np.ndarray]:
-    """Rows of seq_len + 1 tokens from the documents joined by EOT, and the token counts."""
+def _pack(tok, docs: list[Document], seq_len: int, batch: int = 256) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of seq_len + 1 tokens from the documents joined by EOT, and the token counts. An
+    instruction example is its prompt's tokens, stored as -(id + 1) (read, not scored), then its
+    response's and the EOT."""
     pieces, counts = [], np.zeros(tok.vocab_size, dtype=np.int64)
     eot = np.array([tok.eot_id], dtype=np.int32)
     for i in range(0, len(docs), batch):
-        for ids in tok.encode_batch(docs[i : i + batch]):
-            pieces.extend((ids, eot))
+        chunk = docs[i : i + batch]
+        if chunk and not isinstance(chunk[0], str):
+            prompts, responses = tok.encode_batch([d[0] for d in chunk]), tok.encode_batch([d[1] for d in chunk])
+            for p, r in zip(prompts, responses):
+                pieces.extend((-p - 1, r, eot))
+        else:
+            for ids in tok.encode_batch(chunk):
+                pieces.extend((ids, eot))
     stream = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int32)
-    counts += np.bincount(stream, minlength=tok.vocab_size)
+    counts += np.bincount(np.where(stream < 0, -stream - 1, stream), minlength=tok.vocab_size)
     n_rows = len(stream) // (seq_len + 1)
     return stream[: n_rows * (seq_len + 1)].reshape(n_rows, seq_len + 1), counts
 
@@ -243,10 +276,16 @@ def _write_split(out: Location, split: str, rows: np.ndarray, id_offset: int, ro
     return {"rows": int(len(rows)), "tokens": int(rows.size - len(rows)), "shards": shards}
 
 
-def fingerprint(cfg: PrepareConfig, corpus_hash: str) -> str:
-    settings = dict(tokenizer=cfg.tokenizer, vocab_size=cfg.vocab_size if cfg.tokenizer == "bpe" else 257,
+def fingerprint(cfg: PrepareConfig, corpus_hash: str, pretrained_tok=None) -> str:
+    tokenizer, vocab = cfg.tokenizer, cfg.vocab_size if cfg.tokenizer == "bpe" else 257
+    if pretrained_tok is not None:  # the tokenizer's content, wherever its file lies
+        tokenizer = "sha256:" + hashlib.sha256(pretrained_tok.to_json().encode()).hexdigest()
+        vocab = pretrained_tok.vocab_size
+    settings = dict(tokenizer=tokenizer, vocab_size=vocab,
                     seq_len=cfg.seq_len, val_fraction=cfg.val_fraction, seed=cfg.seed,
                     corpus=corpus_hash, format=FORMAT_VERSION)
+    if cfg.prompt_field:  # the same records packed with a loss mask are another dataset
+        settings["loss_mask"] = [cfg.prompt_field, cfg.response_field]
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -264,8 +303,11 @@ def _config_from(fields: dict) -> PrepareConfig:
 
 
 def _validate(cfg: PrepareConfig) -> None:
-    if cfg.tokenizer not in ("byte", "bpe"):
-        raise ConfigError(f"--tokenizer {cfg.tokenizer!r}: expected 'byte' or 'bpe'")
+    if bool(cfg.prompt_field) != bool(cfg.response_field):
+        raise ConfigError("--prompt-field and --response-field go together: give both for instruction data, or neither")
+    if cfg.tokenizer not in ("byte", "bpe") and not Path(cfg.tokenizer).exists():
+        raise ConfigError(f"--tokenizer {cfg.tokenizer!r}: expected 'byte', 'bpe', or the path of a tokenizer.json "
+                          "or of a Hugging Face directory holding one")
     if cfg.tokenizer == "bpe" and not 257 <= cfg.vocab_size <= 1 << 20:
         raise ConfigError(f"--vocab-size {cfg.vocab_size}: expected 257..{1 << 20} for BPE")
     if cfg.vocab_size < 1:
@@ -317,12 +359,13 @@ def prepare(cfg: PrepareConfig | None = None, /, **fields) -> dict:
     output=..., tokenizer="bpe")`)."""
     cfg = cfg if cfg is not None else _config_from(fields)
     _validate(cfg)
+    given = pretrained(cfg.tokenizer) if cfg.tokenizer not in ("byte", "bpe") else None
     out = resolve(cfg.output, cfg.s3_endpoint)
     if not out.is_s3:
         replace.writable_ancestor(out)
     stats = CorpusStats()
     docs, corpus_hash = read_corpus(cfg, stats)
-    fp = fingerprint(cfg, corpus_hash)
+    fp = fingerprint(cfg, corpus_hash, given)
 
     old = _check_output(cfg, out, fp)
     if old is not None and cfg.if_exists == "reuse":
@@ -331,11 +374,13 @@ def prepare(cfg: PrepareConfig | None = None, /, **fields) -> dict:
 
     t0 = time.time()
     train_docs, val_docs = _split_documents(docs, cfg.val_fraction, cfg.seed)
-    if cfg.tokenizer == "byte":
+    if given is not None:
+        tok = given
+    elif cfg.tokenizer == "byte":
         tok = ByteTokenizer()
     else:
         log.info("training a %d-token BPE on %d documents", cfg.vocab_size, len(train_docs))
-        tok = BPETokenizer.train(train_docs, cfg.vocab_size)
+        tok = BPETokenizer.train([d if isinstance(d, str) else f"{d[0]}{d[1]}" for d in train_docs], cfg.vocab_size)
     train_rows, train_counts = _pack(tok, train_docs, cfg.seq_len)
     val_rows, _ = _pack(tok, val_docs, cfg.seq_len)
     for name, rows, n_docs in (("train", train_rows, len(train_docs)), ("val", val_rows, len(val_docs))):
@@ -354,9 +399,13 @@ def prepare(cfg: PrepareConfig | None = None, /, **fields) -> dict:
         "created_unix": int(time.time()),
         "sources": [str(Path(p).expanduser()) for p in cfg.inputs],
         "documents": {"train": len(train_docs), "val": len(val_docs)},
-        "tokenizer": describe(tok) | ({"file": TOKENIZER_FILE} if tok.to_json() else {}),
+        "tokenizer": describe(tok) | ({"file": TOKENIZER_FILE} if tok.to_json() else {})
+        | ({"pretrained": str(Path(cfg.tokenizer).absolute())} if given is not None else {}),
         "seq_len": cfg.seq_len,
         "columns": {SAMPLE_ID: "int64", TOKENS: f"fixed_size_list<int32>[{cfg.seq_len + 1}]"},
+        **({"loss_mask": {"scored": "response", "prompt_field": cfg.prompt_field, "response_field": cfg.response_field,
+                          "encoding": "a prompt token is stored as -(id + 1): read, not scored"}}
+           if cfg.prompt_field else {}),
         "unigram_entropy_bits": unigram_entropy_bits(train_counts),
         "input": dataclasses.asdict(stats),
         "splits": {},

@@ -27,6 +27,7 @@ from kiln.launch.summary import Summary
 from kiln.ray.console import WorkerLogRouter
 from kiln.ray.progress import BoardWatcher, ProgressBoard
 from kiln.ray.trainer import build_trainer
+from kiln.storage import is_url
 from kiln.tracking.mlflow_run import Run, open_run
 from kiln.ui.progress import DriverBar, TerminalBar, is_terminal
 
@@ -65,9 +66,53 @@ def train(cfg: RunConfig, address: str | None = None, started: float | None = No
                 BoardWatcher(board, bar) if bar is not None else contextlib.nullcontext():
             marks |= startup_mark("fit")
             result = _fit(trainer, cfg.logging.run_name, worker_log)
-    checkpoint = result.checkpoint.path if result.checkpoint else None
+        checkpoint = _checkpoint_uri(cfg, result.checkpoint)
+        model = _log_model(cfg, run, checkpoint, result.metrics)
     summary = Summary.of_run(cfg, manifest, marks | result.metrics, run.run_id, tracking_uri, started, checkpoint)
-    return dataclasses.replace(summary, worker_log=worker_log)
+    return dataclasses.replace(summary, worker_log=worker_log, model=model)
+
+
+def _checkpoint_uri(cfg: RunConfig, checkpoint) -> str | None:
+    """Where the run's final checkpoint is. Ray gives its path inside the storage filesystem,
+    which for an s3:// storage_path has lost the scheme."""
+    if checkpoint is None:
+        return None
+    storage = cfg.train.storage_path or ""
+    if is_url(storage) and not is_url(checkpoint.path):
+        return f"{storage.split('://')[0]}://{checkpoint.path.lstrip('/')}"
+    return checkpoint.path
+
+
+def _log_model(cfg: RunConfig, run, checkpoint: str | None, metrics: dict) -> str | None:
+    """The final checkpoint exported (logging.export_to) and logged as the run's MLflow model
+    (logging.log_model); the model's models:/ URI. A model that cannot be logged is a warning:
+    the run itself completed, and its checkpoint is kept."""
+    if not (cfg.logging.log_model or cfg.logging.export_to) or checkpoint is None:
+        return None
+    if is_url(checkpoint) or not os.path.isdir(checkpoint):
+        where = f"on {checkpoint.split('://')[0]}" if is_url(checkpoint) else "not on this machine"
+        log.warning("the model is not exported or logged to MLflow: its checkpoint %s is %s, and kiln export "
+                    "reads local directories (use kiln export on a copy)", checkpoint, where)
+        return None
+    if cfg.logging.export_to:
+        from kiln.infer.commands import export
+
+        export(checkpoint, cfg.logging.export_to, overwrite=True)
+        log.info("exported the model to %s", cfg.logging.export_to)
+    if not cfg.logging.log_model:
+        return None
+    from mlflow.exceptions import MlflowException
+
+    from kiln.infer.mlflow_model import log_model
+
+    try:
+        model_id, version = log_model(run.client, run.run_id, checkpoint, metrics, int(metrics.get("step", 0)),
+                                      cfg.logging.register_as)
+    except (KilnError, MlflowException, OSError) as e:
+        log.warning("the model was not logged to MLflow (%s); kiln export %s --output DIR exports it",
+                    str(e).splitlines()[0] if str(e) else type(e).__name__, checkpoint)
+        return None
+    return f"models:/{cfg.logging.register_as}/{version}" if version else f"models:/{model_id}"
 
 
 def _fit(trainer, run_name: str, worker_log: str):

@@ -14,8 +14,9 @@ import logging
 import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
-from kiln.config import RunConfig, gpt_config
+from kiln.config import RunConfig, gpt_config, model_name
 from kiln.data.check import resolve_against_data
 from kiln.data.manifest import Manifest
 from kiln.errors import ConfigError, StorageError
@@ -50,8 +51,9 @@ class Checked:
             ("run", f"{c.logging.run_name} (experiment {c.logging.experiment!r})"),
             ("data", f"{m.location.uri}: {m.split('train')['rows']:,} train / {m.split('val')['rows']:,} val rows "
                      f"of {m.seq_len} tokens, vocab {m.vocab_size} (fingerprint {m.fingerprint})"),
-            ("model", f"{c.model.flavour}: {mcfg.n_layer} layers x d_model {mcfg.d_model}, "
-                      f"{num_params(mcfg, non_embedding=False) / 1e6:.2f}M params, vocab {mcfg.vocab_size}"),
+            ("model", f"{model_name(c)}: {mcfg.n_layer} layers x d_model {mcfg.d_model}, "
+                      f"{num_params(mcfg, non_embedding=False) / 1e6:.2f}M params, vocab {mcfg.vocab_size}, "
+                      f"{'GPT-2' if mcfg.arch == 'gpt' else 'Llama'} architecture"),
             ("parallel", f"{p.num_workers} worker(s) ({c.data_parallel_size} data-parallel x {p.pipeline_stages} "
                          f"stage(s)), ZeRO-{p.zero_stage}, offload {p.offload_optimizer}/{p.offload_params}, "
                          f"{t.precision}, {'GPU' if p.use_gpu else 'CPU'}"),
@@ -81,12 +83,17 @@ def preflight(cfg: RunConfig, remote_cluster: bool = False, storage_field: str =
     tracking_uri = resolve_tracking_uri(cfg.logging.tracking_uri)
     check_store(tracking_uri)
     check_storage(cfg, storage_field, local_storage)  # after with_run_name: $KILN_STORAGE_PATH
+    if cfg.logging.export_to:
+        from kiln.infer.commands import check_target
+
+        check_target(cfg.logging.export_to, "logging.export_to =")
     return Checked(cfg, manifest, tracking_uri, memory)
 
 
 def with_run_name(cfg: RunConfig) -> RunConfig:
     """Fill in what the driver decides once for all workers: the run name and where it is stored."""
-    name = cfg.logging.run_name or f"{cfg.model.flavour}-{time.strftime('%Y%m%d-%H%M%S')}"
+    base = Path(cfg.model.init_from).name if cfg.model.init_from else cfg.model.flavour
+    name = cfg.logging.run_name or f"{base}-{time.strftime('%Y%m%d-%H%M%S')}"
     storage = cfg.train.storage_path or os.environ.get("KILN_STORAGE_PATH") or "runs"
     return dataclasses.replace(cfg, logging=dataclasses.replace(cfg.logging, run_name=name),
                                train=dataclasses.replace(cfg.train, storage_path=storage))

@@ -26,6 +26,8 @@ class Summary:
     num_workers: int
     worker_log: str = ""
     """Where Ray's and DeepSpeed's output went (`kiln.ray.console`); empty without Ray."""
+    model: str | None = None
+    """The run's logged MLflow model (models:/name/version if registered, else models:/<id>)."""
 
     @classmethod
     def of_run(cls, cfg: RunConfig, manifest: Manifest, final: dict, run_id: str, tracking_uri: str,
@@ -67,6 +69,8 @@ class Summary:
         ]
         if self.checkpoint:
             lines.append(f"  checkpoint        {self.checkpoint}")
+        if self.model:
+            lines.append(f"  MLflow model      {self.model} (kiln generate --model {self.model})")
         if self.worker_log:
             lines.append(f"  worker logs       {self.worker_log} (Ray's and DeepSpeed's output; --verbose shows it)")
         return "\n".join(lines)

@@ -137,17 +137,22 @@ def _has_ninja_module() -> bool:
 
 # ---- building the engine -------------------------------------------------------------------------
 def build_model(cfg: RunConfig, mcfg: GPTConfig, ds_config: dict, device: torch.device) -> nn.Module:
-    """The GPT with its initial weights, never held whole in host RAM on its way to `device`.
+    """The model with its initial weights, never held whole in host RAM on its way to `device`.
 
     ZeRO-3 constructs it partitioned (no rank ever holds all of it); otherwise it is built on the
     meta device (shapes only) and materialized on `device` (lazy initialization). Either way
     the RNG is re-seeded just before the init, so every build gives the same weights for a seed.
+    With model.init_from, the checkpoint's weights then replace the random ones.
     """
+    pretrained = _pretrained_weights(cfg, mcfg)
     if cfg.parallel.zero_stage != 3:
         with torch.device("meta"):
             model = GPT(mcfg, init_weights=False)
         model.to_empty(device=device)  # uninitialized memory: every tensor is filled below
-        model.lm_head.weight = model.wte.weight  # materializing makes new tensors: tie them again
+        model.tie()  # materializing makes new tensors: tie them again
+        if pretrained is not None:
+            model.load_state_dict(pretrained, strict=True)
+            return model
         for module in model.modules():  # the modules' own defaults (norms' ones and zeros)
             if hasattr(module, "reset_parameters"):
                 module.reset_parameters()
@@ -163,11 +168,32 @@ def build_model(cfg: RunConfig, mcfg: GPTConfig, ds_config: dict, device: torch.
     # on the gathered weight, on rank 0, and is scattered back. Same order as nn.Module.apply
     # (children first), so the RNG draws, hence the weights, equal an unpartitioned build.
     torch.manual_seed(cfg.train.seed)
+    names = {m: n for n, m in model.named_modules()}
     for module in _post_order(model):
-        own = list(module.parameters(recurse=False))
-        with deepspeed.zero.GatheredParameters(own, modifier_rank=0):
-            model.init_module(module)
+        own = list(module.named_parameters(recurse=False))
+        with deepspeed.zero.GatheredParameters([p for _, p in own], modifier_rank=0):
+            if pretrained is None:
+                model.init_module(module)
+            elif _rank() == 0:
+                prefix = names[module] + "." if names[module] else ""
+                for name, p in own:
+                    p.data.copy_(pretrained[prefix + name])
     return model
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def _pretrained_weights(cfg: RunConfig, mcfg: GPTConfig) -> dict[str, torch.Tensor] | None:
+    """model.init_from's weights in Kiln's names; under ZeRO-3 only rank 0 reads them (it
+    scatters each weight as the partitioned model is filled)."""
+    if not cfg.model.init_from or (cfg.parallel.zero_stage == 3 and _rank() != 0):
+        return None
+    from kiln.config import pretrained_dir
+    from kiln.hf_checkpoint import load
+
+    return load(pretrained_dir(cfg), mcfg)
 
 
 def _post_order(module: nn.Module):

@@ -25,7 +25,7 @@ from kiln.model import GPT, embed, next_token_loss
 
 
 class EmbeddingStage(nn.Module):
-    """Token + position embeddings; as the last layer, also the tied output projection."""
+    """Token (+ position) embeddings; as the last layer of a tied model, also the output projection."""
 
     def __init__(self, gpt: GPT):
         super().__init__()
@@ -42,13 +42,13 @@ def _output_projection(embedding: EmbeddingStage, x: torch.Tensor) -> torch.Tens
 def to_pipeline(gpt: GPT, p: ParallelConfig, activation_checkpointing: bool):
     from deepspeed.pipe import PipelineModule, TiedLayerSpec
 
-    layers = [
-        TiedLayerSpec("embedding", EmbeddingStage, gpt, tied_weight_attr="wte.weight"),
-        *gpt.blocks,
-        gpt.ln_f,
-        TiedLayerSpec("embedding", EmbeddingStage, gpt, forward_fn=_output_projection,
-                      tied_weight_attr="wte.weight"),
-    ]
+    if gpt.cfg.tie_embeddings:
+        embedding = TiedLayerSpec("embedding", EmbeddingStage, gpt, tied_weight_attr="wte.weight")
+        head = TiedLayerSpec("embedding", EmbeddingStage, gpt, forward_fn=_output_projection,
+                             tied_weight_attr="wte.weight")
+    else:  # an untied output projection is a layer of its own on the last stage
+        embedding, head = EmbeddingStage(gpt), gpt.lm_head
+    layers = [embedding, *gpt.blocks, gpt.ln_f, head]
     check_partition(len(gpt.blocks), p)
     module = PipelineModule(
         layers=layers,

@@ -28,7 +28,7 @@ import shutil
 import time
 from collections.abc import Callable
 
-from kiln.config import TrainConfig
+from kiln.config import RunConfig, TrainConfig, gpt_config
 from kiln.errors import ConfigError
 from kiln.train.collectives import barrier
 
@@ -37,9 +37,25 @@ log = logging.getLogger(__name__)
 TAG = "state"  # DeepSpeed's tag: the subdirectory holding the shards
 MARKER = "kiln_complete.rank{rank}.json"
 RNG = "kiln_rng.rank{rank}.pt"
+CARD = "kiln_model.json"  # rank 0's: the model's shape and where its data (and tokenizer) is
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 RAY_DIR = re.compile(r"^checkpoint_\d{4}-\d\d-\d\d_")  # Ray Train's name for a registered checkpoint
 SCORE = "loss/val"  # what `keep_checkpoints_by: loss/val` ranks by, lowest best
+
+
+def model_card(cfg: RunConfig) -> dict:
+    """What a checkpoint records of its model: the GPT's shape, how it was sharded, and the
+    dataset whose manifest names the tokenizer. Secrets are masked (an endpoint's userinfo)."""
+    from dataclasses import asdict
+
+    from kiln.redact import redact_tree
+
+    d = cfg.data
+    return redact_tree({
+        "format": 1, "gpt": asdict(gpt_config(cfg)),
+        "parallel": {"zero_stage": cfg.parallel.zero_stage, "pipeline_stages": cfg.parallel.pipeline_stages},
+        "data": {"path": d.path, "s3_endpoint": d.s3_endpoint, "s3_region": d.s3_region},
+    })
 
 
 def step_dir(root: str, step: int) -> str:
@@ -47,9 +63,10 @@ def step_dir(root: str, step: int) -> str:
 
 
 def save(engine, root: str, step: int, rank: int, world_size: int, client_state: dict,
-         score: float | None = None) -> str:
+         score: float | None = None, card: dict | None = None) -> str:
     """Write the engine's state for `step` under `root`; return the completed directory.
-    `score` (the validation loss at this step) goes into the marker, for `prune(by="loss/val")`."""
+    `score` (the validation loss at this step) goes into the marker, for `prune(by="loss/val")`;
+    `card` (rank 0's) describes the model, so that `kiln export` needs nothing but the directory."""
     final = step_dir(root, step)
     partial = final + ".partial"
     if rank == 0 and os.path.isdir(partial):
@@ -57,6 +74,8 @@ def save(engine, root: str, step: int, rank: int, world_size: int, client_state:
     barrier(world_size)
     engine.save_checkpoint(partial, tag=TAG, client_state=client_state)
     _save_rng(os.path.join(partial, RNG.format(rank=rank)))
+    if rank == 0 and card is not None:
+        _write_synced(os.path.join(partial, CARD), json.dumps(card, indent=2))
     marker = {"step": step, "world_size": world_size, "rank": rank, "tag": TAG}
     if score is not None:
         marker[SCORE] = score
@@ -167,7 +186,7 @@ def _step_dirs(root: str) -> list[str]:
     return [os.path.join(root, n) for n in sorted(os.listdir(root)) if STEP_DIR.match(n)]  # zero-padded
 
 
-def _newest_reported(root: str) -> str | None:
+def newest_reported(root: str) -> str | None:
     """The complete checkpoint of highest step among a Ray run's directory's: Ray Train stores
     what each rank reported as `checkpoint_<time>/` (the `step_N` contents, markers included)."""
     found = [(m["step"], d) for d in (os.path.join(root, n) for n in os.listdir(root) if RAY_DIR.match(n))
@@ -182,7 +201,7 @@ def resolve_resume(path: str, world_size: int) -> tuple[str, int]:
     if not os.path.isdir(path):
         raise ConfigError(f"train.resume_from = {path!r}: no such directory")
     directory = path if (os.path.exists(os.path.join(path, MARKER.format(rank=0)))
-                         or os.path.isdir(os.path.join(path, TAG))) else latest_complete(path) or _newest_reported(path)
+                         or os.path.isdir(os.path.join(path, TAG))) else latest_complete(path) or newest_reported(path)
     if directory is None:
         raise ConfigError(f"train.resume_from = {path!r}: holds no complete Kiln checkpoint "
                           "(expected a step_N directory with a kiln_complete marker per rank)")
@@ -219,8 +238,9 @@ class CheckpointPolicy:
     save is averaged over ranks by the caller before `wants_save` sees it.
     """
 
-    def __init__(self, t: TrainConfig, root: str | None, rank: int, world_size: int):
+    def __init__(self, t: TrainConfig, root: str | None, rank: int, world_size: int, card: dict | None = None):
         self.t, self.root, self.rank, self.world_size = t, root, rank, world_size
+        self.card = card  # written into each checkpoint (see `save`)
         self.last_good: str | Callable[[], str] | None = None
         """What a rollback reloads: a directory, or under Ray a function that downloads one."""
         self._last_save = time.monotonic()
@@ -261,7 +281,7 @@ class CheckpointPolicy:
         if self.root is None:
             return None, 0.0
         start = time.perf_counter()
-        ckpt = save(engine, self.root, step, self.rank, self.world_size, client_state, score)
+        ckpt = save(engine, self.root, step, self.rank, self.world_size, client_state, score, self.card)
         seconds = time.perf_counter() - start
         if self.rank == 0:  # after save's final barrier: every rank is done with the old ones
             prune(self.root, self.t.keep_checkpoints, self.t.keep_checkpoints_by)

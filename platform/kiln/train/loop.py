@@ -22,12 +22,12 @@ from dataclasses import dataclass
 import torch
 
 from kiln.clock import startup_mark
-from kiln.config import RunConfig, gpt_config
+from kiln.config import RunConfig, gpt_config, model_name
 from kiln.data.sources import BatchSource
 from kiln.errors import KilnError
-from kiln.model import num_params
+from kiln.model import inputs_and_targets, num_params
 from kiln.train.affinity import pin_worker
-from kiln.train.checkpoint import TAG, CheckpointPolicy
+from kiln.train.checkpoint import TAG, CheckpointPolicy, model_card
 from kiln.train.collectives import mean_over_ranks
 from kiln.train.health import BadLoss, HealthGuard
 from kiln.train.leaks import LeakWatch
@@ -81,9 +81,9 @@ def evaluate(engine, source: BatchSource, max_batches: int, device: torch.device
             break
         batch = batch.to(device, non_blocking=True)
         if pipeline:  # every stage takes part; the loss is broadcast from the last
-            loss = engine.eval_batch(iter([(batch[:, :-1], batch[:, 1:])]), num_micro_batches=1)
+            loss = engine.eval_batch(iter([inputs_and_targets(batch)]), num_micro_batches=1)
         else:
-            _, loss = engine(batch[:, :-1], batch[:, 1:])
+            _, loss = engine(*inputs_and_targets(batch))
         total, count = total + loss.detach().float(), count + 1
     engine.train()
     (mean_total, mean_count) = mean_over_ranks([total.item(), float(count)], device)
@@ -119,7 +119,7 @@ class _Training:
             cfg, world, engine, scheduler, source, sinks)
         self.pipeline = cfg.parallel.pipeline_stages > 1
         self.progress: ProgressSink = sinks.progress or LogLines(cfg.logging.progress_every)  # rank 0's view
-        self.policy = CheckpointPolicy(t, checkpoint_root, world.rank, world.world_size)
+        self.policy = CheckpointPolicy(t, checkpoint_root, world.rank, world.world_size, model_card(cfg))
         self.done, consumed = self.policy.resume(engine, cfg.micro_batches_per_step)
         # Start reading now so the pipeline's start-up overlaps the first step; skip what the
         # resumed steps consumed.
@@ -231,7 +231,7 @@ def _reads_metrics(step: int, cfg: RunConfig, meter: StepMeter, policy: Checkpoi
 def _log_start(cfg: RunConfig, mcfg, world_size: int, tokens_per_step: int) -> None:
     stages = cfg.parallel.pipeline_stages
     console.info("training %s (%.2fM params) for %d steps, %d tokens/step on %d worker(s)%s",
-             cfg.model.flavour, num_params(mcfg, non_embedding=False) / 1e6, cfg.train.max_steps,
+             model_name(cfg), num_params(mcfg, non_embedding=False) / 1e6, cfg.train.max_steps,
              tokens_per_step, world_size,
              f" ({world_size // stages} data-parallel x {stages} pipeline stages)" if stages > 1 else "")
 

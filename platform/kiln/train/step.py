@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kiln.model import inputs_and_targets
 from kiln.train.health import BadLoss, HealthGuard
 from kiln.train.optim import StepGate
 
@@ -92,7 +93,7 @@ def train_step(engine, batches: Iterator[torch.Tensor], micro_batches: int, pipe
         return batch
 
     if pipeline:  # DeepSpeed runs the whole 1F1B schedule (and the step) in train_batch
-        pairs = [(b[:, :-1], b[:, 1:]) for b in (next_batch() for _ in range(micro_batches))]
+        pairs = [inputs_and_targets(next_batch()) for _ in range(micro_batches)]
         loss = guard.inject(engine.train_batch(data_iter=iter(pairs)).detach().float(), step)
         guard.observe(loss)
         reason = guard.verdict(step)
@@ -104,7 +105,7 @@ def train_step(engine, batches: Iterator[torch.Tensor], micro_batches: int, pipe
     for i in range(micro_batches):
         batch = next_batch()
         timer.start()
-        _, loss = engine(batch[:, :-1], batch[:, 1:])
+        _, loss = engine(*inputs_and_targets(batch))
         loss = guard.inject(loss, step)
         guard.observe(loss)
         timer.lap("time/forward_s")

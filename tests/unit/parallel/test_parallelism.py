@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from kiln.launch.local import free_port
 
@@ -46,11 +47,17 @@ TWO_RANKS = [
     {"name": "bf16-zero0-dtypes", "set": ["parallel.zero_stage=0", "train.precision=bf16"], "dtypes": True},
     {"name": "bf16-zero2-dtypes", "set": ["parallel.zero_stage=2", "train.precision=bf16"], "dtypes": True},
     *OPTIMIZER_RUNS,
+    # The Llama family (RoPE, RMSNorm, SwiGLU, GQA, untied head) under the same machinery.
+    {"name": "llama-zero2-ckpt", "set": ["model.flavour=llama-debug", "parallel.zero_stage=2",
+                                         "model.activation_checkpointing=true"]},
+    {"name": "llama-zero3", "set": ["model.flavour=llama-debug", "parallel.zero_stage=3"]},
     # Pipelines last: a PipelineEngine leaves DeepSpeed's process-global topology set.
     {"name": "pp2", "set": ["parallel.zero_stage=0", "parallel.pipeline_stages=2", "parallel.micro_batches=2",
                             "train.checkpoint_every=10"]},
     {"name": "pp2-resumed", "set": ["parallel.zero_stage=0", "parallel.pipeline_stages=2",
                                     "parallel.micro_batches=2", "train.resume_from={root}/pp2/step_00000010"]},
+    {"name": "llama-pp2", "set": ["model.flavour=llama-debug", "parallel.zero_stage=0", "parallel.pipeline_stages=2",
+                                  "parallel.micro_batches=2"]},
 ]
 # 4 ranks = 2 data-parallel replicas x 2 stages, on 2 cores: oversubscribed on purpose. Layers
 # split uniformly here (the runs above balance parameters, the default), over 4 blocks so that
@@ -75,8 +82,12 @@ def _harness(tmp: Path, name: str, specs: list, ranks: int, data: Path, timeout:
 
 
 @pytest.fixture(scope="module")
-def runs(byte_dataset, tmp_path_factory) -> dict:
-    tmp = tmp_path_factory.mktemp("parallel")
+def tmp(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("parallel")
+
+
+@pytest.fixture(scope="module")
+def runs(byte_dataset, tmp) -> dict:
     results = _harness(tmp, "reference", REFERENCE, 1, byte_dataset, timeout=300)
     results |= _harness(tmp, "two", TWO_RANKS, 2, byte_dataset, timeout=900)
     return results
@@ -145,3 +156,36 @@ def test_hybrid_two_replicas_by_two_stages(byte_dataset, tmp_path):
     run = _harness(tmp_path, "hybrid", HYBRID, 4, byte_dataset, timeout=600)["pp2-dp2"]
     assert run["steps"] == list(range(1, 31))
     assert sum(run["loss"][-5:]) < sum(run["loss"][:5]) - 2.0, run["loss"]
+
+
+def test_the_llama_family_trains_alike_under_zero_pipeline_and_recompute(runs):
+    ref = runs["llama-zero2-ckpt"]["loss"]
+    assert sum(ref[-5:]) < sum(ref[:5]) - 2.5  # it learns
+    for name in ("llama-zero3", "llama-pp2"):
+        assert _max_rel(runs[name]["loss"], ref) <= 1e-4, name
+
+
+@pytest.mark.parametrize("name,replicas", [("zero0", 2), ("zero1", 2), ("zero2", 2), ("zero3", 2),
+                                           ("zero3-offload", 2), ("pp2", 1), ("llama-zero2-ckpt", 2),
+                                           ("llama-zero3", 2), ("llama-pp2", 1)])
+def test_a_checkpoint_consolidates_to_the_model_that_was_evaluated(runs, tmp, byte_dataset, name, replicas):
+    """`kiln export`'s reader merges every sharding (ZeRO partitions, pipeline layer files) into
+    the whole model: its validation loss on the run's own eval batches is the one the run logged."""
+    from kiln.data.manifest import load_manifest
+    from kiln.data.sources import ParquetSource
+    from kiln.infer.load import load_model
+    from kiln.storage import resolve
+
+    loaded = load_model(str(tmp / "ckpt" / name))
+    assert loaded.vocab_size == 257 and loaded.cfg.vocab_size == 320  # the byte vocab, padded to 64s
+    assert loaded.cfg.arch == ("llama" if name.startswith("llama") else "gpt")
+    model = loaded.build()
+    losses = []
+    for rank in range(replicas):  # what `evaluate` did: each replica its first eval batches, averaged
+        for i, batch in enumerate(ParquetSource(load_manifest(resolve(str(byte_dataset))), rank, replicas, 4).val_batches()):
+            if i == 2:  # train.eval_batches in the harness
+                break
+            with torch.no_grad():
+                losses.append(model(batch[:, :-1], batch[:, 1:])[1].item())
+    logged = runs[name]["final"]["loss/val"]
+    assert abs(sum(losses) / len(losses) - logged) <= 1e-5 * logged

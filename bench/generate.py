@@ -1,0 +1,115 @@
+"""Generation throughput on this machine's CPU, in one run: Kiln's `generate` with its KV cache,
+the same without it (every step recomputes the whole sequence), and transformers' `generate`
+on Kiln's export of the same model, greedy, the same prompts and the same number of new tokens.
+
+Random weights (the speed of a forward does not depend on them), GPT-2 and Llama shapes at two
+sizes, one prompt and a batch of eight. Rounds alternate which runs first; medians are reported.
+Appends a table to bench/RESULTS.md.
+
+    python bench/generate.py                 # about 3 minutes on 2 cores
+    python bench/generate.py --rounds 5 --new-tokens 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from throughput import REPO, machine
+
+from kiln import hf_checkpoint
+from kiln.data.tokenizer import ByteTokenizer
+from kiln.infer.generate import Sampling, generate
+from kiln.model import GPT, GPTConfig, num_params
+
+SHAPES = {
+    "gpt small (debug)": GPTConfig(vocab_size=320, seq_len=256, n_layer=2, n_head=4, d_model=128),
+    "gpt 8x512": GPTConfig(vocab_size=320, seq_len=256, n_layer=8, n_head=8, d_model=512),
+    "llama 8x512, GQA 8/2": GPTConfig(arch="llama", vocab_size=320, seq_len=256, n_layer=8, n_head=8, n_kv_head=2,
+                                      d_model=512, tie_embeddings=False),
+}
+
+
+def _transformers(model: GPT, tmp: Path):
+    import transformers
+
+    hf_checkpoint.write(model.cfg, model.state_dict(), ByteTokenizer(), 257, tmp)
+    return transformers.AutoModelForCausalLM.from_pretrained(tmp).eval()
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def measure(cfg: GPTConfig, batch: int, prompt_len: int, new: int, rounds: int) -> dict[str, float]:
+    torch.manual_seed(0)
+    model = GPT(cfg).eval()
+    prompts = torch.randint(0, 256, (batch, prompt_len))
+    s = Sampling(max_new_tokens=new, temperature=0, stop_at_eot=False)
+    with tempfile.TemporaryDirectory() as tmp:
+        theirs = _transformers(model, Path(tmp))
+    ids = prompts.tolist()
+    runs = {
+        "kiln, KV cache": lambda: generate(model, ids, s, 256, 257),
+        "kiln, no cache": lambda: generate(model, ids, s, 256, 257, use_cache=False),
+        "transformers": lambda: theirs.generate(prompts, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                                                pad_token_id=256),
+    }
+    with torch.no_grad():
+        mine = generate(model, ids, s, 256, 257).tokens
+        ref = theirs.generate(prompts, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=256)
+        assert mine == ref[:, prompt_len:].tolist(), "Kiln and transformers disagree: the timing would compare unlike work"
+        for fn in runs.values():  # warm-up
+            fn()
+        times: dict[str, list[float]] = {k: [] for k in runs}
+        for r in range(rounds):
+            order = list(runs) if r % 2 == 0 else list(reversed(runs))
+            for name in order:
+                times[name].append(_timed(runs[name]))
+    return {k: batch * new / statistics.median(v) for k, v in times.items()}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--no-write", action="store_true", help="print only; do not append to bench/RESULTS.md")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    rows = []
+    for name, cfg in SHAPES.items():
+        for batch in (1, 8):
+            tps = measure(cfg, batch, args.prompt_len, args.new_tokens, args.rounds)
+            rows.append(f"| {name} | {num_params(cfg) / 1e6:.1f}M | {batch} | {tps['kiln, KV cache']:,.0f} | "
+                        f"{tps['kiln, no cache']:,.0f} | {tps['transformers']:,.0f} | "
+                        f"{tps['kiln, KV cache'] / tps['kiln, no cache']:.2f} | "
+                        f"{tps['kiln, KV cache'] / tps['transformers']:.2f} |")
+            print(rows[-1], flush=True)
+    table = "\n".join([
+        f"### Generation on CPU, {time.strftime('%Y-%m-%d %H:%M')} ({machine()}, {args.threads} threads)",
+        "",
+        f"Command: `python bench/generate.py --rounds {args.rounds} --new-tokens {args.new_tokens} "
+        f"--prompt-len {args.prompt_len}`. Greedy, {args.prompt_len}-token prompts, {args.new_tokens} new tokens each; "
+        "tokens/s of new tokens (prompt processing included), medians of the rounds. Each row first checks that "
+        "Kiln's and transformers' tokens are identical.",
+        "",
+        "| model | params | prompts | Kiln, KV cache | Kiln, no cache | transformers | cache speed-up | Kiln / transformers |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        *rows, "",
+    ])
+    if not args.no_write:
+        with open(REPO / "bench" / "RESULTS.md", "a") as f:
+            f.write("\n" + table)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

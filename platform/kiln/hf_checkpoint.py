@@ -1,0 +1,291 @@
+"""Kiln's models in and out of the Hugging Face checkpoint format: GPT-2 and Llama architectures.
+
+A Hugging Face checkpoint is a directory: `config.json`, the weights as safetensors (one
+`model.safetensors`, or shards listed in `model.safetensors.index.json`), and tokenizer files.
+Reading and writing it needs only `safetensors` and JSON, not `transformers`: that import takes
+seconds and a few hundred MB, and the format is stable and documented. The tests prove the
+mapping with transformers itself (logits and greedy generation equal).
+
+The weights differ from Kiln's by name and packing. GPT-2's linears are `Conv1D`s that store the
+weight transposed ((in, out) where `nn.Linear` has (out, in)). Llama keeps q/k/v and gate/up as
+separate matrices, which Kiln fuses into one matmul each (`attn.qkv`, `mlp.fc`): reading
+concatenates them along the output dimension, writing splits them.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from kiln.errors import ConfigError
+from kiln.model import GPTConfig
+
+CONFIG = "config.json"
+WEIGHTS = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+_GELU_TANH = ("gelu_new", "gelu_pytorch_tanh")  # both are the tanh approximation Kiln's MLP uses
+
+
+# ---- where it is -----------------------------------------------------------------------------------
+def local_copy(uri: str, s3_endpoint: str = "", region: str = "us-east-1") -> Path:
+    """A local directory holding the checkpoint at `uri`: the path itself, or for s3://
+    a copy in ~/.cache/kiln/checkpoints/ (one per URI, downloaded whole: into a temporary
+    sibling, then renamed), so every process on a machine reads the same files."""
+    if not uri.startswith("s3://"):
+        return Path(uri)
+    import hashlib
+    import os
+    import shutil
+    import tempfile
+
+    from kiln.storage import resolve
+
+    cache = Path(os.environ.get("KILN_CACHE", Path.home() / ".cache" / "kiln")) / "checkpoints"
+    target = cache / hashlib.sha256(uri.encode()).hexdigest()[:16]
+    if (target / CONFIG).exists():
+        return target
+    src = resolve(uri, s3_endpoint, region)
+    files = src.list_files()
+    if CONFIG not in files:
+        raise ConfigError(f"{uri}: holds no {CONFIG}; expected a Hugging Face checkpoint prefix")
+    cache.mkdir(parents=True, exist_ok=True)
+    staged = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=cache))
+    try:
+        for name in files:
+            (staged / name).parent.mkdir(parents=True, exist_ok=True)
+            (staged / name).write_bytes(src.join(name).read_bytes())
+        try:
+            staged.rename(target)
+        except OSError:  # another process on this machine finished first
+            if not (target / CONFIG).exists():
+                raise
+    finally:
+        shutil.rmtree(staged, ignore_errors=True)
+    return target
+
+
+# ---- the name tables -----------------------------------------------------------------------------
+def name_table(cfg: GPTConfig) -> dict[str, tuple[list[str], bool]]:
+    """Kiln name -> (the Hugging Face names concatenated along dim 0, stored transposed?)."""
+    if cfg.arch == "gpt":
+        block = {"ln_1.weight": "ln_1.weight", "ln_1.bias": "ln_1.bias", "ln_2.weight": "ln_2.weight",
+                 "ln_2.bias": "ln_2.bias", "attn.qkv.weight": "attn.c_attn.weight", "attn.qkv.bias": "attn.c_attn.bias",
+                 "attn.proj.weight": "attn.c_proj.weight", "attn.proj.bias": "attn.c_proj.bias",
+                 "mlp.fc.weight": "mlp.c_fc.weight", "mlp.fc.bias": "mlp.c_fc.bias",
+                 "mlp.proj.weight": "mlp.c_proj.weight", "mlp.proj.bias": "mlp.c_proj.bias"}
+        table = {k: ([f"transformer.{v}"], False) for k, v in
+                 {"wte.weight": "wte.weight", "wpe.weight": "wpe.weight", "ln_f.weight": "ln_f.weight",
+                  "ln_f.bias": "ln_f.bias"}.items()}
+        for i in range(cfg.n_layer):
+            for k, v in block.items():
+                table[f"blocks.{i}.{k}"] = ([f"transformer.h.{i}.{v}"], k.endswith(".weight") and "ln_" not in k)
+        return table
+    table = {"wte.weight": (["model.embed_tokens.weight"], False), "ln_f.weight": (["model.norm.weight"], False)}
+    if not cfg.tie_embeddings:
+        table["lm_head.weight"] = (["lm_head.weight"], False)
+    for i in range(cfg.n_layer):
+        p = f"model.layers.{i}."
+        table |= {
+            f"blocks.{i}.ln_1.weight": ([p + "input_layernorm.weight"], False),
+            f"blocks.{i}.ln_2.weight": ([p + "post_attention_layernorm.weight"], False),
+            f"blocks.{i}.attn.qkv.weight": ([p + f"self_attn.{x}_proj.weight" for x in "qkv"], False),
+            f"blocks.{i}.attn.proj.weight": ([p + "self_attn.o_proj.weight"], False),
+            f"blocks.{i}.mlp.fc.weight": ([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], False),
+            f"blocks.{i}.mlp.proj.weight": ([p + "mlp.down_proj.weight"], False),
+        }
+    return table
+
+
+# ---- in ------------------------------------------------------------------------------------------
+def read_config(directory: Path) -> GPTConfig:
+    """Kiln's shape for a `config.json`; anything Kiln's models cannot express is refused."""
+    path = directory / CONFIG
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such file; a Hugging Face checkpoint directory holds config.json") from None
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path}: not a readable JSON file ({e})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a JSON object")
+    kind = raw.get("model_type")
+    if kind not in ("gpt2", "llama"):
+        raise ConfigError(f"{path}: model_type {kind!r} is not supported; expected 'gpt2' or 'llama'")
+    try:
+        return _gpt2_config(raw, path) if kind == "gpt2" else _llama_config(raw, path)
+    except (KeyError, TypeError, ValueError) as e:
+        raise ConfigError(f"{path}: a {kind} config needs {e} (a number)") from None
+
+
+def _refuse(raw: dict, path: Path, want: dict[str, tuple]) -> None:
+    for key, allowed in want.items():
+        if raw.get(key, allowed[0]) not in allowed:
+            raise ConfigError(f"{path}: {key} = {raw[key]!r} is not supported; expected one of {list(allowed)}")
+
+
+def _gpt2_config(raw: dict, path: Path) -> GPTConfig:
+    _refuse(raw, path, {"activation_function": _GELU_TANH, "scale_attn_weights": (True,),
+                        "scale_attn_by_inverse_layer_idx": (False,), "tie_word_embeddings": (True,)})
+    d = int(raw["n_embd"])
+    if raw.get("n_inner") not in (None, 4 * d):
+        raise ConfigError(f"{path}: n_inner = {raw['n_inner']} is not supported; expected {4 * d} (4 x n_embd)")
+    return GPTConfig(vocab_size=int(raw["vocab_size"]), seq_len=int(raw["n_positions"]), n_layer=int(raw["n_layer"]),
+                     n_head=int(raw["n_head"]), d_model=d, bias=True,
+                     norm_eps=float(raw.get("layer_norm_epsilon", 1e-5)))
+
+
+def _llama_config(raw: dict, path: Path) -> GPTConfig:
+    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}  # transformers 5 / 4 spelling
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        raise ConfigError(f"{path}: rope type {rope.get('rope_type', rope.get('type'))!r} is not supported; "
+                          "expected 'default' (no RoPE scaling)")
+    _refuse(raw, path, {"hidden_act": ("silu",), "attention_bias": (False,), "mlp_bias": (False,),
+                        "pretraining_tp": (1,)})
+    d, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
+    if raw.get("head_dim") not in (None, d // heads):
+        raise ConfigError(f"{path}: head_dim = {raw['head_dim']} is not supported; expected hidden_size / "
+                          f"num_attention_heads = {d // heads}")
+    return GPTConfig(
+        arch="llama", vocab_size=int(raw["vocab_size"]), seq_len=int(raw["max_position_embeddings"]),
+        n_layer=int(raw["num_hidden_layers"]), n_head=heads, n_kv_head=int(raw.get("num_key_value_heads") or heads),
+        d_model=d, ffn_hidden=int(raw["intermediate_size"]), tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 10000.0))),
+        norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+    )
+
+
+def _weight_files(directory: Path) -> list[Path]:
+    index = directory / INDEX
+    if index.exists():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError) as e:
+            raise ConfigError(f"{index}: not a safetensors index (a JSON object with weight_map): {e}") from None
+        return [directory / n for n in names]
+    if (directory / WEIGHTS).exists():
+        return [directory / WEIGHTS]
+    raise ConfigError(f"{directory}: no {WEIGHTS} or {INDEX}; Kiln reads safetensors weights")
+
+
+def read_weights(directory: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint, by its Hugging Face name."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    for f in _weight_files(directory):
+        if not f.exists():
+            raise ConfigError(f"{f}: missing; the checkpoint's index lists it")
+        try:
+            tensors.update(load_file(str(f)))
+        except (SafetensorError, OSError) as e:
+            raise ConfigError(f"{f}: not a complete safetensors file ({e})") from None
+    return tensors
+
+
+def kiln_state(cfg: GPTConfig, theirs: dict[str, torch.Tensor], source: str) -> dict[str, torch.Tensor]:
+    """Hugging Face tensors renamed, fused, transposed and shape-checked into Kiln's state dict."""
+    if cfg.arch == "gpt" and not any(k.startswith("transformer.") for k in theirs):
+        theirs = {f"transformer.{k}": v for k, v in theirs.items()}  # GPT-2's original files lack the prefix
+    expected = _shapes(cfg)
+    state = {}
+    for ours, (names, transposed) in name_table(cfg).items():
+        for name in names:
+            if name not in theirs:
+                raise ConfigError(f"{source}: weight {name!r} is missing")
+        parts = [theirs[n].t() if transposed else theirs[n] for n in names]
+        t = torch.cat(parts, dim=0) if len(parts) > 1 else parts[0]
+        if tuple(t.shape) != expected[ours]:
+            got = ", ".join(f"{n} {tuple(theirs[n].shape)}" for n in names)
+            raise ConfigError(f"{source}: weight shapes ({got}) do not fit config.json, which implies "
+                              f"{expected[ours]} for Kiln's {ours}")
+        state[ours] = t.float().contiguous()
+    if cfg.tie_embeddings:
+        state["lm_head.weight"] = state["wte.weight"]
+    return state
+
+
+def _shapes(cfg: GPTConfig) -> dict[str, tuple[int, ...]]:
+    from kiln.model import GPT
+
+    with torch.device("meta"):
+        return {k: tuple(v.shape) for k, v in GPT(cfg, init_weights=False).state_dict().items()}
+
+
+def load(directory: str | Path, cfg: GPTConfig) -> dict[str, torch.Tensor]:
+    """The fp32 state dict of a checkpoint directory (of shape `read_config`), in Kiln's names."""
+    directory = Path(directory)
+    return kiln_state(cfg, read_weights(directory), str(directory))
+
+
+# ---- out -----------------------------------------------------------------------------------------
+def hf_state(cfg: GPTConfig, state: dict[str, torch.Tensor], vocab_size: int) -> dict[str, torch.Tensor]:
+    """Kiln's state dict as Hugging Face tensors: split, transposed, renamed. GPT-2 always has
+    biases, so they are zeros where Kiln has none (bias=False); the vocab is cut to the
+    tokenizer's (Kiln pads it to a multiple of 64, and those rows are never targets)."""
+    full = _shapes(replace(cfg, bias=True)) if cfg.arch == "gpt" else None
+    out = {}
+    for ours, (names, transposed) in name_table(cfg).items():
+        t = state.get(ours)
+        if t is None:  # a bias Kiln's model does not have
+            t = torch.zeros(full[ours])
+        if ours in ("wte.weight", "lm_head.weight"):
+            t = t[:vocab_size]
+        sizes = _split_sizes(cfg, ours, len(names))
+        for name, part in zip(names, t.split(sizes, dim=0) if sizes else [t]):
+            out[name] = (part.t() if transposed else part).detach().float().contiguous().cpu()
+    return out
+
+
+def _split_sizes(cfg: GPTConfig, ours: str, parts: int) -> list[int] | None:
+    if parts == 1:
+        return None
+    if ours.endswith("attn.qkv.weight"):
+        return [cfg.n_head * cfg.head_dim, cfg.kv_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim]
+    return [cfg.hidden, cfg.hidden]  # mlp.fc: gate, up
+
+
+def hf_config(cfg: GPTConfig, vocab_size: int, eot_id: int) -> dict:
+    common = {"vocab_size": vocab_size, "bos_token_id": eot_id, "eos_token_id": eot_id,
+              "tie_word_embeddings": cfg.tie_embeddings, "dtype": "float32", "initializer_range": 0.02}
+    if cfg.arch == "gpt":
+        return common | {
+            "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_positions": cfg.seq_len,
+            "n_embd": cfg.d_model, "n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_inner": None,
+            "activation_function": "gelu_new", "layer_norm_epsilon": cfg.norm_eps, "scale_attn_weights": True,
+            "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,  # inference: dropout off
+        }
+    return common | {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "max_position_embeddings": cfg.seq_len,
+        "hidden_size": cfg.d_model, "intermediate_size": cfg.hidden, "num_hidden_layers": cfg.n_layer,
+        "num_attention_heads": cfg.n_head, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
+        "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps, "attention_bias": False, "mlp_bias": False,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta}, "rope_theta": cfg.rope_theta,
+        "attention_dropout": 0.0,
+    }
+
+
+def write(cfg: GPTConfig, state: dict[str, torch.Tensor], tokenizer, vocab: int, directory: Path) -> list[str]:
+    """Write a complete checkpoint of the first `vocab` rows into `directory` (which the caller
+    stages and renames); return the file names. `tokenizer` is one of kiln.data.tokenizer's."""
+    from safetensors.torch import save_file
+
+    eot = int(tokenizer.eot_id)
+    eot_text = tokenizer.id_to_token(eot)
+    save_file(hf_state(cfg, state, vocab), str(directory / WEIGHTS), metadata={"format": "pt"})
+    files = {
+        CONFIG: hf_config(cfg, vocab, eot),
+        "generation_config.json": {"bos_token_id": eot, "eos_token_id": eot, "pad_token_id": eot},
+        "tokenizer_config.json": {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": eot_text,
+                                  "eos_token": eot_text, "unk_token": eot_text, "pad_token": eot_text,
+                                  "model_max_length": cfg.seq_len},
+        "special_tokens_map.json": {"bos_token": eot_text, "eos_token": eot_text, "unk_token": eot_text,
+                                    "pad_token": eot_text},
+    }
+    for name, body in files.items():
+        (directory / name).write_text(json.dumps(body, indent=2) + "\n")
+    (directory / "tokenizer.json").write_text(tokenizer.hf_json())
+    return [WEIGHTS, *files, "tokenizer.json"]

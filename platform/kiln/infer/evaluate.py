@@ -1,0 +1,95 @@
+"""`kiln eval`: a model's loss and bits per byte on a split of a prepared dataset.
+
+Loss per token depends on the tokenizer (a bigger vocabulary packs more text into a token), so
+it is also reported per byte of text: the summed loss in bits over the split's targets, divided
+by the UTF-8 bytes those target tokens stand for. Models with different tokenizers compare on it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kiln.data.manifest import Manifest
+from kiln.data.sources import ParquetSource
+from kiln.data.tokenizer import token_bytes
+from kiln.errors import ConfigError
+from kiln.infer.load import LoadedModel, load_model
+from kiln.model import IGNORE, inputs_and_targets
+
+
+@dataclass
+class EvalResult:
+    split: str
+    tokens: int
+    """Target tokens scored."""
+    bytes: int
+    """UTF-8 bytes of text those tokens stand for."""
+    loss: float
+    """Mean cross-entropy, nats per token."""
+    bits_per_byte: float
+
+    def metrics(self) -> dict[str, float]:
+        return {f"eval/{self.split}/loss": self.loss, f"eval/{self.split}/bits_per_byte": self.bits_per_byte}
+
+
+def evaluate(loaded: LoadedModel, manifest: Manifest, split: str = "val", batch_size: int = 8,
+             max_batches: int = 0, device: str = "cpu") -> EvalResult:
+    """Score every row of `split` (or the first `max_batches` batches) with `loaded`'s model."""
+    if manifest.tokenizer().vocab() != loaded.tokenizer.vocab():
+        raise ConfigError(f"--data {manifest.location.uri}: tokenized with another tokenizer than the model's; "
+                          "prepare it with the model's (kiln data prepare --tokenizer <its export>)")
+    if manifest.seq_len > loaded.cfg.seq_len:
+        raise ConfigError(f"--data {manifest.location.uri}: rows of {manifest.seq_len} tokens exceed the model's "
+                          f"context of {loaded.cfg.seq_len}")
+    model = loaded.build(device)
+    per_token = torch.from_numpy(token_bytes(loaded.tokenizer))
+    nats, tokens, nbytes = 0.0, 0, 0
+    for i, (_, rows) in enumerate(ParquetSource(manifest, 0, 1, batch_size).epoch(split)):
+        if max_batches and i >= max_batches:
+            break
+        inputs, targets = inputs_and_targets(rows.long())  # instruction data: responses only
+        with torch.no_grad():
+            # Over the tokenizer's vocab: Kiln's padding ids are never targets, and an export drops them.
+            logits = model(inputs.to(device))[..., :loaded.vocab_size].float()
+        scored = targets != IGNORE
+        nats += F.cross_entropy(logits.reshape(-1, logits.shape[-1]).cpu(), targets.reshape(-1), ignore_index=IGNORE,
+                                reduction="sum").item()
+        tokens += int(scored.sum())
+        nbytes += int(per_token[targets[scored]].sum())
+    if tokens == 0:
+        raise ConfigError(f"--data {manifest.location.uri}: its {split} split has no full batch of {batch_size} rows")
+    return EvalResult(split, tokens, nbytes, nats / tokens, nats / math.log(2) / max(nbytes, 1))
+
+
+# ---- the command -------------------------------------------------------------------------------
+def evaluate_model(spec: str, data: str, split: str, batch_size: int, max_batches: int, s3_endpoint: str = "",
+                   tracking_uri: str = "", run_id: str = "") -> tuple[EvalResult, str | None]:
+    """`kiln eval`: the figures, and the MLflow run they were logged to (the model's source run
+    for a models:/ spec, else --run-id; None when neither). `tracking_uri` is resolved already."""
+    from kiln.data.manifest import load_manifest
+    from kiln.storage import resolve
+
+    uri, local, source_run = tracking_uri, spec, run_id
+    if spec.startswith(("models:/", "runs:/")):
+        from kiln.infer.mlflow_model import download, source_run_of
+
+        local, source_run = download(spec, uri), run_id or source_run_of(spec, uri)
+    manifest = load_manifest(resolve(data, s3_endpoint))
+    result = evaluate(load_model(local), manifest, split, batch_size, max_batches)
+    if source_run:
+        from mlflow import MlflowClient
+
+        MlflowClient(uri).log_batch(source_run, metrics=[_metric(k, v) for k, v in result.metrics().items()])
+    return result, source_run or None
+
+
+def _metric(key: str, value: float):
+    import time
+
+    from mlflow.entities import Metric
+
+    return Metric(key, float(value), int(time.time() * 1000), 0)

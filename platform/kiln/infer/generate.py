@@ -1,0 +1,177 @@
+"""Sampling text from a GPT: the controls, the decode loop with its KV cache, and streaming.
+
+Ray-free and DeepSpeed-free: it takes a plain `kiln.model.GPT` and lists of token ids. The
+sampling rules follow the definitions users know from transformers' `generate`, so the same
+settings mean the same thing in both: repetition penalty as in CTRL (Keskar et al. 2019: a
+seen token's positive logit is divided by the penalty, a negative one multiplied), then
+temperature, then top-k, then top-p (nucleus: the smallest set of tokens whose probability
+reaches p). Temperature 0 is greedy decoding.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kiln.model import GPT, KVCache
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    max_new_tokens: int = 64
+    """Tokens to generate per prompt at most (fewer where end-of-text comes first)."""
+    temperature: float = 0.8
+    """Divides the logits: < 1 sharpens, > 1 flattens; 0 is greedy (always the likeliest token)."""
+    top_k: int = 0
+    """Sample only among the k likeliest tokens; 0: no limit."""
+    top_p: float = 1.0
+    """Sample only among the likeliest tokens whose probabilities sum to p; 1: no limit."""
+    repetition_penalty: float = 1.0
+    """> 1 makes tokens seen in the last `repetition_window` tokens less likely; 1: off."""
+    repetition_window: int = 64
+    """How many of the latest tokens (prompt included) the repetition penalty looks at."""
+    seed: int = 0
+    """Seeds the sampler's own generator, so the same settings give the same text."""
+    stop_at_eot: bool = True
+    """Stop a row at the end-of-text token (it is not printed)."""
+
+
+@dataclass
+class Generated:
+    tokens: list[list[int]]
+    """The new tokens of each prompt, end-of-text excluded."""
+    prefill_s: float
+    """Seconds spent on the prompts (one forward over all of them)."""
+    decode_s: float
+    """Seconds spent generating after the prompts."""
+
+    @property
+    def new_tokens(self) -> int:
+        return sum(len(t) for t in self.tokens)
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Generated tokens per second, prompt processing included."""
+        return self.new_tokens / max(self.prefill_s + self.decode_s, 1e-9)
+
+
+def next_tokens(logits: torch.Tensor, history: torch.Tensor, s: Sampling,
+                generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row from `logits` (B, V); `history` (B, n) are the latest token ids of each
+    row (-1: none), for the repetition penalty."""
+    logits = logits.float()
+    if s.repetition_penalty != 1.0 and history.numel():
+        seen = history.clamp(min=0)
+        picked = logits.gather(1, seen)
+        penalised = torch.where(picked > 0, picked / s.repetition_penalty, picked * s.repetition_penalty)
+        penalised = torch.where(history >= 0, penalised, picked)
+        logits = logits.scatter(1, seen, penalised)
+    if s.temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits / s.temperature
+    if s.top_k:
+        kth = torch.topk(logits, min(s.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if s.top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        before = probs.cumsum(dim=-1) - probs  # mass of the likelier tokens
+        drop = before >= s.top_p  # the likeliest token always stays (its `before` is 0)
+        logits = logits.masked_fill(drop.scatter(1, order, drop), float("-inf"))
+    return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator).squeeze(1)
+
+
+def _left_pad(prompts: Sequence[Sequence[int]], pad: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(p) for p in prompts)
+    idx = torch.full((len(prompts), width), pad, dtype=torch.long)
+    valid = torch.zeros((len(prompts), width), dtype=torch.bool)
+    for row, p in enumerate(prompts):
+        idx[row, width - len(p):] = torch.tensor(list(p), dtype=torch.long)
+        valid[row, width - len(p):] = True
+    return idx.to(device), valid.to(device)
+
+
+def generate(model: GPT, prompts: Sequence[Sequence[int]], s: Sampling, eot_id: int, vocab_size: int,
+             on_tokens: Callable[[list[int | None]], None] | None = None, use_cache: bool = True) -> Generated:
+    """New tokens for each prompt (a batch, left-padded to one length).
+
+    `vocab_size` is the tokenizer's: ids above it (the model's padding to a multiple of 64) are
+    never sampled. `on_tokens` gets each step's token per row (None for a finished row), for
+    streaming. `use_cache=False` recomputes every position at each step: the baseline the KV
+    cache is measured against."""
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    if max(len(p) for p in prompts) + s.max_new_tokens > model.cfg.seq_len:
+        raise ValueError(f"prompt plus max_new_tokens ({max(len(p) for p in prompts)} + {s.max_new_tokens}) "
+                         f"exceeds the model's context of {model.cfg.seq_len} tokens")
+    device = next(model.parameters()).device
+    model.eval()
+    generator = torch.Generator(device=device).manual_seed(s.seed)
+    idx, valid = _left_pad(prompts, eot_id, device)
+    history = torch.where(valid, idx, -1)[:, -s.repetition_window:] if s.repetition_window else idx[:, :0]
+    done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
+    out: list[list[int]] = [[] for _ in prompts]
+    cache, feed, feed_valid = KVCache(model.cfg.n_layer), idx, valid
+    start = time.perf_counter()
+    prefill_s = 0.0
+    for step in range(s.max_new_tokens):
+        if not use_cache:  # everything so far, from scratch
+            cache, feed, feed_valid = KVCache(model.cfg.n_layer), idx, valid
+        logits = model.decode(feed, cache, feed_valid)[:, :vocab_size]
+        if step == 0:
+            prefill_s = time.perf_counter() - start
+        token = next_tokens(logits, history, s, generator)
+        token = torch.where(done, torch.full_like(token, eot_id), token)
+        finished_now = (token == eot_id) & s.stop_at_eot
+        emitted = [None if (d or f) else t for d, f, t in zip(done.tolist(), finished_now.tolist(), token.tolist())]
+        for row, t in enumerate(emitted):
+            if t is not None:
+                out[row].append(t)
+        if on_tokens is not None:
+            on_tokens(emitted)
+        done = done | finished_now
+        if bool(done.all()):
+            break
+        feed, feed_valid = token[:, None], None  # all real: a finished row's filler is ignored
+        idx, valid = torch.cat([idx, feed], 1), torch.cat([valid, torch.ones_like(feed, dtype=torch.bool)], 1)
+        if s.repetition_window:
+            history = torch.cat([history, feed], 1)[:, -s.repetition_window:]
+    total = time.perf_counter() - start
+    return Generated(out, prefill_s, total - prefill_s)
+
+
+class TextStream:
+    """Turns one row's tokens into text as they come, printing only what is final.
+
+    A token may end in the middle of a UTF-8 character (byte-level BPE splits multi-byte
+    characters), which decodes to U+FFFD until its other bytes arrive; such text is held back.
+    Decoding the pending tokens together (not one by one) keeps BPE merges and byte runs whole.
+    The pending window restarts after whitespace, so the cost per token stays small."""
+
+    def __init__(self, decode: Callable[[list[int]], str]):
+        self._decode = decode
+        self._pending: list[int] = []
+        self._shown = ""
+
+    def push(self, token: int) -> str:
+        self._pending.append(token)
+        text = self._decode(self._pending)
+        if text.endswith("\ufffd"):
+            return ""
+        new, self._shown = text[len(self._shown):], text
+        if text and text[-1].isspace():
+            self._pending, self._shown = [], ""
+        return new
+
+    def flush(self) -> str:
+        """Whatever is still held back (an incomplete character at the very end)."""
+        text = self._decode(self._pending) if self._pending else ""
+        new = text[len(self._shown):]
+        self._pending, self._shown = [], ""
+        return new

@@ -1,0 +1,166 @@
+"""A trained model, whole, from wherever it is: a Kiln checkpoint, a run, or an exported directory.
+
+`kiln export`, `kiln generate` and the tests call `load_model`, which returns the GPT's shape,
+its fp32 state dict in Kiln's names and its tokenizer.
+
+A Kiln checkpoint is sharded as the run was (ZeRO 1-3 partitions the fp32 master weights and
+optimizer state over ranks; a pipeline writes one file per layer). DeepSpeed's own
+`zero_to_fp32` merges ZeRO shards; a pipeline's per-layer files and ZeRO-0's single module file
+are read here, since DeepSpeed's tool covers neither.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import io
+import json
+import logging
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kiln import hf_checkpoint as hf
+from kiln.data.manifest import load_manifest
+from kiln.data.tokenizer import pretrained
+from kiln.errors import ConfigError, KilnError
+from kiln.model import GPT, GPTConfig
+from kiln.storage import resolve
+from kiln.train.checkpoint import CARD, MARKER, TAG, is_complete, latest_complete, newest_reported
+
+log = logging.getLogger(__name__)
+LAYER_FILE = re.compile(r"^layer_(\d+)-model_states\.pt$")
+
+
+@dataclass
+class LoadedModel:
+    cfg: GPTConfig
+    state: dict[str, torch.Tensor]
+    """fp32 weights in Kiln's names (lm_head is wte where the embeddings are tied)."""
+    tokenizer: object
+    """A kiln.data.tokenizer tokenizer (vocab_size, eot_id, encode_batch, decode, hf_json)."""
+    source: str
+    """The directory the weights came from (a resolved run gives its newest checkpoint)."""
+    vocab_size: int
+    """The real vocab: rows past it are Kiln's padding to a multiple of 64, never targets, so
+    never sampled and not exported."""
+
+    def build(self, device: str | torch.device = "cpu") -> GPT:
+        """The GPT with these weights, in eval mode."""
+        model = GPT(self.cfg, init_weights=False)
+        missing, unexpected = model.load_state_dict(self.state, strict=False)
+        if self.cfg.tie_embeddings:
+            missing = [k for k in missing if k != "lm_head.weight"]  # it is wte
+        if missing or unexpected:
+            raise KilnError(f"{self.source}: weights do not fit the model (missing {missing[:3]}, "
+                            f"unexpected {unexpected[:3]})")
+        return model.to(device).eval()
+
+
+def load_model(spec: str) -> LoadedModel:
+    """`spec`: a Hugging Face-format directory (config.json), a Kiln checkpoint directory, or a
+    run's directory (its newest complete checkpoint)."""
+    path = Path(spec)
+    if not path.is_dir():
+        raise ConfigError(f"--model {spec!r}: no such directory (expected a run's directory, a checkpoint "
+                          "directory or an exported Hugging Face directory)")
+    if (path / hf.CONFIG).exists():
+        cfg = hf.read_config(path)
+        tokenizer = hf_tokenizer(path, cfg.vocab_size)  # checked before the weights are read
+        return LoadedModel(cfg, hf.load(path, cfg), tokenizer, str(path), cfg.vocab_size)
+    ckpt = checkpoint_of(path)
+    card = _card(ckpt)
+    cfg = GPTConfig(**card["gpt"])
+    state = consolidate(ckpt, cfg, int(card["parallel"]["pipeline_stages"]))
+    tokenizer = _dataset_tokenizer(card, ckpt)
+    return LoadedModel(cfg, state, tokenizer, ckpt, int(tokenizer.vocab_size))
+
+
+def checkpoint_of(path: Path) -> str:
+    """The complete checkpoint `path` is, or the newest one under it (a run's directory)."""
+    if (path / MARKER.format(rank=0)).exists() or (path / TAG).is_dir():
+        if not is_complete(str(path)):
+            raise ConfigError(f"{path}: an incomplete checkpoint (its writer died before every rank's "
+                              "kiln_complete marker was written); pick an earlier one")
+        return str(path)
+    found = latest_complete(str(path)) or newest_reported(str(path))
+    if found is None:
+        raise ConfigError(f"{path}: holds no complete Kiln checkpoint, and is not a Hugging Face directory "
+                          "(no config.json)")
+    return found
+
+
+def _card(ckpt: str) -> dict:
+    try:
+        with open(os.path.join(ckpt, CARD)) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"{ckpt}: has no {CARD} (written by Kiln from this version on); the model's "
+                          "shape is unknown, so it cannot be exported") from None
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{os.path.join(ckpt, CARD)}: not readable JSON ({e})") from None
+
+
+def consolidate(ckpt: str, cfg: GPTConfig, pipeline_stages: int) -> dict[str, torch.Tensor]:
+    """The whole model's fp32 state dict from a checkpoint's shards."""
+    state_dir = os.path.join(ckpt, TAG)
+    if pipeline_stages > 1:
+        state = _pipeline_layers(state_dir, cfg)
+    elif glob.glob(os.path.join(state_dir, "*zero_pp_rank_*_optim_states.pt")):
+        if not torch.cuda.is_available():  # merging is host work; say so, or DeepSpeed warns it guessed
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        # ZeRO 1-3: the fp32 master weights, merged from every rank's partition. The tool
+        # prints its progress; that goes to the debug log, not the user's terminal.
+        chatter = io.StringIO()
+        with contextlib.redirect_stdout(chatter), contextlib.redirect_stderr(chatter):
+            state = dict(get_fp32_state_dict_from_zero_checkpoint(ckpt, tag=TAG))
+        log.debug("zero_to_fp32: %s", chatter.getvalue())
+    else:
+        state = torch.load(os.path.join(state_dir, "mp_rank_00_model_states.pt"), map_location="cpu",
+                           weights_only=False)["module"]  # Kiln's own file (ZeRO-0: whole on each rank)
+    state = {k: v.float() for k, v in state.items()}
+    if cfg.tie_embeddings:
+        state["lm_head.weight"] = state["wte.weight"]
+    return state
+
+
+def _pipeline_layers(state_dir: str, cfg: GPTConfig) -> dict[str, torch.Tensor]:
+    """A pipeline's layers (see kiln.parallel.pipeline.to_pipeline): 0 the embeddings, 1..L the
+    blocks, L+1 the final norm, L+2 the head (a tied one has no weights of its own)."""
+    files = {int(m.group(1)): os.path.join(state_dir, n)
+             for n in os.listdir(state_dir) if (m := LAYER_FILE.match(n))}
+    names = {0: "", cfg.n_layer + 1: "ln_f."} | {i + 1: f"blocks.{i}." for i in range(cfg.n_layer)}
+    if not cfg.tie_embeddings:
+        names[cfg.n_layer + 2] = "lm_head."
+    state = {}
+    for layer, prefix in names.items():
+        if layer not in files:
+            raise ConfigError(f"{state_dir}: layer_{layer:02d}-model_states.pt is missing")
+        part = torch.load(files[layer], map_location="cpu", weights_only=True)
+        state |= {prefix + k: v for k, v in part.items()}
+    return state
+
+
+def _dataset_tokenizer(card: dict, ckpt: str):
+    data = card["data"]
+    try:
+        return load_manifest(resolve(data["path"], data.get("s3_endpoint", ""), data.get("s3_region", "us-east-1"))).tokenizer()
+    except KilnError as e:
+        raise ConfigError(f"{ckpt}: its tokenizer comes from the training data {data['path']!r}, "
+                          f"which cannot be read: {e}") from None
+
+
+def hf_tokenizer(directory: Path, vocab_size: int):
+    """The tokenizer of a Hugging Face directory; its vocab must fit the model's."""
+    if not (directory / "tokenizer.json").exists():
+        raise ConfigError(f"{directory}: has no tokenizer.json (Kiln reads fast-tokenizer files)")
+    tok = pretrained(str(directory))
+    if tok.vocab_size > vocab_size:
+        raise ConfigError(f"{directory / 'tokenizer.json'}: the tokenizer has {tok.vocab_size} tokens, the "
+                          f"model's vocab_size is {vocab_size}; they must belong together")
+    return tok

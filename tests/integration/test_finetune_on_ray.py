@@ -1,0 +1,217 @@
+"""Hugging Face checkpoint -> Kiln -> fine-tune on Ray (2 workers, ZeRO-2 and ZeRO-3) -> export
+-> transformers, on a tiny random Llama with grouped-query attention and an untied head (built
+here with transformers' `save_pretrained`; nothing is downloaded)."""
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from kiln.config import load_config  # noqa: E402
+from kiln.data.manifest import load_manifest  # noqa: E402
+from kiln.data.prepare import PrepareConfig, prepare  # noqa: E402
+from kiln.data.sources import ParquetSource  # noqa: E402
+from kiln.data.tokenizer import BPETokenizer  # noqa: E402
+from kiln.errors import ConfigError  # noqa: E402
+from kiln.infer.commands import export  # noqa: E402
+from kiln.infer.generate import Sampling, generate  # noqa: E402
+from kiln.launch.on_ray import train  # noqa: E402
+from kiln.storage import resolve  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+MICRO_BATCH = 4
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory, corpus):
+    """(checkpoint dir, the transformers model, a dataset tokenized with its tokenizer)."""
+    tmp = tmp_path_factory.mktemp("finetune")
+    texts = [p.read_text() for p in sorted(Path(corpus[0]).glob("*.py"))]
+    tok = BPETokenizer.train(texts, 300)
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=320, hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False, rope_theta=1000.0,
+        bos_token_id=tok.eot_id, eos_token_id=tok.eot_id)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    ckpt = tmp / "tiny-llama"
+    model.save_pretrained(ckpt)
+    (ckpt / "tokenizer.json").write_text(tok.to_json())
+    data = tmp / "data"
+    prepare(PrepareConfig(inputs=corpus, output=str(data), tokenizer=str(ckpt), seq_len=32, shard_tokens=1 << 15))
+    return ckpt, model, data
+
+
+def _config(ckpt, data, tmp, name, *more):
+    return load_config(REPO / "jobs/configs/debug.yaml", [
+        f"model.init_from={ckpt}", f"data.path={data}", "parallel.num_workers=2", "train.max_steps=8",
+        f"train.micro_batch_size={MICRO_BATCH}", "train.eval_every=0", "schedule.warmup_steps=2",
+        f"logging.tracking_uri=sqlite:///{tmp}/mlflow.db", "logging.experiment=finetune", f"logging.run_name={name}",
+        f"train.storage_path={tmp}/runs", *more])
+
+
+def _first_step_loss(model, data) -> float:
+    """What step 1 must report if the run started from `model`: the mean of each replica's
+    first micro-batch loss, computed by transformers."""
+    manifest = load_manifest(resolve(str(data)))
+    losses = []
+    for rank in range(2):
+        batch = next(iter(ParquetSource(manifest, rank, 2, MICRO_BATCH).train_batches()))
+        with torch.no_grad():
+            logits = model(batch[:, :-1]).logits
+        losses.append(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                        batch[:, 1:].reshape(-1)).item())
+    return sum(losses) / len(losses)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_finetune_a_pretrained_llama_on_ray_and_export_it(ray_cluster, pretrained, tmp_path, stage, monkeypatch):
+    from mlflow.tracking import MlflowClient
+
+    address, _, _ = ray_cluster
+    ckpt, original, data = pretrained
+    register = [f"logging.register_as=tiny-llama-{stage}", f"logging.export_to={tmp_path}/final"]
+    summary = train(_config(ckpt, data, tmp_path, f"ft-zero{stage}", f"parallel.zero_stage={stage}", *register),
+                    address=address)
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")  # for models:/ URIs
+    history = sorted(client.get_metric_history(summary.run_id, "loss/train"), key=lambda m: m.step)
+    assert abs(history[0].value - _first_step_loss(original, data)) <= 1e-4  # it started from the checkpoint
+    assert history[-1].value < history[0].value - 0.05  # and it learned
+
+    out = tmp_path / "export"
+    loaded, files = export(summary.checkpoint, str(out))
+    for name in files:  # logging.export_to wrote the same export when the run ended
+        assert (tmp_path / "final" / name).read_bytes() == (out / name).read_bytes(), name
+    assert loaded.cfg.arch == "llama" and loaded.cfg.kv_heads == 2 and not loaded.cfg.tie_embeddings
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    ours = loaded.build()
+    x = torch.randint(0, 300, (2, 24))
+    with torch.no_grad():
+        assert (theirs(x).logits - ours(x)[..., :300]).abs().max().item() <= 1e-5
+        assert (original(x).logits[..., :300] - ours(x)[..., :300]).abs().max().item() > 1e-3  # it changed
+    prompt = [5, 17, 42]
+    mine = generate(ours, [prompt], Sampling(max_new_tokens=16, temperature=0, stop_at_eot=False),
+                    loaded.tokenizer.eot_id, loaded.vocab_size).tokens[0]
+    ref = theirs.generate(torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16, do_sample=False)
+    assert mine == ref[0, len(prompt):].tolist()
+    _the_run_logged_and_registered_its_model(client, summary, stage, loaded, ours, tmp_path, data)
+
+
+def _the_run_logged_and_registered_its_model(client, summary, stage, loaded, ours, tmp_path, pretrained_data):
+    """The run's MLflow model: an output of the run with its final metrics, version 1 in the
+    registry, and a pyfunc whose greedy text is Kiln's."""
+    import mlflow
+
+    assert summary.model == f"models:/tiny-llama-{stage}/1"
+    [output] = client.get_run(summary.run_id).outputs.model_outputs
+    model = client.get_logged_model(output.model_id)
+    assert model.source_run_id == summary.run_id and model.status == "READY"
+    assert client.get_model_version(f"tiny-llama-{stage}", "1").source == model.artifact_location
+    assert {m.key for m in model.metrics} >= {"model/loss/train", "model/loss/val"}
+    steps = [m.step for m in client.get_metric_history(summary.run_id, "loss/train")]
+    assert len(steps) == len(set(steps)), steps  # the model's metrics add no second point to the curve
+    pyfunc = mlflow.pyfunc.load_model(summary.model)
+    prompt = "def load(s):"
+    text = pyfunc.predict([prompt], params={"temperature": 0.0, "max_new_tokens": 12})[0]
+    ids = loaded.tokenizer.encode_batch([prompt])[0].tolist()
+    expected = generate(ours, [ids], Sampling(max_new_tokens=12, temperature=0), loaded.tokenizer.eot_id,
+                        loaded.vocab_size).tokens[0]
+    assert text == loaded.tokenizer.decode(expected)
+    if stage == 2:
+        assert _served_over_http(summary.model, prompt, tmp_path) == text
+        from kiln.infer.evaluate import evaluate_model
+
+        result, logged_to = evaluate_model(summary.model, str(pretrained_data), "val", 8, 0, "",
+                                           client.tracking_uri, "")
+        assert logged_to == summary.run_id and 0 < result.bits_per_byte < 20
+        logged = client.get_run(summary.run_id).data.metrics
+        assert logged["eval/val/bits_per_byte"] == pytest.approx(result.bits_per_byte)
+
+
+def _served_over_http(model_uri: str, prompt: str, tmp: Path) -> str:
+    """`mlflow models serve` (local env manager) on loopback, asked once over HTTP."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import urllib.request
+
+    from kiln.launch.local import free_port
+
+    port = free_port()
+    bin_dir = Path(sys.executable).parent
+    mlflow_cli = str(bin_dir / "mlflow")
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")  # as in an activated venv
+    server_log = tmp / "serve.log"
+    with open(server_log, "w") as out:
+        server = subprocess.Popen([mlflow_cli, "models", "serve", "-m", model_uri, "--env-manager", "local",
+                                   "-h", "127.0.0.1", "-p", str(port)], env=env,
+                                  stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        body = json.dumps({"inputs": [prompt], "params": {"temperature": 0.0, "max_new_tokens": 12}}).encode()
+        deadline = time.time() + 180
+        while True:
+            try:
+                request = urllib.request.Request(f"http://127.0.0.1:{port}/invocations", data=body,
+                                                 headers={"Content-Type": "application/json"})
+                with urllib.request.urlopen(request, timeout=30) as response:
+                    return json.loads(response.read())["predictions"][0]
+            except OSError as e:
+                if server.poll() is not None or time.time() > deadline:
+                    raise AssertionError(f"mlflow models serve did not answer: {server_log.read_text()[-3000:]}") from e
+                time.sleep(1)
+    finally:
+        os.killpg(server.pid, 15)
+        server.wait(timeout=30)
+
+
+def test_data_of_another_tokenizer_is_refused_before_launch(pretrained, byte_dataset, tmp_path):
+    from kiln.launch.preflight import preflight
+
+    ckpt, _, _ = pretrained
+    with pytest.raises(ConfigError, match="was tokenized with a different tokenizer .* --tokenizer"):
+        preflight(_config(ckpt, byte_dataset, tmp_path, "wrong-tokenizer"))
+    with pytest.raises(ConfigError, match="model.init_from .* leave model.vocab_size and model.n_layer at 0"):
+        preflight(_config(ckpt, pretrained[2], tmp_path, "shape", "model.n_layer=4"))
+
+
+def test_init_from_and_export_to_s3(pretrained, s3_server, tmp_path, monkeypatch):
+    """model.init_from an s3:// prefix (copied once into the local cache, then checked and
+    loaded like a directory) and kiln export to one, on the loopback S3 server."""
+    from conftest import S3_ENV
+
+    from kiln.config import gpt_config
+    from kiln.launch.preflight import preflight
+    from kiln.parallel.engine import build_model
+    from kiln.storage import resolve
+
+    for k, v in S3_ENV.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("KILN_CACHE", str(tmp_path / "cache"))
+    ckpt, original, data = pretrained
+    prefix = resolve("s3://kiln-test/models/tiny-llama", s3_server)
+    for f in ckpt.iterdir():
+        prefix.join(f.name).write_bytes(f.read_bytes())
+    cfg = preflight(_config("s3://kiln-test/models/tiny-llama", data, tmp_path, "from-s3", "parallel.zero_stage=2",
+                            f"data.s3_endpoint={s3_server}")).cfg
+    model = build_model(cfg, gpt_config(cfg), {}, torch.device("cpu")).eval()
+    x = torch.randint(0, 300, (2, 20))
+    with torch.no_grad():
+        assert (model(x) - original(x).logits).abs().max().item() <= 1e-5
+    assert len(list((tmp_path / "cache" / "checkpoints").iterdir())) == 1  # one copy, no staging left
+
+    _, files = export(str(ckpt), "s3://kiln-test/exports/tiny", s3_endpoint=s3_server)
+    assert sorted(resolve("s3://kiln-test/exports/tiny", s3_server).list_files()) == sorted(files)
+    with pytest.raises(ConfigError, match="--overwrite"):
+        export(str(ckpt), "s3://kiln-test/exports/tiny", s3_endpoint=s3_server)
+    with pytest.raises(ConfigError, match="not an export"):  # the bucket's root holds other things
+        export(str(ckpt), "s3://kiln-test", s3_endpoint=s3_server, overwrite=True)
+    from kiln.hf_checkpoint import local_copy
+
+    back = transformers.AutoModelForCausalLM.from_pretrained(local_copy("s3://kiln-test/exports/tiny", s3_server)).eval()
+    with torch.no_grad():
+        assert (back(x).logits - original(x).logits).abs().max().item() <= 1e-5

@@ -1,0 +1,206 @@
+"""Kiln's models against transformers' own GPT-2 and Llama: checkpoints in and out, logits and
+greedy text equal.
+
+Tiny random checkpoints are built with transformers (`save_pretrained`), nothing downloaded.
+"""
+
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from kiln import hf_checkpoint as hf  # noqa: E402
+from kiln.cli import main  # noqa: E402
+from kiln.data.tokenizer import BPETokenizer, ByteTokenizer  # noqa: E402
+from kiln.errors import ConfigError  # noqa: E402
+from kiln.infer.commands import export  # noqa: E402
+from kiln.infer.generate import Sampling, generate  # noqa: E402
+from kiln.infer.load import load_model  # noqa: E402
+
+VOCAB = 300
+
+
+def _model(kind: str, seed: int = 0):
+    """A random transformers model whose biases and norms are not their init values (so a
+    dropped or misplaced one shows), and whose logits are peaked enough for greedy text to vary.
+    The Llamas: grouped-query attention (4 query heads, 2 key/value heads) with untied
+    embeddings, and plain multi-head attention with tied ones."""
+    torch.manual_seed(seed)
+    ids = dict(vocab_size=VOCAB, bos_token_id=0, eos_token_id=0, initializer_range=0.2)
+    if kind == "gpt2":
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_positions=64, n_embd=32, n_layer=2, n_head=4, **ids))
+    else:
+        gqa = kind == "llama-gqa"
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            hidden_size=32, intermediate_size=88, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2 if gqa else 4, max_position_embeddings=64, tie_word_embeddings=not gqa,
+            rms_norm_eps=1e-6, rope_theta=500.0, **ids))
+    model.eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "ln" in name or "norm" in name or "bias" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+@pytest.fixture(scope="module", params=["gpt2", "llama-gqa", "llama-tied"])
+def checkpoint(request, tmp_path_factory, corpus):
+    """A transformers model saved in several shards, with a BPE tokenizer of its vocab."""
+    from pathlib import Path
+
+    d = tmp_path_factory.mktemp("hf") / request.param
+    model = _model(request.param)
+    model.save_pretrained(d, max_shard_size="40KB")
+    texts = [p.read_text() for p in sorted(Path(corpus[0]).glob("*.py"))]
+    (d / "tokenizer.json").write_text(BPETokenizer.train(texts, VOCAB).to_json())
+    return d, model
+
+
+def test_a_sharded_checkpoint_loads_with_transformers_logits(checkpoint):
+    d, model = checkpoint
+    assert (d / hf.INDEX).exists() and len(list(d.glob("*.safetensors"))) > 1  # really sharded
+    kiln = load_model(str(d)).build()
+    x = torch.randint(0, VOCAB, (3, 40))
+    with torch.no_grad():
+        assert (kiln(x) - model(x).logits).abs().max().item() <= 1e-5
+
+
+def test_export_loads_in_transformers_and_greedy_text_is_the_same(checkpoint, tmp_path):
+    d, _ = checkpoint
+    out = tmp_path / "export"
+    loaded, files = export(str(d), str(out))
+    assert sorted(files) == sorted(p.name for p in out.iterdir())
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    ours = loaded.build()
+    x = torch.randint(0, VOCAB, (2, 30))
+    with torch.no_grad():
+        assert (theirs(x).logits - ours(x)).abs().max().item() <= 1e-5
+    prompt = [5, 17, 42, 99]
+    s = Sampling(max_new_tokens=24, temperature=0, stop_at_eot=False)
+    mine = generate(ours, [prompt], s, loaded.tokenizer.eot_id, VOCAB).tokens[0]
+    ref = theirs.generate(torch.tensor([prompt]), max_new_tokens=24, min_new_tokens=24, do_sample=False)
+    assert mine == ref[0, len(prompt):].tolist()
+    assert len(set(mine)) >= 3  # the model is not stuck on one token: the comparison means something
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    text = "def f(x):\n    return x  # é ☃"
+    assert tok(text).input_ids == loaded.tokenizer.encode_batch([text])[0].tolist()
+
+
+def test_the_byte_tokenizer_exports_as_a_tokenizers_file(tmp_path):
+    from tokenizers import Tokenizer
+
+    path = tmp_path / "tokenizer.json"
+    path.write_text(ByteTokenizer().hf_json())
+    tok = Tokenizer.from_file(str(path))
+    text = "naïve ☃ code\n\tx = 1"
+    assert tok.encode(text).ids == list(text.encode())
+    assert tok.decode(list(text.encode())) == text
+    assert tok.token_to_id("<|endoftext|>") == 256
+
+
+def test_export_never_overwrites_what_is_not_an_export(checkpoint, tmp_path):
+    d, _ = checkpoint
+    mine = tmp_path / "notes"
+    mine.mkdir()
+    (mine / "todo.txt").write_text("keep me")
+    for overwrite in (False, True):
+        with pytest.raises(ConfigError, match="notes"):
+            export(str(d), str(mine), overwrite=overwrite)
+    assert [p.name for p in mine.iterdir()] == ["todo.txt"]
+    out = tmp_path / "export"
+    export(str(d), str(out))
+    with pytest.raises(ConfigError, match="--overwrite"):
+        export(str(d), str(out))
+    export(str(d), str(out), overwrite=True)  # an earlier export is replaced whole
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging left behind
+
+
+def _copy(src, dst):
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_bad_checkpoints_are_one_clear_error_each(checkpoint, tmp_path):
+    d, _ = checkpoint
+    bert = _copy(d, tmp_path / "bert")
+    raw = json.loads((bert / "config.json").read_text())
+    (bert / "config.json").write_text(json.dumps(raw | {"model_type": "bert"}))
+    with pytest.raises(ConfigError, match="model_type 'bert' is not supported; expected 'gpt2' or 'llama'"):
+        load_model(str(bert))
+
+    missing = _copy(d, tmp_path / "missing")
+    shard = sorted(missing.glob("*.safetensors"))[-1]
+    shard.unlink()
+    with pytest.raises(ConfigError, match=f"{shard.name}: missing"):
+        load_model(str(missing))
+
+    truncated = _copy(d, tmp_path / "truncated")
+    shard = sorted(truncated.glob("*.safetensors"))[0]
+    shard.write_bytes(shard.read_bytes()[:-100])
+    with pytest.raises(ConfigError, match=f"{shard.name}: not a complete safetensors file"):
+        load_model(str(truncated))
+
+    wrong = _copy(d, tmp_path / "wrong")
+    (wrong / "config.json").write_text(json.dumps(raw | {"vocab_size": VOCAB + 10}))
+    with pytest.raises(ConfigError, match="do not fit config.json, which implies"):
+        load_model(str(wrong))
+
+    big_vocab = _copy(d, tmp_path / "vocab")
+    (big_vocab / "tokenizer.json").write_text(ByteTokenizer().hf_json())
+    (big_vocab / "config.json").write_text(json.dumps(raw | {"vocab_size": 200}))
+    with pytest.raises(ConfigError, match="257 tokens, the model's vocab_size is 200"):
+        load_model(str(big_vocab))
+
+
+def test_generate_command_streams_text_and_reports_tokens_per_second(checkpoint, capsys):
+    d, _ = checkpoint
+    args = ["generate", "--model", str(d), "--prompt", "import json", "--prompt", "def main(", "--temperature", "0",
+            "--max-new-tokens", "12", "--no-stop"]
+    assert main(args) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("import json") and "\ndef main(" in out  # each prompt, then its text
+    assert "tokens/s" in err and err.strip().startswith("24 tokens in")
+    assert main([*args, "--batch-size", "2"]) == 0  # batched: the same greedy text
+    assert capsys.readouterr().out == out
+
+
+@pytest.mark.parametrize("flag,value", [("--top-p", "0"), ("--temperature", "nan"), ("--batch-size", "0"),
+                                        ("--max-new-tokens", "0"), ("--repetition-penalty", "-1")])
+def test_sampling_flags_out_of_range_name_the_flag(checkpoint, capsys, flag, value):
+    d, _ = checkpoint
+    assert main(["generate", "--model", str(d), "--prompt", "x", flag, value]) == 2
+    err = capsys.readouterr().err
+    assert f"kiln: error: {flag} " in err and "Traceback" not in err
+
+
+def test_eval_reports_the_loss_and_bits_per_byte_transformers_gives(checkpoint, corpus, tmp_path, capsys):
+    """`kiln eval` on data tokenized with the checkpoint's tokenizer: its loss is transformers'
+    mean cross-entropy over the same rows, and bits per byte that loss in bits over the text's bytes."""
+    import math
+
+    from kiln.data.manifest import load_manifest
+    from kiln.data.prepare import PrepareConfig, prepare
+    from kiln.data.sources import ParquetSource
+    from kiln.storage import resolve
+
+    d, model = checkpoint
+    data = tmp_path / "data"
+    prepare(PrepareConfig(inputs=corpus[:1], output=str(data), tokenizer=str(d), seq_len=32))
+    assert main(["eval", "--model", str(d), "--data", str(data), "--max-batches", "3"]) == 0
+    out = capsys.readouterr().out
+    loss, bpb = (float(x) for x in (out.split("loss ")[1].split()[0], out.split(", ")[1].split()[0]))
+    manifest = load_manifest(resolve(str(data)))
+    rows = torch.cat([r for _, (_, r) in zip(range(3), ParquetSource(manifest, 0, 1, 8).epoch("val"))]).long()
+    with torch.no_grad():
+        logits = model(rows[:, :-1]).logits
+    nats = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), rows[:, 1:].reshape(-1), reduction="sum").item()
+    from kiln.data.tokenizer import token_bytes
+
+    tok = load_model(str(d)).tokenizer
+    text_bytes = int(token_bytes(tok)[rows[:, 1:].numpy()].sum())
+    assert abs(loss - nats / rows[:, 1:].numel()) <= 1e-4
+    assert abs(bpb - nats / math.log(2) / text_bytes) <= 1e-4
