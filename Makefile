@@ -39,6 +39,7 @@ $(DEMO_DATA): $(STAMP)
 # Train the `debug` GPT with DeepSpeed ZeRO-2 on 2 Ray Train workers on an embedded local Ray,
 # then sample from the checkpoint it ended with (its path is in the run summary).
 demo: $(DEMO_DATA)
+	@mkdir -p runs  # --summary-json needs its directory; a fresh clone has no runs/ yet
 	$(BIN)/kiln train --config jobs/configs/debug.yaml --summary-json runs/demo-summary.json
 	$(BIN)/kiln generate --model "$$($(BIN)/python -c 'import json; print(json.load(open("runs/demo-summary.json"))["checkpoint"])')" \
 		--prompt 'def ' --prompt 'import ' --max-new-tokens 40 --temperature 0.8 --top-k 50
