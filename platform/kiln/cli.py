@@ -147,7 +147,9 @@ def _tracking_uri(given: str) -> str:
 
 def _local_model(spec: str, tracking_uri: str) -> str:
     """A models:/ or runs:/ URI downloaded from MLflow; any other spec as it is."""
-    if not spec.startswith(("models:/", "runs:/")):
+    from kiln.storage import is_mlflow_model
+
+    if not is_mlflow_model(spec):
         return spec
     from kiln.infer.mlflow_model import download
 
@@ -157,7 +159,8 @@ def _local_model(spec: str, tracking_uri: str) -> str:
 def _export_parser(sub) -> None:
     exp = sub.add_parser("export", help="write a trained model as a Hugging Face directory (safetensors)",
                          description="Consolidate a checkpoint's ZeRO or pipeline shards into one Hugging Face "
-                                     "GPT-2 directory: config, model.safetensors, tokenizer, generation config.")
+                                     "directory (GPT-2 or Llama architecture): config, model.safetensors, "
+                                     "tokenizer, generation config.")
     exp.add_argument("model", help=_MODEL_HELP)
     exp.add_argument("--output", required=True, help="directory to create, or s3://bucket/prefix")
     exp.add_argument("--s3-endpoint", default="", help="S3-compatible endpoint URL (default $AWS_ENDPOINT_URL)")
@@ -302,8 +305,8 @@ def _data(args: argparse.Namespace) -> int:
     m = prepare(PrepareConfig(
         inputs=args.input, output=args.output, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
         seq_len=args.seq_len, val_fraction=args.val_fraction, shard_tokens=args.shard_tokens,
-        text_field=args.text_field, prompt_field=args.prompt_field, response_field=args.response_field, seed=args.seed, if_exists=args.if_exists, s3_endpoint=args.s3_endpoint,
-        on_binary=args.on_binary,
+        text_field=args.text_field, prompt_field=args.prompt_field, response_field=args.response_field,
+        seed=args.seed, if_exists=args.if_exists, s3_endpoint=args.s3_endpoint, on_binary=args.on_binary,
     ))
     tr, va = m["splits"]["train"], m["splits"]["val"]
     print(f"dataset {args.output}: {tr['tokens']:,} train / {va['tokens']:,} val tokens, "
@@ -402,10 +405,12 @@ def _generate(args: argparse.Namespace) -> int:
 def _eval(args: argparse.Namespace) -> int:
     from kiln.infer.evaluate import evaluate_model
 
-    for flag, value in (("--batch-size", args.batch_size), ("--max-batches", args.max_batches + 1)):
-        if not 1 <= value <= 1_000_000:
-            raise ConfigError(f"{flag} {value}: expected an integer in {'0' if flag == '--max-batches' else '1'}..1000000")
-    uri = _tracking_uri(args.tracking_uri) if args.model.startswith(("models:/", "runs:/")) or args.run_id else ""
+    for flag, value, lowest in (("--batch-size", args.batch_size, 1), ("--max-batches", args.max_batches, 0)):
+        if not lowest <= value <= 1_000_000:
+            raise ConfigError(f"{flag} {value}: expected an integer in {lowest}..1000000")
+    from kiln.storage import is_mlflow_model
+
+    uri = _tracking_uri(args.tracking_uri) if is_mlflow_model(args.model) or args.run_id else ""
     result, logged_to = evaluate_model(args.model, args.data, args.split, args.batch_size, args.max_batches,
                                        args.s3_endpoint, uri, args.run_id)
     print(f"eval {args.data} ({result.split}): loss {result.loss:.4f} nats/token, {result.bits_per_byte:.4f} "

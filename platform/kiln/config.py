@@ -533,9 +533,14 @@ def gpt_config(cfg: RunConfig) -> GPTConfig:
     )
 
 
+def model_base(cfg: RunConfig) -> str:
+    """The model's short name: its flavour, or the name of the checkpoint it starts from."""
+    return Path(cfg.model.init_from).name if cfg.model.init_from else cfg.model.flavour
+
+
 def model_name(cfg: RunConfig) -> str:
     """What the console calls the model: its flavour, or the checkpoint it starts from."""
-    return f"{Path(cfg.model.init_from).name} (init_from)" if cfg.model.init_from else cfg.model.flavour
+    return f"{model_base(cfg)} (init_from)" if cfg.model.init_from else cfg.model.flavour
 
 
 def pretrained_dir(cfg: RunConfig) -> Path:

@@ -39,6 +39,11 @@ def is_url(path: str) -> bool:
     return "://" in path
 
 
+def is_mlflow_model(spec: str) -> bool:
+    """Whether a model is named by an MLflow URI (models:/..., runs:/...), not a path."""
+    return spec.startswith(("models:/", "runs:/"))
+
+
 def absolute(path: str) -> str:
     """A local path made absolute (Ray workers and Tune trials run in other directories); a URL
     as it is."""

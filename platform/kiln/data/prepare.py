@@ -71,12 +71,13 @@ class PrepareConfig:
     shard_tokens: int = 1 << 20
     """Target tokens per Parquet shard (~4 MiB at int32)."""
     text_field: str = "text"
+    """Field of JSONL records / column of Parquet inputs that holds the text."""
     prompt_field: str = ""
+    """Instruction data's prompt field; with response_field, see there."""
     response_field: str = ""
     """Instruction data: with both set, each JSONL record (or Parquet row) holds a prompt and a
     response, packed as prompt + response + EOT, and only the response and its EOT are scored
     (a prompt token is stored as -(id + 1): `kiln.model.inputs_and_targets`)."""
-    """Field of JSONL records / column of Parquet inputs that holds the text."""
     seed: int = 1234
     """Seeds the train/val split and the row shuffle."""
     if_exists: str = "error"

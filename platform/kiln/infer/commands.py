@@ -79,8 +79,13 @@ def check_target(output: str, flag: str = "--output") -> None:
     out = Path(output).absolute()
     if not out.parent.is_dir() or not os.access(out.parent, os.W_OK):
         raise ConfigError(f"{flag} {output}: its parent directory must exist and be writable")
-    if out.exists() and any(out.iterdir()) and not ((out / hf.CONFIG).is_file() and (out / hf.WEIGHTS).is_file()):
-        raise ConfigError(f"{flag} {output}: exists and is not an export (no config.json and model.safetensors); "
+    if out.exists() and any(out.iterdir()):
+        _refuse_unless_export(out, f"{flag} {output}")
+
+
+def _refuse_unless_export(out: Path, named: str) -> None:
+    if not ((out / hf.CONFIG).is_file() and (out / hf.WEIGHTS).is_file()):
+        raise ConfigError(f"{named}: exists and is not an export (no config.json and model.safetensors); "
                           "it is never overwritten")
 
 
@@ -90,12 +95,9 @@ def _existing_export(out: Path, overwrite: bool) -> bool:
     if out.is_dir() and not any(out.iterdir()):
         out.rmdir()
         return False
-    is_export = (out / hf.CONFIG).is_file() and (out / hf.WEIGHTS).is_file()
     if not overwrite:
         raise ConfigError(f"--output {out}: already exists; pass --overwrite to replace an earlier export")
-    if not is_export:
-        raise ConfigError(f"--output {out}: exists and is not an export (no config.json and model.safetensors); "
-                          "it is never overwritten")
+    _refuse_unless_export(out, f"--output {out}")
     return True
 
 

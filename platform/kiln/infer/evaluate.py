@@ -71,10 +71,10 @@ def evaluate_model(spec: str, data: str, split: str, batch_size: int, max_batche
     """`kiln eval`: the figures, and the MLflow run they were logged to (the model's source run
     for a models:/ spec, else --run-id; None when neither). `tracking_uri` is resolved already."""
     from kiln.data.manifest import load_manifest
-    from kiln.storage import resolve
+    from kiln.storage import is_mlflow_model, resolve
 
     uri, local, source_run = tracking_uri, spec, run_id
-    if spec.startswith(("models:/", "runs:/")):
+    if is_mlflow_model(spec):
         from kiln.infer.mlflow_model import download, source_run_of
 
         local, source_run = download(spec, uri), run_id or source_run_of(spec, uri)

@@ -141,13 +141,7 @@ def download(uri: str, tracking_uri: str) -> str:
     client = MlflowClient(tracking_uri)
     try:
         if uri.startswith("models:/"):
-            parts = uri[len("models:/"):].strip("/").split("/")
-            if len(parts) == 2:
-                version = client.get_model_version(parts[0], parts[1])
-                uri = (client.get_logged_model(version.model_id).artifact_location if version.model_id
-                       else version.source)
-            else:
-                uri = client.get_logged_model(parts[0]).artifact_location
+            uri = _registered(client, uri)[0]
         with _quiet():
             local = mlflow.artifacts.download_artifacts(artifact_uri=uri, tracking_uri=tracking_uri,
                                                         dst_path=tempfile.mkdtemp(prefix="kiln-model-"))
@@ -163,10 +157,17 @@ def source_run_of(uri: str, tracking_uri: str) -> str | None:
     """The run that logged the model `uri` (models:/NAME/VERSION, models:/MODEL_ID, runs:/RUN/...)."""
     from mlflow import MlflowClient
 
-    client = MlflowClient(tracking_uri)
     if uri.startswith("runs:/"):
         return uri[len("runs:/"):].split("/")[0]
+    return _registered(MlflowClient(tracking_uri), uri)[1]
+
+
+def _registered(client, uri: str) -> tuple[str, str | None]:
+    """A models:/NAME/VERSION or models:/MODEL_ID URI's (artifact location, source run id)."""
     parts = uri[len("models:/"):].strip("/").split("/")
     if len(parts) == 2:
-        return client.get_model_version(parts[0], parts[1]).run_id
-    return client.get_logged_model(parts[0]).source_run_id
+        version = client.get_model_version(parts[0], parts[1])
+        location = client.get_logged_model(version.model_id).artifact_location if version.model_id else version.source
+        return location, version.run_id
+    logged = client.get_logged_model(parts[0])
+    return logged.artifact_location, logged.source_run_id

@@ -14,9 +14,8 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
-from kiln.config import RunConfig, gpt_config, model_name
+from kiln.config import RunConfig, gpt_config, model_base, model_name
 from kiln.data.check import resolve_against_data
 from kiln.data.manifest import Manifest
 from kiln.errors import ConfigError, StorageError
@@ -92,8 +91,7 @@ def preflight(cfg: RunConfig, remote_cluster: bool = False, storage_field: str =
 
 def with_run_name(cfg: RunConfig) -> RunConfig:
     """Fill in what the driver decides once for all workers: the run name and where it is stored."""
-    base = Path(cfg.model.init_from).name if cfg.model.init_from else cfg.model.flavour
-    name = cfg.logging.run_name or f"{base}-{time.strftime('%Y%m%d-%H%M%S')}"
+    name = cfg.logging.run_name or f"{model_base(cfg)}-{time.strftime('%Y%m%d-%H%M%S')}"
     storage = cfg.train.storage_path or os.environ.get("KILN_STORAGE_PATH") or "runs"
     return dataclasses.replace(cfg, logging=dataclasses.replace(cfg.logging, run_name=name),
                                train=dataclasses.replace(cfg.train, storage_path=storage))
