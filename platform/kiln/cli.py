@@ -9,6 +9,7 @@ for a failure while running, 130 when interrupted.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import typing
 from pathlib import Path
@@ -108,6 +109,16 @@ def _data_parser(sub) -> None:
     prep.add_argument("--s3-endpoint", default="", help="S3-compatible endpoint URL (default $AWS_ENDPOINT_URL)")
     prep.add_argument("--on-binary", choices=["error", "skip"], default="error",
                       help="an input holding binary data (NUL bytes): stop with an error (default), or skip it")
+    prep.add_argument("--on-bad-record", choices=["error", "skip"], default="error",
+                      help="a JSONL record that is not JSON or lacks the field: stop naming its file and line "
+                           "(default), or skip it and count it in the manifest")
+    prep.add_argument("--workers", type=int, default=None,
+                      help="tokenizer actors on Ray (default: one per CPU of the cluster; 0: no Ray, in this process)")
+    prep.add_argument("--address", default=None, help="Ray cluster address; default $RAY_ADDRESS, else embedded")
+    prep.add_argument("--unit-bytes", type=int, default=32 << 20,
+                      help="input bytes a tokenizer task takes at once (default 32 MiB): bounds each worker's memory")
+    prep.add_argument("--bpe-sample-bytes", type=int, default=64 << 20,
+                      help="text the BPE is trained on, at most (default 64 MiB)")
 
     verify = data.add_parser("verify", help="check every shard of a dataset against its manifest's SHA-256")
     verify.add_argument("path", help="dataset directory or s3://bucket/prefix")
@@ -302,20 +313,36 @@ def _data(args: argparse.Namespace) -> int:
         return verify_dataset(args.path, args.s3_endpoint)
     from kiln.data.prepare import PrepareConfig, prepare
 
+    if args.workers is not None and args.workers < 0:
+        raise ConfigError(f"--workers {args.workers}: expected 0 (no Ray) or a number of tokenizer actors")
+    executor = None
+    if args.workers != 0:
+        from kiln.launch.on_ray import check_ray_address
+        from kiln.ray.prepare import on_ray
+
+        address = args.address or os.environ.get("RAY_ADDRESS")
+        if address:
+            check_ray_address(address)
+        executor = on_ray(address, args.workers or 0)
     m = prepare(PrepareConfig(
         inputs=args.input, output=args.output, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
         seq_len=args.seq_len, val_fraction=args.val_fraction, shard_tokens=args.shard_tokens,
         text_field=args.text_field, prompt_field=args.prompt_field, response_field=args.response_field,
         seed=args.seed, if_exists=args.if_exists, s3_endpoint=args.s3_endpoint, on_binary=args.on_binary,
-    ))
+        on_bad_record=args.on_bad_record, unit_bytes=args.unit_bytes, bpe_sample_bytes=args.bpe_sample_bytes,
+    ), executor=executor)
     tr, va = m["splits"]["train"], m["splits"]["val"]
     print(f"dataset {args.output}: {tr['tokens']:,} train / {va['tokens']:,} val tokens, "
           f"{len(tr['shards'])} + {len(va['shards'])} shards, vocab {m['tokenizer']['vocab_size']}, "
           f"seq_len {m['seq_len']}, unigram entropy {m['unigram_entropy_bits']:.3f} bits/token")
-    found = m.get("input", {})
-    if found.get("binary_files_skipped") or found.get("invalid_utf8_chars"):
+    found, rate = m.get("input", {}), m.get("throughput")
+    if any(found.values()):
         print(f"  input: {found.get('binary_files_skipped', 0)} binary file(s) skipped, "
-              f"{found.get('invalid_utf8_chars', 0)} invalid UTF-8 sequence(s) replaced")
+              f"{found.get('invalid_utf8_chars', 0)} invalid UTF-8 sequence(s) replaced, "
+              f"{found.get('bad_records_skipped', 0)} bad record(s) skipped")
+    if rate and rate.get("units"):
+        print(f"  {rate['mb']:,.1f} MB in {rate['seconds']:.1f} s: {rate['mb_per_s']:.2f} MB/s, "
+              f"{rate['tokens_per_s']:,.0f} tokens/s, {rate['units']} unit(s) on {rate['workers']} worker(s)")
     return 0
 
 

@@ -57,6 +57,16 @@ class Manifest:
     def shard_locations(self, split: str) -> list[Location]:
         return [self.location.join(s["path"]) for s in self.split(split)["shards"]]
 
+    def first_ids(self, split: str) -> list[int]:
+        """The id of each shard's first row (its rows are numbered on from there). A manifest
+        of an older prepare has none: its train rows were numbered 0.. in shard order, the
+        val rows on after them."""
+        entries = self.split(split)["shards"]
+        if all("first_id" in e for e in entries):
+            return [int(e["first_id"]) for e in entries]
+        start = self.split("train")["rows"] if split == "val" else 0
+        return [start + int(sum(e["rows"] for e in entries[:i])) for i in range(len(entries))]
+
     def shards(self, split: str) -> list[tuple[dict[str, Any], Location]]:
         """Each shard's manifest entry (path, rows, bytes, sha256) with its location."""
         return list(zip(self.split(split)["shards"], self.shard_locations(split)))
@@ -113,6 +123,7 @@ class _Shard(_Schema):
     rows: pydantic.NonNegativeInt
     bytes: pydantic.NonNegativeInt
     sha256: str = pydantic.Field(pattern=r"^[0-9a-f]{64}$")
+    first_id: pydantic.NonNegativeInt | None = None  # absent before streamed prepares: see first_ids
 
 
 class _Split(_Schema):

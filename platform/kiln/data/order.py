@@ -4,8 +4,8 @@ Kiln owns the data order rather than Ray Data's streaming split, whose order dep
 timing and whose iterators cannot seek (ray-project/ray#37633). The rule, the same for every
 launcher (Megatron's, for a dataset of consecutive rows):
 
-- a split's rows are numbered in manifest order (shard by shard; `kiln data prepare` shuffled
-  the train rows once when it wrote them) and cut into chunks of one micro-batch each;
+- a split's rows are taken in manifest order (shard by shard; `kiln data prepare` shuffled
+  the train rows when it wrote them) and cut into chunks of one micro-batch each;
 - replica r of n reads chunks r, r + n, r + 2n, ...: the micro-batches of one step, across all
   replicas, are consecutive rows whatever n is, so a run on n workers sees what one worker with
   an n times larger micro-batch sees;
@@ -19,6 +19,7 @@ The stages of one pipeline share a data-parallel rank, so they read the same bat
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -80,16 +81,87 @@ def resume_point(skip_batches: int, per_epoch: int) -> tuple[int, int]:
     return divmod(skip_batches, per_epoch)
 
 
-def read_slice(loc: Location, s: Slice) -> pa.Table:
-    """The id and tokens of a slice's rows of one shard; transient S3 errors retried.
-    (Runs in Ray Data's read tasks too: this module imports no torch, which would cost each new
-    read process seconds.)"""
-    def read() -> pa.Table:
-        with loc.fs.open_input_file(loc.path) as f:
-            return pq.read_table(f, columns=[SAMPLE_ID, TOKENS])
+BYTES_READ = "_bytes_read"  # the bytes a slice's read cost, on its first row: it rides along
+# with the rows out of Ray Data's read tasks, where a counter of the worker's could not see it
 
-    table = retry_transient(read, f"reading shard {loc.uri}")
-    if len(s.ranges) == 1:
-        (a, b), = s.ranges
-        return table.slice(a, b - a)
-    return table.take(pa.array(np.concatenate([np.arange(a, b) for a, b in s.ranges])))
+
+def read_slice(loc: Location, s: Slice) -> pa.Table:
+    """The id and tokens of a slice's rows of one shard, and the bytes read for them (column
+    BYTES_READ): only the row groups that hold the slice's rows are fetched, with the footer.
+    Transient S3 errors are retried. (Runs in Ray Data's read tasks too: this module imports no torch, which would
+    cost each new read process seconds.)"""
+    def read() -> tuple[pa.Table, int, list[int], np.ndarray]:
+        with loc.fs.open_input_file(loc.path) as raw:
+            f = _Counted(raw)
+            # pre_buffer off: coalescing would fill the holes between groups (other replicas' rows)
+            pf = pq.ParquetFile(pa.PythonFile(f, mode="r"), metadata=_footer(f), pre_buffer=False)
+            sizes = [pf.metadata.row_group(g).num_rows for g in range(pf.metadata.num_row_groups)]
+            starts = np.cumsum([0, *sizes])
+            groups = sorted({g for a, b in s.ranges
+                             for g in range(int(np.searchsorted(starts, a, side="right")) - 1,
+                                            int(np.searchsorted(starts, b, side="left")))})
+            table = pf.read_row_groups(groups, columns=[SAMPLE_ID, TOKENS])
+            return table, f.bytes_read, groups, starts
+
+    table, nbytes, groups, starts = retry_transient(read, f"reading shard {loc.uri}")
+    # A row's place in the table of the groups read: its offset in its group, after the
+    # groups read before it.
+    picked = np.asarray(groups)
+    group_first = starts[picked]
+    placed = np.cumsum([0, *(starts[picked + 1] - group_first)[:-1]])
+    rows = np.concatenate([np.arange(a, b) for a, b in s.ranges])
+    at = np.searchsorted(group_first, rows, side="right") - 1
+    table = table.take(pa.array(rows - group_first[at] + placed[at]))
+    counted = np.zeros(len(table), dtype=np.int64)
+    counted[:1] = nbytes
+    return table.append_column(BYTES_READ, pa.array(counted))
+
+
+def expected_ids(slices: list[Slice], first_ids: list[int]) -> Iterator[np.ndarray]:
+    """The sample ids the slices' rows hold, in order: a shard's rows are numbered on from its
+    first id."""
+    for s in slices:
+        for a, b in s.ranges:
+            yield np.arange(first_ids[s.shard] + a, first_ids[s.shard] + b)
+
+
+def _footer(f: _Counted) -> pq.FileMetaData:
+    """A Parquet file's footer, read exactly (pyarrow's own open reads the last 64 KiB on
+    speculation, which for a small shard is all of it)."""
+    size = f.size()
+    f.seek(size - 8)
+    tail = f.read(8)
+    length = int.from_bytes(tail[:4], "little")
+    f.seek(size - 8 - length)
+    return pq.read_metadata(pa.BufferReader(f.read(length) + tail))
+
+
+class _Counted:
+    """A file that counts the bytes read through it: what a replica's reads cost, measured."""
+
+    def __init__(self, f):
+        self.f, self.bytes_read = f, 0
+
+    def read(self, n: int = -1) -> bytes:
+        data = self.f.read(n)
+        self.bytes_read += len(data)
+        return data
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        return self.f.seek(pos, whence)
+
+    def tell(self) -> int:
+        return self.f.tell()
+
+    def size(self) -> int:
+        return self.f.size()
+
+    @property
+    def closed(self) -> bool:
+        return self.f.closed
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True

@@ -1,42 +1,58 @@
-"""`kiln data prepare`: text files, dirs, JSONL or Parquet -> tokenized Parquet shards.
+"""`kiln data prepare`: text files, JSONL or Parquet (local or s3://) -> tokenized Parquet shards.
 
 Output layout (local dir or s3://bucket/prefix):
 
-    manifest.json            written last: its presence means the dataset is complete
-    tokenizer.json           BPE only
-    train/part-00000.parquet columns: id int64, tokens fixed_size_list<int32>[seq_len + 1]
-    val/part-00000.parquet
+    manifest.json                    written last: its presence means the dataset is complete
+    tokenizer.json                   BPE and pretrained tokenizers
+    train/part-UUUUUU-KKKK.parquet   columns: id int64, tokens fixed_size_list<int32>[seq_len + 1]
+    val/part-UUUUUU-KKKK.parquet
 
-Documents are split into train/val before tokenizing (no document is in both), joined with an
-end-of-text id, and packed into rows of seq_len + 1 tokens; train rows are shuffled once with a
-seed so streaming them in order is already a random order.
-Locally everything is written to a temp dir that is renamed into place; on S3 the manifest goes
-last and every written object is deleted if anything fails. Either way an interrupted or failed
-prepare leaves nothing that looks like a dataset.
+The pipeline streams: the input listing is cut into units (`kiln.data.inputs`); each unit is
+read, tokenized, packed into rows, shuffled and written as shards by one tokenizer task
+(`kiln.data.shards`), in this process (`run_here`) or in a pool of Ray Data actors
+(`kiln.ray.prepare`); the driver gathers each unit's record and writes the manifest. No process
+holds more than one unit, so memory stays flat as the corpus grows.
+
+The order, a shuffle with no global array: the listing in a seeded order, bundled into units;
+each unit's train rows shuffled with a seed of their own; the manifest lists the shards unit by
+unit. A document goes to validation by a seeded draw of its own (no document is in both splits).
+Everything follows from the inputs and the settings, so the shards are byte-identical whatever
+the number of workers.
+
+Writing: locally into a hidden sibling directory named by the inputs and settings, renamed into
+place after the manifest; on S3 in place, the manifest last. A finished unit leaves a record
+there; a prepare that is killed or interrupted and run again with the same inputs and settings
+keeps the units it finished and does the rest. A bad input removes what this prepare wrote.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import glob
 import hashlib
-import io
 import json
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 
 import kiln
 from kiln.config import MAX_INT, MAX_SEQ_LEN
 from kiln.data import replace
+from kiln.data.inputs import (
+    ReadOptions,
+    ReadStats,
+    Unit,
+    list_inputs,
+    listing_key,
+    make_units,
+    read_unit,
+)
 from kiln.data.manifest import FORMAT_VERSION, MANIFEST, SAMPLE_ID, TOKENIZER_FILE, TOKENS
+from kiln.data.shards import UNITS_DIR, UnitJob, UnitWorker, row_group_rows
 from kiln.data.tokenizer import (
     BPETokenizer,
     ByteTokenizer,
@@ -50,24 +66,35 @@ from kiln.storage import Location, resolve
 log = logging.getLogger(__name__)
 
 MAX_SHARD_TOKENS = 1 << 32  # 16 GiB of int32 tokens: a shard is built and read whole in memory
-TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".text", ".jsonl", ".parquet"}
+
+# Runs the units' jobs and yields each unit's record as it finishes, in any order.
+Executor = Callable[[UnitJob, list[Unit]], Iterator[dict]]
+
+
+def run_here(job: UnitJob, units: list[Unit]) -> Iterator[dict]:
+    """The default executor: every unit in this process, one after another (no Ray)."""
+    worker = UnitWorker(job)
+    for unit in units:
+        yield worker(unit) | {"pid": os.getpid(), "node": "local"}
 
 
 @dataclass
 class PrepareConfig:
     inputs: list[str]
-    """Text files, directories (searched recursively for TEXT_SUFFIXES), .jsonl or .parquet."""
+    """Text files, directories (searched recursively for text, .jsonl and .parquet files),
+    quoted globs, and s3:// objects or prefixes."""
     output: str
     """Local directory or s3://bucket/prefix."""
     tokenizer: str = "bpe"
-    """'byte' (257 ids, no training), 'bpe' (trained on the train split), or a pretrained one: a
-    tokenizer.json, or a Hugging Face checkpoint directory holding one (to fine-tune that model)."""
+    """'byte' (257 ids, no training), 'bpe' (trained on a sample of the train split), or a
+    pretrained one: a tokenizer.json, or a Hugging Face checkpoint directory holding one (to
+    fine-tune that model)."""
     vocab_size: int = 4096
     """BPE vocabulary size, including the end-of-text token. Ignored for 'byte'."""
     seq_len: int = 128
     """Tokens a model sees per sequence; rows hold seq_len + 1 for the shifted targets."""
     val_fraction: float = 0.1
-    """Share of documents held out for validation (at least one)."""
+    """Share of documents held out for validation, each drawn on its own with this chance."""
     shard_tokens: int = 1 << 20
     """Target tokens per Parquet shard (~4 MiB at int32)."""
     text_field: str = "text"
@@ -79,217 +106,116 @@ class PrepareConfig:
     response, packed as prompt + response + EOT, and only the response and its EOT are scored
     (a prompt token is stored as -(id + 1): `kiln.model.inputs_and_targets`)."""
     seed: int = 1234
-    """Seeds the train/val split and the row shuffle."""
+    """Seeds the train/val split, the order of the inputs and the row shuffle."""
     if_exists: str = "error"
     """What to do if the output holds a dataset: 'error', 'reuse' (same inputs and settings
     only) or 'overwrite'."""
     s3_endpoint: str = ""
-    """S3-compatible endpoint for an s3:// output (default $AWS_ENDPOINT_URL)."""
+    """S3-compatible endpoint for s3:// inputs and output (default $AWS_ENDPOINT_URL)."""
     on_binary: str = "error"
     """A text input that holds binary data (NUL bytes): 'error' names it and stops, 'skip'
     leaves it out and counts it in the manifest."""
+    on_bad_record: str = "error"
+    """A JSONL record that is not JSON or lacks the field: 'error' names the file and line,
+    'skip' leaves it out and counts it in the manifest."""
+    unit_bytes: int = 32 << 20
+    """Input bytes per unit of work: a tokenizer task reads, tokenizes and writes this much at
+    once, so it bounds each worker's memory (a few times it at peak)."""
+    bpe_sample_bytes: int = 64 << 20
+    """Text the BPE is trained on, at most: the first train documents in the seeded order.
+    Bounds the driver's memory and time for a corpus of any size."""
 
 
-# ---- reading the corpus ------------------------------------------------------------------------
-def _input_files(inputs: list[str]) -> list[Path]:
-    files: list[Path] = []
-    for raw in inputs:
-        if any(ch in raw for ch in "*?["):  # a glob the shell did not expand (quoted)
-            matches = sorted(Path(m) for m in glob.glob(os.path.expanduser(raw), recursive=True))
-            if not matches:
-                raise DataError(f"input pattern {raw!r} matches no files")
-            files.extend(m for m in matches if m.is_file())
-            continue
-        p = Path(raw).expanduser()
-        if not p.exists():
-            raise DataError(f"input {raw!r} does not exist")
-        if p.is_dir():
-            found = sorted(f for f in _walk(p, raw) if f.suffix in TEXT_SUFFIXES)
-            if not found:
-                raise DataError(f"input directory {raw!r} holds no text files ({sorted(TEXT_SUFFIXES)})")
-            files.extend(found)
-        else:
-            files.append(p)
-    return files
-
-
-def _walk(root: Path, raw: str) -> Iterator[Path]:
-    """Every file under `root`. Unlike `Path.rglob`, which skips a directory it cannot list
-    without a word, an unreadable directory is an error that names it."""
-    def refuse(e: OSError) -> None:
-        if Path(e.filename) == root:
-            raise DataError(f"input directory {raw!r} cannot be read ({e.strerror})")
-        raise DataError(f"input {raw!r}: its directory {e.filename!r} cannot be read ({e.strerror})")
-
-    for folder, _, names in os.walk(root, onerror=refuse):
-        for name in names:
-            f = Path(folder) / name
-            if f.is_file():
-                yield f
-
-
-Document = str | tuple[str, str]  # a text, or an instruction example's (prompt, response)
-
-
-def _read_documents(path: Path, cfg: PrepareConfig) -> Iterator[Document]:
-    fields = (cfg.prompt_field, cfg.response_field) if cfg.prompt_field else (cfg.text_field,)
-    if path.suffix == ".jsonl":
-        with path.open(encoding="utf-8", errors="replace") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-                for name in fields:
-                    if not isinstance(rec, dict) or not isinstance(rec.get(name), str):
-                        raise DataError(f"{path}:{lineno}: expected an object with a string field {name!r}")
-                yield rec[fields[0]] if len(fields) == 1 else (rec[fields[0]], rec[fields[1]])
-    elif path.suffix == ".parquet":
-        try:
-            table = pq.read_table(path)
-        except (OSError, pa.ArrowInvalid) as e:
-            raise DataError(f"input {path} is not a readable Parquet file: {e}") from None
-        for name in fields:
-            if name not in table.column_names:
-                raise DataError(f"input {path} has no column {name!r} (columns: {table.column_names})")
-        columns = [table.column(n).to_pylist() for n in fields]
-        yield from (c[0] for c in zip(*columns) if c[0]) if len(fields) == 1 else zip(*columns)
-    elif cfg.prompt_field:
-        raise DataError(f"input {path}: instruction data (--prompt-field/--response-field) is read from .jsonl or "
-                        ".parquet files")
-    else:
-        yield read_text(path)
-
-
-BINARY_SNIFF = 8192  # bytes looked at for a NUL: text of any encoding Kiln reads has none
-
-
-class BinaryInput(DataError):
-    """A text input that holds binary data."""
-
-
-def read_text(path: Path) -> str:
-    """A text file as UTF-8; invalid bytes become U+FFFD and are counted by `read_corpus`."""
-    try:
-        data = path.read_bytes()
-    except OSError as e:
-        raise DataError(f"input {path} cannot be read: {e.strerror or e}") from None
-    if b"\0" in data[:BINARY_SNIFF]:
-        raise BinaryInput(f"input {path} holds binary data (NUL bytes), not text")
-    return data.decode("utf-8", errors="replace")
-
-
-@dataclass
-class CorpusStats:
-    """What reading the corpus found besides the text, recorded in the manifest."""
-
-    binary_files_skipped: int = 0
-    invalid_utf8_chars: int = 0
-    """U+FFFD characters the decoding put where bytes were not UTF-8 (Latin-1 text, say)."""
-
-
-def read_corpus(cfg: PrepareConfig, stats: CorpusStats | None = None) -> tuple[list[Document], str]:
-    """All non-empty documents, and a content hash of the inputs for the fingerprint."""
-    stats = stats if stats is not None else CorpusStats()
-    digest = hashlib.sha256()
-    docs: list[Document] = []
-    for path in _input_files(cfg.inputs):
-        try:
-            file_docs = list(_read_documents(path, cfg))
-        except BinaryInput as e:
-            if cfg.on_binary != "skip":
-                raise DataError(f"{e}; leave it out of --input, or pass --on-binary skip") from None
-            log.warning("%s: skipped", e)
-            stats.binary_files_skipped += 1
-            continue
-        for doc in file_docs:
-            text = doc if isinstance(doc, str) else f"{doc[0]}\x1f{doc[1]}"  # a separator no text holds
-            if (doc if isinstance(doc, str) else doc[1]).strip():
-                stats.invalid_utf8_chars += text.count("\ufffd")
-                docs.append(doc)
-                digest.update(text.encode("utf-8", errors="replace"))
-                digest.update(b"\0")
-    if stats.invalid_utf8_chars:
-        log.warning("the corpus is not all UTF-8: %d invalid byte sequence(s) were replaced by U+FFFD",
-                    stats.invalid_utf8_chars)
-    if not docs:
-        raise DataError(f"the corpus is empty: {cfg.inputs} hold no non-blank text")
-    return docs, digest.hexdigest()
-
-
-# ---- tokenizing and packing --------------------------------------------------------------------
-def _split_documents(docs: list[Document], frac: float, seed: int) -> tuple[list[Document], list[Document]]:
-    if len(docs) == 1 and not isinstance(docs[0], str):
-        raise DataError("instruction data needs at least two examples: one for training, one for validation")
-    if len(docs) == 1:  # one document: hold out its tail instead
-        cut = int(len(docs[0]) * (1 - frac))
-        return [docs[0][:cut]], [docs[0][cut:]]
-    order = np.random.default_rng(seed).permutation(len(docs))
-    n_val = min(len(docs) - 1, max(1, round(frac * len(docs))))
-    return [docs[i] for i in order[n_val:]], [docs[i] for i in order[:n_val]]
-
-
-def _pack(tok, docs: list[Document], seq_len: int, batch: int = 256) -> tuple[np.ndarray, np.ndarray]:
-    """Rows of seq_len + 1 tokens from the documents joined by EOT, and the token counts. An
-    instruction example is its prompt's tokens, stored as -(id + 1) (read, not scored), then its
-    response's and the EOT."""
-    pieces, counts = [], np.zeros(tok.vocab_size, dtype=np.int64)
-    eot = np.array([tok.eot_id], dtype=np.int32)
-    for i in range(0, len(docs), batch):
-        chunk = docs[i : i + batch]
-        if chunk and not isinstance(chunk[0], str):
-            prompts, responses = tok.encode_batch([d[0] for d in chunk]), tok.encode_batch([d[1] for d in chunk])
-            for p, r in zip(prompts, responses):
-                pieces.extend((-p - 1, r, eot))
-        else:
-            for ids in tok.encode_batch(chunk):
-                pieces.extend((ids, eot))
-    stream = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int32)
-    counts += np.bincount(np.where(stream < 0, -stream - 1, stream), minlength=tok.vocab_size)
-    n_rows = len(stream) // (seq_len + 1)
-    return stream[: n_rows * (seq_len + 1)].reshape(n_rows, seq_len + 1), counts
-
-
-# ---- writing -----------------------------------------------------------------------------------
-def _parquet_bytes(ids: np.ndarray, rows: np.ndarray) -> bytes:
-    width = rows.shape[1]
-    tokens = pa.FixedSizeListArray.from_arrays(pa.array(rows.reshape(-1), pa.int32()), width)
-    table = pa.table({SAMPLE_ID: pa.array(ids, pa.int64()), TOKENS: tokens})
-    buf = io.BytesIO()
-    pq.write_table(table, buf, compression="zstd")
-    return buf.getvalue()
-
-
-def _write_split(out: Location, split: str, rows: np.ndarray, id_offset: int, rows_per_shard: int,
-                 written: list[str]) -> dict:
-    """Write a split's shards under `out`, each path appended to `written` as it is written."""
-    shards = []
-    for n, start in enumerate(range(0, len(rows), rows_per_shard)):
-        chunk = rows[start : start + rows_per_shard]
-        data = _parquet_bytes(np.arange(id_offset + start, id_offset + start + len(chunk)), chunk)
-        rel = f"{split}/part-{n:05d}.parquet"
-        written.append(rel)
-        out.join(rel).write_bytes(data)
-        shards.append({"path": rel, "rows": len(chunk), "bytes": len(data),
-                       "sha256": hashlib.sha256(data).hexdigest()})
-    return {"rows": int(len(rows)), "tokens": int(rows.size - len(rows)), "shards": shards}
-
-
-def fingerprint(cfg: PrepareConfig, corpus_hash: str, pretrained_tok=None) -> str:
-    tokenizer, vocab = cfg.tokenizer, cfg.vocab_size if cfg.tokenizer == "bpe" else 257
-    if pretrained_tok is not None:  # the tokenizer's content, wherever its file lies
-        tokenizer = "sha256:" + hashlib.sha256(pretrained_tok.to_json().encode()).hexdigest()
-        vocab = pretrained_tok.vocab_size
-    settings = dict(tokenizer=tokenizer, vocab_size=vocab,
-                    seq_len=cfg.seq_len, val_fraction=cfg.val_fraction, seed=cfg.seed,
-                    corpus=corpus_hash, format=FORMAT_VERSION)
+# ---- identity, tokenizer, staging ---------------------------------------------------------------
+def settings(cfg: PrepareConfig, tok) -> dict:
+    """Everything besides the text that decides the dataset's bytes."""
+    tokenizer = cfg.tokenizer
+    if cfg.tokenizer not in ("byte", "bpe"):  # the tokenizer's content, wherever its file lies
+        tokenizer = "sha256:" + hashlib.sha256(tok.to_json().encode()).hexdigest()
+    out = dict(tokenizer=tokenizer, vocab_size=tok.vocab_size, seq_len=cfg.seq_len, val_fraction=cfg.val_fraction,
+               seed=cfg.seed, format=FORMAT_VERSION, unit_bytes=cfg.unit_bytes, shard_tokens=cfg.shard_tokens)
+    if cfg.tokenizer == "bpe":
+        out["bpe_sample_bytes"] = cfg.bpe_sample_bytes
     if cfg.prompt_field:  # the same records packed with a loss mask are another dataset
-        settings["loss_mask"] = [cfg.prompt_field, cfg.response_field]
-    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+        out["loss_mask"] = [cfg.prompt_field, cfg.response_field]
+    return out
 
 
+def fingerprint(settings_: dict, digests: Iterable[str]) -> str:
+    """The dataset's identity: its settings and the text of every unit, in order."""
+    h = hashlib.sha256(json.dumps(settings_, sort_keys=True).encode())
+    for d in digests:
+        h.update(d.encode())
+    return h.hexdigest()[:16]
+
+
+def _key(cfg: PrepareConfig, listing: str) -> str:
+    """Names this prepare before anything is read: the listing (URIs, sizes, mtimes) and every
+    setting. A resume finds its staged units by it; `--if-exists reuse` compares it."""
+    fields = {k: v for k, v in dataclasses.asdict(cfg).items()
+              if k not in ("inputs", "output", "if_exists", "s3_endpoint")}
+    if cfg.tokenizer not in ("byte", "bpe"):
+        file = Path(cfg.tokenizer)
+        file = file / TOKENIZER_FILE if file.is_dir() else file
+        fields["tokenizer"] = "sha256:" + hashlib.sha256(file.read_bytes()).hexdigest()
+    return hashlib.sha256(json.dumps([listing, fields], sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _tokenizer(cfg: PrepareConfig, units: list[Unit], opts: ReadOptions, staged: Location):
+    """Byte, the pretrained one, or a BPE trained on a bounded sample of train documents (or
+    the one this prepare trained before it was stopped)."""
+    if cfg.tokenizer == "byte":
+        return ByteTokenizer()
+    if cfg.tokenizer != "bpe":
+        return pretrained(cfg.tokenizer)
+    saved = staged.join(TOKENIZER_FILE)
+    if saved.exists():
+        return BPETokenizer.from_json(saved.read_bytes().decode())
+    texts = list(_bpe_sample(units, opts, cfg.bpe_sample_bytes))
+    if not texts:
+        raise DataError(f"the corpus is empty: {cfg.inputs} hold no non-blank text")
+    log.info("training a %d-token BPE on %d documents (%.1f MB)", cfg.vocab_size, len(texts),
+             sum(map(len, texts)) / 1e6)
+    return BPETokenizer.train(texts, cfg.vocab_size)
+
+
+def _bpe_sample(units: list[Unit], opts: ReadOptions, budget: int) -> Iterator[str]:
+    held = 0
+    for unit in units:
+        for split, doc in read_unit(unit, opts, ReadStats()):
+            if split != "train":
+                continue
+            text = doc if isinstance(doc, str) else doc[0] + doc[1]
+            yield text
+            held += len(text)
+            if held >= budget:
+                return
+
+
+def _staging(out: Location, key: str) -> Location:
+    """Where this prepare writes until its manifest: a hidden sibling named by its key (which a
+    resume finds again), or the S3 prefix itself."""
+    if out.is_s3:
+        return out
+    place = replace.writable_ancestor(out) / f".{Path(out.path).name}.partial-{key}"
+    place.mkdir(exist_ok=True)
+    return resolve(str(place))
+
+
+def _finished(staged: Location, key: str) -> dict[int, dict]:
+    """The records of the units a stopped prepare of this key finished, which a resume keeps."""
+    done = {}
+    for rel in staged.join(UNITS_DIR).list_files():
+        try:
+            rec = json.loads(staged.join(UNITS_DIR, rel).read_bytes())
+        except ValueError:
+            continue  # a record cut short: its unit is done again
+        if isinstance(rec, dict) and rec.get("key") == key:
+            done[int(rec["unit"])] = rec
+    return done
+
+
+# ---- checks -------------------------------------------------------------------------------------
 def _config_from(fields: dict) -> PrepareConfig:
     known = {f.name: f for f in dataclasses.fields(PrepareConfig)}
     unknown = sorted(set(fields) - set(known))
@@ -329,9 +255,15 @@ def _validate(cfg: PrepareConfig) -> None:
         raise ConfigError(f"--val-fraction {cfg.val_fraction}: expected a number in (0, 1)")
     if cfg.if_exists not in ("error", "reuse", "overwrite"):
         raise ConfigError(f"--if-exists {cfg.if_exists!r}: expected error, reuse or overwrite")
+    if cfg.on_bad_record not in ("error", "skip"):
+        raise ConfigError(f"--on-bad-record {cfg.on_bad_record!r}: expected error or skip")
+    if cfg.unit_bytes < 1 << 10:
+        raise ConfigError(f"--unit-bytes {cfg.unit_bytes}: expected at least 1024 bytes of input per unit")
+    if cfg.bpe_sample_bytes < 1:
+        raise ConfigError(f"--bpe-sample-bytes {cfg.bpe_sample_bytes}: expected a positive number of bytes")
 
 
-def _check_output(cfg: PrepareConfig, out: Location, fp: str) -> dict | None:
+def _check_output(cfg: PrepareConfig, out: Location, key: str) -> dict | None:
     """The Kiln dataset already at `out` that `if_exists` allows to reuse or replace (None: the
     output is new or empty); refuse anything else before any work is done."""
     if cfg.if_exists == "overwrite":
@@ -340,10 +272,12 @@ def _check_output(cfg: PrepareConfig, out: Location, fp: str) -> dict | None:
     if first is None:
         return None
     old = replace.kiln_manifest(out)
+    if old is None and out.is_s3 and _finished(out, key):
+        return None  # this same prepare, stopped before its manifest: resumed in place
     if old is None:  # found without listing the tree below: --output / must not walk the disk
         raise DataError(f"output {out.uri} already holds files that are not a Kiln dataset (such as "
                         f"{first}); Kiln never writes over them. Choose a new or empty --output")
-    same = old.get("fingerprint") == fp
+    same = old.get("inputs_key") == key
     if same and cfg.if_exists == "reuse":
         return old
     if cfg.if_exists != "overwrite":
@@ -354,80 +288,162 @@ def _check_output(cfg: PrepareConfig, out: Location, fp: str) -> dict | None:
     return old
 
 
-def prepare(cfg: PrepareConfig | None = None, /, **fields) -> dict:
+# ---- the run ------------------------------------------------------------------------------------
+def prepare(cfg: PrepareConfig | None = None, /, *, executor: Executor | None = None, **fields) -> dict:
     """Build the dataset and return its manifest (or the existing one, with if_exists=reuse).
     Takes a `PrepareConfig`, or its fields as keywords (`kiln.data.prepare(inputs=[...],
-    output=..., tokenizer="bpe")`)."""
+    output=..., tokenizer="bpe")`). `executor` runs the units (`kiln.ray.prepare.on_ray`
+    gives Ray's); by default they run in this process."""
     cfg = cfg if cfg is not None else _config_from(fields)
     _validate(cfg)
-    given = pretrained(cfg.tokenizer) if cfg.tokenizer not in ("byte", "bpe") else None
     out = resolve(cfg.output, cfg.s3_endpoint)
     if not out.is_s3:
         replace.writable_ancestor(out)
-    stats = CorpusStats()
-    docs, corpus_hash = read_corpus(cfg, stats)
-    fp = fingerprint(cfg, corpus_hash, given)
-
-    old = _check_output(cfg, out, fp)
+    files = list_inputs(cfg.inputs, cfg.s3_endpoint)
+    units = make_units(files, cfg.unit_bytes, cfg.seed)
+    key = _key(cfg, listing_key(files))
+    old = _check_output(cfg, out, key)
     if old is not None and cfg.if_exists == "reuse":
-        log.info("%s already holds this dataset (fingerprint %s); reusing it", out.uri, fp)
+        log.info("%s already holds this dataset (fingerprint %s); reusing it", out.uri, old["fingerprint"])
         return old
+    if old is not None and out.is_s3:
+        replace.remove_dataset(out, old)  # no rename on S3: the new dataset is written in place
+    staged = _staging(out, key)
+    try:
+        manifest = _build(cfg, units, staged, key, executor or run_here)
+        staged.join(MANIFEST).write_bytes(json.dumps(manifest, indent=2).encode())  # last: commit
+        _drop_records(staged)
+        replace.commit(staged, out, old)
+    except (DataError, ConfigError):
+        replace.discard(staged, staged.list_files())  # a bad input: nothing of this prepare stays
+        raise
+    except BaseException:
+        log.warning("prepare stopped; the units it finished are kept in %s: run the same command again to "
+                    "resume", staged.uri)
+        raise
+    tr, va, rate = manifest["splits"]["train"], manifest["splits"]["val"], manifest["throughput"]
+    log.info("wrote %s: %d train / %d val rows of %d tokens, vocab %d, %.2f MB/s, %.0f tokens/s",
+             out.uri, tr["rows"], va["rows"], cfg.seq_len + 1, manifest["tokenizer"]["vocab_size"],
+             rate["mb_per_s"], rate["tokens_per_s"])
+    return manifest
 
-    t0 = time.time()
-    train_docs, val_docs = _split_documents(docs, cfg.val_fraction, cfg.seed)
-    if given is not None:
-        tok = given
-    elif cfg.tokenizer == "byte":
-        tok = ByteTokenizer()
-    else:
-        log.info("training a %d-token BPE on %d documents", cfg.vocab_size, len(train_docs))
-        tok = BPETokenizer.train([d if isinstance(d, str) else f"{d[0]}{d[1]}" for d in train_docs], cfg.vocab_size)
-    train_rows, train_counts = _pack(tok, train_docs, cfg.seq_len)
-    val_rows, _ = _pack(tok, val_docs, cfg.seq_len)
-    for name, rows, n_docs in (("train", train_rows, len(train_docs)), ("val", val_rows, len(val_docs))):
-        if len(rows) == 0:
-            raise DataError(
-                f"the corpus is too small for --seq-len {cfg.seq_len}: its {name} split "
-                f"({n_docs} documents) has fewer than {cfg.seq_len + 1} tokens"
-            )
-    train_rows = train_rows[np.random.default_rng(cfg.seed).permutation(len(train_rows))]
-    rows_per_shard = max(1, cfg.shard_tokens // (cfg.seq_len + 1))
 
-    manifest = {
+def _build(cfg: PrepareConfig, units: list[Unit], staged: Location, key: str, executor: Executor) -> dict:
+    """Run every unit not finished before; the manifest of them all."""
+    opts = ReadOptions(cfg.text_field, cfg.prompt_field, cfg.response_field, cfg.val_fraction, cfg.seed,
+                       cfg.on_binary, cfg.on_bad_record)
+    tok = _tokenizer(cfg, units, opts, staged)
+    if tok.to_json() and not staged.join(TOKENIZER_FILE).exists():
+        staged.join(TOKENIZER_FILE).write_bytes(tok.to_json().encode())  # before any unit: a resume reuses it
+    job = UnitJob("byte" if tok.kind == "byte" else tok.to_json(), tok.eot_id, cfg.seq_len,
+                  _rows_per_shard(cfg), row_group_rows(cfg.seq_len), opts, staged.uri,
+                  cfg.s3_endpoint, key)
+    records = _finished(staged, key)
+    if records:
+        log.info("resuming: %d of %d units were finished before; preparing the other %d", len(records),
+                 len(units), len(units) - len(records))
+    todo = [u for u in units if u.index not in records]
+    running = executor(job, todo)  # starts Ray, where it runs there: not the pipeline's time
+    t0 = time.perf_counter()
+    with _Progress(units, records) as bar:
+        for rec in running:
+            records[rec["unit"]] = rec
+            bar.update(rec)
+    rate = _throughput(cfg, [records[u.index] for u in todo], time.perf_counter() - t0)
+    return _manifest(cfg, tok, [records[u.index] for u in units], key, rate)
+
+
+def _rows_per_shard(cfg: PrepareConfig) -> int:
+    """About shard_tokens, in whole row groups (so every shard starts on a group boundary)."""
+    group = row_group_rows(cfg.seq_len)
+    return max(group, cfg.shard_tokens // (cfg.seq_len + 1) // group * group)
+
+
+def _drop_records(staged: Location) -> None:
+    """The unit records are the prepare's, not the dataset's: gone once the manifest is."""
+    records = staged.join(UNITS_DIR)
+    for rel in records.list_files():
+        staged.fs.delete_file(records.join(rel).path)
+    if not staged.is_s3 and records.exists():
+        staged.fs.delete_dir(records.path)
+
+
+def _throughput(cfg: PrepareConfig, done: list[dict], seconds: float) -> dict:
+    """What this run prepared (a resume counts only its own units), per second."""
+    mb = sum(r["bytes"] for r in done) / 1e6
+    tokens = sum(r["splits"][s]["tokens"] for r in done for s in ("train", "val"))
+    return {"seconds": round(seconds, 3), "workers": len({r.get("pid") for r in done}),
+            "nodes": len({r.get("node") for r in done}), "units": len(done), "mb": round(mb, 3),
+            "mb_per_s": mb / max(seconds, 1e-9), "tokens_per_s": tokens / max(seconds, 1e-9)}
+
+
+def _manifest(cfg: PrepareConfig, tok, records: list[dict], key: str, rate: dict) -> dict:
+    stats, counts = ReadStats(), np.zeros(tok.vocab_size, dtype=np.int64)
+    splits = {s: {"rows": 0, "tokens": 0, "shards": []} for s in ("train", "val")}
+    for rec in records:
+        stats.add(ReadStats(**rec["stats"]))
+        counts += np.asarray(rec["counts"], dtype=np.int64)
+        for s, split in splits.items():
+            split["rows"] += rec["splits"][s]["rows"]
+            split["tokens"] += rec["splits"][s]["tokens"]
+            split["shards"] += rec["splits"][s]["shards"]
+    if stats.invalid_utf8_chars:
+        log.warning("the corpus is not all UTF-8: %d invalid byte sequence(s) were replaced by U+FFFD",
+                    stats.invalid_utf8_chars)
+    if not sum(stats.documents.values()):
+        raise DataError(f"the corpus is empty: {cfg.inputs} hold no non-blank text")
+    for name, split in splits.items():
+        if split["rows"] == 0:
+            raise DataError(f"the corpus is too small for --seq-len {cfg.seq_len}: its {name} split "
+                            f"({stats.documents[name]} documents) has fewer than {cfg.seq_len + 1} tokens")
+    pretrained_path = {"pretrained": str(Path(cfg.tokenizer).absolute())} if cfg.tokenizer not in ("byte", "bpe") else {}
+    return {
         "format_version": FORMAT_VERSION,
-        "fingerprint": fp,
+        "fingerprint": fingerprint(settings(cfg, tok), (r["digest"] for r in records)),
+        "inputs_key": key,
         "kiln_version": kiln.__version__,
         "created_unix": int(time.time()),
-        "sources": [str(Path(p).expanduser()) for p in cfg.inputs],
-        "documents": {"train": len(train_docs), "val": len(val_docs)},
-        "tokenizer": describe(tok) | ({"file": TOKENIZER_FILE} if tok.to_json() else {})
-        | ({"pretrained": str(Path(cfg.tokenizer).absolute())} if given is not None else {}),
+        "sources": [s if s.startswith("s3://") else str(Path(s).expanduser()) for s in cfg.inputs],
+        "documents": stats.documents,
+        "tokenizer": describe(tok) | ({"file": TOKENIZER_FILE} if tok.to_json() else {}) | pretrained_path,
         "seq_len": cfg.seq_len,
+        "row_group_rows": row_group_rows(cfg.seq_len),
         "columns": {SAMPLE_ID: "int64", TOKENS: f"fixed_size_list<int32>[{cfg.seq_len + 1}]"},
         **({"loss_mask": {"scored": "response", "prompt_field": cfg.prompt_field, "response_field": cfg.response_field,
                           "encoding": "a prompt token is stored as -(id + 1): read, not scored"}}
            if cfg.prompt_field else {}),
-        "unigram_entropy_bits": unigram_entropy_bits(train_counts),
-        "input": dataclasses.asdict(stats),
-        "splits": {},
+        "unigram_entropy_bits": unigram_entropy_bits(counts),
+        "input": {k: v for k, v in dataclasses.asdict(stats).items() if k != "documents"},
+        "units": len(records),
+        "throughput": rate,
+        "splits": splits,
     }
-    if old is not None and out.is_s3:
-        replace.remove_dataset(out, old)  # no rename on S3: the new dataset is written in place
-    staged, written = replace.staging(out), []
-    try:
-        if tok.to_json():
-            staged.join(TOKENIZER_FILE).write_bytes(tok.to_json().encode())
-            written.append(TOKENIZER_FILE)
-        manifest["splits"]["train"] = _write_split(staged, "train", train_rows, 0, rows_per_shard, written)
-        manifest["splits"]["val"] = _write_split(staged, "val", val_rows, len(train_rows), rows_per_shard, written)
-        written.append(MANIFEST)
-        staged.join(MANIFEST).write_bytes(json.dumps(manifest, indent=2).encode())  # last: commit
-        replace.commit(staged, out, old)
-    except BaseException:
-        replace.discard(staged, written)
-        raise
-    log.info(
-        "wrote %s: %d train / %d val rows of %d tokens, vocab %d, in %.1fs",
-        out.uri, len(train_rows), len(val_rows), cfg.seq_len + 1, tok.vocab_size, time.time() - t0,
-    )
-    return manifest
+
+
+class _Progress:
+    """A bar over the input bytes with rows, tokens/s and the ETA (tqdm, where stderr is a
+    terminal); elsewhere a log line at every tenth of the units."""
+
+    def __init__(self, units: list[Unit], done: dict[int, dict]):
+        from tqdm.auto import tqdm
+
+        self.units, self.seen, self.t0, self.tokens = len(units), len(done), time.perf_counter(), 0
+        self.rows = sum(r["splits"][s]["rows"] for r in done.values() for s in ("train", "val"))
+        self.bar = tqdm(total=sum(u.bytes for u in units), initial=sum(r["bytes"] for r in done.values()),
+                        unit="B", unit_scale=True, desc="prepare", disable=None, mininterval=1.0)
+
+    def __enter__(self) -> _Progress:
+        return self
+
+    def update(self, rec: dict) -> None:
+        self.seen += 1
+        self.rows += sum(rec["splits"][s]["rows"] for s in ("train", "val"))
+        self.tokens += sum(rec["splits"][s]["tokens"] for s in ("train", "val"))
+        tok_s = self.tokens / max(time.perf_counter() - self.t0, 1e-9)
+        self.bar.set_postfix_str(f"{self.rows:,} rows, {tok_s:,.0f} tok/s", refresh=False)
+        self.bar.update(rec["bytes"])
+        if self.bar.disable and self.seen * 10 // self.units > (self.seen - 1) * 10 // self.units:
+            log.info("prepare: %d/%d units, %d rows, %.0f tokens/s", self.seen, self.units, self.rows, tok_s)
+
+    def __exit__(self, *exc) -> None:
+        self.bar.close()

@@ -16,10 +16,19 @@ from typing import Protocol
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute  # noqa: F401  (pa.compute)
 import torch
 
 from kiln.data.manifest import SAMPLE_ID, TOKENS, Manifest, read_failure
-from kiln.data.order import Slice, batches_per_epoch, read_slice, replica_slices, resume_point
+from kiln.data.order import (
+    BYTES_READ,
+    Slice,
+    batches_per_epoch,
+    expected_ids,
+    read_slice,
+    replica_slices,
+    resume_point,
+)
 from kiln.errors import DataError
 
 # What a shard that cannot be read raises, also when Ray Data re-raises it from a read task
@@ -53,6 +62,9 @@ class OrderedSource:
         self._val_cache: list[torch.Tensor] = []
         self._val_error: Exception | None = None
         self._val_thread: threading.Thread | None = None
+        self.bytes_read = 0
+        """Bytes of shards this replica has read (`data/bytes_read`): about 1/n of a split's
+        for n replicas where micro-batches span whole row groups."""
 
     def _tables(self, split: str, slices: list[Slice]) -> Iterator[pa.Table]:
         raise NotImplementedError
@@ -63,10 +75,10 @@ class OrderedSource:
                                 skip_batches)
         if not slices:
             return
-        rows = _arrays(self._tables(split, slices))
+        rows = _arrays(self._tables(split, slices), self)
         try:
             yield from _checked_order(_micro_batches(rows, self.micro_batch), split, self.manifest.location.uri,
-                                      stride=self.dp_size * self.micro_batch)
+                                      expected_ids(slices, self.manifest.first_ids(split)))
         except READ_ERRORS as e:  # also Ray Data's re-raise of a read task's error
             raise read_failure(self.manifest, split, e) from None
 
@@ -115,9 +127,11 @@ class ParquetSource(OrderedSource):
             yield read_slice(locations[s.shard], s)
 
 
-def _arrays(tables: Iterator[pa.Table]) -> Iterator[Samples]:
-    """(ids, token rows) as numpy arrays, table by table."""
+def _arrays(tables: Iterator[pa.Table], source: OrderedSource) -> Iterator[Samples]:
+    """(ids, token rows) as numpy arrays, table by table; the bytes read counted on `source`."""
     for table in tables:
+        if BYTES_READ in table.column_names:
+            source.bytes_read += int(pa.compute.sum(table.column(BYTES_READ)).as_py() or 0)
         tokens = table.column(TOKENS).combine_chunks()
         yield table.column(SAMPLE_ID).to_numpy(), tokens.values.to_numpy().reshape(len(tokens), -1)
 
@@ -138,15 +152,16 @@ def _micro_batches(rows: Iterator[Samples], micro_batch: int) -> Iterator[Sample
         ids_buf, tok_buf, held = [all_ids[full:]], [all_tokens[full:]], held - full
 
 
-def _checked_order(batches: Iterator[Samples], split: str, uri: str, stride: int) -> Iterator[Samples]:
-    """`kiln data prepare` numbers a split's rows consecutively, so each micro-batch must hold
-    consecutive ids and start `stride` (replicas x micro-batch) after the one before: anything
-    else means a reader reordered the rows, and the exact-resume guarantee would silently not
-    hold."""
-    expected = None
+def _checked_order(batches: Iterator[Samples], split: str, uri: str, expected: Iterator[np.ndarray]) -> Iterator[Samples]:
+    """Each micro-batch must hold the ids its slices say (a shard's rows are numbered on from
+    its first id): anything else means a reader reordered the rows, and the exact-resume
+    guarantee would silently not hold."""
+    held = np.zeros(0, dtype=np.int64)
     for ids, tokens in batches:
-        if expected is not None and ids[0] != expected or np.any(np.diff(ids) != 1):
+        while len(held) < len(ids):
+            held = np.concatenate([held, next(expected)])
+        want, held = held[: len(ids)], held[len(ids):]
+        if not np.array_equal(ids, want):
             raise DataError(f"the {split} rows of {uri} arrived out of order (sample ids {ids[0]}..{ids[-1]}, "
-                            f"expected to start at {expected}): was the dataset written by `kiln data prepare`?")
-        expected = int(ids[0]) + stride
+                            f"expected {want[0]}..{want[-1]}): was the dataset written by `kiln data prepare`?")
         yield ids, tokens

@@ -3,7 +3,7 @@
 Ray's own `read_parquet` samples files with tasks of a whole CPU each before it reads (stuck
 forever where the training workers hold every CPU); `ShardSliceDatasource` takes row counts and
 sizes from the manifest, so it plans without touching storage. Each task reads the whole shard
-its slice lies in and keeps the slice's rows (`kiln.data.order.read_slice`). This module
+its slice lies in, only the row groups of the slice's rows (`kiln.data.order.read_slice`). This module
 imports no torch: a new read process would pay seconds for it.
 """
 

@@ -7,7 +7,14 @@ import pytest
 import torch
 
 from kiln.data.manifest import load_manifest
-from kiln.data.order import Slice, batches_per_epoch, read_slice, replica_slices, resume_point
+from kiln.data.order import (
+    Slice,
+    batches_per_epoch,
+    expected_ids,
+    read_slice,
+    replica_slices,
+    resume_point,
+)
 from kiln.data.sources import ParquetSource, _checked_order, _micro_batches
 from kiln.errors import DataError
 from kiln.storage import resolve
@@ -50,13 +57,15 @@ def test_micro_batches_cut_a_stream_of_uneven_blocks():
 
 
 def test_rows_out_of_order_are_refused():
-    ok = [(np.arange(0, 2), None), (np.arange(2, 4), None)]
-    assert len(list(_checked_order(iter(ok), "train", "ds", stride=2))) == 2
-    strided = [(np.arange(0, 2), None), (np.arange(6, 8), None)]  # 3 replicas
-    assert len(list(_checked_order(iter(strided), "train", "ds", stride=6))) == 2
-    swapped = [(np.arange(2, 4), None), (np.arange(0, 2), None)]
+    slices = [Slice(0, ((0, 2), (6, 8))), Slice(1, ((1, 3),))]  # 3 replicas; a shard numbered from 100
+    want = lambda: expected_ids(slices, [0, 100])  # noqa: E731
+    ok = [(np.arange(0, 2), None), (np.array([6, 7]), None), (np.array([101, 102]), None)]
+    assert len(list(_checked_order(iter(ok), "train", "ds", want()))) == 3
+    across = [(np.array([0, 1, 6]), None), (np.array([7, 101, 102]), None)]  # micro-batches across shards
+    assert len(list(_checked_order(iter(across), "train", "ds", want()))) == 2
+    swapped = [(np.arange(6, 8), None), (np.arange(0, 2), None)]
     with pytest.raises(DataError, match="train rows of ds arrived out of order"):
-        list(_checked_order(iter(swapped), "train", "ds", stride=2))
+        list(_checked_order(iter(swapped), "train", "ds", want()))
 
 
 def test_a_slice_reads_exactly_its_rows(byte_dataset):
@@ -67,6 +76,7 @@ def test_a_slice_reads_exactly_its_rows(byte_dataset):
     ids = pq.read_table(loc.path).column("id").to_pylist()
     assert read_slice(loc, Slice(1, ((3, 13),))).column("id").to_pylist() == ids[3:13]
     assert read_slice(loc, Slice(1, ((0, 2), (5, 7)))).column("id").to_pylist() == ids[0:2] + ids[5:7]
+    assert ids == list(range(manifest.first_ids("train")[1], manifest.first_ids("train")[1] + len(ids)))
 
 
 def test_a_resumed_source_sees_every_sample_once_across_an_epoch_boundary(byte_dataset):
@@ -90,7 +100,9 @@ def test_a_resumed_source_sees_every_sample_once_across_an_epoch_boundary(byte_d
         assert ids(source(0), k) + ids(source(k), total - k) == uninterrupted, k
     epoch = list(itertools.chain(*uninterrupted[:per_epoch]))
     assert len(set(epoch)) == len(epoch) == per_epoch * 8
-    assert all(b[0] - a[0] == 16 for a, b in zip(uninterrupted, uninterrupted[1:per_epoch]))  # chunks 1, 3, 5, ...
+    rows = [i for (e, _), first in zip(manifest.shards("train"), manifest.first_ids("train"))
+            for i in range(first, first + e["rows"])]  # the split's rows in manifest order
+    assert uninterrupted[:per_epoch] == [rows[(2 * j + 1) * 8 : (2 * j + 2) * 8] for j in range(per_epoch)]  # chunks 1, 3, 5, ...
     assert uninterrupted[per_epoch] == uninterrupted[0]  # the next epoch starts over, same order
     replica0 = ParquetSource(manifest, 0, 2, 8)
     replica0.skip = 0

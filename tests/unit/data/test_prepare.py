@@ -148,7 +148,7 @@ def test_binary_input_is_refused_or_skipped_and_counted(tmp_path, corpus):
     assert not (tmp_path / "a").exists()
     m = prepare(PrepareConfig(inputs=inputs, output=str(tmp_path / "b"), tokenizer="byte", seq_len=32,
                               on_binary="skip"))
-    assert m["input"] == {"binary_files_skipped": 1, "invalid_utf8_chars": 400}
+    assert m["input"] == {"binary_files_skipped": 1, "invalid_utf8_chars": 400, "bad_records_skipped": 0}
     assert json.loads((tmp_path / "b" / "manifest.json").read_text())["input"] == m["input"]
 
 

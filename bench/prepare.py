@@ -1,0 +1,199 @@
+"""Data preparation at scale: throughput against a plain loop, and peak memory as the corpus grows.
+
+The corpus is real text nobody here wrote: the Python sources of the installed packages
+(site-packages). Two parts, appended to bench/RESULTS.md:
+
+1. Throughput with the BPE tokenizer, on a ~`--small-mb` corpus: `kiln data prepare` on Ray
+   with 1 and 2 tokenizer actors, against a plain single-process loop a user would write with
+   the same tokenizer (read each file, HF tokenizers `encode_batch`, pack rows, write Parquet),
+   on one thread (TOKENIZERS_PARALLELISM=false, as Kiln's actors run). Per-core ratio: Kiln's
+   MB/s divided by its actors, over the plain loop's.
+2. Peak RSS of the driver and of each tokenizer actor (psutil, sampled every 0.2 s) at two
+   corpus sizes 10x apart, the larger over 2 GB (site-packages seen through several symlinked
+   copies: the same bytes again, read again), with the byte tokenizer and 2 actors.
+
+    python bench/prepare.py                       # ~10 minutes on 2 cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pyarrow as pa
+import pyarrow.parquet as pq
+from throughput import BIN, REPO, machine
+
+
+def corpus_files(limit_bytes: int) -> list[Path]:
+    root = Path(sysconfig.get_paths()["purelib"])
+    out, held = [], 0
+    for p in sorted(root.rglob("*.py")):
+        if held >= limit_bytes:
+            break
+        if p.is_file() and p.stat().st_size:
+            out.append(p)
+            held += p.stat().st_size
+    return out
+
+
+def link_corpus(files: list[Path], where: Path, copies: int = 1) -> int:
+    """A directory of symlinks to the files (each copy under its own folder); its bytes."""
+    total = 0
+    for c in range(copies):
+        for i, f in enumerate(files):
+            dst = where / f"copy{c}" / f"{i:06d}_{f.name}"
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            dst.symlink_to(f)
+            total += f.stat().st_size
+    return total
+
+
+def run_measured(cmd: list[str], env: dict | None = None) -> tuple[float, dict[str, int]]:
+    """Wall seconds, and peak RSS by kind of process (driver, actor, other Ray)."""
+    proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    peaks: dict[int, tuple[str, int]] = {}
+    stop = threading.Event()
+
+    def sample() -> None:
+        root = psutil.Process(proc.pid)
+        while not stop.is_set():
+            try:
+                procs = [root, *root.children(recursive=True)]
+            except psutil.Error:
+                break
+            for p in procs:
+                try:
+                    rss, name = p.memory_info().rss, " ".join(p.cmdline())[:200]
+                except psutil.Error:
+                    continue
+                what = "driver" if p.pid == proc.pid else ("actor" if "_UnitActor" in name or "MapBatches" in name
+                                                           else "ray")
+                peaks[p.pid] = (what, max(rss, peaks.get(p.pid, ("", 0))[1]))
+            stop.wait(0.2)
+
+    t = threading.Thread(target=sample, daemon=True)
+    t0 = time.perf_counter()
+    t.start()
+    out, _ = proc.communicate()
+    wall = time.perf_counter() - t0
+    stop.set()
+    t.join()
+    if proc.returncode:
+        sys.exit(f"{' '.join(cmd)} failed:\n{out[-3000:]}")
+    by_kind: dict[str, int] = {}
+    for what, rss in peaks.values():
+        by_kind[what] = max(by_kind.get(what, 0), rss)
+    return wall, by_kind
+
+
+def plain_loop(files: list[Path], tokenizer_json: str, out: Path, seq_len: int) -> tuple[float, int]:
+    """What a user writes without Kiln: one process, read, encode_batch, pack, write shards."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_str(tokenizer_json)
+    eot = tok.token_to_id("<|endoftext|>")
+    t0, tokens, buf, n = time.perf_counter(), 0, [], 0
+    for i in range(0, len(files), 256):
+        texts = [f.read_bytes().decode("utf-8", errors="replace") for f in files[i : i + 256]]
+        for e in tok.encode_batch(texts):
+            buf.append(np.asarray(e.ids + [eot], dtype=np.int32))
+        stream = np.concatenate(buf)
+        rows = len(stream) // (seq_len + 1)
+        table = pa.table({"id": np.arange(rows), "tokens": pa.FixedSizeListArray.from_arrays(
+            pa.array(stream[: rows * (seq_len + 1)]), seq_len + 1)})
+        sink = io.BytesIO()
+        pq.write_table(table, sink, compression="zstd")
+        (out / f"part-{n:05d}.parquet").write_bytes(sink.getvalue())
+        tokens, buf, n = tokens + rows * seq_len, [stream[rows * (seq_len + 1):]], n + 1
+    return time.perf_counter() - t0, tokens
+
+
+def prepare_cmd(inp: Path, out: Path, workers: int, tokenizer: str, extra: list[str]) -> list[str]:
+    return [str(BIN / "kiln"), "data", "prepare", "--input", str(inp), "--output", str(out), "--tokenizer", tokenizer,
+            "--seq-len", "512", "--workers", str(workers), *extra]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--small-mb", type=int, default=40, help="corpus for the throughput part (MB)")
+    ap.add_argument("--rss-mb", type=int, default=220, help="the smaller corpus of the memory part (MB); x10 the larger")
+    ap.add_argument("--unit-mb", type=int, default=8, help="--unit-bytes, in MiB")
+    args = ap.parse_args()
+    lines = [f"\n## Data preparation, {time.strftime('%Y-%m-%d %H:%M')}\n",
+             f"Machine: {machine()}. Command: `python bench/prepare.py --small-mb {args.small_mb} "
+             f"--rss-mb {args.rss_mb} --unit-mb {args.unit_mb}`. Corpus: the `.py` files of the installed "
+             "packages (site-packages), in sorted order.\n"]
+    unit = ["--unit-bytes", str(args.unit_mb << 20)]
+    with tempfile.TemporaryDirectory(dir=REPO / "runs" if (REPO / "runs").is_dir() else None) as tmp:
+        tmp = Path(tmp)
+        files = corpus_files(args.small_mb * 1_000_000)
+        mb = link_corpus(files, tmp / "small") / 1e6
+        # The tokenizer once (trained by a prepare), then every measured run with that same file.
+        subprocess.run(prepare_cmd(tmp / "small", tmp / "bpe", 0, "bpe", [*unit, "--vocab-size", "4096"]),
+                       check=True, capture_output=True)
+        tok_file = tmp / "bpe" / "tokenizer.json"
+        (tmp / "plain").mkdir()
+        env1 = {"TOKENIZERS_PARALLELISM": "false"}
+        results = {}
+        for rnd in range(2):  # alternate, and keep each one's best: the machine is noisy
+            t_plain, tokens = plain_loop(files, tok_file.read_text(), tmp / "plain", 512)
+            results.setdefault("plain", []).append((t_plain, tokens))
+            for w in (1, 2):
+                out = tmp / f"kiln{w}-{rnd}"
+                wall, _ = run_measured(prepare_cmd(tmp / "small", out, w, str(tok_file), unit), env1)
+                rate = json.loads((out / "manifest.json").read_text())["throughput"]
+                results.setdefault(w, []).append((rate["seconds"], rate["mb_per_s"], rate["tokens_per_s"], wall))
+        t_plain, tokens = min(results["plain"])
+        plain_mb_s = mb / t_plain
+        lines += ["### Throughput, BPE (4,096 tokens), seq_len 512\n",
+                  "| run | MB/s of text | tokens/s | MB/s per core | per core / plain | wall incl. start (s) |",
+                  "|---|---:|---:|---:|---:|---:|",
+                  f"| plain loop, 1 process, 1 thread | {plain_mb_s:.2f} | {tokens / t_plain:,.0f} | {plain_mb_s:.2f} | 1.00 | {t_plain:.1f} |"]
+        for w in (1, 2):
+            secs, mb_s, tok_s, wall = min(results[w])
+            lines.append(f"| Kiln on Ray, {w} actor(s) | {mb_s:.2f} | {tok_s:,.0f} | {mb_s / w:.2f} | "
+                         f"{mb_s / w / plain_mb_s:.2f} | {wall:.1f} |")
+        lines.append(f"\nCorpus {mb:.0f} MB ({len(files):,} files), `--unit-bytes {args.unit_mb} MiB`; best of 2 "
+                     "alternating rounds. Kiln's MB/s is the manifest's: from the first unit handed out to the last "
+                     "record back (Ray's start and the BPE training are outside it; the wall column has them).\n")
+        lines += memory_part(tmp, args, unit)
+    text = "\n".join(lines) + "\n"
+    print(text)
+    with open(REPO / "bench" / "RESULTS.md", "a") as f:
+        f.write(text)
+
+
+def memory_part(tmp: Path, args, unit: list[str]) -> list[str]:
+    small_mb = link_corpus(corpus_files(args.rss_mb * 1_000_000), tmp / "rss-small") / 1e6
+    every = corpus_files(10 * args.rss_mb * 1_000_000)  # all of site-packages, or 10x the small corpus
+    copies = -(-10 * int(small_mb * 1e6) // sum(f.stat().st_size for f in every))  # enough for 10x
+    large_mb = link_corpus(every, tmp / "rss-large", copies=copies) / 1e6
+    rows = ["### Peak memory as the corpus grows (byte tokenizer, 2 actors, seq_len 512)\n",
+            "| corpus | MB | wall (s) | MB/s | driver peak RSS (MiB) | largest actor peak RSS (MiB) |",
+            "|---|---:|---:|---:|---:|---:|"]
+    for name, mb in (("rss-small", small_mb), ("rss-large", large_mb)):
+        wall, peaks = run_measured(prepare_cmd(tmp / name, tmp / f"out-{name}", 2, "byte", unit))
+        rows.append(f"| {name} | {mb:,.0f} | {wall:.0f} | {mb / wall:.1f} | {peaks.get('driver', 0) / 2**20:,.0f} | "
+                    f"{peaks.get('actor', 0) / 2**20:,.0f} |")
+        shutil.rmtree(tmp / f"out-{name}", ignore_errors=True)
+    rows.append(f"\nThe larger corpus is {large_mb / small_mb:.1f}x the smaller (site-packages' sources seen "
+                f"through {copies} symlinked copies where one is not enough).\n")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""`kiln data prepare` on Ray: the units of work through a pool of Ray Data actors.
+
+    units (from the listing) -> map_batches(_UnitActor): read, tokenize, pack, shuffle, write
+    shards -> each unit's record back to the driver -> manifest last (kiln.data.prepare)
+
+Each actor builds its tokenizer once and writes its unit's shards itself, so the driver holds
+only records and the shards are written in parallel, to local disk or S3. A unit's output does
+not depend on which actor ran it, so any number of actors gives the same dataset.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterator
+
+import numpy as np
+
+from kiln.data.inputs import Unit
+from kiln.data.prepare import Executor, run_here
+from kiln.data.shards import UnitJob, UnitWorker
+from kiln.errors import DataError, KilnError
+
+log = logging.getLogger(__name__)
+
+
+class _UnitActor:
+    """One tokenizer; the units it is handed, one batch (of one unit index) at a time."""
+
+    def __init__(self, job: UnitJob, units: list[Unit]):
+        import ray
+
+        self.worker, self.units = UnitWorker(job), {u.index: u for u in units}
+        self.where = {"pid": os.getpid(), "node": ray.get_runtime_context().get_node_id()}
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        records = []
+        for i in batch["unit"]:
+            try:
+                records.append(json.dumps(self.worker(self.units[int(i)]) | self.where))
+            except KilnError as e:  # a bad input: its message reaches the user as it is
+                records.append(json.dumps({"error": str(e), "type": type(e).__name__}))
+        return {"record": np.array(records, dtype=object)}
+
+
+def on_ray(address: str | None = None, workers: int = 0) -> Executor:
+    """The executor that runs units on Ray: the cluster at `address` (or $RAY_ADDRESS), else an
+    embedded one; `workers` tokenizer actors (0: one per CPU of the cluster), never more than
+    there are units. One unit and no cluster: it runs here, where Ray would only add its start."""
+    def run(job: UnitJob, units: list[Unit]) -> Iterator[dict]:
+        where = address or os.environ.get("RAY_ADDRESS")
+        if len(units) <= 1 and not where:
+            log.info("one unit of work: tokenizing in this process")
+            return run_here(job, units)
+        import ray
+
+        started = _connect(where)  # now, not at the first record: Ray's start is not the pipeline's time
+        n = min(len(units), workers or max(1, int(ray.cluster_resources().get("CPU", 1))))
+        log.info("preparing %d units with %d tokenizer actors on Ray", len(units), n)
+        return _records(job, units, n, started)
+
+    return run
+
+
+def _records(job: UnitJob, units: list[Unit], n: int, started: bool) -> Iterator[dict]:
+    import ray
+    import ray.data
+
+    ctx = ray.data.DataContext.get_current()
+    ctx.enable_progress_bars = False  # Kiln draws its own bar over bytes, rows and tokens/s
+    ctx.print_on_execution_start = False
+    ds = ray.data.from_items([{"unit": u.index} for u in units], override_num_blocks=len(units))
+    # One CPU per actor, and its tokenizer on that one (HF tokenizers would start a thread per
+    # core in every actor and oversubscribe the node); actors spread over the nodes, whose
+    # disks and network each read and write a share.
+    out = ds.map_batches(_UnitActor, fn_constructor_kwargs={"job": job, "units": units}, batch_size=1,
+                         concurrency=n, num_cpus=1, batch_format="numpy", scheduling_strategy="SPREAD",
+                         runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+    try:
+        for row in out.iter_rows():
+            rec = json.loads(row["record"])
+            if "error" in rec:
+                raise DataError(rec["error"])
+            yield rec
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def _connect(address: str | None) -> bool:
+    """Join `address`, or start an embedded Ray; whether this call started one (to stop)."""
+    import ray
+
+    logging.getLogger("ray.data").setLevel(logging.WARNING)  # its per-dataset notices
+    if ray.is_initialized():
+        return False
+    if address:
+        try:
+            ray.init(address=address, logging_level=logging.ERROR)
+        except ConnectionError as e:
+            raise KilnError(f"could not join the Ray cluster at {address}: {e}. A cluster started with `ray start "
+                            "--head` uses token auth: set RAY_AUTH_MODE=token") from None
+        return False
+    log.info("starting an embedded local Ray (no cluster address given)")
+    ray.init(address="local", num_cpus=os.cpu_count() or 1, include_dashboard=False, logging_level=logging.ERROR)
+    return True

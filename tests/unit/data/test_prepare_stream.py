@@ -1,0 +1,104 @@
+"""The streaming prepare without Ray: units of work, JSONL byte ranges, bad records, resume after
+a SIGKILL, and reads of only a replica's own row groups."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kiln.data.manifest import load_manifest
+from kiln.data.prepare import PrepareConfig, prepare
+from kiln.data.shards import row_group_rows
+from kiln.data.sources import ParquetSource
+from kiln.errors import DataError
+from kiln.storage import resolve
+
+KILN = str(Path(sys.executable).parent / "kiln")
+
+
+def _jsonl(path: Path, n: int, bad_at: int | None = None) -> list[str]:
+    texts = [f"record {i}: " + "lorem ipsum dolor sit amet " * (1 + i % 7) for i in range(n)]
+    lines = [json.dumps({"text": t}) for t in texts]
+    if bad_at is not None:
+        lines[bad_at - 1] = json.dumps({"body": "no text field"})
+    path.write_text("\n".join(lines) + "\n")
+    return texts
+
+
+def test_jsonl_byte_ranges_read_each_record_once_and_bad_records_are_named_or_counted(tmp_path):
+    src = tmp_path / "d.jsonl"
+    _jsonl(src, 600, bad_at=517)
+    common = dict(inputs=[str(src)], tokenizer="byte", seq_len=32, unit_bytes=4096)
+    with pytest.raises(DataError, match=rf"{src}:517: expected an object with a string field 'text'.*--on-bad-record skip"):
+        prepare(PrepareConfig(output=str(tmp_path / "a"), **common))
+    assert not (tmp_path / "a").exists() and not list(tmp_path.glob(".a.partial-*"))  # nothing of it is left
+    split = prepare(PrepareConfig(output=str(tmp_path / "b"), on_bad_record="skip", **common))
+    whole = prepare(PrepareConfig(output=str(tmp_path / "c"), on_bad_record="skip",
+                                  **(common | {"unit_bytes": 1 << 20})))
+    assert split["units"] > 10 and whole["units"] == 1  # the file was cut into byte ranges
+    for m in (split, whole):
+        assert sum(m["documents"].values()) == 599 and m["input"]["bad_records_skipped"] == 1
+
+
+def test_a_prepare_killed_midway_resumes_and_gives_the_same_dataset(tmp_path, corpus):
+    args = ["data", "prepare", "--input", corpus[0], "--input", corpus[1], "--tokenizer", "bpe", "--vocab-size", "512",
+            "--seq-len", "64", "--unit-bytes", "24576", "--workers", "0"]
+    ref = subprocess.run([KILN, *args, "--output", str(tmp_path / "ref")], capture_output=True, text=True, timeout=600)
+    assert ref.returncode == 0, ref.stderr[-2000:]
+    n_units = json.loads((tmp_path / "ref/manifest.json").read_text())["units"]
+
+    out = tmp_path / "ds"
+    proc = subprocess.Popen([KILN, *args, "--output", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None:
+        done = list(tmp_path.glob(".ds.partial-*/_units/*.json"))
+        if len(done) >= 3:
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    kept = len(list(tmp_path.glob(".ds.partial-*/_units/*.json")))
+    assert 3 <= kept < n_units, (kept, n_units)
+    assert not out.exists()  # nothing half-written is visible as a dataset
+
+    again = subprocess.run([KILN, *args, "--output", str(out)], capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert f"resuming: {kept} of {n_units} units were finished before" in again.stderr
+    m, r = (json.loads((d / "manifest.json").read_text()) for d in (out, tmp_path / "ref"))
+    assert m["fingerprint"] == r["fingerprint"] and m["throughput"]["units"] == n_units - kept
+    shards = sorted(p.relative_to(out) for p in out.rglob("*.parquet"))
+    assert shards == sorted(p.relative_to(tmp_path / "ref") for p in (tmp_path / "ref").rglob("*.parquet"))
+    assert all((out / s).read_bytes() == (tmp_path / "ref" / s).read_bytes() for s in shards)
+    assert not list(tmp_path.glob(".ds.partial-*")) and not (out / "_units").exists()
+
+
+def test_each_replica_reads_about_its_share_of_the_bytes(tmp_path, corpus):
+    """Micro-batches of whole row groups: n replicas read ~1/n of the split each. Micro-batches
+    smaller than a row group: every replica fetches groups it mostly does not use."""
+    prepare(PrepareConfig(inputs=corpus[:2], output=str(tmp_path / "ds"), tokenizer="byte", seq_len=64,
+                          shard_tokens=1 << 16))
+    manifest = load_manifest(resolve(str(tmp_path / "ds")))
+    group = row_group_rows(64)
+    assert group == manifest.raw["row_group_rows"] == 64
+    total = sum(e["bytes"] for e, _ in manifest.shards("train"))
+
+    def read(world: int, micro: int) -> list[int]:
+        out = []
+        for rank in range(world):
+            source = ParquetSource(manifest, rank, world, micro)
+            for _ in source.epoch("train"):
+                pass
+            out.append(source.bytes_read)
+        return out
+
+    for world in (1, 2, 4):
+        shares = [b / total for b in read(world, group)]
+        assert all(abs(s - 1 / world) < 0.05 + 0.02 * world for s in shares), (world, shares)
+    small = [b / total for b in read(4, group // 4)]  # 4 replicas' micro-batches share each group
+    assert all(s > 0.9 for s in small), small
