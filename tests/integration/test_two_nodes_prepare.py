@@ -1,6 +1,10 @@
 """`kiln data prepare` on a real Ray cluster of two nodes, reading from and writing to the
 loopback S3 server: the tokenizer actors spread over both nodes, and the dataset is the same,
-byte for byte, whatever the number of actors, and the same as a prepare without Ray."""
+byte for byte, whatever the number of actors, and the same as a prepare without Ray.
+
+Named to run after test_ray_nodes: that test lists the session cluster's processes and requires
+every one to live on, and this test's actors and second node are still exiting for a while after
+it ends."""
 
 from __future__ import annotations
 
