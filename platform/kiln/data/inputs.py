@@ -11,6 +11,8 @@ units it had not finished.
 
 from __future__ import annotations
 
+import fnmatch
+import functools
 import glob
 import hashlib
 import json
@@ -83,7 +85,6 @@ class ReadOptions:
     seed: int = 1234
     on_binary: str = "error"
     on_bad_record: str = "error"
-    s3_endpoint: str = ""
 
 
 @dataclass
@@ -178,21 +179,16 @@ def _list_s3(raw: str, s3_endpoint: str) -> list[InputFile]:
         uri = "s3://" + (i.path if i.path.startswith(bucket) else f"{bucket}/{i.path}")
         if i.type != pafs.FileType.File:
             continue
-        if pattern is not None and not _glob_match(uri, pattern):
+        if pattern is not None and not fnmatch.fnmatchcase(uri, pattern):
             continue
         if pattern is None and posixpath.splitext(uri)[1] not in TEXT_SUFFIXES:
             continue
         files.append(InputFile(uri, i.size, str(i.mtime_ns), s3_endpoint))
+    if not files and pattern is not None:
+        raise DataError(f"input pattern {raw!r} matches no objects")
     if not files:
-        raise DataError(f"input {raw!r} matches no {'objects' if pattern else 'text objects'} "
-                        f"({sorted(TEXT_SUFFIXES)})" if pattern is None else f"input pattern {raw!r} matches no objects")
+        raise DataError(f"input {raw!r} matches no text objects ({sorted(TEXT_SUFFIXES)})")
     return files
-
-
-def _glob_match(uri: str, pattern: str) -> bool:
-    import fnmatch
-
-    return fnmatch.fnmatchcase(uri, pattern)
 
 
 def listing_key(files: list[InputFile]) -> str:
@@ -295,10 +291,24 @@ def _read_piece(piece: Piece, opts: ReadOptions, stats: ReadStats) -> Iterator[D
         yield data.decode("utf-8", errors="replace")
 
 
+def _resolved(uri: str, endpoint: str):
+    """A file's Location on a filesystem built once per bucket and endpoint: an S3 filesystem
+    is not free to build, and a corpus has thousands of files."""
+    if not uri.startswith("s3://"):
+        return resolve(uri)
+    bucket, _, key = uri[len("s3://"):].partition("/")
+    return _bucket(bucket, endpoint).join(key)
+
+
+@functools.lru_cache(maxsize=64)
+def _bucket(bucket: str, endpoint: str):
+    return resolve(f"s3://{bucket}", endpoint)
+
+
 def _read(f: InputFile, start: int, end: int) -> bytes:
     """Bytes [start, end) of a file (end -1: to its end); a transient S3 error is retried, then
     named with the file."""
-    loc = resolve(f.uri, f.endpoint)
+    loc = _resolved(f.uri, f.endpoint)
 
     def read() -> bytes:
         with loc.fs.open_input_file(loc.path) as h:
