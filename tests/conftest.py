@@ -36,6 +36,18 @@ def byte_dataset(tmp_path_factory, corpus) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def prose_dataset(tmp_path_factory) -> Path:
+    """A second byte-tokenized dataset (seq_len 64) of other text, the stdlib's xml and html
+    packages: the other half of a mixture with `byte_dataset`."""
+    from kiln.data.prepare import PrepareConfig, prepare
+
+    out = tmp_path_factory.mktemp("data") / "prose"
+    prepare(PrepareConfig(inputs=[str(STDLIB / "xml"), str(STDLIB / "html")], output=str(out), tokenizer="byte",
+                          seq_len=64, shard_tokens=1 << 16))
+    return out
+
+
 @pytest.fixture
 def clean_env(monkeypatch, tmp_path):
     """Run with the cwd in a temp dir and no inherited MLflow/S3 settings."""

@@ -69,9 +69,29 @@ def _readable(x: float) -> str:
 
 
 @dataclass
+class MixSource:
+    path: str = ""
+    """A dataset written by `kiln data prepare`: a local directory or s3://bucket/prefix."""
+    weight: float = 1.0
+    """Its share of the training rows, relative to the others' (1, 1, 2 draws a quarter, a
+    quarter and a half)."""
+    name: str = ""
+    """What metrics call it (`data/mix/<name>_frac`). Empty: the path's last part."""
+
+
+@dataclass
 class DataConfig:
     path: str = "data/stdlib-bpe"
-    """Dataset written by `kiln data prepare`: a local directory or s3://bucket/prefix."""
+    """Dataset written by `kiln data prepare`: a local directory or s3://bucket/prefix. With
+    `mix`, the first dataset of the mixture (set for you)."""
+    mix: list[MixSource] = field(default_factory=list)
+    """Several datasets to train on at once, each at its weight: `[{path: data/code, weight: 1},
+    {path: data/prose, weight: 3}]`. They must share a tokenizer and seq_len. Validation runs
+    over every dataset's val split. Empty: `path` alone."""
+    reshuffle: bool = False
+    """Reshuffle the train rows every epoch, by train.seed (shards, then blocks within windows of
+    shards, then the rows of each block; see the README's data order). False: every epoch in
+    the order the dataset was written, which `kiln data prepare` already shuffled."""
     s3_endpoint: str = ""
     """S3-compatible endpoint URL (MinIO, moto, ...). Empty: $AWS_ENDPOINT_URL, else AWS."""
     s3_region: str = "us-east-1"
@@ -361,6 +381,7 @@ class RunConfig:
         _check_parallel(self)
         _check_profile(self)
         _check_health(self)
+        _check_mix(self)
         return self
 
     @property
@@ -426,6 +447,34 @@ def _check_ranges(cfg: RunConfig) -> None:
                 value = getattr(values, f.name)
                 if not ok(value):
                     raise ConfigError(f"{section.name}.{f.name} = {value!r} is out of range: expected {allowed}")
+
+
+MAX_MIX_WEIGHT = 1e6  # a million to one between two datasets: past any real mixture, short of a typo
+
+
+def _check_mix(cfg: RunConfig) -> None:
+    """data.mix: each entry names a dataset and a positive weight, and metric names are distinct."""
+    names = []
+    for i, m in enumerate(cfg.data.mix):
+        where = f"data.mix[{i}]"
+        if not m.path.strip():
+            raise ConfigError(f"{where}.path is empty: expected a dataset directory or s3:// prefix")
+        if not 0 < m.weight <= MAX_MIX_WEIGHT:
+            raise ConfigError(f"{where}.weight = {m.weight!r} is out of range: expected a number in "
+                              f"(0, {_readable(MAX_MIX_WEIGHT)}]")
+        name = mix_name(m)
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
+            raise ConfigError(f"{where}.name = {name!r}: expected letters, digits, '_', '.' or '-' "
+                              "(it names metrics)")
+        if name in names:
+            raise ConfigError(f"{where}: the name {name!r} is taken by data.mix[{names.index(name)}]; "
+                              "give one of them a name")
+        names.append(name)
+
+
+def mix_name(m: MixSource) -> str:
+    """A mixture dataset's name in metrics: its own, else its path's last part."""
+    return m.name or m.path.rstrip("/").rsplit("/", 1)[-1]
 
 
 def _check_profile(cfg: RunConfig) -> None:
@@ -636,6 +685,12 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         if isinstance(value, (dict, list)):
             raise ConfigError(f"{where} = {value!r} is not a string")
         return "" if value is None else str(value)
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{where} = {value!r} is not a list")
+        (item,) = typing.get_args(tp)
+        return [build_section(item, v, f"{where}[{i}]") if dataclasses.is_dataclass(item)
+                else _coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
     if tp is dict or origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{where} = {value!r} is not a mapping")

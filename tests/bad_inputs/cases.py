@@ -225,10 +225,22 @@ OVERRIDES = [
     _train("set-outage-wait-negative", ["logging.outage_wait_s=-1"], "logging.outage_wait_s"),
     Case("set-deepspeed-scalar", ["train", "--set", "parallel.deepspeed=5"], "parallel.deepspeed"),
     _train("set-data-section", ["data=3"], "data"),
+    _train("set-mix-not-a-list", ["data.mix=data/a"], "data.mix"),
+    _train("set-mix-weight-zero", ["data.mix=[{{path: a, weight: 0}}]"], "data.mix[0].weight"),
+    _train("set-mix-weight-word", ["data.mix=[{{path: a, weight: half}}]"], "data.mix[0].weight"),
+    _train("set-mix-no-path", ["data.mix=[{{weight: 2}}]"], "data.mix[0].path"),
+    _train("set-mix-unknown-key", ["data.mix=[{{path: a, wieght: 2}}]"], "data.mix[0].wieght"),
+    _train("set-mix-same-name", ["data.mix=[{{path: x/code}}, {{path: y/code}}]"], "data.mix[1]"),
+    _train("set-mix-bad-name", ["data.mix=[{{path: a, name: 'my data'}}]"], "data.mix[0].name"),
+    _cfg("config-mix-a-mapping", "data:\n  mix: {path: a, weight: 1}\n", "data.mix"),
 ]
 
 LAUNCH = [
     _train("train-no-dataset", ["data.path=nowhere"], "nowhere", 1),
+    _train("train-mix-missing-dataset", ["data.mix=[{{path: {ds}}}, {{path: nowhere, name: n}}]"], "nowhere", 1,
+           dataset=True),
+    _train("train-mix-other-seq-len", ["data.mix=[{{path: {ds}}}, {{path: {ds}32}}]"], "data.mix[1]", 2,
+           dataset=True),
     _train("train-path-not-a-dataset", ["data.path=d"], "d", 1, files={"d/a.txt": "x"}),
     _train("train-seq-len-mismatch", ["data.path={ds}", "model.seq_len=32"], "model.seq_len", dataset=True),
     _train("train-vocab-too-small", ["data.path={ds}", "model.vocab_size=128"], "model.vocab_size", dataset=True),

@@ -47,8 +47,16 @@ def _corrupt(ds: Path) -> None:
     shard.write_bytes(bytes(raw))
 
 
+def _beside_with_seq_len_32(ds: Path) -> None:
+    """A second dataset beside the first, whose manifest says seq_len 32: another kind of row."""
+    other = ds.parent / f"{ds.name}32"
+    shutil.copytree(ds, other)
+    _edit_manifest(lambda m: m.update(seq_len=32))(other)
+
+
 # What a row does to its copy of the valid dataset before the command runs.
 DATASET_EDITS = {
+    "train-mix-other-seq-len": _beside_with_seq_len_32,
     "verify-tokenizer-a-string": _edit_manifest(lambda m: m.update(tokenizer="byte")),
     "train-manifest-wrong-shape": _edit_manifest(lambda m: m.update(tokenizer="byte")),
     "verify-shard-without-bytes": _edit_manifest(lambda m: m["splits"]["train"]["shards"][0].pop("bytes")),

@@ -198,11 +198,14 @@ def test_pipeline_two_replicas_by_two_stages_on_ray(ray_cluster, s3_server, s3_d
     stages read the same batches from S3 by data-parallel rank: with Ray Data's split across all
     4 workers this deadlocked. It must train and finish, with a pipeline checkpoint from every
     stage. A NaN at step 14 makes the health guard roll back: every rank downloads the step-10
-    checkpoint from storage, reloads it and goes on with the data after the bad batch."""
+    checkpoint from storage, reloads it and goes on with the data after the bad batch. The data
+    is a mixture, reshuffled each epoch, read from both of its datasets (here the S3 dataset
+    twice, under two names) by Ray Data read tasks."""
     address, _, _ = ray_cluster
     db = f"sqlite:///{tmp_path}/mlflow.db"
     cfg = load_config(REPO / "jobs/configs/debug.yaml", [
-        f"data.path={s3_dataset}", f"data.s3_endpoint={s3_server}", "parallel.num_workers=4",
+        f"data.mix=[{{path: {s3_dataset}, name: a}}, {{path: {s3_dataset}, name: b, weight: 3}}]",
+        "data.reshuffle=true", f"data.s3_endpoint={s3_server}", "parallel.num_workers=4",
         "parallel.zero_stage=1", "parallel.pipeline_stages=2", "parallel.micro_batches=2", "data.read_task_cpus=0",
         "train.max_steps=30", "train.eval_every=0", "train.eval_batches=2", "schedule.warmup_steps=5",
         "train.micro_batch_size=4", f"logging.tracking_uri={db}", "logging.experiment=integration",
@@ -222,6 +225,9 @@ def test_pipeline_two_replicas_by_two_stages_on_ray(ray_cluster, s3_server, s3_d
     assert sum(m.value for m in hist[-5:]) / 5 < sum(m.value for m in hist[:5]) / 5 - 0.5
     # 2 micro-batches x 4 sequences x 2 replicas x 64 tokens per step
     assert summary.metrics["tokens/seen"] == 30 * 2 * 4 * 2 * 64
+    # the realised shares of a few 64-row blocks (test_mixture checks them against the weights)
+    shares = summary.metrics["data/mix/a_frac"], summary.metrics["data/mix/b_frac"]
+    assert sum(shares) == pytest.approx(1) and shares[1] > 0 and run.data.params["data.mix.b.weight"] == "3.0"
     files = {p.name for p in Path(summary.checkpoint).rglob("*") if p.is_file()}
     layer_files = {f for f in files if f.startswith("layer_") and f.endswith("-model_states.pt")}
     # embedding + block 1 from stage 0, block 2 + norm from stage 1 (the tied head is the embedding)

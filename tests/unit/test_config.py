@@ -89,8 +89,8 @@ def test_a_relative_data_path_reaches_workers_as_an_absolute_one(byte_dataset, m
     from kiln.data.check import resolve_against_data
 
     monkeypatch.chdir(byte_dataset.parent)
-    cfg, manifest = resolve_against_data(load_config(None, [f"data.path={byte_dataset.name}"]))
-    assert cfg.data.path == str(byte_dataset) and manifest.location.path == str(byte_dataset)
+    cfg, datasets = resolve_against_data(load_config(None, [f"data.path={byte_dataset.name}"]))
+    assert cfg.data.path == str(byte_dataset) and datasets[0].manifest.location.path == str(byte_dataset)
 
 
 @pytest.mark.parametrize("content, needle", [

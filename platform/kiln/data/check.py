@@ -10,20 +10,27 @@ from __future__ import annotations
 import dataclasses
 
 from kiln.config import RunConfig, pretrained_dir, pretrained_shape
-from kiln.data.manifest import Manifest, check_shards, load_manifest
+from kiln.data.manifest import Manifest, check_shards
+from kiln.data.mixture import Dataset, check_agree, run_datasets
 from kiln.data.tokenizer import describe, pretrained
 from kiln.errors import ConfigError
 from kiln.model import padded_vocab
-from kiln.storage import absolute, resolve
+from kiln.storage import absolute
 
 
-def resolve_against_data(cfg: RunConfig) -> tuple[RunConfig, Manifest]:
-    """Load and check the dataset; fill in model.vocab_size/seq_len; refuse mismatches. A local
-    data.path becomes absolute: workers read the shards themselves, from another directory."""
-    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=absolute(cfg.data.path)))
-    loc = resolve(cfg.data.path, cfg.data.s3_endpoint, cfg.data.s3_region)
-    manifest = load_manifest(loc)
-    check_shards(manifest)
+def resolve_against_data(cfg: RunConfig) -> tuple[RunConfig, list[Dataset]]:
+    """Load and check the run's datasets (`data.path`, or each of `data.mix`, which must agree);
+    fill in model.vocab_size/seq_len; refuse mismatches. Local paths become absolute: workers
+    read the shards themselves, from another directory; data.path becomes the mixture's first."""
+    mix = [dataclasses.replace(m, path=absolute(m.path)) for m in cfg.data.mix]
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, mix=mix,
+                                                            path=mix[0].path if mix else absolute(cfg.data.path)))
+    datasets = run_datasets(cfg)
+    check_agree(datasets)  # first: it reads the manifests only
+    for d in datasets:
+        check_shards(d.manifest)
+    manifest = datasets[0].manifest
+    loc = manifest.location
     vocab, seq = manifest.vocab_size, manifest.seq_len
     m = cfg.model
     if m.vocab_size and m.vocab_size < vocab:
@@ -43,14 +50,15 @@ def resolve_against_data(cfg: RunConfig) -> tuple[RunConfig, Manifest]:
     cfg = dataclasses.replace(cfg, model=model)
     per_step = cfg.data_parallel_size * cfg.train.micro_batch_size
     for split in ("train", "val"):
-        rows = manifest.split(split)["rows"]
+        rows = sum(d.manifest.split(split)["rows"] for d in datasets)
         if rows < per_step:
+            where = loc.uri if len(datasets) == 1 else "the datasets of data.mix"
             raise ConfigError(
-                f"the {split} split of {loc.uri} has {rows} rows, fewer than one micro-batch on every "
+                f"the {split} split of {where} has {rows} rows, fewer than one micro-batch on every "
                 f"worker ({cfg.parallel.num_workers} x {cfg.train.micro_batch_size}); lower "
                 "train.micro_batch_size or parallel.num_workers, or prepare more data"
             )
-    return cfg, manifest
+    return cfg, datasets
 
 
 def _pretrained_model(cfg: RunConfig, manifest: Manifest):

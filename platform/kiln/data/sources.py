@@ -19,7 +19,9 @@ import pyarrow as pa
 import pyarrow.compute  # noqa: F401  (pa.compute)
 import torch
 
+from kiln.data.epochs import Blocks, EpochOrder, Layout
 from kiln.data.manifest import SAMPLE_ID, TOKENS, Manifest, read_failure
+from kiln.data.mixture import Dataset
 from kiln.data.order import (
     BYTES_READ,
     Slice,
@@ -27,8 +29,9 @@ from kiln.data.order import (
     expected_ids,
     read_slice,
     replica_slices,
-    resume_point,
+    whole_shards,
 )
+from kiln.data.shards import row_group_rows
 from kiln.errors import DataError
 
 # What a shard that cannot be read raises, also when Ray Data re-raises it from a read task
@@ -48,17 +51,26 @@ class BatchSource(Protocol):
     def val_batches(self) -> Iterable[torch.Tensor]:
         """One pass over this rank's part of the validation split."""
 
+    def data_metrics(self, consumed: int) -> dict[str, float]:
+        """The data's metrics after this replica's first `consumed` micro-batches."""
+
 
 class OrderedSource:
     """The data order and resume logic; subclasses say how a list of shard slices is read
     (`_tables`: the slices' rows as Arrow tables with the id and tokens columns, in order)."""
 
-    def __init__(self, manifest: Manifest, dp_rank: int, dp_size: int, micro_batch: int, max_val_batches: int = 0):
-        """`dp_rank` of `dp_size`: this worker's data-parallel coordinates (the stages of one
-        pipeline share them, and read the same rows)."""
-        self.manifest, self.dp_rank, self.dp_size = manifest, dp_rank, dp_size
+    def __init__(self, data: Manifest | list[Dataset], dp_rank: int, dp_size: int, micro_batch: int,
+                 max_val_batches: int = 0, seed: int = 0, reshuffle: bool = False):
+        """`data`: one dataset, or the run's weighted datasets (`kiln.data.mixture`). `dp_rank`
+        of `dp_size`: this worker's data-parallel coordinates (the stages of one pipeline share
+        them, and read the same rows). `seed` and `reshuffle`: the epochs' order
+        (`kiln.data.epochs`)."""
+        self.datasets = data if isinstance(data, list) else [Dataset(data, 1.0, "data", "data.path")]
+        self.manifest = self.datasets[0].manifest
+        self.dp_rank, self.dp_size = dp_rank, dp_size
         self.micro_batch, self.max_val_batches = micro_batch, max_val_batches
-        self.shard_rows = {s: [int(e["rows"]) for e, _ in manifest.shards(s)] for s in ("train", "val")}
+        self.orders = {split: self._order(split, seed, reshuffle) for split in ("train", "val")}
+        self._epochs: dict[int, tuple[int, np.ndarray]] = {}  # micro-batches, rows used per dataset
         self._val_cache: list[torch.Tensor] = []
         self._val_error: Exception | None = None
         self._val_thread: threading.Thread | None = None
@@ -66,29 +78,76 @@ class OrderedSource:
         """Bytes of shards this replica has read (`data/bytes_read`): about 1/n of a split's
         for n replicas where micro-batches span whole row groups."""
 
+    def _order(self, split: str, seed: int, reshuffle: bool) -> EpochOrder | Layout:
+        """The split's epochs; one fixed layout, a block per shard, where every epoch is in
+        manifest order (one dataset without reshuffle, and every validation split)."""
+        shard_rows = [[int(e["rows"]) for e, _ in d.manifest.shards(split)] for d in self.datasets]
+        if split == "val" or (len(self.datasets) == 1 and not reshuffle):
+            return _concatenated(shard_rows)
+        blocks = [Blocks.of(rows, block_rows(d.manifest)) for rows, d in zip(shard_rows, self.datasets)]
+        return EpochOrder(blocks, [d.weight for d in self.datasets], seed, reshuffle)
+
+    def layout(self, split: str, epoch: int = 0) -> Layout:
+        order = self.orders[split]
+        return order if isinstance(order, Layout) else order.layout(epoch)
+
+    def batches_in_epoch(self, epoch: int) -> int:
+        """This replica's train micro-batches in `epoch` (the same for every replica)."""
+        if epoch in self._epochs:
+            return self._epochs[epoch][0]
+        layout = self.layout("train", epoch)
+        n = batches_per_epoch(layout.rows, self.dp_size, self.micro_batch)
+        used = layout.rows_by_source(n * self.dp_size * self.micro_batch, len(self.datasets))
+        self._epochs[epoch] = n, used  # small: two numbers a dataset, for every epoch run
+        if n == 0:
+            raise DataError(f"train epoch {epoch} of {self.manifest.location.uri} gives no micro-batch to each of "
+                            f"{self.dp_size} replicas: lower train.micro_batch_size, or prepare more data")
+        return n
+
+    def resume_point(self, skip: int) -> tuple[int, int]:
+        """(epoch, micro-batch of that epoch) after this replica's first `skip` micro-batches."""
+        epoch = 0
+        while skip >= (n := self.batches_in_epoch(epoch)):
+            skip, epoch = skip - n, epoch + 1
+        return epoch, skip
+
+    def data_metrics(self, consumed: int) -> dict[str, float]:
+        """The data metrics after `consumed` micro-batches of this replica: its bytes read so
+        far, and for a mixture each dataset's share of the train rows all replicas used
+        (`data/mix/<name>_frac`), computed from the order itself, so exact and equal on every rank."""
+        metrics = {"data/bytes_read": float(self.bytes_read)}
+        if len(self.datasets) > 1:
+            epoch, into = self.resume_point(consumed)
+            counts = sum((self._epochs[e][1] for e in range(epoch)),
+                         self.layout("train", epoch).rows_by_source(into * self.dp_size * self.micro_batch,
+                                                                    len(self.datasets)))
+            total = max(1, int(counts.sum()))
+            metrics |= {f"data/mix/{d.name}_frac": float(c) / total for d, c in zip(self.datasets, counts)}
+        return metrics
+
     def _tables(self, split: str, slices: list[Slice]) -> Iterator[pa.Table]:
         raise NotImplementedError
 
-    def epoch(self, split: str, skip_batches: int = 0) -> Iterator[Samples]:
-        """One epoch of this replica's micro-batches, after its first `skip_batches`."""
-        slices = replica_slices(self.shard_rows[split], self.dp_rank, self.dp_size, self.micro_batch,
+    def epoch(self, split: str, skip_batches: int = 0, number: int = 0) -> Iterator[Samples]:
+        """Epoch `number` of this replica's micro-batches, after its first `skip_batches`."""
+        slices = replica_slices(self.layout(split, number), self.dp_rank, self.dp_size, self.micro_batch,
                                 skip_batches)
         if not slices:
             return
         rows = _arrays(self._tables(split, slices), self)
+        first_ids = [d.manifest.first_ids(split) for d in self.datasets]
         try:
             yield from _checked_order(_micro_batches(rows, self.micro_batch), split, self.manifest.location.uri,
-                                      expected_ids(slices, self.manifest.first_ids(split)))
+                                      expected_ids(slices, first_ids))
         except READ_ERRORS as e:  # also Ray Data's re-raise of a read task's error
-            raise read_failure(self.manifest, split, e) from None
+            raise _read_failure(self.datasets, split, e) from None
 
     def train_samples(self, skip: int = 0) -> Iterator[Samples]:
         """Endless (ids, tokens) micro-batches, after the first `skip`."""
-        per_epoch = batches_per_epoch(self.shard_rows["train"], self.dp_size, self.micro_batch)
-        _, first = resume_point(skip, per_epoch)
+        number, first = self.resume_point(skip)
         while True:
-            yield from self.epoch("train", first)
-            first = 0
+            yield from self.epoch("train", first, number)
+            number, first = number + 1, 0
 
     def train_batches(self, skip: int = 0) -> Iterator[torch.Tensor]:
         for _, tokens in self.train_samples(skip):
@@ -122,9 +181,29 @@ class ParquetSource(OrderedSource):
     """Reads its rows with pyarrow, shard by shard; for runs without Ray."""
 
     def _tables(self, split: str, slices: list[Slice]) -> Iterator[pa.Table]:
-        locations = self.manifest.shard_locations(split)
+        locations = [d.manifest.shard_locations(split) for d in self.datasets]
         for s in slices:
-            yield read_slice(locations[s.shard], s)
+            yield read_slice(locations[s.source][s.shard], s)
+
+
+def block_rows(manifest: Manifest) -> int:
+    """The rows of a block (`kiln.data.epochs`): the dataset's row group; a dataset of an older
+    prepare has none recorded, and gets what a streamed prepare would write."""
+    return int(manifest.raw.get("row_group_rows") or row_group_rows(manifest.seq_len))
+
+
+def _concatenated(shard_rows: list[list[int]]) -> Layout:
+    """Each dataset's shards in manifest order, one after another, a block per shard."""
+    parts = [whole_shards(rows) for rows in shard_rows]
+    source = np.concatenate([np.full(len(p.size), d, dtype=np.int64) for d, p in enumerate(parts)])
+    shard, start, size, key = (np.concatenate([getattr(p, f) for p in parts]) for f in ("shard", "start", "size", "key"))
+    return Layout(source, shard, start, size, key, False)
+
+
+def _read_failure(datasets: list[Dataset], split: str, e: BaseException) -> DataError:
+    """The read failure of a split, naming the bad shard of whichever dataset holds one."""
+    errors = [read_failure(d.manifest, split, e) for d in datasets]
+    return next((err for err in errors if "shard" in str(err)), errors[0])
 
 
 def _arrays(tables: Iterator[pa.Table], source: OrderedSource) -> Iterator[Samples]:

@@ -109,12 +109,13 @@ def run_local(cfg: RunConfig, started: float | None = None) -> Summary | None:
         else:
             from kiln.tracking.mlflow_run import MLflowLogger, open_run
 
-            run = open_run(cfg, manifest, tracking_uri, {"num_nodes": 1, "launcher": "local"})
+            run = open_run(cfg, checked.datasets, tracking_uri, {"num_nodes": 1, "launcher": "local"})
             logger = MLflowLogger(tracking_uri, run.run_id, spill_dir=_run_root(cfg),
                                   outage_wait_s=cfg.logging.outage_wait_s)
             marks |= startup_mark("mlflow")
     dp_rank, dp_size = data_parallel_coords(world.rank, world.world_size, cfg.parallel.pipeline_stages)
-    source = ParquetSource(manifest, dp_rank, dp_size, cfg.train.micro_batch_size, cfg.train.eval_batches)
+    source = ParquetSource(checked.datasets, dp_rank, dp_size, cfg.train.micro_batch_size, cfg.train.eval_batches,
+                           seed=cfg.train.seed, reshuffle=cfg.data.reshuffle)
     ckpt_root = _run_root(cfg)
     with run.finishing() if run is not None else contextlib.nullcontext():
         # The loop shows progress on rank 0 only: a bar when stderr is a terminal, else log lines.

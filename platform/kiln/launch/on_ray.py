@@ -49,7 +49,7 @@ def train(cfg: RunConfig, address: str | None = None, started: float | None = No
     checked = preflight(cfg, remote_cluster=bool(address))
     cfg, manifest, tracking_uri = checked.cfg, checked.manifest, checked.tracking_uri
     marks |= startup_mark("preflight")
-    run = _open_run_while_ray_starts(cfg, manifest, tracking_uri, address, verbose)
+    run = _open_run_while_ray_starts(cfg, checked.datasets, tracking_uri, address, verbose)
     marks |= startup_mark("ray")  # the later of the two: the run opened meanwhile
     resources = ray.cluster_resources()
     run.set_tags({"kiln.num_nodes": len([n for n in ray.nodes() if n["Alive"]]),
@@ -128,7 +128,7 @@ def _fit(trainer, run_name: str, worker_log: str):
         raise KilnError(f"run {run_name!r} failed: {cause} (the workers' output is in {worker_log})") from None
 
 
-def _open_run_while_ray_starts(cfg: RunConfig, manifest, tracking_uri: str, address: str | None,
+def _open_run_while_ray_starts(cfg: RunConfig, datasets, tracking_uri: str, address: str | None,
                                verbose: bool = False) -> Run:
     """Open the MLflow run on a thread while Ray starts (or connects): the two take seconds each
     and need nothing from each other. A cluster address that does not answer is refused first,
@@ -137,7 +137,7 @@ def _open_run_while_ray_starts(cfg: RunConfig, manifest, tracking_uri: str, addr
     if address:  # train() has resolved it from $RAY_ADDRESS already
         check_ray_address(address)
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kiln-open-run") as pool:
-        opening = pool.submit(open_run, cfg, manifest, tracking_uri, {})
+        opening = pool.submit(open_run, cfg, datasets, tracking_uri, {})
         try:
             connect_ray(cfg, address, verbose)
         except BaseException:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from kiln.config import RunConfig, gpt_config, model_base, model_name
 from kiln.data.check import resolve_against_data
 from kiln.data.manifest import Manifest
+from kiln.data.mixture import Dataset
 from kiln.errors import ConfigError, StorageError
 from kiln.model import num_params
 from kiln.parallel.engine import check_offload_ops
@@ -37,10 +38,16 @@ class Checked:
     filled in, the dataset's manifest, and the tracking URI."""
 
     cfg: RunConfig
-    manifest: Manifest
+    datasets: list[Dataset]
+    """The run's datasets: `data.path`, or each of `data.mix`."""
     tracking_uri: str
     memory: str
     """The memory plan's verdict per device, or why it could not be checked from here."""
+
+    @property
+    def manifest(self) -> Manifest:
+        """The (first) dataset's manifest: its tokenizer and seq_len are every dataset's."""
+        return self.datasets[0].manifest
 
     def describe(self) -> str:
         """The resolved plan, as `kiln train --dry-run` prints it."""
@@ -48,8 +55,10 @@ class Checked:
         mcfg, p, t = gpt_config(c), c.parallel, c.train
         rows = [
             ("run", f"{c.logging.run_name} (experiment {c.logging.experiment!r})"),
-            ("data", f"{m.location.uri}: {m.split('train')['rows']:,} train / {m.split('val')['rows']:,} val rows "
-                     f"of {m.seq_len} tokens, vocab {m.vocab_size} (fingerprint {m.fingerprint})"),
+            *[("data" if i == 0 else "", f"{d.manifest.location.uri}: {d.manifest.split('train')['rows']:,} train / "
+                  f"{d.manifest.split('val')['rows']:,} val rows of {m.seq_len} tokens, vocab {m.vocab_size} "
+                  f"(fingerprint {d.manifest.fingerprint})" + (f", weight {d.weight:g}" if c.data.mix else ""))
+              for i, d in enumerate(self.datasets)],
             ("model", f"{model_name(c)}: {mcfg.n_layer} layers x d_model {mcfg.d_model}, "
                       f"{num_params(mcfg, non_embedding=False) / 1e6:.2f}M params, vocab {mcfg.vocab_size}, "
                       f"{'GPT-2' if mcfg.arch == 'gpt' else 'Llama'} architecture"),
@@ -74,7 +83,7 @@ def preflight(cfg: RunConfig, remote_cluster: bool = False, storage_field: str =
     own). `local_storage`: the launcher writes checkpoints itself, to a local directory.
     `world_size`: the ranks the run will have, where the launcher knows better than
     `parallel.num_workers` (torchrun)."""
-    cfg, manifest = resolve_against_data(cfg)
+    cfg, datasets = resolve_against_data(cfg)
     cfg = check_resume(cfg, world_size or cfg.parallel.num_workers, remote_cluster)
     check_precision(cfg)
     cfg = with_run_name(cfg)
@@ -86,7 +95,7 @@ def preflight(cfg: RunConfig, remote_cluster: bool = False, storage_field: str =
         from kiln.infer.commands import check_target
 
         check_target(cfg.logging.export_to, "logging.export_to =")
-    return Checked(cfg, manifest, tracking_uri, memory)
+    return Checked(cfg, datasets, tracking_uri, memory)
 
 
 def with_run_name(cfg: RunConfig) -> RunConfig:

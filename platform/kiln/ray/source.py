@@ -7,6 +7,7 @@ from collections.abc import Iterator
 import pyarrow as pa
 
 from kiln.data.manifest import Manifest
+from kiln.data.mixture import Dataset
 from kiln.data.order import Slice
 from kiln.data.sources import OrderedSource
 from kiln.ray.datasource import ShardSliceDatasource
@@ -18,23 +19,25 @@ class RayDataSource(OrderedSource):
     Each worker runs its own small Ray Data read over just its shards: Ray Data does the
     reading and prefetching; Kiln decides which rows and in which order."""
 
-    def __init__(self, manifest: Manifest, dp_rank: int, dp_size: int, micro_batch: int, prefetch: int = 2,
-                 max_val_batches: int = 0, read_task_cpus: float = 0.5):
-        super().__init__(manifest, dp_rank, dp_size, micro_batch, max_val_batches)
+    def __init__(self, data: Manifest | list[Dataset], dp_rank: int, dp_size: int, micro_batch: int,
+                 prefetch: int = 2, max_val_batches: int = 0, read_task_cpus: float = 0.5, seed: int = 0,
+                 reshuffle: bool = False):
+        super().__init__(data, dp_rank, dp_size, micro_batch, max_val_batches, seed, reshuffle)
         self.prefetch_batches, self.read_task_cpus = prefetch, read_task_cpus
-        self._locations = {s: manifest.shard_locations(s) for s in ("train", "val")}
+        self._locations = {s: [d.manifest.shard_locations(s) for d in self.datasets] for s in ("train", "val")}
 
     def _tables(self, split: str, slices: list[Slice]) -> Iterator[pa.Table]:
         import ray.data
 
         configure_ray_data()
         row_bytes = 8 + 4 * (self.manifest.seq_len + 1)  # int64 id, int32 tokens
-        ds = ray.data.read_datasource(ShardSliceDatasource(self._locations[split], slices, row_bytes),
+        source = ShardSliceDatasource(self._locations[split], slices, row_bytes)
+        ds = ray.data.read_datasource(source,
                                       num_cpus=self.read_task_cpus,
                                       # tasks in flight: enough to read ahead, few enough that
                                       # CPU-free reads do not flood a node with processes
                                       concurrency=max(1, self.prefetch_batches),
-                                      override_num_blocks=len(slices))
+                                      override_num_blocks=source.tasks)
         yield from ds.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=self.prefetch_batches)
 
 

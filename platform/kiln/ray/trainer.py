@@ -22,7 +22,7 @@ from ray.train.torch import TorchConfig, TorchTrainer
 
 from kiln.clock import process_start, startup_mark
 from kiln.config import RunConfig, config_from_dict
-from kiln.data.manifest import load_manifest
+from kiln.data.mixture import run_datasets
 from kiln.parallel.engine import build_engine
 from kiln.parallel.pipeline import data_parallel_coords
 from kiln.ray.console import WORKER_FORMAT
@@ -195,15 +195,11 @@ def _source(cfg: RunConfig, world: WorldInfo) -> RayDataSource:
     stages of one pipeline read the same batches (the first feeds inputs, the last matches
     labels; Ray Data's split across all workers deadlocked them), and a restarted worker group
     resumes at the exact row where its checkpoint stopped."""
-    manifest = _manifest(cfg)
     dp_rank, dp_size = data_parallel_coords(world.rank, world.world_size, cfg.parallel.pipeline_stages)
-    return RayDataSource(manifest, dp_rank, dp_size, cfg.train.micro_batch_size, cfg.data.prefetch_batches,
-                         cfg.train.eval_batches, read_task_cpus=cfg.data.read_task_cpus)
-
-
-def _manifest(cfg: RunConfig):
-    """The run's dataset manifest, read on the worker (the driver checked it before launch)."""
-    return load_manifest(resolve(cfg.data.path, cfg.data.s3_endpoint, cfg.data.s3_region))
+    # The manifests are read again on the worker (the driver checked them before launch).
+    return RayDataSource(run_datasets(cfg), dp_rank, dp_size, cfg.train.micro_batch_size, cfg.data.prefetch_batches,
+                         cfg.train.eval_batches, read_task_cpus=cfg.data.read_task_cpus, seed=cfg.train.seed,
+                         reshuffle=cfg.data.reshuffle)
 
 
 def _checkpoint_score(cfg: RunConfig) -> dict:

@@ -51,10 +51,10 @@ def _trial(params: dict[str, Any], ctx: dict[str, Any]) -> None:
     trial_id, trial_name = tctx.get_trial_id(), tctx.get_trial_name()
     cfg = sweep.trial_config(params)
     cfg = dataclasses.replace(cfg, logging=dataclasses.replace(cfg.logging, run_name=f"{sweep.config.name}-{trial_id}"))
-    cfg, manifest = resolve_against_data(cfg)
+    cfg, datasets = resolve_against_data(cfg)
     uri, parent = ctx["tracking_uri"], ctx["parent_run_id"]
     attempt = _retire_earlier_attempts(uri, cfg.logging.experiment, parent, trial_id)
-    run = open_run(cfg, manifest, uri, {"launcher": "sweep"}, parent_run_id=parent, tags={
+    run = open_run(cfg, datasets, uri, {"launcher": "sweep"}, parent_run_id=parent, tags={
         SWEEP_TAG: sweep.config.name, TRIAL_TAG: trial_id, "kiln.sweep.trial_name": trial_name,
         "kiln.sweep.attempt": attempt, **{f"kiln.sweep.param.{k}": v for k, v in params.items()},
     })
@@ -174,6 +174,8 @@ def run_sweep(sweep: Sweep, address: str | None = None, resume: bool = False) ->
     base, uri = checked.cfg, checked.tracking_uri
     # Tune runs each trial in its own working dir: the trials' data path must not be relative.
     sweep.base_tree.setdefault("data", {})["path"] = base.data.path
+    if base.data.mix:
+        sweep.base_tree["data"]["mix"] = [dataclasses.asdict(m) for m in base.data.mix]
     if not resume and os.path.exists(exp_dir):
         raise KilnError(f"sweep {cfg.name!r} already exists at {exp_dir}: resume it with "
                         f"`kiln sweep --resume {cfg.name}`, or give the sweep another name")

@@ -18,7 +18,7 @@ from typing import Any
 
 import kiln
 from kiln.config import RunConfig, flatten
-from kiln.data.manifest import Manifest
+from kiln.data.mixture import Dataset
 from kiln.errors import KilnError
 from kiln.redact import redact, redact_tree, scrub
 from kiln.tracking.plots import PLOTTED, training_plots
@@ -251,7 +251,7 @@ def experiment_id(client, name: str) -> str:
         return exp.experiment_id
 
 
-def open_run(cfg: RunConfig, manifest: Manifest, tracking_uri: str, cluster: dict,
+def open_run(cfg: RunConfig, datasets: list[Dataset], tracking_uri: str, cluster: dict,
              parent_run_id: str | None = None, tags: dict | None = None) -> Run:
     """Create the MLflow run with params (redacted), tags and artifacts; return its handle.
 
@@ -259,19 +259,24 @@ def open_run(cfg: RunConfig, manifest: Manifest, tracking_uri: str, cluster: dic
     single run's, so trials and runs compare side by side."""
     run = Run(tracking_uri, cfg.logging.experiment, cfg.logging.run_name, parent_run_id=parent_run_id,
               tags=tags)
+    manifest = datasets[0].manifest
     run.log_params(flatten(cfg.to_dict()) | {
         "data.fingerprint": manifest.fingerprint, "data.tokenizer": manifest.raw["tokenizer"]["type"],
-        "data.train_tokens": manifest.split("train")["tokens"],
-    })
+        "data.train_tokens": sum(d.manifest.split("train")["tokens"] for d in datasets),
+    } | ({} if len(datasets) == 1 else {f"data.mix.{d.name}.{k}": v for d in datasets for k, v in (
+        ("weight", d.weight), ("fingerprint", d.manifest.fingerprint), ("train_tokens", d.manifest.split("train")["tokens"]))}))
     run.set_tags({
         "kiln.version": kiln.__version__, "kiln.git_commit": git_commit(os.path.dirname(kiln.__file__)),
         "kiln.num_workers": cfg.parallel.num_workers, **{f"kiln.{k}": v for k, v in cluster.items()},
     })
-    run.log_dataset(manifest.location.uri, manifest.fingerprint)
+    for d in datasets:
+        run.log_dataset(d.manifest.location.uri, d.manifest.fingerprint)
     import yaml
 
     run.log_text(yaml.safe_dump(redact_tree(cfg.to_dict()), sort_keys=False), "config.yaml")
-    run.log_text(json.dumps(manifest.raw, indent=2), "data/manifest.json")
+    for d in datasets:
+        run.log_text(json.dumps(d.manifest.raw, indent=2),
+                     "data/manifest.json" if len(datasets) == 1 else f"data/{d.name}/manifest.json")
     log_schedule_plot(run, cfg)
     return run
 

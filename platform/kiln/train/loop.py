@@ -190,7 +190,8 @@ class _Training:
             metrics["loss/val"] = _timed_eval(meter, self.engine, self.source, self.cfg.train.eval_batches, device,
                                               self.pipeline)
         metrics.update(memory_metrics(device))
-        metrics["data/bytes_read"] = float(getattr(self.source, "bytes_read", 0))  # this replica's, so far
+        # this replica's bytes read so far; a mixture's realised shares, from the order itself
+        metrics.update(self.source.data_metrics(self.batches.count))
         metrics.update(self.leaks.sample(step, memory_in_use(device)))
         _publish(self.sinks, self.progress, metrics, step, self.cfg, self.world.rank, meter.mean_step_s)
         self._end_step(step, result.data_wait_s)

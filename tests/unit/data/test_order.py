@@ -14,6 +14,7 @@ from kiln.data.order import (
     read_slice,
     replica_slices,
     resume_point,
+    whole_shards,
 )
 from kiln.data.sources import ParquetSource, _checked_order, _micro_batches
 from kiln.errors import DataError
@@ -22,14 +23,22 @@ from kiln.storage import resolve
 
 def _rows(slices: list[Slice], shard_rows: list[int]) -> list[int]:
     firsts = np.cumsum([0, *shard_rows])
-    return [int(firsts[s.shard]) + r for s in slices for a, b in s.ranges for r in range(a, b)]
+    return [int(firsts[s.shard]) + int(r) for s in slices for r in s.index]
+
+
+def _slice(shard: int, *ranges: tuple[int, int]) -> Slice:
+    return Slice(shard, np.concatenate([np.arange(a, b) for a, b in ranges]))
+
+
+def _slices(shard_rows: list[int], rank: int, world: int, micro: int, skip: int = 0) -> list[Slice]:
+    return replica_slices(whole_shards(shard_rows), rank, world, micro, skip)
 
 
 @pytest.mark.parametrize("shard_rows,world,micro", [([10, 10, 10], 2, 4), ([7, 3, 11, 1], 3, 2), ([5], 4, 1),
                                                     ([4, 4], 1, 3)])
 def test_each_step_reads_consecutive_rows_whatever_the_world_size(shard_rows, world, micro):
-    per_epoch = batches_per_epoch(shard_rows, world, micro)
-    got = [_rows(replica_slices(shard_rows, r, world, micro), shard_rows) for r in range(world)]
+    per_epoch = batches_per_epoch(sum(shard_rows), world, micro)
+    got = [_rows(_slices(shard_rows, r, world, micro), shard_rows) for r in range(world)]
     assert [len(g) for g in got] == [per_epoch * micro] * world
     # micro-batch j of every replica, side by side: the rows of step j, consecutive
     steps = [row for j in range(per_epoch) for g in got for row in g[j * micro:(j + 1) * micro]]
@@ -38,14 +47,13 @@ def test_each_step_reads_consecutive_rows_whatever_the_world_size(shard_rows, wo
 
 def test_a_resume_mid_epoch_starts_at_the_shard_that_holds_its_chunk():
     shard_rows = [10, 10, 10]  # micro 4, 2 replicas: chunks of 4 rows, replica 1 reads chunks 1, 3, 5
-    assert replica_slices(shard_rows, 1, 2, 4) == [Slice(0, ((4, 8),)), Slice(1, ((2, 6),)),
-                                                   Slice(2, ((0, 4),))]
-    assert replica_slices(shard_rows, 1, 2, 4, skip_batches=2) == [Slice(2, ((0, 4),))]
-    assert replica_slices(shard_rows, 0, 2, 4, skip_batches=1) == [Slice(0, ((8, 10),)), Slice(1, ((0, 2), (6, 10)))]
-    assert replica_slices(shard_rows, 1, 2, 4, skip_batches=3) == []
+    assert _slices(shard_rows, 1, 2, 4) == [_slice(0, (4, 8)), _slice(1, (2, 6)), _slice(2, (0, 4))]
+    assert _slices(shard_rows, 1, 2, 4, skip=2) == [_slice(2, (0, 4))]
+    assert _slices(shard_rows, 0, 2, 4, skip=1) == [_slice(0, (8, 10)), _slice(1, (0, 2), (6, 10))]
+    assert _slices(shard_rows, 1, 2, 4, skip=3) == []
     with pytest.raises(ValueError):
-        replica_slices(shard_rows, 1, 2, 4, skip_batches=4)
-    assert batches_per_epoch(shard_rows, 2, 4) == 3  # 30 rows: 3 chunks each, 6 rows left out
+        _slices(shard_rows, 1, 2, 4, skip=4)
+    assert batches_per_epoch(sum(shard_rows), 2, 4) == 3  # 30 rows: 3 chunks each, 6 rows left out
     assert resume_point(7, 3) == (2, 1)  # 7 batches in: epoch 2, its second batch
 
 
@@ -57,8 +65,8 @@ def test_micro_batches_cut_a_stream_of_uneven_blocks():
 
 
 def test_rows_out_of_order_are_refused():
-    slices = [Slice(0, ((0, 2), (6, 8))), Slice(1, ((1, 3),))]  # 3 replicas; a shard numbered from 100
-    want = lambda: expected_ids(slices, [0, 100])  # noqa: E731
+    slices = [_slice(0, (0, 2), (6, 8)), _slice(1, (1, 3))]  # 3 replicas; a shard numbered from 100
+    want = lambda: expected_ids(slices, [[0, 100]])  # noqa: E731
     ok = [(np.arange(0, 2), None), (np.array([6, 7]), None), (np.array([101, 102]), None)]
     assert len(list(_checked_order(iter(ok), "train", "ds", want()))) == 3
     across = [(np.array([0, 1, 6]), None), (np.array([7, 101, 102]), None)]  # micro-batches across shards
@@ -74,8 +82,10 @@ def test_a_slice_reads_exactly_its_rows(byte_dataset):
     manifest = load_manifest(resolve(str(byte_dataset)))
     _, loc = manifest.shards("train")[1]
     ids = pq.read_table(loc.path).column("id").to_pylist()
-    assert read_slice(loc, Slice(1, ((3, 13),))).column("id").to_pylist() == ids[3:13]
-    assert read_slice(loc, Slice(1, ((0, 2), (5, 7)))).column("id").to_pylist() == ids[0:2] + ids[5:7]
+    assert read_slice(loc, _slice(1, (3, 13))).column("id").to_pylist() == ids[3:13]
+    assert read_slice(loc, _slice(1, (0, 2), (5, 7))).column("id").to_pylist() == ids[0:2] + ids[5:7]
+    backwards = Slice(1, np.array([9, 2, 8, 0]))  # a reshuffled epoch reads rows in any order
+    assert read_slice(loc, backwards).column("id").to_pylist() == [ids[9], ids[2], ids[8], ids[0]]
     assert ids == list(range(manifest.first_ids("train")[1], manifest.first_ids("train")[1] + len(ids)))
 
 
@@ -83,7 +93,7 @@ def test_a_resumed_source_sees_every_sample_once_across_an_epoch_boundary(byte_d
     """Replica 1 of 2: k micro-batches, then a new source resumed at k (as after a restart)
     gives exactly the uninterrupted stream; each epoch is the replica's rows, each once."""
     manifest = load_manifest(resolve(str(byte_dataset)))
-    per_epoch = batches_per_epoch([e["rows"] for e, _ in manifest.shards("train")], 2, 8)
+    per_epoch = batches_per_epoch(manifest.split("train")["rows"], 2, 8)
     assert len(manifest.shards("train")) > 1 and per_epoch > 4
 
     def ids(source, n):
