@@ -4,7 +4,8 @@ The corpus is real text nobody here wrote: the Python sources of the installed p
 (site-packages). Two parts, appended to bench/RESULTS.md:
 
 1. Throughput with the BPE tokenizer, on a ~`--small-mb` corpus: `kiln data prepare` on Ray
-   with 1 and 2 tokenizer actors, against a plain single-process loop a user would write with
+   with 1 and 2 tokenizer actors, and in one process without Ray (`--workers 0`: the
+   pipeline's own cost, apart from Ray's), against a plain single-process loop a user would write with
    the same tokenizer (read each file, HF tokenizers `encode_batch`, pack rows, write Parquet),
    on one thread (TOKENIZERS_PARALLELISM=false, as Kiln's actors run). Per-core ratio: Kiln's
    MB/s divided by its actors, over the plain loop's.
@@ -152,7 +153,7 @@ def main() -> None:
         for rnd in range(2):  # alternate, and keep each one's best: the machine is noisy
             t_plain, tokens = plain_loop(files, tok_file.read_text(), tmp / "plain", 512)
             results.setdefault("plain", []).append((t_plain, tokens))
-            for w in (1, 2):
+            for w in (0, 1, 2):  # 0: in this process, no Ray: the pipeline's own cost
                 out = tmp / f"kiln{w}-{rnd}"
                 wall, _ = run_measured(prepare_cmd(tmp / "small", out, w, str(tok_file), unit), env1)
                 rate = json.loads((out / "manifest.json").read_text())["throughput"]
@@ -163,10 +164,12 @@ def main() -> None:
                   "| run | MB/s of text | tokens/s | MB/s per core | per core / plain | wall incl. start (s) |",
                   "|---|---:|---:|---:|---:|---:|",
                   f"| plain loop, 1 process, 1 thread | {plain_mb_s:.2f} | {tokens / t_plain:,.0f} | {plain_mb_s:.2f} | 1.00 | {t_plain:.1f} |"]
-        for w in (1, 2):
+        for w in (0, 1, 2):
             secs, mb_s, tok_s, wall = min(results[w])
-            lines.append(f"| Kiln on Ray, {w} actor(s) | {mb_s:.2f} | {tok_s:,.0f} | {mb_s / w:.2f} | "
-                         f"{mb_s / w / plain_mb_s:.2f} | {wall:.1f} |")
+            cores = max(w, 1)
+            name = f"Kiln on Ray, {w} actor(s)" if w else "Kiln without Ray (`--workers 0`), 1 process"
+            lines.append(f"| {name} | {mb_s:.2f} | {tok_s:,.0f} | {mb_s / cores:.2f} | "
+                         f"{mb_s / cores / plain_mb_s:.2f} | {wall:.1f} |")
         lines.append(f"\nCorpus {mb:.0f} MB ({len(files):,} files), `--unit-bytes {args.unit_mb} MiB`; best of 2 "
                      "alternating rounds. Kiln's MB/s is the manifest's: from the first unit handed out to the last "
                      "record back (Ray's start and the BPE training are outside it; the wall column has them).\n")

@@ -152,13 +152,18 @@ def measured_matmul_flops(device: torch.device, dtype: torch.dtype, seconds: flo
     a = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
     b = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
     a @ b  # warm-up
-    iters, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        a @ b
-        iters += 1
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return 2 * n**3 * iters / (time.perf_counter() - start)
+    # The best of five windows: a window that a neighbour's burst or the host's CPU steal slowed
+    # would understate the peak, and MFU would pass 100% (seen on the 2-core CI machine).
+    best = 0.0
+    for _ in range(5):
+        iters, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds / 5:
+            a @ b
+            iters += 1
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        best = max(best, 2 * n**3 * iters / (time.perf_counter() - start))
+    return best
 
 
 def datasheet_peak_flops(device: torch.device, precision: str, configured: float = 0.0) -> float | None:
