@@ -129,14 +129,18 @@ def prepare_cmd(inp: Path, out: Path, workers: int, tokenizer: str, extra: list[
 
 
 def main() -> None:
+    # One tokenizer thread in this process too (the plain loop runs here): unset, HF tokenizers
+    # spreads encode_batch over every core, and the "1 thread" row measured two.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--small-mb", type=int, default=40, help="corpus for the throughput part (MB)")
     ap.add_argument("--rss-mb", type=int, default=220, help="the smaller corpus of the memory part (MB); x10 the larger")
-    ap.add_argument("--unit-mb", type=int, default=8, help="--unit-bytes, in MiB")
+    ap.add_argument("--unit-mb", type=int, default=4, help="--unit-bytes, in MiB")
+    ap.add_argument("--no-memory", action="store_true", help="the throughput part only")
     args = ap.parse_args()
     lines = [f"\n## Data preparation, {time.strftime('%Y-%m-%d %H:%M')}\n",
              f"Machine: {machine()}. Command: `python bench/prepare.py --small-mb {args.small_mb} "
-             f"--rss-mb {args.rss_mb} --unit-mb {args.unit_mb}`. Corpus: the `.py` files of the installed "
+             f"--rss-mb {args.rss_mb} --unit-mb {args.unit_mb}{' --no-memory' if args.no_memory else ''}`. Corpus: the `.py` files of the installed "
              "packages (site-packages), in sorted order.\n"]
     unit = ["--unit-bytes", str(args.unit_mb << 20)]
     with tempfile.TemporaryDirectory(dir=REPO / "runs" if (REPO / "runs").is_dir() else None) as tmp:
@@ -157,23 +161,32 @@ def main() -> None:
                 out = tmp / f"kiln{w}-{rnd}"
                 wall, _ = run_measured(prepare_cmd(tmp / "small", out, w, str(tok_file), unit), env1)
                 rate = json.loads((out / "manifest.json").read_text())["throughput"]
-                results.setdefault(w, []).append((rate["seconds"], rate["mb_per_s"], rate["tokens_per_s"], wall))
+                busy = rate["busy_s"] / (max(w, 1) * rate["seconds"])  # of the actors' wall time
+                results.setdefault(w, []).append((rate["seconds"], rate["mb_per_s"], rate["tokens_per_s"], wall,
+                                                  busy, rate["mb_per_busy_s"], rate["first_unit_after_s"]))
         t_plain, tokens = min(results["plain"])
         plain_mb_s = mb / t_plain
         lines += ["### Throughput, BPE (4,096 tokens), seq_len 512\n",
-                  "| run | MB/s of text | tokens/s | MB/s per core | per core / plain | wall incl. start (s) |",
-                  "|---|---:|---:|---:|---:|---:|",
-                  f"| plain loop, 1 process, 1 thread | {plain_mb_s:.2f} | {tokens / t_plain:,.0f} | {plain_mb_s:.2f} | 1.00 | {t_plain:.1f} |"]
+                  "| run | MB/s of text | tokens/s | MB/s per core | per core / plain | workers busy | "
+                  "MB/s per busy worker | first unit after (s) | span (s) | wall incl. start (s) |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+                  f"| plain loop, 1 process, 1 thread | {plain_mb_s:.2f} | {tokens / t_plain:,.0f} | {plain_mb_s:.2f} "
+                  f"| 1.00 | | | | {t_plain:.1f} | {t_plain:.1f} |"]
         for w in (0, 1, 2):
-            secs, mb_s, tok_s, wall = min(results[w])
+            secs, mb_s, tok_s, wall, busy, busy_rate, first = min(results[w])
             cores = max(w, 1)
             name = f"Kiln on Ray, {w} actor(s)" if w else "Kiln without Ray (`--workers 0`), 1 process"
             lines.append(f"| {name} | {mb_s:.2f} | {tok_s:,.0f} | {mb_s / cores:.2f} | "
-                         f"{mb_s / cores / plain_mb_s:.2f} | {wall:.1f} |")
+                         f"{mb_s / cores / plain_mb_s:.2f} | {busy:.0%} | {busy_rate:.2f} | {first:.1f} | {secs:.1f} | "
+                         f"{wall:.1f} |")
         lines.append(f"\nCorpus {mb:.0f} MB ({len(files):,} files), `--unit-bytes {args.unit_mb} MiB`; best of 2 "
                      "alternating rounds. Kiln's MB/s is the manifest's: from the first unit handed out to the last "
-                     "record back (Ray's start and the BPE training are outside it; the wall column has them).\n")
-        lines += memory_part(tmp, args, unit)
+                     "record back (Ray's start and the BPE training are outside it; the wall column has them). "
+                     "*Workers busy*: the time the workers spent on units, over their number times that span; "
+                     "*MB/s per busy worker*: the text over that busy time (the worker's own pace); *first unit after*: "
+                     "from the span's start to the first unit's (an actor's start); *span*: the manifest's seconds.\n")
+        if not args.no_memory:
+            lines += memory_part(tmp, args, unit)
     text = "\n".join(lines) + "\n"
     print(text)
     with open(REPO / "bench" / "RESULTS.md", "a") as f:

@@ -372,9 +372,17 @@ def _throughput(cfg: PrepareConfig, done: list[dict], seconds: float) -> dict:
     """What this run prepared (a resume counts only its own units), per second."""
     mb = sum(r["bytes"] for r in done) / 1e6
     tokens = sum(r["splits"][s]["tokens"] for r in done for s in ("train", "val"))
+    busy = sum(r["seconds"] for r in done)  # the workers' own time on the units
+    began = time.time() - seconds
+    # how long the first unit waited for a worker (an actor's start), and the last one's end
+    # before the end (gathering); the rest of the idle time is the workers' uneven shares
+    first = min((r["started"] for r in done if "started" in r), default=began) - began
+    last = max((r["started"] + r["seconds"] for r in done if "started" in r), default=began + seconds)
     return {"seconds": round(seconds, 3), "workers": len({r.get("pid") for r in done}),
             "nodes": len({r.get("node") for r in done}), "units": len(done), "mb": round(mb, 3),
-            "mb_per_s": mb / max(seconds, 1e-9), "tokens_per_s": tokens / max(seconds, 1e-9)}
+            "mb_per_s": mb / max(seconds, 1e-9), "tokens_per_s": tokens / max(seconds, 1e-9),
+            "busy_s": round(busy, 3), "mb_per_busy_s": mb / max(busy, 1e-9),
+            "first_unit_after_s": round(max(0.0, first), 3), "after_last_unit_s": round(max(0.0, began + seconds - last), 3)}
 
 
 def _manifest(cfg: PrepareConfig, tok, records: list[dict], key: str, rate: dict) -> dict:

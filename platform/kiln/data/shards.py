@@ -73,7 +73,7 @@ class UnitWorker:
     def __call__(self, unit: Unit) -> dict:
         """The unit's record: its shards, counts and stats, after its shards and the record
         itself are written (so a resume keeps it)."""
-        t0 = time.perf_counter()
+        t0, started = time.perf_counter(), time.time()
         stats = ReadStats()
         streams, digest = _token_streams(unit, self.job, self.tok, stats)
         width = self.job.seq_len + 1
@@ -91,7 +91,7 @@ class UnitWorker:
                   "val": self._write(unit, "val", rows["val"], base + len(rows["train"]))}
         record = {"unit": unit.index, "key": self.job.key, "bytes": unit.bytes, "digest": digest, "splits": splits,
                   "counts": counts.tolist(), "stats": asdict(stats),
-                  "seconds": time.perf_counter() - t0}
+                  "seconds": time.perf_counter() - t0, "started": started}
         self.staged.join(UNITS_DIR, f"{unit.index:06d}.json").write_bytes(json.dumps(record).encode())
         return record
 
