@@ -338,7 +338,10 @@ def _build(cfg: PrepareConfig, units: list[Unit], staged: Location, key: str, ex
     job = UnitJob("byte" if tok.kind == "byte" else tok.to_json(), tok.eot_id, cfg.seq_len,
                   _rows_per_shard(cfg), row_group_rows(cfg.seq_len), opts, staged.uri,
                   cfg.s3_endpoint, key)
-    records = _finished(staged, key)
+    # A record's token counts (a vocab's worth of numbers) are summed as it arrives, not kept:
+    # the driver's memory must not grow with units x vocab.
+    counts = np.zeros(tok.vocab_size, dtype=np.int64)
+    records = {u: _folded(rec, counts) for u, rec in _finished(staged, key).items()}
     if records:
         log.info("resuming: %d of %d units were finished before; preparing the other %d", len(records),
                  len(units), len(units) - len(records))
@@ -347,10 +350,16 @@ def _build(cfg: PrepareConfig, units: list[Unit], staged: Location, key: str, ex
     t0 = time.perf_counter()
     with _Progress(units, records) as bar:
         for rec in running:
-            records[rec["unit"]] = rec
+            records[rec["unit"]] = _folded(rec, counts)
             bar.update(rec)
     rate = _throughput(cfg, [records[u.index] for u in todo], time.perf_counter() - t0)
-    return _manifest(cfg, tok, [records[u.index] for u in units], key, rate)
+    return _manifest(cfg, tok, [records[u.index] for u in units], counts, key, rate)
+
+
+def _folded(rec: dict, counts: np.ndarray) -> dict:
+    """The record without its token counts, which are added to `counts`."""
+    counts += np.asarray(rec.pop("counts"), dtype=np.int64)
+    return rec
 
 
 def _rows_per_shard(cfg: PrepareConfig) -> int:
@@ -385,12 +394,12 @@ def _throughput(cfg: PrepareConfig, done: list[dict], seconds: float) -> dict:
             "first_unit_after_s": round(max(0.0, first), 3), "after_last_unit_s": round(max(0.0, began + seconds - last), 3)}
 
 
-def _manifest(cfg: PrepareConfig, tok, records: list[dict], key: str, rate: dict) -> dict:
-    stats, counts = ReadStats(), np.zeros(tok.vocab_size, dtype=np.int64)
+def _manifest(cfg: PrepareConfig, tok, records: list[dict], counts: np.ndarray, key: str, rate: dict) -> dict:
+    """`counts`: the train tokens' counts over every unit."""
+    stats = ReadStats()
     splits = {s: {"rows": 0, "tokens": 0, "shards": []} for s in ("train", "val")}
     for rec in records:
         stats.add(ReadStats(**rec["stats"]))
-        counts += np.asarray(rec["counts"], dtype=np.int64)
         for s, split in splits.items():
             split["rows"] += rec["splits"][s]["rows"]
             split["tokens"] += rec["splits"][s]["tokens"]
