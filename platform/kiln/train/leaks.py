@@ -4,8 +4,8 @@ A training step allocates and frees the same memory every time, so after the fir
 (allocator warm-up, optimizer state, caches) a rank's memory is flat. Memory that still grows
 step after step is a leak: tensors kept in a list, a graph held through a logged loss, a cache
 without bound. `LeakWatch` fits a line through the last `window` samples of each (one per
-metrics step); when the growth over the window is both steady (nearly every sample at or above
-the last) and large (over `min_growth_bytes`), it warns once and reports the rate, which the
+metrics step); when the growth over the window is steady (nearly every sample at or above the
+last, and both halves of the window growing) and large (over `min_growth_bytes`), it warns once and reports the rate, which the
 Prometheus series `kiln_memory_leak_bytes_per_step` and the alert KilnMemoryLeak carry.
 """
 
@@ -61,4 +61,9 @@ class LeakWatch:
         slope = sum((s - mean_s) * (v - mean_v) for s, v in zip(steps, values)) / var
         rising = sum(b >= a for a, b in zip(values, values[1:])) / (n - 1)
         grown = slope * (steps[-1] - steps[0])
-        return slope if grown >= self.min_growth and rising >= STEADY_SHARE else 0.0
+        # Both halves of the window must grow: one jump (an evaluation's buffers, a bigger
+        # batch) tilts the fitted line as much as a leak would, but lies in one half only.
+        mid = n // 2
+        halves = min(values[mid] - values[0], values[-1] - values[mid])
+        steady = rising >= STEADY_SHARE and halves >= self.min_growth / 4
+        return slope if grown >= self.min_growth and steady else 0.0
