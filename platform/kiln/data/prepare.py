@@ -40,7 +40,6 @@ from pathlib import Path
 import numpy as np
 
 import kiln
-from kiln.config import MAX_INT, MAX_SEQ_LEN
 from kiln.data import replace
 from kiln.data.inputs import (
     ReadOptions,
@@ -230,6 +229,9 @@ def _config_from(fields: dict) -> PrepareConfig:
 
 
 def _validate(cfg: PrepareConfig) -> None:
+    # The limits live with the run config, which imports the model and torch: imported here, in
+    # the driver, so that a tokenizer actor (which imports this module) starts without torch.
+    from kiln.config import MAX_INT, MAX_SEQ_LEN
     if bool(cfg.prompt_field) != bool(cfg.response_field):
         raise ConfigError("--prompt-field and --response-field go together: give both for instruction data, or neither")
     if cfg.tokenizer not in ("byte", "bpe") and not Path(cfg.tokenizer).exists():
@@ -266,6 +268,7 @@ def _validate(cfg: PrepareConfig) -> None:
 def _check_output(cfg: PrepareConfig, out: Location, key: str) -> dict | None:
     """The Kiln dataset already at `out` that `if_exists` allows to reuse or replace (None: the
     output is new or empty); refuse anything else before any work is done."""
+
     if cfg.if_exists == "overwrite":
         replace.refuse_protected(out)
     first = out.first_entry() if out.exists() else None

@@ -63,6 +63,10 @@ def on_ray(address: str | None = None, workers: int = 0) -> Executor:
     return run
 
 
+ACTOR_START_S = 300  # the longest a tokenizer actor may take to start (a node's runtime env
+# included) before the prepare gives up on a cluster that cannot place them all
+
+
 def _records(job: UnitJob, units: list[Unit], n: int, started: bool) -> Iterator[dict]:
     import ray
     import ray.data
@@ -70,6 +74,13 @@ def _records(job: UnitJob, units: list[Unit], n: int, started: bool) -> Iterator
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False  # Kiln draws its own bar over bytes, rows and tokens/s
     ctx.print_on_execution_start = False
+    # Every actor up before the first unit is handed out: otherwise the first ones to start take
+    # all the units of a small corpus, and the pool (and its nodes) go half unused. They start
+    # together, so this waits for the slowest start, not their sum.
+    # (Where the cluster has fewer CPUs than actors asked for, say an autoscaling one, nothing
+    # waits: the units go to the actors as they come.)
+    fits = n <= int(ray.cluster_resources().get("CPU", 0))
+    waited, ctx.wait_for_min_actors_s = ctx.wait_for_min_actors_s, ACTOR_START_S if fits else -1
     ds = ray.data.from_items([{"unit": u.index} for u in units], override_num_blocks=len(units))
     # One CPU per actor, and its tokenizer on that one (HF tokenizers would start a thread per
     # core in every actor and oversubscribe the node); actors spread over the nodes, whose
@@ -83,7 +94,12 @@ def _records(job: UnitJob, units: list[Unit], n: int, started: bool) -> Iterator
             if "error" in rec:
                 raise DataError(rec["error"])
             yield rec
+    except ray.exceptions.GetTimeoutError:
+        free = int(ray.available_resources().get("CPU", 0))
+        raise KilnError(f"the cluster did not start {n} tokenizer actors (one CPU each) in {ACTOR_START_S} s; "
+                        f"{free} CPU(s) are free now: lower --workers, or add nodes") from None
     finally:
+        ctx.wait_for_min_actors_s = waited
         if started:
             ray.shutdown()
 

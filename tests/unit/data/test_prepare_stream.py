@@ -102,3 +102,13 @@ def test_each_replica_reads_about_its_share_of_the_bytes(tmp_path, corpus):
         assert all(abs(s - 1 / world) < 0.05 + 0.02 * world for s in shares), (world, shares)
     small = [b / total for b in read(4, group // 4)]  # 4 replicas' micro-batches share each group
     assert all(s > 0.9 for s in small), small
+
+
+def test_a_tokenizer_actor_starts_without_torch():
+    """What a Ray tokenizer actor imports (its class's module) must not pull in torch, which
+    cost each actor seconds of start (bench/RESULTS.md: the first unit waited 4.6 s)."""
+    code = ("import sys, kiln.ray.prepare, kiln.data.shards, kiln.data.inputs\n"
+            "print(sorted(m for m in ('torch', 'deepspeed', 'mlflow') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]", out.stdout
