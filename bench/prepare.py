@@ -8,12 +8,16 @@ The corpus is real text nobody here wrote: the Python sources of the installed p
    pipeline's own cost, apart from Ray's), against a plain single-process loop a user would write with
    the same tokenizer (read each file, HF tokenizers `encode_batch`, pack rows, write Parquet),
    on one thread (TOKENIZERS_PARALLELISM=false, as Kiln's actors run). Per-core ratio: Kiln's
-   MB/s divided by its actors, over the plain loop's.
-2. Peak RSS of the driver and of each tokenizer actor (psutil, sampled every 0.2 s) at two
+   MB/s divided by its actors, over the plain loop's. The plain loop also runs as two processes
+   at once: the machine's own two-core scaling, the ceiling for two actors.
+   Then once at scale (`--scale-mb`, 200 MB): 2 actors against the plain loop where the
+   actors' start and the last unit's tail are a small part of the span, with the CPU seconds of
+   the actors, the driver and Ray's other processes.
+2. Peak RSS (and USS) of the driver and of each tokenizer actor (psutil, sampled every 0.2 s) at two
    corpus sizes 10x apart, the larger over 2 GB (site-packages seen through several symlinked
    copies: the same bytes again, read again), with the byte tokenizer and 2 actors.
 
-    python bench/prepare.py                       # ~10 minutes on 2 cores
+    python bench/prepare.py                       # ~12 minutes on 2 cores
 """
 
 from __future__ import annotations
@@ -62,11 +66,13 @@ def link_corpus(files: list[Path], where: Path, copies: int = 1) -> int:
     return total
 
 
-def run_measured(cmd: list[str], env: dict | None = None) -> tuple[float, dict[str, int]]:
-    """Wall seconds, and peak RSS by kind of process (driver, actor, other Ray)."""
+def run_measured(cmd: list[str], env: dict | None = None) -> tuple[float, dict[str, float]]:
+    """Wall seconds, and by kind of process (driver, actor, other Ray): peak RSS, peak USS
+    (`-uss`: the driver's and actors' private memory) and CPU seconds summed (`-cpu-s`)."""
     proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
-    peaks: dict[int, tuple[str, int]] = {}
+    peaks: dict[tuple[int, str], tuple[str, int]] = {}
+    cpu: dict[int, tuple[str, float]] = {}
     stop = threading.Event()
 
     def sample() -> None:
@@ -78,12 +84,21 @@ def run_measured(cmd: list[str], env: dict | None = None) -> tuple[float, dict[s
                 break
             for p in procs:
                 try:
-                    rss, name = p.memory_info().rss, " ".join(p.cmdline())[:200]
+                    name = " ".join(p.cmdline())[:200]
+                    what = "driver" if p.pid == proc.pid else ("actor" if "_UnitActor" in name or "MapBatches" in name
+                                                               else "ray")
+                    # USS too for Kiln's own processes: RSS counts the pages of Ray's shared object
+                    # store a process has touched, which are not its own.
+                    mem = p.memory_full_info() if what != "ray" else p.memory_info()
                 except psutil.Error:
                     continue
-                what = "driver" if p.pid == proc.pid else ("actor" if "_UnitActor" in name or "MapBatches" in name
-                                                           else "ray")
-                peaks[p.pid] = (what, max(rss, peaks.get(p.pid, ("", 0))[1]))
+                for kind, val in ((what, mem.rss), (f"{what}-uss", getattr(mem, "uss", 0))):
+                    peaks[(p.pid, kind)] = (kind, max(val, peaks.get((p.pid, kind), ("", 0))[1]))
+                try:
+                    c = p.cpu_times()
+                    cpu[p.pid] = (what, c.user + c.system)  # the last seen: CPU seconds up to then
+                except psutil.Error:
+                    pass
             stop.wait(0.2)
 
     t = threading.Thread(target=sample, daemon=True)
@@ -95,9 +110,11 @@ def run_measured(cmd: list[str], env: dict | None = None) -> tuple[float, dict[s
     t.join()
     if proc.returncode:
         sys.exit(f"{' '.join(cmd)} failed:\n{out[-3000:]}")
-    by_kind: dict[str, int] = {}
+    by_kind: dict[str, float] = {}
     for what, rss in peaks.values():
         by_kind[what] = max(by_kind.get(what, 0), rss)
+    for what, secs in cpu.values():
+        by_kind[f"{what}-cpu-s"] = by_kind.get(f"{what}-cpu-s", 0) + secs
     return wall, by_kind
 
 
@@ -123,6 +140,26 @@ def plain_loop(files: list[Path], tokenizer_json: str, out: Path, seq_len: int) 
     return time.perf_counter() - t0, tokens
 
 
+def _plain_half(args) -> tuple[float, int]:
+    files, tokenizer_json, out, seq_len, barrier = args
+    barrier.wait()  # both start together, after their imports
+    return plain_loop(files, tokenizer_json, out, seq_len)
+
+
+def plain_pair(files: list[Path], tokenizer_json: str, out: Path, seq_len: int) -> tuple[float, int]:
+    """Two plain loops at once, one process per core, each on every other file: what this
+    machine gives two single-threaded tokenizers side by side, with no Ray in between."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    with ctx.Manager() as manager, ctx.Pool(2) as pool:
+        barrier = manager.Barrier(2)
+        (out / "a").mkdir(), (out / "b").mkdir()
+        done = pool.map(_plain_half, [(files[0::2], tokenizer_json, out / "a", seq_len, barrier),
+                                      (files[1::2], tokenizer_json, out / "b", seq_len, barrier)])
+    return max(t for t, _ in done), sum(n for _, n in done)
+
+
 def prepare_cmd(inp: Path, out: Path, workers: int, tokenizer: str, extra: list[str]) -> list[str]:
     return [str(BIN / "kiln"), "data", "prepare", "--input", str(inp), "--output", str(out), "--tokenizer", tokenizer,
             "--seq-len", "512", "--workers", str(workers), *extra]
@@ -136,11 +173,14 @@ def main() -> None:
     ap.add_argument("--small-mb", type=int, default=40, help="corpus for the throughput part (MB)")
     ap.add_argument("--rss-mb", type=int, default=220, help="the smaller corpus of the memory part (MB); x10 the larger")
     ap.add_argument("--unit-mb", type=int, default=4, help="--unit-bytes, in MiB")
+    ap.add_argument("--scale-mb", type=int, default=200,
+                    help="a larger corpus for 2 actors against the plain loop, once (MB; 0: skip)")
     ap.add_argument("--no-memory", action="store_true", help="the throughput part only")
     args = ap.parse_args()
     lines = [f"\n## Data preparation, {time.strftime('%Y-%m-%d %H:%M')}\n",
              f"Machine: {machine()}. Command: `python bench/prepare.py --small-mb {args.small_mb} "
-             f"--rss-mb {args.rss_mb} --unit-mb {args.unit_mb}{' --no-memory' if args.no_memory else ''}`. Corpus: the `.py` files of the installed "
+             f"--rss-mb {args.rss_mb} --scale-mb {args.scale_mb} --unit-mb {args.unit_mb}"
+             f"{' --no-memory' if args.no_memory else ''}`. Corpus: the `.py` files of the installed "
              "packages (site-packages), in sorted order.\n"]
     unit = ["--unit-bytes", str(args.unit_mb << 20)]
     with tempfile.TemporaryDirectory(dir=REPO / "runs" if (REPO / "runs").is_dir() else None) as tmp:
@@ -157,6 +197,9 @@ def main() -> None:
         for rnd in range(2):  # alternate, and keep each one's best: the machine is noisy
             t_plain, tokens = plain_loop(files, tok_file.read_text(), tmp / "plain", 512)
             results.setdefault("plain", []).append((t_plain, tokens))
+            shutil.rmtree(tmp / "pair", ignore_errors=True)
+            (tmp / "pair").mkdir()
+            results.setdefault("pair", []).append(plain_pair(files, tok_file.read_text(), tmp / "pair", 512))
             for w in (0, 1, 2):  # 0: in this process, no Ray: the pipeline's own cost
                 out = tmp / f"kiln{w}-{rnd}"
                 wall, _ = run_measured(prepare_cmd(tmp / "small", out, w, str(tok_file), unit), env1)
@@ -172,6 +215,9 @@ def main() -> None:
                   "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
                   f"| plain loop, 1 process, 1 thread | {plain_mb_s:.2f} | {tokens / t_plain:,.0f} | {plain_mb_s:.2f} "
                   f"| 1.00 | | | | {t_plain:.1f} | {t_plain:.1f} |"]
+        t_pair, _ = min(results["pair"])
+        lines.append(f"| plain loop, 2 processes at once (every other file each) | {mb / t_pair:.2f} | | "
+                     f"{mb / t_pair / 2:.2f} | {mb / t_pair / 2 / plain_mb_s:.2f} | | | | {t_pair:.1f} | {t_pair:.1f} |")
         for w in (0, 1, 2):
             secs, mb_s, tok_s, wall, busy, busy_rate, first = min(results[w])
             cores = max(w, 1)
@@ -184,7 +230,11 @@ def main() -> None:
                      "record back (Ray's start and the BPE training are outside it; the wall column has them). "
                      "*Workers busy*: the time the workers spent on units, over their number times that span; "
                      "*MB/s per busy worker*: the text over that busy time (the worker's own pace); *first unit after*: "
-                     "from the span's start to the first unit's (an actor's start); *span*: the manifest's seconds.\n")
+                     "from the span's start to the first unit's (an actor's start); *span*: the manifest's seconds. "
+                     "*2 processes at once*: the plain loop twice side by side, from a common start to the slower "
+                     "one's end: the most two workers get from this machine's two cores, with no Ray.\n")
+        if args.scale_mb:
+            lines += scale_part(tmp, args, unit, tok_file)
         if not args.no_memory:
             lines += memory_part(tmp, args, unit)
     text = "\n".join(lines) + "\n"
@@ -193,18 +243,45 @@ def main() -> None:
         f.write(text)
 
 
+def scale_part(tmp: Path, args, unit: list[str], tok_file: Path) -> list[str]:
+    """2 actors against the plain loop on a corpus large enough that the actors' start and the
+    last unit's tail are a small part of the span, with where the CPU went."""
+    files = corpus_files(args.scale_mb * 1_000_000)
+    mb = link_corpus(files, tmp / "scale") / 1e6
+    (tmp / "scale-plain").mkdir()
+    t_plain, _ = plain_loop(files, tok_file.read_text(), tmp / "scale-plain", 512)
+    wall, used = run_measured(prepare_cmd(tmp / "scale", tmp / "scale-out", 2, str(tok_file), unit),
+                              {"TOKENIZERS_PARALLELISM": "false"})
+    rate = json.loads((tmp / "scale-out" / "manifest.json").read_text())["throughput"]
+    plain = mb / t_plain
+    return [f"### At scale: {mb:,.0f} MB ({len(files):,} files), 2 actors, once\n",
+            "| run | MB/s | MB/s per core | per core / plain | workers busy | MB/s per busy worker | span (s) | "
+            "CPU s: actors / driver / Ray's other processes | wall (s) |",
+            "|---|---:|---:|---:|---:|---:|---:|---|---:|",
+            f"| plain loop, 1 process, 1 thread | {plain:.2f} | {plain:.2f} | 1.00 | | | {t_plain:.1f} | | {t_plain:.1f} |",
+            f"| Kiln on Ray, 2 actors | {rate['mb_per_s']:.2f} | {rate['mb_per_s'] / 2:.2f} | "
+            f"{rate['mb_per_s'] / 2 / plain:.2f} | {rate['busy_s'] / (2 * rate['seconds']):.0%} | "
+            f"{rate['mb_per_busy_s']:.2f} | {rate['seconds']:.1f} | {used.get('actor-cpu-s', 0):.1f} / "
+            f"{used.get('driver-cpu-s', 0):.1f} / {used.get('ray-cpu-s', 0):.1f} | {wall:.1f} |",
+            f"\nThe CPU seconds are each process's whole life (sampled every 0.2 s), against "
+            f"{2 * wall:.0f} core-seconds of wall.\n"]
+
+
 def memory_part(tmp: Path, args, unit: list[str]) -> list[str]:
     small_mb = link_corpus(corpus_files(args.rss_mb * 1_000_000), tmp / "rss-small") / 1e6
     every = corpus_files(10 * args.rss_mb * 1_000_000)  # all of site-packages, or 10x the small corpus
     copies = -(-10 * int(small_mb * 1e6) // sum(f.stat().st_size for f in every))  # enough for 10x
     large_mb = link_corpus(every, tmp / "rss-large", copies=copies) / 1e6
     rows = ["### Peak memory as the corpus grows (byte tokenizer, 2 actors, seq_len 512)\n",
-            "| corpus | MB | wall (s) | MB/s | driver peak RSS (MiB) | largest actor peak RSS (MiB) |",
-            "|---|---:|---:|---:|---:|---:|"]
+            "| corpus | MB | files | wall (s) | MB/s | driver peak RSS (MiB) | driver peak USS (MiB) | "
+            "largest actor peak RSS (MiB) | largest actor peak USS (MiB) |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, mb in (("rss-small", small_mb), ("rss-large", large_mb)):
         wall, peaks = run_measured(prepare_cmd(tmp / name, tmp / f"out-{name}", 2, "byte", unit))
-        rows.append(f"| {name} | {mb:,.0f} | {wall:.0f} | {mb / wall:.1f} | {peaks.get('driver', 0) / 2**20:,.0f} | "
-                    f"{peaks.get('actor', 0) / 2**20:,.0f} |")
+        n_files = sum(1 for p in (tmp / name).rglob("*") if p.is_symlink())
+        mib = {k: v / 2**20 for k, v in peaks.items()}
+        rows.append(f"| {name} | {mb:,.0f} | {n_files:,} | {wall:.0f} | {mb / wall:.1f} | {mib.get('driver', 0):,.0f} | "
+                    f"{mib.get('driver-uss', 0):,.0f} | {mib.get('actor', 0):,.0f} | {mib.get('actor-uss', 0):,.0f} |")
         shutil.rmtree(tmp / f"out-{name}", ignore_errors=True)
     rows.append(f"\nThe larger corpus is {large_mb / small_mb:.1f}x the smaller (site-packages' sources seen "
                 f"through {copies} symlinked copies where one is not enough).\n")

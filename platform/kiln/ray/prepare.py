@@ -4,8 +4,9 @@
     shards -> each unit's record back to the driver -> manifest last (kiln.data.prepare)
 
 Each actor builds its tokenizer once and writes its unit's shards itself, so the driver holds
-only records and the shards are written in parallel, to local disk or S3. A unit's output does
-not depend on which actor ran it, so any number of actors gives the same dataset.
+only records and the shards are written in parallel, to local disk or S3. A unit travels in its
+own row, so an actor holds the units it runs, not the listing. A unit's output does not depend
+on which actor ran it, so any number of actors gives the same dataset.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 from collections.abc import Iterator
 
 import numpy as np
@@ -26,19 +28,19 @@ log = logging.getLogger(__name__)
 
 
 class _UnitActor:
-    """One tokenizer; the units it is handed, one batch (of one unit index) at a time."""
+    """One tokenizer; the units it is handed, one batch (of one pickled unit) at a time."""
 
-    def __init__(self, job: UnitJob, units: list[Unit]):
+    def __init__(self, job: UnitJob):
         import ray
 
-        self.worker, self.units = UnitWorker(job), {u.index: u for u in units}
+        self.worker = UnitWorker(job)
         self.where = {"pid": os.getpid(), "node": ray.get_runtime_context().get_node_id()}
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         records = []
-        for i in batch["unit"]:
+        for blob in batch["unit"]:
             try:
-                records.append(json.dumps(self.worker(self.units[int(i)]) | self.where))
+                records.append(json.dumps(self.worker(pickle.loads(blob)) | self.where))
             except KilnError as e:  # a bad input: its message reaches the user as it is
                 records.append(json.dumps({"error": str(e), "type": type(e).__name__}))
         return {"record": np.array(records, dtype=object)}
@@ -81,11 +83,13 @@ def _records(job: UnitJob, units: list[Unit], n: int, started: bool) -> Iterator
     # waits: the units go to the actors as they come.)
     fits = n <= int(ray.cluster_resources().get("CPU", 0))
     waited, ctx.wait_for_min_actors_s = ctx.wait_for_min_actors_s, ACTOR_START_S if fits else -1
-    ds = ray.data.from_items([{"unit": u.index} for u in units], override_num_blocks=len(units))
+    # Each row carries its unit (a few hundred bytes per file): shipping the whole listing to every
+    # actor instead made an actor's memory grow with the corpus's number of files.
+    ds = ray.data.from_items([{"unit": pickle.dumps(u)} for u in units], override_num_blocks=len(units))
     # One CPU per actor, and its tokenizer on that one (HF tokenizers would start a thread per
     # core in every actor and oversubscribe the node); actors spread over the nodes, whose
     # disks and network each read and write a share.
-    out = ds.map_batches(_UnitActor, fn_constructor_kwargs={"job": job, "units": units}, batch_size=1,
+    out = ds.map_batches(_UnitActor, fn_constructor_kwargs={"job": job}, batch_size=1,
                          concurrency=n, num_cpus=1, batch_format="numpy", scheduling_strategy="SPREAD",
                          runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
     try:
