@@ -170,7 +170,7 @@ def main() -> None:
     # spreads encode_batch over every core, and the "1 thread" row measured two.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--small-mb", type=int, default=40, help="corpus for the throughput part (MB)")
+    ap.add_argument("--small-mb", type=int, default=40, help="corpus for the throughput part (MB; 0: skip it)")
     ap.add_argument("--rss-mb", type=int, default=220, help="the smaller corpus of the memory part (MB); x10 the larger")
     ap.add_argument("--unit-mb", type=int, default=4, help="--unit-bytes, in MiB")
     ap.add_argument("--scale-mb", type=int, default=200,
@@ -185,62 +185,71 @@ def main() -> None:
     unit = ["--unit-bytes", str(args.unit_mb << 20)]
     with tempfile.TemporaryDirectory(dir=REPO / "runs" if (REPO / "runs").is_dir() else None) as tmp:
         tmp = Path(tmp)
-        files = corpus_files(args.small_mb * 1_000_000)
-        mb = link_corpus(files, tmp / "small") / 1e6
-        # The tokenizer once (trained by a prepare), then every measured run with that same file.
-        subprocess.run(prepare_cmd(tmp / "small", tmp / "bpe", 0, "bpe", [*unit, "--vocab-size", "4096"]),
-                       check=True, capture_output=True)
-        tok_file = tmp / "bpe" / "tokenizer.json"
-        (tmp / "plain").mkdir()
-        env1 = {"TOKENIZERS_PARALLELISM": "false"}
-        results = {}
-        for rnd in range(2):  # alternate, and keep each one's best: the machine is noisy
-            t_plain, tokens = plain_loop(files, tok_file.read_text(), tmp / "plain", 512)
-            results.setdefault("plain", []).append((t_plain, tokens))
-            shutil.rmtree(tmp / "pair", ignore_errors=True)
-            (tmp / "pair").mkdir()
-            results.setdefault("pair", []).append(plain_pair(files, tok_file.read_text(), tmp / "pair", 512))
-            for w in (0, 1, 2):  # 0: in this process, no Ray: the pipeline's own cost
-                out = tmp / f"kiln{w}-{rnd}"
-                wall, _ = run_measured(prepare_cmd(tmp / "small", out, w, str(tok_file), unit), env1)
-                rate = json.loads((out / "manifest.json").read_text())["throughput"]
-                busy = rate["busy_s"] / (max(w, 1) * rate["seconds"])  # of the actors' wall time
-                results.setdefault(w, []).append((rate["seconds"], rate["mb_per_s"], rate["tokens_per_s"], wall,
-                                                  busy, rate["mb_per_busy_s"], rate["first_unit_after_s"]))
-        t_plain, tokens = min(results["plain"])
-        plain_mb_s = mb / t_plain
-        lines += ["### Throughput, BPE (4,096 tokens), seq_len 512\n",
-                  "| run | MB/s of text | tokens/s | MB/s per core | per core / plain | workers busy | "
-                  "MB/s per busy worker | first unit after (s) | span (s) | wall incl. start (s) |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-                  f"| plain loop, 1 process, 1 thread | {plain_mb_s:.2f} | {tokens / t_plain:,.0f} | {plain_mb_s:.2f} "
-                  f"| 1.00 | | | | {t_plain:.1f} | {t_plain:.1f} |"]
-        t_pair, _ = min(results["pair"])
-        lines.append(f"| plain loop, 2 processes at once (every other file each) | {mb / t_pair:.2f} | | "
-                     f"{mb / t_pair / 2:.2f} | {mb / t_pair / 2 / plain_mb_s:.2f} | | | | {t_pair:.1f} | {t_pair:.1f} |")
-        for w in (0, 1, 2):
-            secs, mb_s, tok_s, wall, busy, busy_rate, first = min(results[w])
-            cores = max(w, 1)
-            name = f"Kiln on Ray, {w} actor(s)" if w else "Kiln without Ray (`--workers 0`), 1 process"
-            lines.append(f"| {name} | {mb_s:.2f} | {tok_s:,.0f} | {mb_s / cores:.2f} | "
-                         f"{mb_s / cores / plain_mb_s:.2f} | {busy:.0%} | {busy_rate:.2f} | {first:.1f} | {secs:.1f} | "
-                         f"{wall:.1f} |")
-        lines.append(f"\nCorpus {mb:.0f} MB ({len(files):,} files), `--unit-bytes {args.unit_mb} MiB`; best of 2 "
-                     "alternating rounds. Kiln's MB/s is the manifest's: from the first unit handed out to the last "
-                     "record back (Ray's start and the BPE training are outside it; the wall column has them). "
-                     "*Workers busy*: the time the workers spent on units, over their number times that span; "
-                     "*MB/s per busy worker*: the text over that busy time (the worker's own pace); *first unit after*: "
-                     "from the span's start to the first unit's (an actor's start); *span*: the manifest's seconds. "
-                     "*2 processes at once*: the plain loop twice side by side, from a common start to the slower "
-                     "one's end: the most two workers get from this machine's two cores, with no Ray.\n")
-        if args.scale_mb:
-            lines += scale_part(tmp, args, unit, tok_file)
+        if args.small_mb:
+            rows, tok_file = throughput_part(tmp, args, unit)
+            lines += rows
+            if args.scale_mb:
+                lines += scale_part(tmp, args, unit, tok_file)
         if not args.no_memory:
             lines += memory_part(tmp, args, unit)
     text = "\n".join(lines) + "\n"
     print(text)
     with open(REPO / "bench" / "RESULTS.md", "a") as f:
         f.write(text)
+
+
+def throughput_part(tmp: Path, args, unit: list[str]) -> tuple[list[str], Path]:
+    """Plain loop, two plain loops at once, and Kiln without Ray and with 1 and 2 actors on
+    `--small-mb` of text, best of 2 alternating rounds; the rows, and the BPE tokenizer file."""
+    files = corpus_files(args.small_mb * 1_000_000)
+    mb = link_corpus(files, tmp / "small") / 1e6
+    # The tokenizer once (trained by a prepare), then every measured run with that same file.
+    subprocess.run(prepare_cmd(tmp / "small", tmp / "bpe", 0, "bpe", [*unit, "--vocab-size", "4096"]),
+                   check=True, capture_output=True)
+    tok_file = tmp / "bpe" / "tokenizer.json"
+    (tmp / "plain").mkdir()
+    env1 = {"TOKENIZERS_PARALLELISM": "false"}
+    results = {}
+    for rnd in range(2):  # alternate, and keep each one's best: the machine is noisy
+        t_plain, tokens = plain_loop(files, tok_file.read_text(), tmp / "plain", 512)
+        results.setdefault("plain", []).append((t_plain, tokens))
+        shutil.rmtree(tmp / "pair", ignore_errors=True)
+        (tmp / "pair").mkdir()
+        results.setdefault("pair", []).append(plain_pair(files, tok_file.read_text(), tmp / "pair", 512))
+        for w in (0, 1, 2):  # 0: in this process, no Ray: the pipeline's own cost
+            out = tmp / f"kiln{w}-{rnd}"
+            wall, _ = run_measured(prepare_cmd(tmp / "small", out, w, str(tok_file), unit), env1)
+            rate = json.loads((out / "manifest.json").read_text())["throughput"]
+            busy = rate["busy_s"] / (max(w, 1) * rate["seconds"])  # of the actors' wall time
+            results.setdefault(w, []).append((rate["seconds"], rate["mb_per_s"], rate["tokens_per_s"], wall,
+                                              busy, rate["mb_per_busy_s"], rate["first_unit_after_s"]))
+    t_plain, tokens = min(results["plain"])
+    plain_mb_s = mb / t_plain
+    lines = ["### Throughput, BPE (4,096 tokens), seq_len 512\n",
+              "| run | MB/s of text | tokens/s | MB/s per core | per core / plain | workers busy | "
+              "MB/s per busy worker | first unit after (s) | span (s) | wall incl. start (s) |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+              f"| plain loop, 1 process, 1 thread | {plain_mb_s:.2f} | {tokens / t_plain:,.0f} | {plain_mb_s:.2f} "
+              f"| 1.00 | | | | {t_plain:.1f} | {t_plain:.1f} |"]
+    t_pair, _ = min(results["pair"])
+    lines.append(f"| plain loop, 2 processes at once (every other file each) | {mb / t_pair:.2f} | | "
+                 f"{mb / t_pair / 2:.2f} | {mb / t_pair / 2 / plain_mb_s:.2f} | | | | {t_pair:.1f} | {t_pair:.1f} |")
+    for w in (0, 1, 2):
+        secs, mb_s, tok_s, wall, busy, busy_rate, first = min(results[w])
+        cores = max(w, 1)
+        name = f"Kiln on Ray, {w} actor(s)" if w else "Kiln without Ray (`--workers 0`), 1 process"
+        lines.append(f"| {name} | {mb_s:.2f} | {tok_s:,.0f} | {mb_s / cores:.2f} | "
+                     f"{mb_s / cores / plain_mb_s:.2f} | {busy:.0%} | {busy_rate:.2f} | {first:.1f} | {secs:.1f} | "
+                     f"{wall:.1f} |")
+    lines.append(f"\nCorpus {mb:.0f} MB ({len(files):,} files), `--unit-bytes {args.unit_mb} MiB`; best of 2 "
+                 "alternating rounds. Kiln's MB/s is the manifest's: from the first unit handed out to the last "
+                 "record back (Ray's start and the BPE training are outside it; the wall column has them). "
+                 "*Workers busy*: the time the workers spent on units, over their number times that span; "
+                 "*MB/s per busy worker*: the text over that busy time (the worker's own pace); *first unit after*: "
+                 "from the span's start to the first unit's (an actor's start); *span*: the manifest's seconds. "
+                 "*2 processes at once*: the plain loop twice side by side, from a common start to the slower "
+                 "one's end: the most two workers get from this machine's two cores, with no Ray.\n")
+    return lines, tok_file
 
 
 def scale_part(tmp: Path, args, unit: list[str], tok_file: Path) -> list[str]:

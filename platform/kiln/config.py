@@ -33,6 +33,7 @@ from typing import Any, Literal
 import yaml
 
 from kiln.errors import ConfigError, KilnError
+from kiln.limits import MAX_INT, MAX_SEQ_LEN
 from kiln.model import FLAVOURS, GPTConfig, config_for
 
 RANGE = "kiln.range"  # dataclass field metadata: (predicate, what is allowed)
@@ -45,8 +46,6 @@ def knob(default: Any, ok: typing.Callable[[Any], bool], allowed: str) -> Any:
 
 
 MAX_STEPS = 1_000_000_000  # a billion optimizer steps: far past any run, short of an absurd typo
-MAX_SEQ_LEN = 10_000_000  # ten million tokens of context: past any model's, short of a typo
-MAX_INT = 1 << 53  # no config integer goes past this: beyond it a float (YAML's 1e26) is inexact
 
 
 def span(lo: float, hi: float, what: str = "an integer", note: str = "", *, lo_open: bool = False,

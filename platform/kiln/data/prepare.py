@@ -60,6 +60,7 @@ from kiln.data.tokenizer import (
     unigram_entropy_bits,
 )
 from kiln.errors import ConfigError, DataError
+from kiln.limits import MAX_INT, MAX_SEQ_LEN
 from kiln.storage import Location, resolve
 
 log = logging.getLogger(__name__)
@@ -229,9 +230,6 @@ def _config_from(fields: dict) -> PrepareConfig:
 
 
 def _validate(cfg: PrepareConfig) -> None:
-    # The limits live with the run config, which imports the model and torch: imported here, in
-    # the driver, so that a tokenizer actor (which imports this module) starts without torch.
-    from kiln.config import MAX_INT, MAX_SEQ_LEN
     if bool(cfg.prompt_field) != bool(cfg.response_field):
         raise ConfigError("--prompt-field and --response-field go together: give both for instruction data, or neither")
     if cfg.tokenizer not in ("byte", "bpe") and not Path(cfg.tokenizer).exists():

@@ -12,7 +12,6 @@ import dataclasses
 import logging
 import math
 import os
-import socket
 import sys
 import time
 from typing import IO
@@ -21,9 +20,10 @@ import ray
 
 from kiln.clock import startup_mark
 from kiln.config import RunConfig
-from kiln.errors import ConfigError, KilnError, user_error_in
+from kiln.errors import KilnError, user_error_in
 from kiln.launch.preflight import preflight
 from kiln.launch.summary import Summary
+from kiln.ray.address import check_ray_address
 from kiln.ray.console import WorkerLogRouter
 from kiln.ray.progress import BoardWatcher, ProgressBoard
 from kiln.ray.trainer import build_trainer
@@ -178,22 +178,6 @@ def connect_ray(cfg: RunConfig, address: str | None = None, verbose: bool = True
                        log_to_driver=True, **ray_logging)
     log.info("embedded Ray started: %d CPUs, dashboard at http://%s", ray.cluster_resources().get("CPU", 0),
              context.dashboard_url)
-
-
-def check_ray_address(address: str, timeout: float = 5.0) -> None:
-    """Refuse an address where nothing listens: `ray.init` would wait for it without end."""
-    if address == "auto" or address.startswith("local"):
-        return
-    host, _, port = address.split("://", 1)[-1].rpartition(":")
-    if not port.isdigit():
-        raise ConfigError(f"Ray address {address!r}: expected host:port (the head's GCS port, 6379 by "
-                        "default) or ray://host:port")
-    try:
-        with socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout):
-            pass
-    except OSError as e:
-        raise KilnError(f"no Ray cluster answers at {address} ({e.strerror or e}): start one with "
-                        "`ray start --head`, or correct --address / $RAY_ADDRESS") from None
 
 
 def warn_if_no_cpu_left_for_data(cfg: RunConfig) -> None:

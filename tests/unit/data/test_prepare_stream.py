@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -125,3 +126,28 @@ def test_a_tokenizer_actor_starts_without_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_a_prepares_driver_loads_neither_torch_nor_ray_train(tmp_path):
+    """`kiln data prepare` as a user runs it: whole without Ray, and on Ray up to where it checks
+    the cluster (nothing listens on the port, so it stops there). Neither driver imports torch,
+    DeepSpeed, MLflow or Ray Train: a prepare's driver paid 2 s and about 300 MiB for them while
+    the CLI imported torch to build its --help, the address check lived in the training
+    launcher, and the flag limits in the run config."""
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    (tmp_path / "a.txt").write_text("some text, and more of it\n" * 50)
+    code = ("import sys\nfrom kiln.cli import main\ntry:\n    sys.exit(main())\nfinally:\n"
+            "    print(sorted(m for m in ('torch', 'deepspeed', 'mlflow', 'ray.train', 'kiln.ray.prepare') "
+            "if m in sys.modules), file=sys.stderr)")
+    common = [sys.executable, "-c", code, "data", "prepare", "--input", str(tmp_path / "a.txt"), "--seq-len", "16"]
+    whole = subprocess.run([*common, "--output", str(tmp_path / "ds"), "--workers", "0"],
+                           capture_output=True, text=True, timeout=120)
+    assert whole.returncode == 0 and (tmp_path / "ds" / "manifest.json").exists(), whole.stderr[-2000:]
+    assert whole.stderr.strip().splitlines()[-1] == "[]", whole.stderr[-2000:]
+    on_ray = subprocess.run([*common, "--output", str(tmp_path / "ds2"), "--address", f"127.0.0.1:{port}"],
+                            capture_output=True, text=True, timeout=120)
+    assert on_ray.returncode == 1 and f"no Ray cluster answers at 127.0.0.1:{port}" in on_ray.stderr, on_ray.stderr
+    assert on_ray.stderr.strip().splitlines()[-1] == "['kiln.ray.prepare']", on_ray.stderr[-2000:]
+    assert not (tmp_path / "ds2").exists()
