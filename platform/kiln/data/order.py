@@ -90,13 +90,6 @@ def whole_shards(shard_rows: list[int]) -> Layout:
                   np.asarray(shard_rows, dtype=np.int64), np.zeros(n, dtype=np.uint64), False)
 
 
-def resume_point(skip_batches: int, per_epoch: int) -> tuple[int, int]:
-    """(epoch, micro-batch of that epoch) after `skip_batches` micro-batches."""
-    if per_epoch <= 0:
-        return 0, 0
-    return divmod(skip_batches, per_epoch)
-
-
 BYTES_READ = "_bytes_read"  # the bytes a slice's read cost, on its first row: it rides along
 # with the rows out of Ray Data's read tasks, where a counter of the worker's could not see it
 

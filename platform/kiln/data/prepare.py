@@ -266,7 +266,6 @@ def _validate(cfg: PrepareConfig) -> None:
 def _check_output(cfg: PrepareConfig, out: Location, key: str) -> dict | None:
     """The Kiln dataset already at `out` that `if_exists` allows to reuse or replace (None: the
     output is new or empty); refuse anything else before any work is done."""
-
     if cfg.if_exists == "overwrite":
         replace.refuse_protected(out)
     first = out.first_entry() if out.exists() else None
