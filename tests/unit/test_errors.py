@@ -58,3 +58,6 @@ def test_a_failed_read_on_a_ray_worker_names_the_corrupt_shard(tmp_path, byte_da
     assert f"shard {shard} does not match the SHA-256" in str(err)
     clean = read_failure(load_manifest(resolve(str(byte_dataset))), "val", raised)
     assert "every shard still matches its manifest" in str(clean)
+    # A mixture: the bad shard is in the second dataset, after one whose shards all match.
+    mixed = read_failure([load_manifest(resolve(str(d))) for d in (byte_dataset, ds)], "val", raised)
+    assert f"shard {shard} does not match the SHA-256" in str(mixed)

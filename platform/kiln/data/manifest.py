@@ -239,15 +239,23 @@ def find_corrupt_shards(manifest: Manifest, splits: tuple[str, ...] = ("train", 
     return problems, True
 
 
-def read_failure(manifest: Manifest, split: str, error: BaseException, budget_s: float = 120.0) -> DataError:
+def read_failure(manifests: Manifest | list[Manifest], split: str, error: BaseException,
+                 budget_s: float = 120.0) -> DataError:
     """The DataError for a read of `split` that failed mid-run, naming the culprit shard if a
-    checksum pass over the split finds it (Ray Data's read errors do not say which file)."""
+    checksum pass over the split (of each of the run's datasets, within one time budget) finds
+    it (Ray Data's read errors do not say which file)."""
+    manifests = manifests if isinstance(manifests, list) else [manifests]
     root = getattr(error, "cause", None) or error  # Ray's RayTaskError keeps the reader's own error
     lines = str(root).strip().splitlines()
     what = f"{type(root).__name__}: {lines[0] if lines else ''}"
-    problems, complete = find_corrupt_shards(manifest, (split,), budget_s)
-    if problems:
-        return DataError(f"reading the {split} split failed ({what}); " + "; ".join(problems))
+    deadline, complete = time.monotonic() + budget_s, True
+    for manifest in manifests:
+        problems, checked = find_corrupt_shards(manifest, (split,), max(0.0, deadline - time.monotonic()))
+        if problems:
+            return DataError(f"reading the {split} split failed ({what}); " + "; ".join(problems))
+        complete = complete and checked
+    uris = " and ".join(m.location.uri for m in manifests)
     where = "every shard still matches its manifest" if complete else \
-        f"no bad shard found in {budget_s:.0f} s: run `kiln data verify {manifest.location.uri}` to check them all"
-    return DataError(f"reading the {split} split of {manifest.location.uri} failed ({what}); {where}")
+        f"no bad shard found in {budget_s:.0f} s: run " + \
+        " and ".join(f"`kiln data verify {m.location.uri}`" for m in manifests) + " to check them all"
+    return DataError(f"reading the {split} split of {uris} failed ({what}); {where}")

@@ -140,7 +140,7 @@ class OrderedSource:
             yield from _checked_order(_micro_batches(rows, self.micro_batch), split, self.manifest.location.uri,
                                       expected_ids(slices, first_ids))
         except READ_ERRORS as e:  # also Ray Data's re-raise of a read task's error
-            raise _read_failure(self.datasets, split, e) from None
+            raise read_failure([d.manifest for d in self.datasets], split, e) from None
 
     def train_samples(self, skip: int = 0) -> Iterator[Samples]:
         """Endless (ids, tokens) micro-batches, after the first `skip`."""
@@ -198,12 +198,6 @@ def _concatenated(shard_rows: list[list[int]]) -> Layout:
     source = np.concatenate([np.full(len(p.size), d, dtype=np.int64) for d, p in enumerate(parts)])
     shard, start, size, key = (np.concatenate([getattr(p, f) for p in parts]) for f in ("shard", "start", "size", "key"))
     return Layout(source, shard, start, size, key, False)
-
-
-def _read_failure(datasets: list[Dataset], split: str, e: BaseException) -> DataError:
-    """The read failure of a split, naming the bad shard of whichever dataset holds one."""
-    errors = [read_failure(d.manifest, split, e) for d in datasets]
-    return next((err for err in errors if "shard" in str(err)), errors[0])
 
 
 def _arrays(tables: Iterator[pa.Table], source: OrderedSource) -> Iterator[Samples]:
