@@ -10,14 +10,15 @@ The corpus is real text nobody here wrote: the Python sources of the installed p
    on one thread (TOKENIZERS_PARALLELISM=false, as Kiln's actors run). Per-core ratio: Kiln's
    MB/s divided by its actors, over the plain loop's. The plain loop also runs as two processes
    at once: the machine's own two-core scaling, the ceiling for two actors.
-   Then once at scale (`--scale-mb`, 200 MB): 2 actors against the plain loop where the
-   actors' start and the last unit's tail are a small part of the span, with the CPU seconds of
-   the actors, the driver and Ray's other processes.
+   Then at scale (`--scale-mb`, 200 MB): 2 actors against the plain loop where the actors'
+   start and the last unit's tail are a small part of the span, `--scale-rounds` times, each
+   Kiln run between two plain runs, with the CPU seconds of the actors, the driver and Ray's
+   other processes.
 2. Peak RSS (and USS) of the driver and of each tokenizer actor (psutil, sampled every 0.2 s) at two
    corpus sizes 10x apart, the larger over 2 GB (site-packages seen through several symlinked
    copies: the same bytes again, read again), with the byte tokenizer and 2 actors.
 
-    python bench/prepare.py                       # ~12 minutes on 2 cores
+    python bench/prepare.py                       # ~17 minutes on 2 cores
 """
 
 from __future__ import annotations
@@ -66,9 +67,11 @@ def link_corpus(files: list[Path], where: Path, copies: int = 1) -> int:
     return total
 
 
-def run_measured(cmd: list[str], env: dict | None = None) -> tuple[float, dict[str, float]]:
+def run_measured(cmd: list[str], env: dict | None = None, memory: bool = True) -> tuple[float, dict[str, float]]:
     """Wall seconds, and by kind of process (driver, actor, other Ray): peak RSS, peak USS
-    (`-uss`: the driver's and actors' private memory) and CPU seconds summed (`-cpu-s`)."""
+    (`-uss`: the driver's and actors' private memory) and CPU seconds summed (`-cpu-s`).
+    `memory=False`: CPU seconds only, looked at every second, not 5 times a second with each
+    process's smaps read for its USS, CPU this sampler would take from the run it measures."""
     proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     peaks: dict[tuple[int, str], tuple[str, int]] = {}
@@ -89,17 +92,17 @@ def run_measured(cmd: list[str], env: dict | None = None) -> tuple[float, dict[s
                                                                else "ray")
                     # USS too for Kiln's own processes: RSS counts the pages of Ray's shared object
                     # store a process has touched, which are not its own.
-                    mem = p.memory_full_info() if what != "ray" else p.memory_info()
+                    mem = (p.memory_full_info() if what != "ray" else p.memory_info()) if memory else None
                 except psutil.Error:
                     continue
-                for kind, val in ((what, mem.rss), (f"{what}-uss", getattr(mem, "uss", 0))):
+                for kind, val in ((what, mem.rss), (f"{what}-uss", getattr(mem, "uss", 0))) if memory else ():
                     peaks[(p.pid, kind)] = (kind, max(val, peaks.get((p.pid, kind), ("", 0))[1]))
                 try:
                     c = p.cpu_times()
                     cpu[p.pid] = (what, c.user + c.system)  # the last seen: CPU seconds up to then
                 except psutil.Error:
                     pass
-            stop.wait(0.2)
+            stop.wait(0.2 if memory else 1.0)
 
     t = threading.Thread(target=sample, daemon=True)
     t0 = time.perf_counter()
@@ -173,13 +176,14 @@ def main() -> None:
     ap.add_argument("--small-mb", type=int, default=40, help="corpus for the throughput part (MB; 0: skip it)")
     ap.add_argument("--rss-mb", type=int, default=220, help="the smaller corpus of the memory part (MB); x10 the larger")
     ap.add_argument("--unit-mb", type=int, default=4, help="--unit-bytes, in MiB")
+    ap.add_argument("--scale-rounds", type=int, default=2, help="Kiln runs at scale, each between two plain runs")
     ap.add_argument("--scale-mb", type=int, default=200,
                     help="a larger corpus for 2 actors against the plain loop, once (MB; 0: skip)")
     ap.add_argument("--no-memory", action="store_true", help="the throughput part only")
     args = ap.parse_args()
     lines = [f"\n## Data preparation, {time.strftime('%Y-%m-%d %H:%M')}\n",
              f"Machine: {machine()}. Command: `python bench/prepare.py --small-mb {args.small_mb} "
-             f"--rss-mb {args.rss_mb} --scale-mb {args.scale_mb} --unit-mb {args.unit_mb}"
+             f"--rss-mb {args.rss_mb} --scale-mb {args.scale_mb} --scale-rounds {args.scale_rounds} --unit-mb {args.unit_mb}"
              f"{' --no-memory' if args.no_memory else ''}`. Corpus: the `.py` files of the installed "
              "packages (site-packages), in sorted order.\n"]
     unit = ["--unit-bytes", str(args.unit_mb << 20)]
@@ -208,7 +212,7 @@ def throughput_part(tmp: Path, args, unit: list[str]) -> tuple[list[str], Path]:
                    check=True, capture_output=True)
     tok_file = tmp / "bpe" / "tokenizer.json"
     (tmp / "plain").mkdir()
-    env1 = {"TOKENIZERS_PARALLELISM": "false"}
+    env1 = {"TOKENIZERS_PARALLELISM": "false"}  # for --workers 0, tokenizing in the driver; actors set it
     results = {}
     for rnd in range(2):  # alternate, and keep each one's best: the machine is noisy
         t_plain, tokens = plain_loop(files, tok_file.read_text(), tmp / "plain", 512)
@@ -218,7 +222,7 @@ def throughput_part(tmp: Path, args, unit: list[str]) -> tuple[list[str], Path]:
         results.setdefault("pair", []).append(plain_pair(files, tok_file.read_text(), tmp / "pair", 512))
         for w in (0, 1, 2):  # 0: in this process, no Ray: the pipeline's own cost
             out = tmp / f"kiln{w}-{rnd}"
-            wall, _ = run_measured(prepare_cmd(tmp / "small", out, w, str(tok_file), unit), env1)
+            wall, _ = run_measured(prepare_cmd(tmp / "small", out, w, str(tok_file), unit), env1, memory=False)
             rate = json.loads((out / "manifest.json").read_text())["throughput"]
             busy = rate["busy_s"] / (max(w, 1) * rate["seconds"])  # of the actors' wall time
             results.setdefault(w, []).append((rate["seconds"], rate["mb_per_s"], rate["tokens_per_s"], wall,
@@ -254,26 +258,40 @@ def throughput_part(tmp: Path, args, unit: list[str]) -> tuple[list[str], Path]:
 
 def scale_part(tmp: Path, args, unit: list[str], tok_file: Path) -> list[str]:
     """2 actors against the plain loop on a corpus large enough that the actors' start and the
-    last unit's tail are a small part of the span, with where the CPU went."""
+    last unit's tail are a small part of the span, with where the CPU went. Each Kiln run is
+    bracketed by a plain run before and after it (plain, Kiln, plain, Kiln, plain) and compared
+    with their mean: this machine's pace drifts by up to a fifth over minutes, more than the
+    differences measured."""
     files = corpus_files(args.scale_mb * 1_000_000)
     mb = link_corpus(files, tmp / "scale") / 1e6
-    (tmp / "scale-plain").mkdir()
-    t_plain, _ = plain_loop(files, tok_file.read_text(), tmp / "scale-plain", 512)
-    wall, used = run_measured(prepare_cmd(tmp / "scale", tmp / "scale-out", 2, str(tok_file), unit),
-                              {"TOKENIZERS_PARALLELISM": "false"})
-    rate = json.loads((tmp / "scale-out" / "manifest.json").read_text())["throughput"]
-    plain = mb / t_plain
-    return [f"### At scale: {mb:,.0f} MB ({len(files):,} files), 2 actors, once\n",
-            "| run | MB/s | MB/s per core | per core / plain | workers busy | MB/s per busy worker | span (s) | "
-            "CPU s: actors / driver / Ray's other processes | wall (s) |",
-            "|---|---:|---:|---:|---:|---:|---:|---|---:|",
-            f"| plain loop, 1 process, 1 thread | {plain:.2f} | {plain:.2f} | 1.00 | | | {t_plain:.1f} | | {t_plain:.1f} |",
-            f"| Kiln on Ray, 2 actors | {rate['mb_per_s']:.2f} | {rate['mb_per_s'] / 2:.2f} | "
-            f"{rate['mb_per_s'] / 2 / plain:.2f} | {rate['busy_s'] / (2 * rate['seconds']):.0%} | "
-            f"{rate['mb_per_busy_s']:.2f} | {rate['seconds']:.1f} | {used.get('actor-cpu-s', 0):.1f} / "
-            f"{used.get('driver-cpu-s', 0):.1f} / {used.get('ray-cpu-s', 0):.1f} | {wall:.1f} |",
-            f"\nThe CPU seconds are each process's whole life (sampled every 0.2 s), against "
-            f"{2 * wall:.0f} core-seconds of wall.\n"]
+
+    def plain() -> float:
+        shutil.rmtree(tmp / "scale-plain", ignore_errors=True)
+        (tmp / "scale-plain").mkdir()
+        return mb / plain_loop(files, tok_file.read_text(), tmp / "scale-plain", 512)[0]
+
+    rows, before = [], plain()
+    for rnd in range(args.scale_rounds):
+        out = tmp / f"scale-out-{rnd}"
+        wall, used = run_measured(prepare_cmd(tmp / "scale", out, 2, str(tok_file), unit), memory=False)
+        rate = json.loads((out / "manifest.json").read_text())["throughput"]
+        after = plain()
+        ref = (before + after) / 2
+        rows.append(f"| {rnd + 1} | {before:.2f} / {after:.2f} | {rate['mb_per_s']:.2f} | {rate['mb_per_s'] / 2:.2f} | "
+                    f"**{rate['mb_per_s'] / 2 / ref:.2f}** | {rate['busy_s'] / (2 * rate['seconds']):.0%} | "
+                    f"{rate['mb_per_busy_s']:.2f} | {rate['mb_per_busy_s'] / ref:.2f} | {rate['seconds']:.1f} | "
+                    f"{used.get('actor-cpu-s', 0):.1f} / {used.get('driver-cpu-s', 0):.1f} / "
+                    f"{used.get('ray-cpu-s', 0):.1f} of {2 * wall:.0f} |")
+        before = after
+    return [f"### At scale: {mb:,.0f} MB ({len(files):,} files), 2 actors, each run between two plain runs\n",
+            "| round | plain loop MB/s, before / after | Kiln MB/s | Kiln MB/s per core | per core / plain | "
+            "workers busy | MB/s per busy worker | per busy worker / plain | span (s) | "
+            "CPU s: actors / driver / Ray's other processes of the wall's core-seconds |",
+            "|---:|---|---:|---:|---:|---:|---:|---:|---:|---|",
+            *rows,
+            "\n*per core / plain*: Kiln's MB/s per actor over the mean of the plain runs just before and "
+            "after it. The CPU seconds are each process's whole life (sampled every 1 s); the wall's "
+            "core-seconds are two cores times the Kiln run's wall, its start included.\n"]
 
 
 def memory_part(tmp: Path, args, unit: list[str]) -> list[str]:

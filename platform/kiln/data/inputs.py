@@ -1,5 +1,5 @@
-"""What `kiln data prepare` reads: the input listing, its cut into units of work, and a unit's
-documents with the split each one goes to.
+"""What `kiln data prepare` reads: a unit of work's documents, with the split each one goes to
+(the listing and its cut into units are `kiln.data.listing`).
 
 A unit is the work of one tokenizer task: consecutive files of the listing (in a seeded order)
 up to `unit_bytes`, or a byte range of one large JSONL file. Everything about a unit (which
@@ -11,29 +11,23 @@ units it had not finished.
 
 from __future__ import annotations
 
-import fnmatch
 import functools
-import glob
-import hashlib
 import json
 import logging
-import os
 import posixpath
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from kiln.errors import DataError, StorageError
+from kiln.errors import DataError
 from kiln.storage import resolve, retry_transient
 
 log = logging.getLogger(__name__)
 
-TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".text", ".jsonl", ".parquet"}
+TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".text", ".jsonl", ".parquet"}  # what a directory's walk takes
 BINARY_SNIFF = 8192  # bytes looked at for a NUL: text of any encoding Kiln reads has none
 LINE_READ = 1 << 20  # bytes read at a time past a JSONL range's end, to finish its last line
 
@@ -110,128 +104,6 @@ class BinaryInput(DataError):
     """A text input that holds binary data."""
 
 
-# ---- the listing --------------------------------------------------------------------------------
-def list_inputs(inputs: list[str], s3_endpoint: str = "") -> list[InputFile]:
-    """Every input file, sorted by URI, each once. A directory or s3:// prefix is searched
-    recursively for TEXT_SUFFIXES; a glob (quoted, so the shell left it) must match something."""
-    found: dict[str, InputFile] = {}
-    for raw in inputs:
-        for f in _expand(raw, s3_endpoint):
-            found.setdefault(f.uri, f)
-    return [found[k] for k in sorted(found)]
-
-
-def _expand(raw: str, s3_endpoint: str) -> list[InputFile]:
-    if raw.startswith("s3://"):
-        return _list_s3(raw, s3_endpoint)
-    if any(ch in raw for ch in "*?["):
-        matches = sorted(Path(m) for m in glob.glob(os.path.expanduser(raw), recursive=True))
-        files = [_local(m) for m in matches if m.is_file()]
-        if not files:
-            raise DataError(f"input pattern {raw!r} matches no files")
-        return files
-    p = Path(raw).expanduser()
-    if not p.exists():
-        raise DataError(f"input {raw!r} does not exist")
-    if not p.is_dir():
-        return [_local(p)]
-    found = sorted(f for f in _walk(p, raw) if f.suffix in TEXT_SUFFIXES)
-    if not found:
-        raise DataError(f"input directory {raw!r} holds no text files ({sorted(TEXT_SUFFIXES)})")
-    return [_local(f) for f in found]
-
-
-def _local(p: Path) -> InputFile:
-    st = p.stat()
-    return InputFile(str(p.absolute()), st.st_size, str(st.st_mtime_ns))
-
-
-def _walk(root: Path, raw: str) -> Iterator[Path]:
-    """Every file under `root`. Unlike `Path.rglob`, which skips a directory it cannot list
-    without a word, an unreadable directory is an error that names it."""
-    def refuse(e: OSError) -> None:
-        if Path(e.filename) == root:
-            raise DataError(f"input directory {raw!r} cannot be read ({e.strerror})")
-        raise DataError(f"input {raw!r}: its directory {e.filename!r} cannot be read ({e.strerror})")
-
-    for folder, _, names in os.walk(root, onerror=refuse):
-        for name in names:
-            f = Path(folder) / name
-            if f.is_file():
-                yield f
-
-
-def _list_s3(raw: str, s3_endpoint: str) -> list[InputFile]:
-    """An s3:// object, or every text object below a prefix (a glob is matched on the key)."""
-    pattern = raw if any(ch in raw for ch in "*?[") else None
-    base = raw.split("*")[0].split("?")[0].split("[")[0].rsplit("/", 1)[0] if pattern else raw
-    loc = resolve(base, s3_endpoint)
-    info = loc.info()
-    if info.is_file and pattern is None:
-        return [InputFile(loc.uri, info.size, str(info.mtime_ns), s3_endpoint)]
-    try:
-        infos = loc.fs.get_file_info(pafs.FileSelector(loc.path, recursive=True, allow_not_found=True))
-    except OSError as e:
-        raise StorageError(f"cannot list input {raw} (S3 endpoint {loc.endpoint or 'AWS'}): {e}") from None
-    bucket = loc.uri[len("s3://"):].split("/", 1)[0]
-    files = []
-    for i in infos:
-        uri = "s3://" + (i.path if i.path.startswith(bucket) else f"{bucket}/{i.path}")
-        if i.type != pafs.FileType.File:
-            continue
-        if pattern is not None and not fnmatch.fnmatchcase(uri, pattern):
-            continue
-        if pattern is None and posixpath.splitext(uri)[1] not in TEXT_SUFFIXES:
-            continue
-        files.append(InputFile(uri, i.size, str(i.mtime_ns), s3_endpoint))
-    if not files and pattern is not None:
-        raise DataError(f"input pattern {raw!r} matches no objects")
-    if not files:
-        raise DataError(f"input {raw!r} matches no text objects ({sorted(TEXT_SUFFIXES)})")
-    return files
-
-
-def listing_key(files: list[InputFile]) -> str:
-    """Identifies the listing without reading it: each file's URI, size and modification stamp."""
-    h = hashlib.sha256()
-    for f in files:
-        h.update(f"{f.uri}\0{f.size}\0{f.stamp}\n".encode())
-    return h.hexdigest()
-
-
-# ---- units of work ------------------------------------------------------------------------------
-def make_units(files: list[InputFile], unit_bytes: int, seed: int) -> list[Unit]:
-    """The listing in a seeded order, cut into units of about `unit_bytes`: small files bundled,
-    a JSONL file larger than that split into byte ranges. The seeded order is the first half of
-    the shuffle: neighbours in a directory (one package's modules) land in different units."""
-    order = np.random.default_rng([seed, 0x5EED]).permutation(len(files))
-    units: list[Unit] = []
-    pending: list[Piece] = []
-    held = 0
-
-    def close() -> None:
-        nonlocal pending, held
-        if pending:
-            units.append(Unit(len(units), tuple(pending)))
-        pending, held = [], 0
-
-    for i in order:
-        f = files[int(i)]
-        if f.kind == "jsonl" and f.size > unit_bytes:
-            close()
-            for start in range(0, f.size, unit_bytes):
-                units.append(Unit(len(units), (Piece(f, start, min(f.size, start + unit_bytes)),)))
-            continue
-        pending.append(Piece(f))
-        held += f.size
-        if held >= unit_bytes:
-            close()
-    close()
-    if len(files) == 1 and files[0].kind == "text" and units:
-        units[0] = Unit(0, units[0].pieces, tail_split=True)
-    return units
-
-
 # ---- reading a unit -----------------------------------------------------------------------------
 Document = str | tuple[str, str]  # a text, or an instruction example's (prompt, response)
 
@@ -306,9 +178,13 @@ def _bucket(bucket: str, endpoint: str):
 
 
 def _read(f: InputFile, start: int, end: int) -> bytes:
+    return read_range(f.uri, start, end, f.endpoint)
+
+
+def read_range(uri: str, start: int, end: int, endpoint: str = "") -> bytes:
     """Bytes [start, end) of a file (end -1: to its end); a transient S3 error is retried, then
     named with the file."""
-    loc = _resolved(f.uri, f.endpoint)
+    loc = _resolved(uri, endpoint)
 
     def read() -> bytes:
         with loc.fs.open_input_file(loc.path) as h:
@@ -316,11 +192,11 @@ def _read(f: InputFile, start: int, end: int) -> bytes:
             return h.read_at(max(0, stop - start), start) if stop > start else b""
 
     try:
-        return retry_transient(read, f"reading {f.uri}")
+        return retry_transient(read, f"reading {uri}")
     except FileNotFoundError:
-        raise DataError(f"input {f.uri} disappeared while it was being read") from None
+        raise DataError(f"input {uri} disappeared while it was being read") from None
     except OSError as e:
-        raise DataError(f"input {f.uri} cannot be read: {getattr(e, 'strerror', None) or e}") from None
+        raise DataError(f"input {uri} cannot be read: {getattr(e, 'strerror', None) or e}") from None
 
 
 def _jsonl_lines(piece: Piece) -> tuple[bytes, int]:

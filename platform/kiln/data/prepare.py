@@ -10,8 +10,9 @@ Output layout (local dir or s3://bucket/prefix):
 The pipeline streams: the input listing is cut into units (`kiln.data.inputs`); each unit is
 read, tokenized, packed into rows, shuffled and written as shards by one tokenizer task
 (`kiln.data.shards`), in this process (`run_here`) or in a pool of Ray Data actors
-(`kiln.ray.prepare`); the driver gathers each unit's record and writes the manifest. No process
-holds more than one unit, so memory stays flat as the corpus grows.
+(`kiln.ray.prepare`); the driver gathers each unit's record and writes the manifest. The listing
+is streamed and its units spilled to a file (`kiln.data.listing`), and no worker holds more
+than one unit, so memory stays flat as the corpus grows.
 
 The order, a shuffle with no global array: the listing in a seeded order, bundled into units;
 each unit's train rows shuffled with a seed of their own; the manifest lists the shards unit by
@@ -32,6 +33,7 @@ import hashlib
 import json
 import logging
 import os
+import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -41,15 +43,8 @@ import numpy as np
 
 import kiln
 from kiln.data import replace
-from kiln.data.inputs import (
-    ReadOptions,
-    ReadStats,
-    Unit,
-    list_inputs,
-    listing_key,
-    make_units,
-    read_unit,
-)
+from kiln.data.inputs import ReadOptions, ReadStats, read_unit
+from kiln.data.listing import UnitRef, Units, place, spill
 from kiln.data.manifest import FORMAT_VERSION, MANIFEST, SAMPLE_ID, TOKENIZER_FILE, TOKENS
 from kiln.data.shards import UNITS_DIR, UnitJob, UnitWorker, row_group_rows
 from kiln.data.tokenizer import (
@@ -68,14 +63,14 @@ log = logging.getLogger(__name__)
 MAX_SHARD_TOKENS = 1 << 32  # 16 GiB of int32 tokens: a shard is built and read whole in memory
 
 # Runs the units' jobs and yields each unit's record as it finishes, in any order.
-Executor = Callable[[UnitJob, list[Unit]], Iterator[dict]]
+Executor = Callable[[UnitJob, list[UnitRef]], Iterator[dict]]
 
 
-def run_here(job: UnitJob, units: list[Unit]) -> Iterator[dict]:
+def run_here(job: UnitJob, units: list[UnitRef]) -> Iterator[dict]:
     """The default executor: every unit in this process, one after another (no Ray)."""
     worker = UnitWorker(job)
-    for unit in units:
-        yield worker(unit) | {"pid": os.getpid(), "node": "local"}
+    for ref in units:
+        yield worker(ref.load()) | {"pid": os.getpid(), "node": "local"}
 
 
 @dataclass
@@ -161,7 +156,7 @@ def _key(cfg: PrepareConfig, listing: str) -> str:
     return hashlib.sha256(json.dumps([listing, fields], sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _tokenizer(cfg: PrepareConfig, units: list[Unit], opts: ReadOptions, staged: Location):
+def _tokenizer(cfg: PrepareConfig, units: Units, opts: ReadOptions, staged: Location):
     """Byte, the pretrained one, or a BPE trained on a bounded sample of train documents (or
     the one this prepare trained before it was stopped)."""
     if cfg.tokenizer == "byte":
@@ -179,7 +174,7 @@ def _tokenizer(cfg: PrepareConfig, units: list[Unit], opts: ReadOptions, staged:
     return BPETokenizer.train(texts, cfg.vocab_size)
 
 
-def _bpe_sample(units: list[Unit], opts: ReadOptions, budget: int) -> Iterator[str]:
+def _bpe_sample(units: Units, opts: ReadOptions, budget: int) -> Iterator[str]:
     held = 0
     for unit in units:
         for split, doc in read_unit(unit, opts, ReadStats()):
@@ -190,6 +185,10 @@ def _bpe_sample(units: list[Unit], opts: ReadOptions, budget: int) -> Iterator[s
             held += len(text)
             if held >= budget:
                 return
+
+
+def _spill_name(key: str) -> str:
+    return f"listing-{key}.pkl"
 
 
 def _staging(out: Location, key: str) -> Location:
@@ -206,6 +205,8 @@ def _finished(staged: Location, key: str) -> dict[int, dict]:
     """The records of the units a stopped prepare of this key finished, which a resume keeps."""
     done = {}
     for rel in staged.join(UNITS_DIR).list_files():
+        if not rel.endswith(".json"):
+            continue  # the listing's spill
         try:
             rec = json.loads(staged.join(UNITS_DIR, rel).read_bytes())
         except ValueError:
@@ -272,7 +273,7 @@ def _check_output(cfg: PrepareConfig, out: Location, key: str) -> dict | None:
     if first is None:
         return None
     old = replace.kiln_manifest(out)
-    if old is None and out.is_s3 and _finished(out, key):
+    if old is None and out.is_s3 and (out.join(UNITS_DIR, _spill_name(key)).exists() or _finished(out, key)):
         return None  # this same prepare, stopped before its manifest: resumed in place
     if old is None:  # found without listing the tree below: --output / must not walk the disk
         raise DataError(f"output {out.uri} already holds files that are not a Kiln dataset (such as "
@@ -297,18 +298,25 @@ def prepare(cfg: PrepareConfig | None = None, /, *, executor: Executor | None = 
     cfg = cfg if cfg is not None else _config_from(fields)
     _validate(cfg)
     out = resolve(cfg.output, cfg.s3_endpoint)
-    if not out.is_s3:
-        replace.writable_ancestor(out)
-    files = list_inputs(cfg.inputs, cfg.s3_endpoint)
-    units = make_units(files, cfg.unit_bytes, cfg.seed)
-    key = _key(cfg, listing_key(files))
-    old = _check_output(cfg, out, key)
-    if old is not None and cfg.if_exists == "reuse":
-        log.info("%s already holds this dataset (fingerprint %s); reusing it", out.uri, old["fingerprint"])
-        return old
-    if old is not None and out.is_s3:
-        replace.remove_dataset(out, old)  # no rename on S3: the new dataset is written in place
-    staged = _staging(out, key)
+    # The output is checked before the inputs are listed, which can take minutes: a read-only
+    # or mistyped --output, or an unreachable S3 endpoint, fails in a second. The listing's
+    # spill goes beside a local output (on its disk, from where it is placed), else to $TMPDIR.
+    if out.is_s3:
+        out.info()
+    scratch = tempfile.gettempdir() if out.is_s3 else str(replace.writable_ancestor(out))
+    units = spill(cfg.inputs, cfg.s3_endpoint, cfg.unit_bytes, cfg.seed, scratch)
+    try:
+        key = _key(cfg, units.key)
+        old = _check_output(cfg, out, key)
+        if old is not None and cfg.if_exists == "reuse":
+            log.info("%s already holds this dataset (fingerprint %s); reusing it", out.uri, old["fingerprint"])
+            return old
+        if old is not None and out.is_s3:
+            replace.remove_dataset(out, old)  # no rename on S3: the new dataset is written in place
+        staged = _staging(out, key)
+        units = place(units, staged.join(UNITS_DIR, _spill_name(key)))
+    finally:
+        units.close()  # the scratch spill, where it was not placed (refused, reused, failed)
     try:
         manifest = _build(cfg, units, staged, key, executor or run_here)
         staged.join(MANIFEST).write_bytes(json.dumps(manifest, indent=2).encode())  # last: commit
@@ -328,7 +336,7 @@ def prepare(cfg: PrepareConfig | None = None, /, *, executor: Executor | None = 
     return manifest
 
 
-def _build(cfg: PrepareConfig, units: list[Unit], staged: Location, key: str, executor: Executor) -> dict:
+def _build(cfg: PrepareConfig, units: Units, staged: Location, key: str, executor: Executor) -> dict:
     """Run every unit not finished before; the manifest of them all."""
     opts = ReadOptions(cfg.text_field, cfg.prompt_field, cfg.response_field, cfg.val_fraction, cfg.seed,
                        cfg.on_binary, cfg.on_bad_record)
@@ -345,15 +353,15 @@ def _build(cfg: PrepareConfig, units: list[Unit], staged: Location, key: str, ex
     if records:
         log.info("resuming: %d of %d units were finished before; preparing the other %d", len(records),
                  len(units), len(units) - len(records))
-    todo = [u for u in units if u.index not in records]
-    running = executor(job, todo)  # starts Ray, where it runs there: not the pipeline's time
+    todo = [i for i in range(len(units)) if i not in records]
+    running = executor(job, [units.ref(i) for i in todo])  # starts Ray, where it runs there: not the pipeline's time
     t0 = time.perf_counter()
     with _Progress(units, records) as bar:
         for rec in running:
             records[rec["unit"]] = _folded(rec, counts)
             bar.update(rec)
-    rate = _throughput(cfg, [records[u.index] for u in todo], time.perf_counter() - t0)
-    return _manifest(cfg, tok, [records[u.index] for u in units], counts, key, rate)
+    rate = _throughput(cfg, [records[i] for i in todo], time.perf_counter() - t0)
+    return _manifest(cfg, tok, [records[i] for i in range(len(units))], counts, key, rate)
 
 
 def _folded(rec: dict, counts: np.ndarray) -> dict:
@@ -441,12 +449,12 @@ class _Progress:
     """A bar over the input bytes with rows, tokens/s and the ETA (tqdm, where stderr is a
     terminal); elsewhere a log line at every tenth of the units."""
 
-    def __init__(self, units: list[Unit], done: dict[int, dict]):
+    def __init__(self, units: Units, done: dict[int, dict]):
         from tqdm.auto import tqdm
 
         self.units, self.seen, self.t0, self.tokens = len(units), len(done), time.perf_counter(), 0
         self.rows = sum(r["splits"][s]["rows"] for r in done.values() for s in ("train", "val"))
-        self.bar = tqdm(total=sum(u.bytes for u in units), initial=sum(r["bytes"] for r in done.values()),
+        self.bar = tqdm(total=int(units.sizes.sum()), initial=sum(r["bytes"] for r in done.values()),
                         unit="B", unit_scale=True, desc="prepare", disable=None, mininterval=1.0)
 
     def __enter__(self) -> _Progress:

@@ -4,8 +4,9 @@
     shards -> each unit's record back to the driver -> manifest last (kiln.data.prepare)
 
 Each actor builds its tokenizer once and writes its unit's shards itself, so the driver holds
-only records and the shards are written in parallel, to local disk or S3. A unit travels in its
-own row, so an actor holds the units it runs, not the listing. A unit's output does not depend
+only records and the shards are written in parallel, to local disk or S3. A row carries where
+its unit lies in the listing's spill (`kiln.data.listing`), so an actor holds the unit it runs,
+not the listing. A unit's output does not depend
 on which actor ran it, so any number of actors gives the same dataset.
 """
 
@@ -19,7 +20,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from kiln.data.inputs import Unit
+from kiln.data.listing import UnitRef
 from kiln.data.prepare import Executor, run_here
 from kiln.data.shards import UnitJob, UnitWorker
 from kiln.errors import DataError, KilnError
@@ -28,11 +29,16 @@ log = logging.getLogger(__name__)
 
 
 class _UnitActor:
-    """One tokenizer; the units it is handed, one batch (of one pickled unit) at a time."""
+    """One tokenizer; the units it is handed, one batch (of one unit's place in the spill) at a time."""
 
     def __init__(self, job: UnitJob):
         import ray
 
+        # One tokenizer thread: the actor has one CPU, and HF tokenizers would start a thread per
+        # core and oversubscribe the node. Set here, in the actor's own process, which tokenizers
+        # reads at each encode, rather than by a runtime_env, whose agent would set up a
+        # separate worker environment for the actors (their start, and its CPU, on every node).
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
         self.worker = UnitWorker(job)
         self.where = {"pid": os.getpid(), "node": ray.get_runtime_context().get_node_id()}
 
@@ -40,7 +46,7 @@ class _UnitActor:
         records = []
         for blob in batch["unit"]:
             try:
-                records.append(json.dumps(self.worker(pickle.loads(blob)) | self.where))
+                records.append(json.dumps(self.worker(pickle.loads(blob).load()) | self.where))
             except KilnError as e:  # a bad input: its message reaches the user as it is
                 records.append(json.dumps({"error": str(e), "type": type(e).__name__}))
         return {"record": np.array(records, dtype=object)}
@@ -50,7 +56,7 @@ def on_ray(address: str | None = None, workers: int = 0) -> Executor:
     """The executor that runs units on Ray: the cluster at `address` (or $RAY_ADDRESS), else an
     embedded one; `workers` tokenizer actors (0: one per CPU of the cluster), never more than
     there are units. One unit and no cluster: it runs here, where Ray would only add its start."""
-    def run(job: UnitJob, units: list[Unit]) -> Iterator[dict]:
+    def run(job: UnitJob, units: list[UnitRef]) -> Iterator[dict]:
         where = address or os.environ.get("RAY_ADDRESS")
         if len(units) <= 1 and not where:
             log.info("one unit of work: tokenizing in this process")
@@ -69,13 +75,16 @@ ACTOR_START_S = 300  # the longest a tokenizer actor may take to start (a node's
 # included) before the prepare gives up on a cluster that cannot place them all
 
 
-def _records(job: UnitJob, units: list[Unit], n: int, started: bool) -> Iterator[dict]:
+def _records(job: UnitJob, units: list[UnitRef], n: int, started: bool) -> Iterator[dict]:
     import ray
     import ray.data
 
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False  # Kiln draws its own bar over bytes, rows and tokens/s
     ctx.print_on_execution_start = False
+    # Ray Data's poll of each map worker's USS, every second, in the actor (it reads the
+    # process's smaps): CPU taken from the tokenizer for a figure Kiln does not use.
+    ctx.memory_usage_poll_interval_s = None
     # Every actor up before the first unit is handed out: otherwise the first ones to start take
     # all the units of a small corpus, and the pool (and its nodes) go half unused. They start
     # together, so this waits for the slowest start, not their sum.
@@ -83,15 +92,14 @@ def _records(job: UnitJob, units: list[Unit], n: int, started: bool) -> Iterator
     # waits: the units go to the actors as they come.)
     fits = n <= int(ray.cluster_resources().get("CPU", 0))
     waited, ctx.wait_for_min_actors_s = ctx.wait_for_min_actors_s, ACTOR_START_S if fits else -1
-    # Each row carries its unit (a few hundred bytes per file): shipping the whole listing to every
-    # actor instead made an actor's memory grow with the corpus's number of files.
+    # Each row carries where its unit lies in the listing's spill (a few dozen bytes), and the
+    # actor reads the unit from there: the driver never holds the units, and an actor holds
+    # the one it runs (shipping the listing to every actor made its memory grow with the corpus).
     ds = ray.data.from_items([{"unit": pickle.dumps(u)} for u in units], override_num_blocks=len(units))
-    # One CPU per actor, and its tokenizer on that one (HF tokenizers would start a thread per
-    # core in every actor and oversubscribe the node); actors spread over the nodes, whose
-    # disks and network each read and write a share.
+    # One CPU per actor (and its tokenizer on one thread: _UnitActor); actors spread over the
+    # nodes, whose disks and network each read and write a share.
     out = ds.map_batches(_UnitActor, fn_constructor_kwargs={"job": job}, batch_size=1,
-                         concurrency=n, num_cpus=1, batch_format="numpy", scheduling_strategy="SPREAD",
-                         runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+                         concurrency=n, num_cpus=1, batch_format="numpy", scheduling_strategy="SPREAD")
     try:
         for row in out.iter_rows():
             rec = json.loads(row["record"])

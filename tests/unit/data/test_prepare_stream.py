@@ -49,11 +49,12 @@ def test_jsonl_byte_ranges_read_each_record_once_and_bad_records_are_named_or_co
 
 
 def test_a_prepare_killed_midway_resumes_and_gives_the_same_dataset(tmp_path, corpus):
-    # Units of (about) a file each, so the kill after the third leaves many to do: with a handful
-    # (CI of 5d3d2f6: 5), the last ones could finish between two looks and nothing was left to kill.
+    # Units of a file each, so the kill after the third leaves many to do: with a handful (CI of
+    # 5d3d2f6: 5), the last ones could finish between two looks and nothing was left to kill.
+    # A unit of one document draws it for validation with --val-fraction's chance: 0.3 of 22.
     inputs = [a for d in corpus for a in ("--input", d)]
     args = ["data", "prepare", *inputs, "--tokenizer", "bpe", "--vocab-size", "512", "--seq-len", "64",
-            "--unit-bytes", "1024", "--workers", "0"]
+            "--unit-bytes", "1024", "--val-fraction", "0.3", "--workers", "0"]
     ref = subprocess.run([KILN, *args, "--output", str(tmp_path / "ref")], capture_output=True, text=True, timeout=600)
     assert ref.returncode == 0, ref.stderr[-2000:]
     n_units = json.loads((tmp_path / "ref/manifest.json").read_text())["units"]
