@@ -42,6 +42,7 @@ from pathlib import Path
 import numpy as np
 
 import kiln
+from kiln.data import listing as listing_rules
 from kiln.data import replace
 from kiln.data.inputs import ReadOptions, ReadStats, read_unit
 from kiln.data.listing import UnitRef, Units, place, spill
@@ -149,6 +150,7 @@ def _key(cfg: PrepareConfig, listing: str) -> str:
     setting. A resume finds its staged units by it; `--if-exists reuse` compares it."""
     fields = {k: v for k, v in dataclasses.asdict(cfg).items()
               if k not in ("inputs", "output", "if_exists", "s3_endpoint")}
+    fields["cut"] = [listing_rules.CUT_RULE, listing_rules.WINDOW_FILES]  # read at call time
     if cfg.tokenizer not in ("byte", "bpe"):
         file = Path(cfg.tokenizer)
         file = file / TOKENIZER_FILE if file.is_dir() else file

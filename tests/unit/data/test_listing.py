@@ -77,3 +77,17 @@ def test_listing_memory_does_not_grow_with_the_number_of_files(tmp_path, monkeyp
         units.close()
     # 20,000 InputFiles alone are ~10 MB: a listing held whole would fail this by far
     assert peaks[20_000] < 1.3 * peaks[2_000], peaks
+
+
+def test_a_prepare_cut_by_another_rule_is_neither_resumed_nor_reused(monkeypatch):
+    """The key names the cut: unit numbers of a stopped prepare cut otherwise name other files."""
+    from kiln.data.prepare import PrepareConfig, _key
+
+    cfg = PrepareConfig(inputs=["x"], output="y")
+    before, window = _key(cfg, "listing"), listing.WINDOW_FILES
+    monkeypatch.setattr(listing, "WINDOW_FILES", 16)
+    assert _key(cfg, "listing") != before
+    monkeypatch.setattr(listing, "WINDOW_FILES", window)
+    assert _key(cfg, "listing") == before
+    monkeypatch.setattr(listing, "CUT_RULE", 1)
+    assert _key(cfg, "listing") != before
