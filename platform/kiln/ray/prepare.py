@@ -81,6 +81,7 @@ def _records(job: UnitJob, units: list[UnitRef], n: int, started: bool) -> Itera
 
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False  # Kiln draws its own bar over bytes, rows and tokens/s
+    logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)  # "bars disabled"
     ctx.print_on_execution_start = False
     # Ray Data's poll of each map worker's USS, every second, in the actor (it reads the
     # process's smaps): CPU taken from the tokenizer for a figure Kiln does not use.
@@ -96,10 +97,11 @@ def _records(job: UnitJob, units: list[UnitRef], n: int, started: bool) -> Itera
     # actor reads the unit from there: the driver never holds the units, and an actor holds
     # the one it runs (shipping the listing to every actor made its memory grow with the corpus).
     ds = ray.data.from_items([{"unit": pickle.dumps(u)} for u in units], override_num_blocks=len(units))
-    # One CPU per actor (and its tokenizer on one thread: _UnitActor); actors spread over the
-    # nodes, whose disks and network each read and write a share.
+    # One CPU per actor (and its tokenizer on one thread: _UnitActor). The actors spread over the
+    # nodes, whose disks and network each read and write a share: Ray Data's own default
+    # (DataContext.scheduling_strategy, "SPREAD"; passing it through map_batches is deprecated).
     out = ds.map_batches(_UnitActor, fn_constructor_kwargs={"job": job}, batch_size=1,
-                         concurrency=n, num_cpus=1, batch_format="numpy", scheduling_strategy="SPREAD")
+                         compute=ray.data.ActorPoolStrategy(size=n), num_cpus=1, batch_format="numpy")
     try:
         for row in out.iter_rows():
             rec = json.loads(row["record"])

@@ -101,8 +101,9 @@ def s3(monkeypatch):
     endpoint = f"http://127.0.0.1:{port}"
     import boto3
 
-    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket="kiln-replace")
-    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket="kiln-root")
+    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+    for bucket in ("kiln-replace", "kiln-root", "kiln-resume"):
+        client.create_bucket(Bucket=bucket)
     yield endpoint
     proc.terminate()
     proc.wait(timeout=30)
@@ -123,3 +124,26 @@ def test_s3_overwrite_keeps_foreign_objects_and_a_bucket_is_never_overwritten(s3
     with pytest.raises(DataError, match="whole bucket"):
         prepare(_cfg(corpus, "s3://kiln-root", seq_len=48, s3_endpoint=s3, if_exists="overwrite"))
     assert {f: bucket.join(f).read_bytes() for f in bucket.list_files()} == before
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_a_prepare_stopped_before_its_first_unit_is_resumed_not_refused(where, s3, tmp_path, corpus):
+    """Stopped once the listing's spill is placed and before any unit: on S3 the output prefix
+    then holds only the spill, which the same prepare must take for its own (not for files that
+    are not a Kiln dataset). Done, it leaves no spill or record behind."""
+    uri = "s3://kiln-resume/ds" if where == "s3" else str(tmp_path / "ds")
+
+    def stop(job, units):
+        assert len(units) >= 1
+        raise KeyboardInterrupt  # as Ctrl-C right after the spill is placed
+
+    cfg = _cfg(corpus, uri, s3_endpoint=s3, unit_bytes=16384, val_fraction=0.3)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(cfg, executor=stop)
+    staged = resolve(uri, s3) if where == "s3" else resolve(str(next(tmp_path.glob(".ds.partial-*"))))
+    assert [f for f in staged.list_files() if f.startswith("_units/listing-")]  # the spill is kept
+    m = prepare(cfg)
+    assert m["units"] > 1 and m["throughput"]["units"] == m["units"]
+    left = resolve(uri, s3).list_files()
+    assert not [f for f in left if f.startswith("_units")], left
+    assert not list(tmp_path.glob(".ds.partial-*"))
