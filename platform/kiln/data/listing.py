@@ -20,6 +20,7 @@ import os
 import pickle
 import posixpath
 import shutil
+import stat
 import tempfile
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
@@ -69,9 +70,9 @@ def _expand(raw: str, s3_endpoint: str) -> Iterator[InputFile]:
         matches = sorted(str(Path(m).absolute()) for m in glob.glob(os.path.expanduser(raw), recursive=True))
         found = 0
         for m in matches:
-            if os.path.isfile(m):
+            if st := _regular(m):
                 found += 1
-                yield _local(m)
+                yield _local(m, st)
         if not found:
             raise DataError(f"input pattern {raw!r} matches no files")
         return
@@ -83,21 +84,32 @@ def _expand(raw: str, s3_endpoint: str) -> Iterator[InputFile]:
         return
     found = 0
     for path in _walk(str(p.absolute()), raw, root=True):
-        if posixpath.splitext(path)[1] in TEXT_SUFFIXES:
+        if posixpath.splitext(path)[1] in TEXT_SUFFIXES and (st := _regular(path)):
             found += 1
-            yield _local(path)
+            yield _local(path, st)
     if not found:
         raise DataError(f"input directory {raw!r} holds no text files ({sorted(TEXT_SUFFIXES)})")
 
 
-def _local(path: str) -> InputFile:
-    st = os.stat(path)
+def _local(path: str, st: os.stat_result | None = None) -> InputFile:
+    st = st or os.stat(path)
     return InputFile(path, st.st_size, str(st.st_mtime_ns))
 
 
+def _regular(path: str) -> os.stat_result | None:
+    """The stat of a regular file (symlinks followed), else None: one stat per file serves both
+    the check and the listing's size and stamp."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st if stat.S_ISREG(st.st_mode) else None
+
+
 def _walk(folder: str, raw: str, root: bool = False) -> Iterator[str]:
-    """Every file under `folder`, in the sorted order of their paths: a directory sorts as its
-    name plus '/', which is where its files' paths sort. Symlinked directories are not followed
+    """Every entry under `folder` that is not a directory (`_regular` tells the files), in the
+    sorted order of their paths: a directory sorts as its name plus '/', which is where its
+    files' paths sort. Symlinked directories are not followed
     (as os.walk); an unreadable directory is an error that names it (Path.rglob would skip it)."""
     try:
         with os.scandir(folder) as it:
@@ -109,7 +121,7 @@ def _walk(folder: str, raw: str, root: bool = False) -> Iterator[str]:
     for name, path in entries:
         if name.endswith("/"):
             yield from _walk(path, raw)
-        elif os.path.isfile(path):
+        else:
             yield path
 
 
@@ -144,15 +156,14 @@ def _walk_s3(loc: Location, raw: str, path: str) -> Iterator[pafs.FileInfo]:
         infos = loc.fs.get_file_info(pafs.FileSelector(path, recursive=False, allow_not_found=True))
     except OSError as e:
         raise StorageError(f"cannot list input {raw} (S3 endpoint {loc.endpoint or 'AWS'}): {e}") from None
-    level = sorted((i.base_name + ("/" if i.type == pafs.FileType.Directory else ""), i.path) for i in infos
-                   if i.type in (pafs.FileType.Directory, pafs.FileType.File))
-    by_path = {i.path: i for i in infos}
+    level = sorted(((i.base_name + ("/" if i.type == pafs.FileType.Directory else ""), i) for i in infos
+                    if i.type in (pafs.FileType.Directory, pafs.FileType.File)), key=lambda e: e[0])
     del infos
-    for name, p in level:
+    for name, info in level:
         if name.endswith("/"):
-            yield from _walk_s3(loc, raw, p)
+            yield from _walk_s3(loc, raw, info.path)
         else:
-            yield by_path[p]
+            yield info
 
 
 # ---- units of work -------------------------------------------------------------------------------

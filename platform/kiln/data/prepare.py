@@ -7,7 +7,7 @@ Output layout (local dir or s3://bucket/prefix):
     train/part-UUUUUU-KKKK.parquet   columns: id int64, tokens fixed_size_list<int32>[seq_len + 1]
     val/part-UUUUUU-KKKK.parquet
 
-The pipeline streams: the input listing is cut into units (`kiln.data.inputs`); each unit is
+The pipeline streams: the input listing is cut into units (`kiln.data.listing`); each unit is
 read, tokenized, packed into rows, shuffled and written as shards by one tokenizer task
 (`kiln.data.shards`), in this process (`run_here`) or in a pool of Ray Data actors
 (`kiln.ray.prepare`); the driver gathers each unit's record and writes the manifest. The listing
@@ -305,7 +305,9 @@ def prepare(cfg: PrepareConfig | None = None, /, *, executor: Executor | None = 
     # spill goes beside a local output (on its disk, from where it is placed), else to $TMPDIR.
     if out.is_s3:
         out.info()
-    scratch = tempfile.gettempdir() if out.is_s3 else str(replace.writable_ancestor(out))
+        scratch = tempfile.gettempdir()
+    else:
+        scratch = str(replace.writable_ancestor(out))
     units = spill(cfg.inputs, cfg.s3_endpoint, cfg.unit_bytes, cfg.seed, scratch)
     try:
         key = _key(cfg, units.key)

@@ -6,8 +6,8 @@
 Each actor builds its tokenizer once and writes its unit's shards itself, so the driver holds
 only records and the shards are written in parallel, to local disk or S3. A row carries where
 its unit lies in the listing's spill (`kiln.data.listing`), so an actor holds the unit it runs,
-not the listing. A unit's output does not depend
-on which actor ran it, so any number of actors gives the same dataset.
+not the listing. A unit's output does not depend on which actor ran it, so any number of actors
+gives the same dataset.
 """
 
 from __future__ import annotations
