@@ -178,7 +178,7 @@ def main() -> None:
     ap.add_argument("--unit-mb", type=int, default=4, help="--unit-bytes, in MiB")
     ap.add_argument("--scale-rounds", type=int, default=2, help="Kiln runs at scale, each between two plain runs")
     ap.add_argument("--scale-mb", type=int, default=200,
-                    help="a larger corpus for 2 actors against the plain loop, once (MB; 0: skip)")
+                    help="a larger corpus for 2 actors against the plain loop, --scale-rounds times (MB; 0: skip)")
     ap.add_argument("--no-memory", action="store_true", help="the throughput part only")
     args = ap.parse_args()
     lines = [f"\n## Data preparation, {time.strftime('%Y-%m-%d %H:%M')}\n",
