@@ -75,6 +75,9 @@ def test_prepare_spreads_over_two_nodes_and_is_the_same_whatever_the_actors(ray_
             assert not fs.get_file_info(pafs.FileSelector(f"kiln-test/prepared-{workers}/_units",
                                                           allow_not_found=True))  # records gone
             if workers == 4:  # every actor is up before the first unit goes out (all 4 get units), SPREAD
-                assert m["throughput"]["nodes"] == 2 and m["throughput"]["workers"] == 4, m["throughput"]
+                t = m["throughput"]
+                assert t["nodes"] == 2 and t["workers"] == 4, t
+                # the span holds every unit (from the pipeline's start to the last record back)
+                assert t["busy_s"] <= 4 * t["seconds"] and t["first_unit_after_s"] < t["seconds"], t
     finally:
         node.kill()

@@ -359,12 +359,13 @@ def _build(cfg: PrepareConfig, units: Units, staged: Location, key: str, executo
                  len(units), len(units) - len(records))
     todo = [i for i in range(len(units)) if i not in records]
     running = executor(job, [units.ref(i) for i in todo])  # starts Ray, where it runs there: not the pipeline's time
-    t0 = time.perf_counter()
+    began = ended = time.time()
     with _Progress(units, records) as bar:
         for rec in running:
             records[rec["unit"]] = _folded(rec, counts)
             bar.update(rec)
-    rate = _throughput(cfg, [records[i] for i in todo], time.perf_counter() - t0)
+            ended = time.time()  # the last record back: Ray's shutdown after it is, like its start, not the pipeline's
+    rate = _throughput([records[i] for i in todo], began, ended)
     return _manifest(cfg, tok, [records[i] for i in range(len(units))], counts, key, rate)
 
 
@@ -389,21 +390,23 @@ def _drop_records(staged: Location) -> None:
         staged.fs.delete_dir(records.path)
 
 
-def _throughput(cfg: PrepareConfig, done: list[dict], seconds: float) -> dict:
-    """What this run prepared (a resume counts only its own units), per second."""
+def _throughput(done: list[dict], began: float, ended: float) -> dict:
+    """What this run prepared (a resume counts only its own units), per second of the span
+    from the pipeline's start (`began`, unix time; the actors' start is in it) to the last
+    record back (`ended`)."""
     mb = sum(r["bytes"] for r in done) / 1e6
     tokens = sum(r["splits"][s]["tokens"] for r in done for s in ("train", "val"))
     busy = sum(r["seconds"] for r in done)  # the workers' own time on the units
-    began = time.time() - seconds
+    seconds = ended - began
     # how long the first unit waited for a worker (an actor's start), and the last one's end
-    # before the end (gathering); the rest of the idle time is the workers' uneven shares
+    # before the end (its record's way back); the rest of the idle time is the workers' uneven shares
     first = min((r["started"] for r in done if "started" in r), default=began) - began
-    last = max((r["started"] + r["seconds"] for r in done if "started" in r), default=began + seconds)
+    last = max((r["started"] + r["seconds"] for r in done if "started" in r), default=ended)
     return {"seconds": round(seconds, 3), "workers": len({r.get("pid") for r in done}),
             "nodes": len({r.get("node") for r in done}), "units": len(done), "mb": round(mb, 3),
             "mb_per_s": mb / max(seconds, 1e-9), "tokens_per_s": tokens / max(seconds, 1e-9),
             "busy_s": round(busy, 3), "mb_per_busy_s": mb / max(busy, 1e-9),
-            "first_unit_after_s": round(max(0.0, first), 3), "after_last_unit_s": round(max(0.0, began + seconds - last), 3)}
+            "first_unit_after_s": round(max(0.0, first), 3), "after_last_unit_s": round(max(0.0, ended - last), 3)}
 
 
 def _manifest(cfg: PrepareConfig, tok, records: list[dict], counts: np.ndarray, key: str, rate: dict) -> dict:

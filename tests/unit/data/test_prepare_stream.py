@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from kiln.data.manifest import load_manifest
-from kiln.data.prepare import PrepareConfig, prepare
+from kiln.data.prepare import PrepareConfig, _throughput, prepare
 from kiln.data.shards import row_group_rows
 from kiln.data.sources import ParquetSource
 from kiln.errors import DataError
@@ -46,6 +46,18 @@ def test_jsonl_byte_ranges_read_each_record_once_and_bad_records_are_named_or_co
     assert split["units"] > 10 and whole["units"] == 1  # the file was cut into byte ranges
     for m in (split, whole):
         assert sum(m["documents"].values()) == 599 and m["input"]["bad_records_skipped"] == 1
+
+
+def test_throughput_is_over_the_span_to_the_last_record_back():
+    # two workers, 10 s from the pipeline's start to the last record back: 1 s before the first
+    # unit (an actor's start), units of 4 + 5 s and 4 s, the last ending 0.5 s before the span's end
+    rec = {"bytes": 10_000_000, "splits": {"train": {"tokens": 900}, "val": {"tokens": 100}}}
+    done = [rec | {"started": 101.0, "seconds": 4.0, "pid": 1}, rec | {"started": 105.0, "seconds": 4.5, "pid": 1},
+            rec | {"started": 101.5, "seconds": 4.0, "pid": 2}]
+    t = _throughput(done, began=100.0, ended=110.0)
+    assert t["seconds"] == 10.0 and t["mb_per_s"] == 3.0 and t["tokens_per_s"] == 300.0 and t["workers"] == 2
+    assert t["busy_s"] == 12.5 and t["mb_per_busy_s"] == 30 / 12.5
+    assert t["first_unit_after_s"] == 1.0 and t["after_last_unit_s"] == 0.5
 
 
 def test_a_prepare_killed_midway_resumes_and_gives_the_same_dataset(tmp_path, corpus):
