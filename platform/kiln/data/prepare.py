@@ -47,7 +47,7 @@ from kiln.data import replace
 from kiln.data.inputs import ReadOptions, ReadStats, read_unit
 from kiln.data.listing import UnitRef, Units, place, spill
 from kiln.data.manifest import FORMAT_VERSION, MANIFEST, SAMPLE_ID, TOKENIZER_FILE, TOKENS
-from kiln.data.shards import UNITS_DIR, UnitJob, UnitWorker, row_group_rows
+from kiln.data.shards import UNITS_DIR, UnitJob, UnitWorker, row_group_rows, write_once
 from kiln.data.tokenizer import (
     BPETokenizer,
     ByteTokenizer,
@@ -345,8 +345,8 @@ def _build(cfg: PrepareConfig, units: Units, staged: Location, key: str, executo
     opts = ReadOptions(cfg.text_field, cfg.prompt_field, cfg.response_field, cfg.val_fraction, cfg.seed,
                        cfg.on_binary, cfg.on_bad_record)
     tok = _tokenizer(cfg, units, opts, staged)
-    if tok.to_json() and not staged.join(TOKENIZER_FILE).exists():
-        staged.join(TOKENIZER_FILE).write_bytes(tok.to_json().encode())  # before any unit: a resume reuses it
+    if tok.to_json() and not staged.join(TOKENIZER_FILE).exists():  # before any unit: a resume reuses it,
+        write_once(staged.join(TOKENIZER_FILE), tok.to_json().encode())  # so whole or not at all
     job = UnitJob("byte" if tok.kind == "byte" else tok.to_json(), tok.eot_id, cfg.seq_len,
                   _rows_per_shard(cfg), row_group_rows(cfg.seq_len), opts, staged.uri,
                   cfg.s3_endpoint, key)
