@@ -2,11 +2,11 @@
 (the listing and its cut into units are `kiln.data.listing`).
 
 A unit is the work of one tokenizer task: consecutive files of the listing (in a seeded order)
-up to `unit_bytes`, or a byte range of one large JSONL file. Everything about a unit (which
-documents it holds, which of them are validation documents, the order of its rows) follows from
-the listing and the settings alone, never from which worker runs it or when, so the dataset is
-byte-identical whatever the number of workers, and a prepare that was killed can redo just the
-units it had not finished.
+up to `unit_bytes`, or a byte range of one large JSONL or Parquet file. Everything about a unit
+(which documents it holds, which of them are validation documents, the order of its rows)
+follows from the listing and the settings alone, never from which worker runs it or when, so
+the dataset is byte-identical whatever the number of workers, and a prepare that was killed can
+redo just the units it had not finished.
 """
 
 from __future__ import annotations
@@ -49,7 +49,8 @@ class InputFile:
 
 @dataclass(frozen=True)
 class Piece:
-    """A file, or the byte range [start, end) of a JSONL file (lines that start in it)."""
+    """A file, or the byte range [start, end) of a JSONL file (the lines that start in it) or of a
+    Parquet file (the row groups that start in it)."""
 
     file: InputFile
     start: int = 0
@@ -152,7 +153,7 @@ def _read_piece(piece: Piece, opts: ReadOptions, stats: ReadStats) -> Iterator[D
     if kind == "jsonl":
         yield from _jsonl(piece, opts, stats)
     elif kind == "parquet":
-        yield from _parquet(piece.file, opts)
+        yield from _parquet(piece, opts)
     elif opts.prompt_field:
         raise DataError(f"input {piece.file.uri}: instruction data (--prompt-field/--response-field) is read from "
                         ".jsonl or .parquet files")
@@ -262,17 +263,47 @@ def _line_number(f: InputFile, offset: int) -> int:
     return lines
 
 
-def _parquet(f: InputFile, opts: ReadOptions) -> Iterator[Document]:
-    fields = _fields(opts)
+def _parquet(piece: Piece, opts: ReadOptions) -> Iterator[Document]:
+    """The documents of the row groups that start in the piece's byte range (all of them for a
+    whole file), from the columns asked for only. A large file is cut into ranges as a JSONL
+    file is, a row group going to the range its first byte lies in, so a worker holds its
+    range's row groups (one larger than a range, whole), never the whole file."""
+    f, fields = piece.file, _fields(opts)
+    loc = _resolved(f.uri, f.endpoint)
+
+    def read() -> pa.Table | list[str]:
+        with loc.fs.open_input_file(loc.path) as h:
+            pf = pq.ParquetFile(h)
+            names = pf.schema_arrow.names
+            if any(n not in names for n in fields):
+                return names
+            end = piece.end if piece.end >= 0 else f.size
+            groups = [i for i in range(pf.num_row_groups) if piece.start <= _group_start(pf.metadata, i) < end]
+            return pf.read_row_groups(groups, columns=list(fields))
+
     try:
-        table = pq.read_table(pa.BufferReader(_read(f, 0, -1)))
+        table = retry_transient(read, f"reading {f.uri}")
+    except FileNotFoundError:
+        raise DataError(f"input {f.uri} disappeared while it was being read") from None
     except (OSError, pa.ArrowInvalid) as e:
         raise DataError(f"input {f.uri} is not a readable Parquet file: {e}") from None
-    for name in fields:
-        if name not in table.column_names:
-            raise DataError(f"input {f.uri} has no column {name!r} (columns: {table.column_names})")
+    if isinstance(table, list):
+        missing = next(n for n in fields if n not in table)
+        raise DataError(f"input {f.uri} has no column {missing!r} (columns: {table})")
     columns = [table.column(n).to_pylist() for n in fields]
     if len(fields) == 1:
         yield from (c for c in columns[0] if c)
     else:
         yield from ((p, r) for p, r in zip(*columns) if p is not None and r is not None)
+
+
+def _group_start(meta: pq.FileMetaData, i: int) -> int:
+    """The offset of row group i's first byte: the first page of its first column chunk in the
+    file (a dictionary page, where there is one, comes before the data pages)."""
+    group = meta.row_group(i)
+    starts = []
+    for j in range(group.num_columns):
+        col = group.column(j)
+        dictionary = col.dictionary_page_offset if col.has_dictionary_page else None
+        starts.append(dictionary or col.data_page_offset)  # some writers record a dictionary at 0
+    return min(starts)

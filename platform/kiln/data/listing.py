@@ -39,8 +39,9 @@ log = logging.getLogger(__name__)
 WINDOW_FILES = 8192  # files shuffled together: neighbours in a directory (one package's modules)
 # land in different units, while the window (a few MB of listing) stays the same size however
 # large the corpus is. A unit of 32 MiB holds ~2,000 source files, so a window spans several units.
-CUT_RULE = 2  # how the listing is cut into units (1: one permutation of the whole listing, and a
-# unit took the file that crossed unit_bytes; 2: windows, and a unit stays within unit_bytes).
+CUT_RULE = 3  # how the listing is cut into units (1: one permutation of the whole listing, and a
+# unit took the file that crossed unit_bytes; 2: windows, and a unit stays within unit_bytes;
+# 3: a Parquet file over unit_bytes is cut into byte ranges, as a JSONL file is).
 # Part of a prepare's key with WINDOW_FILES: a stopped prepare whose units were cut otherwise
 # is not resumed (its unit numbers name other files), nor its dataset reused as this one.
 COPY_CHUNK = 8 << 20  # bytes copied at a time when the spill is placed
@@ -208,7 +209,7 @@ def _bundles(files: Iterable[InputFile], unit_bytes: int) -> Iterator[tuple[Piec
     pending: list[Piece] = []
     held = 0
     for f in files:
-        ranges = f.kind == "jsonl" and f.size > unit_bytes
+        ranges = f.kind in ("jsonl", "parquet") and f.size > unit_bytes
         if pending and (ranges or held + f.size > unit_bytes):
             yield tuple(pending)
             pending, held = [], 0

@@ -3,6 +3,7 @@ a SIGKILL, and reads of only a replica's own row groups."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import signal
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from kiln.data.inputs import Piece, ReadOptions
 from kiln.data.manifest import load_manifest
 from kiln.data.prepare import PrepareConfig, _throughput, prepare
 from kiln.data.shards import row_group_rows
@@ -46,6 +48,43 @@ def test_jsonl_byte_ranges_read_each_record_once_and_bad_records_are_named_or_co
     assert split["units"] > 10 and whole["units"] == 1  # the file was cut into byte ranges
     for m in (split, whole):
         assert sum(m["documents"].values()) == 599 and m["input"]["bad_records_skipped"] == 1
+
+
+def test_a_large_parquet_file_is_cut_into_row_group_ranges_each_read_once_and_alone(tmp_path):
+    import tracemalloc
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from kiln.data.inputs import ReadStats, read_unit
+    from kiln.data.listing import _cut, list_inputs
+
+    texts = [f"row {i}: " + "lorem ipsum dolor sit amet " * (20 + i % 13) for i in range(4000)]
+    src = tmp_path / "d.parquet"  # 40 row groups of 100 rows (~90 KB each), and a column not asked for
+    pq.write_table(pa.table({"text": texts, "other": ["x" * 200] * len(texts)}), src, row_group_size=100,
+                   compression="none", use_dictionary=False)
+    units = list(_cut(list_inputs([str(src)]), 256 << 10))
+    assert len(units) > 10 and all(len(u.pieces) == 1 and u.pieces[0].end > 0 for u in units)
+
+    def read(unit):
+        tracemalloc.start()
+        docs = [d for _, d in read_unit(unit, ReadOptions(), ReadStats())]
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        return docs, peak
+
+    parts = [read(u) for u in units]
+    assert [d for docs, _ in parts for d in docs] == texts  # every row once, in the file's order
+    assert all(len(docs) % 100 == 0 for docs, _ in parts)  # whole row groups
+    whole_docs, whole_peak = read(dataclasses.replace(units[0], pieces=(Piece(units[0].pieces[0].file),)))
+    assert whole_docs == texts
+    assert max(peak for _, peak in parts) < whole_peak / 4  # a unit holds its range, not the file
+    # end to end: cut or whole, the same documents, and the split ranges read as many
+    common = dict(inputs=[str(src)], tokenizer="byte", seq_len=64)
+    cut = prepare(PrepareConfig(output=str(tmp_path / "cut"), unit_bytes=256 << 10, **common))
+    whole = prepare(PrepareConfig(output=str(tmp_path / "whole"), unit_bytes=64 << 20, **common))
+    assert cut["units"] == len(units) and whole["units"] == 1
+    assert sum(cut["documents"].values()) == sum(whole["documents"].values()) == len(texts)
 
 
 def test_throughput_is_over_the_span_to_the_last_record_back():

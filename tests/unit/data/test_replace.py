@@ -147,3 +147,20 @@ def test_a_prepare_stopped_before_its_first_unit_is_resumed_not_refused(where, s
     left = resolve(uri, s3).list_files()
     assert not [f for f in left if f.startswith("_units")], left
     assert not list(tmp_path.glob(".ds.partial-*"))
+
+
+def test_a_large_parquet_input_on_s3_is_read_by_row_group_ranges(s3, tmp_path):
+    """The ranges of a Parquet file cut into units are read from S3 (the footer, then the row
+    groups that start in each range), and give what the same file gives locally."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    texts = [f"row {i}: " + "lorem ipsum dolor sit amet " * (20 + i % 13) for i in range(2000)]
+    pq.write_table(pa.table({"text": texts}), tmp_path / "d.parquet", row_group_size=100, compression="none")
+    resolve("s3://kiln-resume/in/d.parquet", s3).write_bytes((tmp_path / "d.parquet").read_bytes())
+    common = dict(tokenizer="byte", seq_len=64, unit_bytes=200 << 10, s3_endpoint=s3)
+    remote = prepare(PrepareConfig(inputs=["s3://kiln-resume/in/"], output=str(tmp_path / "a"), **common))
+    local = prepare(PrepareConfig(inputs=[str(tmp_path / "d.parquet")], output=str(tmp_path / "b"), **common))
+    assert remote["units"] == local["units"] > 4
+    assert remote["documents"] == local["documents"] and sum(local["documents"].values()) == len(texts)
+    assert remote["splits"]["train"]["tokens"] == local["splits"]["train"]["tokens"]
