@@ -16,7 +16,8 @@ The corpus is real text nobody here wrote: the Python sources of the installed p
    other processes.
 2. Peak RSS (and USS) of the driver and of each tokenizer actor (psutil, sampled every 0.2 s) at two
    corpus sizes 10x apart, the larger over 2 GB (site-packages seen through several symlinked
-   copies: the same bytes again, read again), with the byte tokenizer and 2 actors.
+   copies: the same bytes again, read again), with the byte tokenizer and 2 actors; then from
+   one large Parquet file and from one twice its size.
 
     python bench/prepare.py                       # ~20 minutes on 2 cores
 """
@@ -180,22 +181,24 @@ def main() -> None:
     ap.add_argument("--scale-mb", type=int, default=200,
                     help="a larger corpus for 2 actors against the plain loop, --scale-rounds times (MB; 0: skip)")
     ap.add_argument("--no-memory", action="store_true", help="the throughput part only")
+    ap.add_argument("--parquet-only", action="store_true", help="the large Parquet file's memory only")
     args = ap.parse_args()
     lines = [f"\n## Data preparation, {time.strftime('%Y-%m-%d %H:%M')}\n",
              f"Machine: {machine()}. Command: `python bench/prepare.py --small-mb {args.small_mb} "
              f"--rss-mb {args.rss_mb} --scale-mb {args.scale_mb} --scale-rounds {args.scale_rounds} --unit-mb {args.unit_mb}"
-             f"{' --no-memory' if args.no_memory else ''}`. Corpus: the `.py` files of the installed "
+             f"{' --no-memory' if args.no_memory else ''}{' --parquet-only' if args.parquet_only else ''}`. Corpus: the `.py` files of the installed "
              "packages (site-packages), in sorted order.\n"]
     unit = ["--unit-bytes", str(args.unit_mb << 20)]
     with tempfile.TemporaryDirectory(dir=REPO / "runs" if (REPO / "runs").is_dir() else None) as tmp:
         tmp = Path(tmp)
-        if args.small_mb:
+        if args.small_mb and not args.parquet_only:
             rows, tok_file = throughput_part(tmp, args, unit)
             lines += rows
             if args.scale_mb:
                 lines += scale_part(tmp, args, unit, tok_file)
         if not args.no_memory:
-            lines += memory_part(tmp, args, unit)
+            lines += [] if args.parquet_only else memory_part(tmp, args, unit)
+            lines += parquet_part(tmp, args, unit)
     text = "\n".join(lines) + "\n"
     print(text)
     with open(REPO / "bench" / "RESULTS.md", "a") as f:
@@ -320,6 +323,31 @@ def memory_part(tmp: Path, args, unit: list[str]) -> list[str]:
         shutil.rmtree(tmp / f"out-{name}", ignore_errors=True)
     rows.append(f"\nThe larger corpus is {large_mb / small_mb:.1f}x the smaller (site-packages' sources seen "
                 f"through {copies} symlinked copies where one is not enough).\n")
+    return rows
+
+
+def parquet_part(tmp: Path, args, unit: list[str]) -> list[str]:
+    """Peak RSS of a prepare from one Parquet file (the small memory corpus's text, a row per
+    source file, row groups of 256 rows as datasets are published), and from that file twice
+    over: a file over --unit-bytes is read by row-group ranges, so neither grows with the file."""
+    table = pa.table({"text": [f.read_bytes().decode("utf-8", errors="replace")
+                               for f in corpus_files(args.rss_mb * 1_000_000)]})
+    rows = ["### Peak memory from one large Parquet file (byte tokenizer, 2 actors, seq_len 512)\n",
+            "| input | text MB | file MB | units | wall (s) | driver peak RSS (MiB) | largest actor peak RSS (MiB) | "
+            "largest actor peak USS (MiB) |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for copies in (1, 2):
+        src = tmp / f"parquet-{copies}x.parquet"
+        pq.write_table(pa.concat_tables([table] * copies), src, row_group_size=256)
+        out = tmp / f"out-parquet-{copies}"
+        wall, peaks = run_measured(prepare_cmd(src, out, 2, "byte", unit))
+        mib = {k: v / 2**20 for k, v in peaks.items()}
+        units = json.loads((out / "manifest.json").read_text())["units"]
+        text_mb = copies * sum(len(t.as_py().encode()) for t in table.column("text")) / 1e6
+        rows.append(f"| the corpus x{copies}, one file | {text_mb:,.0f} | {src.stat().st_size / 1e6:,.0f} | {units} | "
+                    f"{wall:.0f} | {mib.get('driver', 0):,.0f} | {mib.get('actor', 0):,.0f} | "
+                    f"{mib.get('actor-uss', 0):,.0f} |")
+        shutil.rmtree(out, ignore_errors=True)
+    rows.append("\n`--unit-bytes` counts the file's (compressed) bytes: a unit holds its range's row groups.\n")
     return rows
 
 
