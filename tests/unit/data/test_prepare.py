@@ -1,8 +1,10 @@
 import hashlib
 import json
+import re
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -88,6 +90,8 @@ def test_jsonl_and_parquet_inputs(tmp_path):
     (lambda d: d.mkdir(), "holds no text files"),
     (lambda d: (d.mkdir(), (d / "a.txt").write_text("  \n\n ")), "the corpus is empty"),
     (lambda d: (d.mkdir(), (d / "x.parquet").write_bytes(b"PAR1 this is not parquet")), "x.parquet is not a readable Parquet file"),
+    (lambda d: (d.mkdir(), pq.write_table(pa.table({"body": ["some text"] * 9}), d / "x.parquet")),
+     "x.parquet has no column 'text' (columns: ['body'])"),
     (lambda d: (d.mkdir(), (d / "x.jsonl").write_text('{"text": "ok"}\n{broken\n')), "x.jsonl:2: not valid JSON"),
     (lambda d: (d.mkdir(), (d / "x.jsonl").write_text('{"content": "ok"}\n')), "expected an object with a string field 'text'"),
     (lambda d: (d.mkdir(), (d / "a.txt").write_text("tiny"), (d / "b.txt").write_text("tiny")), "too small for --seq-len"),
@@ -96,7 +100,7 @@ def test_bad_corpora_fail_cleanly_and_leave_nothing(tmp_path, setup, needle):
     src = tmp_path / "src"
     setup(src)
     out = tmp_path / "out"
-    with pytest.raises(DataError, match=needle.replace("[", r"\[").replace("(", r"\(")):
+    with pytest.raises(DataError, match=re.escape(needle)):
         prepare(PrepareConfig(inputs=[str(src)], output=str(out), tokenizer="byte", seq_len=64))
     assert not out.exists()
     assert _leftovers(tmp_path) == []
