@@ -40,6 +40,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from throughput import BIN, REPO, machine
 
@@ -196,8 +197,9 @@ def main() -> None:
             lines += rows
             if args.scale_mb:
                 lines += scale_part(tmp, args, unit, tok_file)
+        if not args.no_memory and not args.parquet_only:
+            lines += memory_part(tmp, args, unit)
         if not args.no_memory:
-            lines += [] if args.parquet_only else memory_part(tmp, args, unit)
             lines += parquet_part(tmp, args, unit)
     text = "\n".join(lines) + "\n"
     print(text)
@@ -332,6 +334,7 @@ def parquet_part(tmp: Path, args, unit: list[str]) -> list[str]:
     over: a file over --unit-bytes is read by row-group ranges, so neither grows with the file."""
     table = pa.table({"text": [f.read_bytes().decode("utf-8", errors="replace")
                                for f in corpus_files(args.rss_mb * 1_000_000)]})
+    text_mb = pc.sum(pc.binary_length(table.column("text"))).as_py() / 1e6  # UTF-8 bytes
     rows = ["### Peak memory from one large Parquet file (byte tokenizer, 2 actors, seq_len 512)\n",
             "| input | text MB | file MB | units | wall (s) | driver peak RSS (MiB) | largest actor peak RSS (MiB) | "
             "largest actor peak USS (MiB) |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
@@ -342,8 +345,7 @@ def parquet_part(tmp: Path, args, unit: list[str]) -> list[str]:
         wall, peaks = run_measured(prepare_cmd(src, out, 2, "byte", unit))
         mib = {k: v / 2**20 for k, v in peaks.items()}
         units = json.loads((out / "manifest.json").read_text())["units"]
-        text_mb = copies * sum(len(t.as_py().encode()) for t in table.column("text")) / 1e6
-        rows.append(f"| the corpus x{copies}, one file | {text_mb:,.0f} | {src.stat().st_size / 1e6:,.0f} | {units} | "
+        rows.append(f"| the corpus x{copies}, one file | {copies * text_mb:,.0f} | {src.stat().st_size / 1e6:,.0f} | {units} | "
                     f"{wall:.0f} | {mib.get('driver', 0):,.0f} | {mib.get('actor', 0):,.0f} | "
                     f"{mib.get('actor-uss', 0):,.0f} |")
         shutil.rmtree(out, ignore_errors=True)

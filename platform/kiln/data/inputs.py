@@ -15,8 +15,9 @@ import functools
 import json
 import logging
 import posixpath
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 import pyarrow as pa
@@ -26,6 +27,7 @@ from kiln.errors import DataError
 from kiln.storage import resolve, retry_transient
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".text", ".jsonl", ".parquet"}  # what a directory's walk takes
 BINARY_SNIFF = 8192  # bytes looked at for a NUL: text of any encoding Kiln reads has none
@@ -56,6 +58,11 @@ class Piece:
     start: int = 0
     end: int = -1
 
+    @property
+    def stop(self) -> int:
+        """Where the range ends: `end`, or the file's size for a whole file (end -1)."""
+        return self.end if self.end >= 0 else self.file.size
+
 
 @dataclass(frozen=True)
 class Unit:
@@ -66,7 +73,7 @@ class Unit:
 
     @property
     def bytes(self) -> int:
-        return sum((p.end if p.end >= 0 else p.file.size) - p.start for p in self.pieces)
+        return sum(p.stop - p.start for p in self.pieces)
 
 
 @dataclass
@@ -182,20 +189,30 @@ def _read(f: InputFile, start: int, end: int) -> bytes:
     return read_range(f.uri, start, end, f.endpoint)
 
 
+def _opened(uri: str, endpoint: str, use: Callable[[pa.NativeFile], T]) -> T:
+    """`use(handle)` on the input file, opened again while S3 fails transiently; a file gone
+    since the listing is named. Other errors are the caller's to name."""
+    loc = _resolved(uri, endpoint)
+
+    def attempt() -> T:
+        with loc.fs.open_input_file(loc.path) as h:
+            return use(h)
+
+    try:
+        return retry_transient(attempt, f"reading {uri}")
+    except FileNotFoundError:
+        raise DataError(f"input {uri} disappeared while it was being read") from None
+
+
 def read_range(uri: str, start: int, end: int, endpoint: str = "") -> bytes:
     """Bytes [start, end) of a file (end -1: to its end); a transient S3 error is retried, then
     named with the file."""
-    loc = _resolved(uri, endpoint)
-
-    def read() -> bytes:
-        with loc.fs.open_input_file(loc.path) as h:
-            stop = h.size() if end < 0 else min(end, h.size())
-            return h.read_at(max(0, stop - start), start) if stop > start else b""
+    def read(h: pa.NativeFile) -> bytes:
+        stop = h.size() if end < 0 else min(end, h.size())
+        return h.read_at(max(0, stop - start), start) if stop > start else b""
 
     try:
-        return retry_transient(read, f"reading {uri}")
-    except FileNotFoundError:
-        raise DataError(f"input {uri} disappeared while it was being read") from None
+        return _opened(uri, endpoint, read)
     except OSError as e:
         raise DataError(f"input {uri} cannot be read: {getattr(e, 'strerror', None) or e}") from None
 
@@ -204,7 +221,7 @@ def _jsonl_lines(piece: Piece) -> tuple[bytes, int]:
     """The whole lines that start in the piece's range, and the offset of the first one. A line
     belongs to the range its first byte lies in, so ranges split a file without a line lost or
     read twice."""
-    f, end = piece.file, piece.end if piece.end >= 0 else piece.file.size
+    f, end = piece.file, piece.stop
     begin = max(0, piece.start - 1)  # one byte back: whether the range starts a line
     data = _read(f, begin, end)
     first = 0
@@ -269,27 +286,20 @@ def _parquet(piece: Piece, opts: ReadOptions) -> Iterator[Document]:
     file is, a row group going to the range its first byte lies in, so a worker holds its
     range's row groups (one larger than a range, whole), never the whole file."""
     f, fields = piece.file, _fields(opts)
-    loc = _resolved(f.uri, f.endpoint)
 
-    def read() -> pa.Table | list[str]:
-        with loc.fs.open_input_file(loc.path) as h:
-            pf = pq.ParquetFile(h)
-            names = pf.schema_arrow.names
-            if any(n not in names for n in fields):
-                return names
-            end = piece.end if piece.end >= 0 else f.size
-            groups = [i for i in range(pf.num_row_groups) if piece.start <= _group_start(pf.metadata, i) < end]
-            return pf.read_row_groups(groups, columns=list(fields))
+    def read(h: pa.NativeFile) -> pa.Table:
+        pf = pq.ParquetFile(h)
+        names = pf.schema_arrow.names
+        for name in fields:
+            if name not in names:  # a DataError: not retried, not taken for an unreadable file
+                raise DataError(f"input {f.uri} has no column {name!r} (columns: {names})")
+        groups = [i for i in range(pf.num_row_groups) if piece.start <= _group_start(pf.metadata, i) < piece.stop]
+        return pf.read_row_groups(groups, columns=list(fields))
 
     try:
-        table = retry_transient(read, f"reading {f.uri}")
-    except FileNotFoundError:
-        raise DataError(f"input {f.uri} disappeared while it was being read") from None
+        table = _opened(f.uri, f.endpoint, read)
     except (OSError, pa.ArrowInvalid) as e:
         raise DataError(f"input {f.uri} is not a readable Parquet file: {e}") from None
-    if isinstance(table, list):
-        missing = next(n for n in fields if n not in table)
-        raise DataError(f"input {f.uri} has no column {missing!r} (columns: {table})")
     columns = [table.column(n).to_pylist() for n in fields]
     if len(fields) == 1:
         yield from (c for c in columns[0] if c)
