@@ -21,6 +21,7 @@ from kiln.model import GPT, GPTConfig
 from kiln.parallel.ops import use_environment_cache
 from kiln.parallel.pipeline import check_coords, to_pipeline
 from kiln.redact import redact_tree
+from kiln.train.collectives import ranks
 from kiln.train.loop import WorldInfo, prepare_process
 from kiln.train.optim import (
     StepGate,
@@ -257,7 +258,22 @@ def initialize(cfg: RunConfig, mcfg: GPTConfig, data_parallel_size: int, device:
     # checkpoint (`ds_config`): masked, a secret in the passthrough never reaches a checkpoint.
     engine.config = redact_tree(engine.config)
     install_fp32_clipping(engine)
+    skip_lone_allreduce(engine, cfg)
     return engine, scheduler
+
+
+def skip_lone_allreduce(engine, cfg: RunConfig) -> None:
+    """No gradient all-reduce in a one-process run at ZeRO-0.
+
+    DeepSpeed's ZeRO-0 path all-reduces the gradients at every accumulation boundary even when
+    the process group holds one rank: it flattens them into buckets, runs the collective,
+    divides by 1 and copies them back (1.6 ms of a 100 ms step of the `debug` GPT on 2 CPU
+    cores, measured with cProfile). Averaging over one rank is the identity, so the result is
+    the same without it. ZeRO 1-3 reduce inside their own optimizer, and a pipeline reduces
+    per stage; both are left alone.
+    """
+    if cfg.parallel.zero_stage == 0 and cfg.parallel.pipeline_stages == 1 and ranks() == 1:
+        engine.enable_backward_allreduce = False
 
 
 # ---- gradient clipping on DeepSpeed's plain fp32 path -------------------------------------------

@@ -1,0 +1,54 @@
+"""The engine Kiln builds around the GPT: what it leaves out of a one-process run changes nothing."""
+
+import json
+import subprocess
+import sys
+
+from kiln.launch.local import free_port
+
+# One process, world size 1: two ZeRO-0 engines from the same seed, one as Kiln builds it (no
+# gradient all-reduce) and one with DeepSpeed's all-reduce forced back on; 3 optimizer steps of
+# 2 micro-batches each on the same batches. Then a ZeRO-1 engine, which must keep its own reduce.
+SCRIPT = r"""
+import json, os, sys
+import torch
+os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
+from kiln.config import load_config
+from kiln.parallel.engine import build_engine
+from kiln.train.loop import WorldInfo
+
+def engine(stage):
+    cfg = load_config(None, ["model.flavour=debug", "model.vocab_size=256", "model.seq_len=32",
+                             f"parallel.zero_stage={stage}", "parallel.num_workers=1", "train.grad_accum_steps=2",
+                             "train.micro_batch_size=4", "train.grad_clip=1.0", "optim.lr=1e-2"])
+    return build_engine(cfg, WorldInfo())[0]
+
+lone, forced = engine(0), engine(0)
+flags = [lone.enable_backward_allreduce]
+forced.enable_backward_allreduce = True
+reduced = []
+bucketed = forced.buffered_allreduce_fallback  # the collective at each accumulation boundary
+forced.buffered_allreduce_fallback = lambda *a, **k: (reduced.append(1), bucketed(*a, **k))[1]
+torch.manual_seed(0)
+batches = [torch.randint(0, 256, (4, 33)) for _ in range(6)]
+for batch in batches:
+    for e in (lone, forced):
+        _, loss = e(batch[:, :-1], batch[:, 1:])
+        e.backward(loss)
+        e.step()
+same = all(torch.equal(a, b) for a, b in zip(lone.module.parameters(), forced.module.parameters()))
+moved = any(not torch.equal(a, b) for a, b in zip(lone.module.parameters(), engine(0).module.parameters()))
+flags.append(engine(1).enable_backward_allreduce)
+print(json.dumps({"flags": flags, "same": same, "moved": moved, "reduced": len(reduced)}))
+"""
+
+
+def test_a_one_process_zero0_run_skips_the_gradient_allreduce_and_trains_identically():
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(free_port())], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["flags"] == [False, True]  # ZeRO-0 alone skips it; ZeRO-1 keeps its optimizer's reduce
+    assert out["reduced"] == 3  # the forced engine did all-reduce, once per optimizer step
+    assert out["moved"]  # the steps changed the weights
+    assert out["same"]  # and bit for bit as with the all-reduce
