@@ -30,6 +30,7 @@ from kiln.train.affinity import pin_worker
 from kiln.train.checkpoint import TAG, CheckpointPolicy, model_card
 from kiln.train.collectives import mean_over_ranks
 from kiln.train.health import BadLoss, HealthGuard
+from kiln.train.host_memory import apply_host_malloc
 from kiln.train.leaks import LeakWatch
 from kiln.train.meter import StepMeter, memory_in_use, memory_metrics
 from kiln.train.optim import StepGate
@@ -57,9 +58,11 @@ class WorldInfo:
 
 def prepare_process(cfg: RunConfig, world: WorldInfo) -> None:
     """Seed and set up this process's torch before the model is built (its init draws): threads
-    and their cores on CPU, TF32 and the caching allocator's settings on GPU."""
+    and their cores on CPU, TF32 and the caching allocator's settings on GPU; the host's malloc
+    on both."""
     torch.manual_seed(cfg.train.seed)
     p = cfg.parallel
+    apply_host_malloc(p.host_malloc)
     if world.device.type == "cpu":
         torch.set_num_threads(max(1, int(p.cpus_per_worker)))
         if p.pin_cpu_threads:
