@@ -61,6 +61,8 @@ lint: $(TEST_STAMP)
 
 bench: $(DEMO_DATA)
 	$(BIN)/python bench/throughput.py
+	$(BIN)/python bench/throughput.py --launcher local --zero-stages 0
+	$(BIN)/python bench/step_ab.py
 	$(BIN)/python bench/checkpoint_overhead.py
 	$(BIN)/python bench/startup_cpu.py
 	$(BIN)/python bench/generate.py

@@ -22,6 +22,7 @@ from kiln.data.manifest import load_manifest
 from kiln.data.sources import ParquetSource
 from kiln.model import GPT, config_for, flops_per_token, padded_vocab
 from kiln.storage import resolve
+from kiln.train.host_memory import keep_freed_memory
 from kiln.train.meter import datasheet_peak_flops
 from kiln.train.optim import build_optimizer, lr_multiplier
 
@@ -40,7 +41,12 @@ def main() -> None:
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     p.add_argument("--compile", action="store_true", help="torch.compile the model (inductor)")
     p.add_argument("--threads", type=int, default=0, help="torch threads on CPU; 0: all cores")
+    p.add_argument("--host-malloc", choices=["default", "keep"], default="default",
+                   help="keep: glibc's malloc set as Kiln's parallel.host_malloc=keep sets it (a user's loop "
+                        "leaves it at its defaults)")
     args = p.parse_args()
+    if args.host_malloc == "keep":
+        keep_freed_memory()
 
     device = torch.device(args.device)
     if device.type == "cpu":

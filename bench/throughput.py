@@ -2,8 +2,9 @@
 
 Reports steady-state tokens/s of each and their ratio, the time from command start to the first
 optimizer step, and the share of step time Kiln's workers spent waiting for data: medians over
-`--repeats` rounds that alternate which runs first (this VM's speed drifts by 10-20% between
-minutes). Prints a table and appends it to bench/RESULTS.md with the command and the machine.
+`--repeats` rounds, each between two plain-loop runs whose mean it is compared with (this VM's
+speed drifts by 10-20% between minutes). `bench/step_ab.py` resolves the step's own overhead
+below that noise, in one process. Prints a table and appends it to bench/RESULTS.md with the command and the machine.
 
     python bench/throughput.py                     # CPU: the demo config (2 workers, ZeRO-2)
     python bench/throughput.py --launcher local --device cuda --config jobs/configs/gpt2-124m.yaml \
@@ -64,7 +65,7 @@ def run_kiln(args, overrides: list[str], out_json: str) -> dict:
 def run_plain(args, batch: int) -> dict:
     cmd = [sys.executable, str(REPO / "bench" / "plain_loop.py"), "--data", args.data, "--flavour", args.flavour,
            "--batch", str(batch), "--steps", str(args.steps), "--device", args.device, "--precision", args.precision,
-           *(["--compile"] if args.compile else [])]
+           "--host-malloc", args.plain_host_malloc, *(["--compile"] if args.compile else [])]
     print("+", " ".join(cmd), flush=True)
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -87,14 +88,17 @@ def main() -> None:
     p.add_argument("--precision", default="fp32")
     p.add_argument("--zero-stages", default="2", help="with --launcher local: ZeRO stages to run")
     p.add_argument("--compile", action="store_true", help="train.compile for Kiln, model.compile() for the plain loop")
+    p.add_argument("--plain-host-malloc", choices=["default", "keep"], default="default",
+                   help="the plain loop's malloc: glibc's defaults, as a user's loop has them, or set as Kiln's "
+                        "parallel.host_malloc=keep sets it (to compare the rest of Kiln's path alike)")
     p.add_argument("--set", dest="sets", action="append", default=[], help="extra Kiln override, repeatable")
     p.add_argument("--results", default=str(REPO / "bench" / "RESULTS.md"))
     p.add_argument("--repeats", type=int, default=3,
-                   help="rounds of every run, the plain loop first in every other round; the table shows "
+                   help="rounds of every Kiln run, each round between two plain-loop runs; the table shows "
                         "medians (this VM's speed drifts by 10-20%% between minutes)")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        rounds = [one_round(args, tmp, r) for r in range(args.repeats)]
+        rounds = bracketed_rounds(args, tmp)
     text = report(args, rounds)
     print(text)
     results = Path(args.results)
@@ -133,26 +137,30 @@ def global_batch(args) -> int:
     return args.batch * (int(args.workers.split(",")[0]) if args.launcher == "ray" else 1)
 
 
-def one_round(args, tmp: str, r: int) -> dict[str, dict]:
-    """Every run once, as {label: figures}; the plain loop goes first in odd rounds, last in even."""
-    out: dict[str, dict] = {}
-
-    def plain():
+def bracketed_rounds(args, tmp: str) -> list[dict[str, dict]]:
+    """Every Kiln run once per round, each round between two plain-loop runs (the plain run that
+    ends one round begins the next): a round's plain figure is the mean of its two brackets, so
+    a drift of this VM's speed during the round cancels to first order."""
+    def plain() -> dict:
         m = run_plain(args, global_batch(args))
-        out[PLAIN] = {"tok": m["tokens_per_s"], "first": m["seconds_to_first_step"], "first_s": m["first_step_s"],
-                      "wait": None, "mfu": m.get("mfu"), "mem": m.get("max_reserved_gib"), "startup": []}
+        return {"tok": m["tokens_per_s"], "first": m["seconds_to_first_step"], "first_s": m["first_step_s"],
+                "wait": None, "mfu": m.get("mfu"), "mem": m.get("max_reserved_gib"), "startup": []}
 
-    if r % 2:
-        plain()
-    for i, (label, over) in enumerate(kiln_configs(args, tmp)):
-        s = run_kiln(args, over, f"{tmp}/r{r}k{i}.json")
-        m = s["metrics"]
-        out[label] = {"tok": m["throughput/tokens_per_s"], "first": s["seconds_to_first_step"],
-                      "first_s": m.get("time/first_step_s"), "wait": m["time/data_wait_share"], "mfu": m.get("mfu"),
-                      "mem": m.get("memory/max_reserved_gib"), "startup": startup_breakdown(m)}
-    if not r % 2:
-        plain()
-    return out
+    before, rounds = plain(), []
+    for r in range(args.repeats):
+        out: dict[str, dict] = {}
+        for i, (label, over) in enumerate(kiln_configs(args, tmp)):
+            s = run_kiln(args, over, f"{tmp}/r{r}k{i}.json")
+            m = s["metrics"]
+            out[label] = {"tok": m["throughput/tokens_per_s"], "first": s["seconds_to_first_step"],
+                          "first_s": m.get("time/first_step_s"), "wait": m["time/data_wait_share"],
+                          "mfu": m.get("mfu"), "mem": m.get("memory/max_reserved_gib"),
+                          "startup": startup_breakdown(m)}
+        after = plain()
+        out[PLAIN] = before | {"tok": (before["tok"] + after["tok"]) / 2}
+        rounds.append(out)
+        before = after
+    return rounds
 
 
 def report(args, rounds: list[dict[str, dict]]) -> str:
@@ -168,14 +176,17 @@ def report(args, rounds: list[dict[str, dict]]) -> str:
         f"## {time.strftime('%Y-%m-%d %H:%M')} — {args.launcher} launcher, {args.device}, {args.flavour}, "
         f"{args.precision}{', compiled' if args.compile else ''}, micro-batch {args.batch}, {args.steps} steps",
         "", f"Command: `python bench/throughput.py {' '.join(sys.argv[1:])}`  ", f"Machine: {machine()}  ",
-        f"Medians of {len(rounds)} round(s); the ratio range is the lowest and highest of the rounds' own ratios.", "",
+        f"Medians of {len(rounds)} round(s), each against the mean of the plain runs before and after it; "
+        "the ratio range is the lowest and highest of the rounds' own ratios.", "",
         "| run | tokens/s (steady) | ratio vs plain | ratio range | s to first step | first step s (compile) "
         "| data wait share | MFU | max reserved GiB |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for label in [PLAIN, *(k for k in rounds[0] if k != PLAIN)]:
         ratios = [r[label]["tok"] / r[PLAIN]["tok"] for r in rounds]
-        lines.append(f"| {label} | {med(label, 'tok'):,.0f} | {statistics.median(ratios):.3f} "
+        shown = label + (", malloc as Kiln's host_malloc=keep" if label == PLAIN and args.plain_host_malloc == "keep"
+                         else "")
+        lines.append(f"| {shown} | {med(label, 'tok'):,.0f} | {statistics.median(ratios):.3f} "
                      f"| {min(ratios):.3f}-{max(ratios):.3f} | {med(label, 'first'):.1f} "
                      f"| {fmt(med(label, 'first_s'), '.1f')} | {fmt(med(label, 'wait'), '.1f', True)} "
                      f"| {fmt(med(label, 'mfu'), '.1f', True)} | {fmt(med(label, 'mem'), '.2f')} |")
