@@ -9,7 +9,9 @@ stepped through Kiln's `train_step` (health guard, step gate, phase timer, clipp
 one-process all-reduce skip of `kiln.parallel.engine`), and the same with that all-reduce kept.
 It times short blocks of steps of each in turn, rotating which goes first, on the same batches
 and threads. A ratio is a block's steps/s over the plain block's of the same round; the table
-shows the medians over rounds.
+shows the medians over rounds. One process has one malloc: every row runs with Kiln's
+`parallel.host_malloc` (keep), set when Kiln's engine is built, so the malloc's effect is not in
+these ratios (`bench/throughput.py --plain-host-malloc` measures it).
 
     python bench/step_ab.py                       # the debug GPT, micro-batch 16, 2 threads
     python bench/step_ab.py --flavour small --rounds 9

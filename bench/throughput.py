@@ -3,8 +3,9 @@
 Reports steady-state tokens/s of each and their ratio, the time from command start to the first
 optimizer step, and the share of step time Kiln's workers spent waiting for data: medians over
 `--repeats` rounds, each between two plain-loop runs whose mean it is compared with (this VM's
-speed drifts by 10-20% between minutes). `bench/step_ab.py` resolves the step's own overhead
-below that noise, in one process. Prints a table and appends it to bench/RESULTS.md with the command and the machine.
+speed drifts by 10-20% between minutes); `bench/step_ab.py` resolves the step's own overhead
+below that noise, in one process. Prints a table and appends it to bench/RESULTS.md with the
+command and the machine.
 
     python bench/throughput.py                     # CPU: the demo config (2 workers, ZeRO-2)
     python bench/throughput.py --launcher local --device cuda --config jobs/configs/gpt2-124m.yaml \

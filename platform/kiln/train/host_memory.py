@@ -5,10 +5,10 @@ allocations shrink: it serves blocks over its mmap threshold (128 KiB at start, 
 blocks are freed, up to 32 MiB) with a mapping of their own, unmapped on free, and hands the
 free top of its heap back to the OS once that exceeds twice that threshold. A training step
 frees and re-allocates the same activations and gradients every step, so every step maps and
-faults in tens of megabytes of fresh zeroed pages again. Measured with the plain loop of
-`bench/plain_loop.py` on the `debug` GPT, 2 cores, 150 steps: 1.4-2.0M minor page faults and
-11-15% of the CPU time in the kernel; with the settings below 0.11M faults, 3% in the kernel,
-and 1.15-1.27x the steps/s, at the same peak RSS (bench/RESULTS.md).
+faults in tens of megabytes of fresh zeroed pages again. Measured with `bench/plain_loop.py`
+on the `debug` GPT, 2 cores, 150 steps: 1.5-1.8M minor page faults and 11-13% of the CPU time
+in the kernel; with the settings below 0.11M faults and 3% in the kernel, at the same peak RSS;
+about 1.1x the tokens/s in Kiln's bench runs (bench/RESULTS.md).
 
 `keep` sets, once per process and before the model is built:
 - the mmap threshold to its 64-bit ceiling, 32 MiB, so blocks up to that size come from the
@@ -17,9 +17,10 @@ and 1.15-1.27x the steps/s, at the same peak RSS (bench/RESULTS.md).
 The process's resident memory then stays at its high-water mark instead of rising and falling
 with each step; the peak is the same.
 
-Hand-written with ctypes because no maintained Python package sets malloc's options at run time;
-the alternatives (`MALLOC_*_` environment variables, or jemalloc/tcmalloc through LD_PRELOAD)
-must be in place before the process starts, which a Ray worker's launcher does not control.
+Hand-written with ctypes because no maintained Python package sets malloc's options at run time.
+The alternatives (glibc's `MALLOC_*_` environment variables, or jemalloc/tcmalloc through
+LD_PRELOAD) must be in place before the process starts: in every Ray job's runtime environment,
+in the shell of a local or torchrun launch. One call as the worker starts covers every launcher.
 """
 
 from __future__ import annotations
