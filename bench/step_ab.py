@@ -91,6 +91,7 @@ def main() -> None:
     with open(args.results, "a") as f:
         f.write(text + "\n")
 
+
 def plain_stepper(cfg):
     torch.manual_seed(cfg.train.seed)
     model = GPT(gpt_config(cfg))
