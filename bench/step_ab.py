@@ -123,7 +123,8 @@ def kiln_stepper(cfg, allreduce: bool = False):
     """Kiln's step; `allreduce` puts back the gradient all-reduce that a one-process run skips."""
     world = WorldInfo()
     engine, scheduler = build_engine(cfg, world)
-    engine.enable_backward_allreduce = allreduce or engine.enable_backward_allreduce
+    if allreduce:
+        engine.enable_backward_allreduce = True
     guard, gate, timer = HealthGuard(cfg.train.health, 0, world.device), scheduler.gate, PhaseTimer(world.device)
     timer.on = False  # as on the steps whose metrics nobody reads
     count = itertools.count(1)

@@ -36,8 +36,8 @@ MMAP_THRESHOLD = 32 << 20  # glibc's ceiling on 64-bit (4 MiB x sizeof(long)); a
 TRIM_THRESHOLD = 2**31 - 1  # mallopt's value is a C int
 
 
-def keep_freed_memory() -> str:
-    """Apply `keep` to this process's malloc; what was done, in words (for the log)."""
+def keep_freed_memory() -> tuple[bool, str]:
+    """Apply `keep` to this process's malloc: whether it took, and what was done, in words."""
     name = ctypes.util.find_library("c")
     try:
         libc = ctypes.CDLL(name)
@@ -45,16 +45,15 @@ def keep_freed_memory() -> str:
         libc.gnu_get_libc_version.restype = ctypes.c_char_p
         version = libc.gnu_get_libc_version().decode()
     except (OSError, AttributeError, TypeError):  # not glibc (musl, macOS): nothing to set
-        return f"left as the C library's defaults ({name or 'no libc found'} is not glibc)"
-    ok = mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
-    if not ok:
-        return f"glibc {version} refused the settings; left as its defaults"
-    return f"glibc {version} malloc keeps freed memory (mmap threshold 32 MiB, trim threshold 2 GiB)"
+        return False, f"left as the C library's defaults ({name or 'no libc found'} is not glibc)"
+    if mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) != 1 or mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) != 1:
+        return False, f"glibc {version} refused the settings; left as its defaults"
+    return True, f"glibc {version} malloc keeps freed memory (mmap threshold 32 MiB, trim threshold 2 GiB)"
 
 
 def apply_host_malloc(mode: str) -> None:
     """`parallel.host_malloc` in this process, logged: "keep" (above) or "default" (glibc's own)."""
     if mode == "keep":
-        log.info("host malloc: %s", keep_freed_memory())
+        log.info("host malloc: %s", keep_freed_memory()[1])
     else:
         log.info("host malloc: the C library's defaults (parallel.host_malloc = %s)", mode)
