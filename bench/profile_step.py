@@ -1,5 +1,6 @@
-"""Where a Kiln training step spends its time: torch.profiler over a few steps of the same
-DeepSpeed engine Kiln builds, printed as a top-N operator table.
+"""Where a Kiln training step spends its time: torch.profiler over a few steps of the engine
+Kiln builds (`kiln.parallel.engine.initialize`: Kiln's clipping, the one-process all-reduce
+skip), printed as a top-N operator table.
 
     python bench/profile_step.py --flavour debug --zero-stage 2               # CPU
     python bench/profile_step.py --flavour gpt2-124m --device cuda --precision bf16
@@ -20,7 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from kiln.config import gpt_config, load_config
 from kiln.model import GPT
-from kiln.parallel.engine import deepspeed_config
+from kiln.parallel.engine import initialize
 from kiln.train.optim import build_optimizer, build_scheduler
 
 
@@ -46,23 +47,22 @@ def main() -> None:
                              f"model.seq_len={args.seq_len}", f"parallel.zero_stage={args.zero_stage}",
                              f"train.micro_batch_size={args.batch}", f"train.precision={args.precision}",
                              f"parallel.use_gpu={args.device == 'cuda'}", "parallel.num_workers=1",
-                             f"train.mixed_precision={args.mixed_precision}"])
+                             f"train.mixed_precision={args.mixed_precision}", f"train.compile={args.compile}"])
     device = torch.device(args.device)
-    model = GPT(gpt_config(cfg)).to(device)
-    if args.compile:
-        model.compile()
-    opt = build_optimizer(model, cfg.optim, on_cuda=device.type == "cuda")
     batch = torch.randint(0, args.vocab, (args.batch, args.seq_len + 1), device=device)
     if args.plain:
         from plain_loop import plain_step  # bench/ is this script's directory
 
+        model = GPT(gpt_config(cfg)).to(device)
+        if args.compile:
+            model.compile()
+        opt = build_optimizer(model, cfg.optim, on_cuda=device.type == "cuda")
         autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.precision == "bf16")
 
         def step():
             return plain_step(model, opt, batch, autocast)
     else:
-        engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=deepspeed_config(cfg, 1),
-                                          lr_scheduler=build_scheduler(opt, cfg.schedule, 100))
+        engine, _ = initialize(cfg, gpt_config(cfg), 1, device, lambda opt: build_scheduler(opt, cfg.schedule, 100))
 
         def step():
             _, loss = engine(batch[:, :-1], batch[:, 1:])

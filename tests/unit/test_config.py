@@ -135,3 +135,25 @@ def test_speed_options_refuse_what_deepspeed_cannot_do(overrides, needle):
     ok = load_config(None, ["train.compile=true", "train.precision=bf16", "train.mixed_precision=autocast"])
     ds = deepspeed_config(ok, 1)
     assert ds["torch_autocast"] == {"enabled": True, "dtype": "bfloat16"} and not ds["bf16"]["enabled"]
+
+
+@pytest.mark.parametrize("overrides, autocast", [
+    (["parallel.use_gpu=true", "parallel.zero_stage=0"], True),  # auto: a GPU at ZeRO-0 takes autocast
+    (["parallel.use_gpu=true", "parallel.zero_stage=2"], False),  # ZeRO shards bf16 weights' smaller states
+    (["parallel.use_gpu=true", "parallel.zero_stage=0", "parallel.num_workers=2", "parallel.pipeline_stages=2"],
+     False),  # a pipeline runs no autocast
+    (["parallel.zero_stage=0"], False),  # CPUs keep DeepSpeed's bf16
+    (["parallel.use_gpu=true", "parallel.zero_stage=0", "train.mixed_precision=weights"], False),  # a choice stands
+    (["parallel.zero_stage=2", "train.mixed_precision=autocast"], True),
+])
+def test_bf16_auto_is_autocast_on_a_gpu_at_zero0_without_a_pipeline(overrides, autocast):
+    from kiln.config import uses_autocast
+    from kiln.parallel.engine import deepspeed_config
+
+    cfg = load_config(None, ["train.precision=bf16", *overrides])
+    ds = deepspeed_config(cfg, 1)
+    assert uses_autocast(cfg) is autocast
+    assert (ds["torch_autocast"]["enabled"], ds["bf16"]["enabled"]) == (autocast, not autocast)
+    same = [o for o in overrides if not o.startswith("train.mixed_precision")]  # explicit autocast needs bf16
+    fp32 = deepspeed_config(load_config(None, ["train.precision=fp32", *same]), 1)
+    assert not fp32["torch_autocast"]["enabled"] and not fp32["bf16"]["enabled"]

@@ -15,7 +15,7 @@ import os
 import time
 from dataclasses import dataclass
 
-from kiln.config import RunConfig, gpt_config, model_base, model_name
+from kiln.config import RunConfig, gpt_config, model_base, model_name, uses_autocast
 from kiln.data.check import resolve_against_data
 from kiln.data.manifest import Manifest
 from kiln.data.mixture import Dataset
@@ -64,7 +64,7 @@ class Checked:
                       f"{'GPT-2' if mcfg.arch == 'gpt' else 'Llama'} architecture"),
             ("parallel", f"{p.num_workers} worker(s) ({c.data_parallel_size} data-parallel x {p.pipeline_stages} "
                          f"stage(s)), ZeRO-{p.zero_stage}, offload {p.offload_optimizer}/{p.offload_params}, "
-                         f"{t.precision}, {'GPU' if p.use_gpu else 'CPU'}"),
+                         f"{t.precision}{precision_flavour(c)}, {'GPU' if p.use_gpu else 'CPU'}"),
             ("steps", f"{t.max_steps} x {c.tokens_per_step():,} tokens (micro-batch {t.micro_batch_size} x "
                       f"{c.micro_batches_per_step} per replica), {c.optim.name} lr {c.optim.lr:g}, {c.schedule.name}"),
             ("memory", self.memory),
@@ -96,6 +96,13 @@ def preflight(cfg: RunConfig, remote_cluster: bool = False, storage_field: str =
 
         check_target(cfg.logging.export_to, "logging.export_to =")
     return Checked(cfg, datasets, tracking_uri, memory)
+
+
+def precision_flavour(cfg: RunConfig) -> str:
+    """How bf16 runs, for the pre-launch table (`train.mixed_precision`'s `auto` resolved)."""
+    if cfg.train.precision != "bf16":
+        return ""
+    return " (autocast, fp32 weights)" if uses_autocast(cfg) else " (DeepSpeed bf16 weights)"
 
 
 def with_run_name(cfg: RunConfig) -> RunConfig:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kiln.config import RunConfig, gpt_config, uses_cpu_adam
+from kiln.config import RunConfig, gpt_config, uses_autocast, uses_cpu_adam
 from kiln.errors import ConfigError
 from kiln.model import GPT, GPTConfig
 from kiln.parallel.ops import use_environment_cache
@@ -68,15 +68,16 @@ def deepspeed_config(cfg: RunConfig, data_parallel_size: int, d_model: int = 0) 
     if p.offload_params != "none":
         zero["offload_param"] = _offload(p.offload_params, cfg)
     micro_batches = cfg.micro_batches_per_step
+    autocast = uses_autocast(cfg)
     ds = {
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
         "gradient_accumulation_steps": micro_batches,
         "train_batch_size": t.micro_batch_size * micro_batches * data_parallel_size,
         "gradient_clipping": t.grad_clip,
         "zero_optimization": zero,
-        "bf16": {"enabled": t.precision == "bf16" and t.mixed_precision == "weights"},
+        "bf16": {"enabled": t.precision == "bf16" and not autocast},
         # fp32 weights, bf16 matmuls (DeepSpeed wraps the forward in torch.autocast).
-        "torch_autocast": {"enabled": t.precision == "bf16" and t.mixed_precision == "autocast", "dtype": "bfloat16"},
+        "torch_autocast": {"enabled": autocast, "dtype": "bfloat16"},
         # Dynamic loss scaling (loss_scale 0): start at 2^16, halve on overflow and skip the step.
         "fp16": {"enabled": t.precision == "fp16", "loss_scale": 0, "initial_scale_power": 16},
         # Kiln passes a torch optimizer it built itself (param groups, fused/foreach impl).
@@ -278,33 +279,43 @@ def skip_lone_allreduce(engine, cfg: RunConfig) -> None:
 
 # ---- gradient clipping on DeepSpeed's plain fp32 path -------------------------------------------
 def install_fp32_clipping(engine) -> None:
-    """Replace DeepSpeed's clipping on its fp32, ZeRO-0 path (the only path that calls it).
+    """Replace DeepSpeed's clipping on its fp32, ZeRO-0 path (the only path that calls it; bf16
+    autocast runs take it too, their weights being fp32).
 
     DeepSpeed 0.19's version, under a pipeline, counts only the first stage's gradients in the
     global norm (it keeps model-parallel rank 0's share and treats stages as model-parallel) and
     would count a tied weight twice, so a clipped pipeline run diverges from the same run on one
     device (measured: 1e-4 relative by step 3). It also never records the norm. This one sums
     squared norms over the pipeline's stages, counts tied weights once, and records the norm.
+    The norm and the scaling are torch's multi-tensor ones (`get_total_norm`,
+    `clip_grads_with_norm_`: a few kernels for all gradients on a GPU, not several per tensor),
+    and the norm stays on the device: the host reads it only when a step's metrics are built.
     """
     import types
-
-    import torch.distributed as dist
 
     group = engine.grid.get_pipe_parallel_group() if hasattr(engine, "grid") else None
 
     def clip_fp32_gradients(self):
         params = [p for p in self.module.parameters() if p.grad is not None]
-        counted = [p for p in params if not getattr(p, "ds_pipe_replicated", False)]
-        sq = torch.zeros((), dtype=torch.float32, device=params[0].grad.device if params else "cpu")
-        for p in counted:
-            sq += p.grad.detach().float().pow(2).sum()
-        if group is not None:  # gradients are averaged over data-parallel replicas already
-            dist.all_reduce(sq, group=group)
-        norm = sq.sqrt()
-        coef = torch.clamp(self.gradient_clipping() / (norm + 1e-6), max=1.0)
-        for p in params:
-            p.grad.detach().mul_(coef.to(p.grad.dtype))
-        self._global_grad_norm = norm.item()
+        counted = [p.grad for p in params if not getattr(p, "ds_pipe_replicated", False)]
+        norm = global_grad_norm(counted, group, params[0].grad.device if params else torch.device("cpu"))
+        torch.nn.utils.clip_grads_with_norm_(params, self.gradient_clipping(), norm)
+        self._global_grad_norm = norm  # a device tensor; `get_global_grad_norm` hands it over
         return norm
 
     engine.clip_fp32_gradients = types.MethodType(clip_fp32_gradients, engine)
+
+
+def global_grad_norm(grads: list[torch.Tensor], group, device: torch.device) -> torch.Tensor:
+    """The L2 norm of `grads` summed over `group`'s ranks (None: this rank's alone), on the device."""
+    if not grads:
+        local = torch.zeros((), dtype=torch.float32, device=device)
+    else:
+        local = torch.nn.utils.get_total_norm(grads, 2.0).float()
+    if group is None:  # gradients are averaged over data-parallel replicas already
+        return local
+    import torch.distributed as dist
+
+    sq = local.square()
+    dist.all_reduce(sq, group=group)
+    return sq.sqrt()

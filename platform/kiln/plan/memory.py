@@ -33,6 +33,9 @@ stores the s x s scores, no dropout, no tensor parallelism):
     per block   17*b*s*h*e   (ln_1 in, qkv in, q k v, attention out, proj in, ln_2 in, fc in,
                               GELU in 4bsh, proj in 4bsh)
     checkpointed: b*s*h*e per block kept, plus one block's 17*b*s*h*e while it is recomputed
+
+Under bf16 autocast (`train.mixed_precision`) the weights, gradients and the residual stream (the
+LayerNorms' inputs, each block's input) stay fp32: those count 4 bytes, the rest 2.
     logits      b*s*V*(e + 8)  (the logits, their fp32 copy and the saved log-softmax)
 
 A pipeline stage holds 1/P of the layers, and its first stage holds up to min(P, M) micro-batches
@@ -45,7 +48,7 @@ import dataclasses
 import itertools
 from dataclasses import dataclass
 
-from kiln.config import deepspeed_refusal
+from kiln.config import bf16_autocast, deepspeed_refusal
 from kiln.model import GPTConfig, largest_layer_params, num_params
 from kiln.ui import table
 
@@ -77,10 +80,17 @@ class PlanInput:
     micro_batches: int = 1
     """Micro-batches per step in the pipeline (in flight on the first stage, up to P)."""
     optimizer: str = "adamw"
+    mixed_precision: str = "weights"
+    """train.mixed_precision; `plan_input` passes the run's (whose default is `auto`)."""
+    use_gpu: bool = True
 
     @property
     def data_parallel(self) -> int:
         return self.world_size // self.pipeline_stages
+
+    @property
+    def autocast(self) -> bool:
+        return bf16_autocast(self.precision, self.mixed_precision, self.use_gpu, self.zero_stage, self.pipeline_stages)
 
 
 @dataclass(frozen=True)
@@ -112,8 +122,14 @@ def bytes_per_element(precision: str) -> int:
     return 2 if precision in ("bf16", "fp16") else 4
 
 
+def state_bytes(p: PlanInput) -> int:
+    """Bytes per element of the weights and gradients: fp32 under autocast (only the
+    activations are bf16), else the compute precision's."""
+    return 4 if p.autocast else bytes_per_element(p.precision)
+
+
 def estimate(p: PlanInput) -> Estimate:
-    m, e = p.model, bytes_per_element(p.precision)
+    m, e = p.model, state_bytes(p)
     n, P = max(1, p.data_parallel), p.pipeline_stages
     psi = num_params(m, non_embedding=False) // P  # one stage's share (embedding split is approximate)
     s = p.zero_stage
@@ -149,12 +165,13 @@ def estimate(p: PlanInput) -> Estimate:
 
 def activation_bytes(p: PlanInput) -> int:
     m, e = p.model, bytes_per_element(p.precision)
+    r = state_bytes(p)  # the residual stream: fp32 under autocast (its adds and LayerNorms run in fp32)
     b, s, h, V = p.micro_batch, m.seq_len, m.d_model, m.vocab_size
     layers = -(-m.n_layer // p.pipeline_stages)
-    block = 17 * b * s * h * e
+    block = (15 * e + 2 * r) * b * s * h  # ln_1 and ln_2 inputs are the residual stream
     # Checkpointed: each block keeps only its input, and one block is live while recomputed.
-    per_mb = layers * b * s * h * e + block if p.activation_checkpointing else layers * block
-    per_mb += b * s * h * e  # embedding output
+    per_mb = layers * b * s * h * r + block if p.activation_checkpointing else layers * block
+    per_mb += b * s * h * r  # embedding output
     in_flight = min(p.pipeline_stages, p.micro_batches) if p.pipeline_stages > 1 else 1
     logits = b * s * V * (e + 8)  # on the last stage; with one stage, that stage
     return int(per_mb * in_flight + logits)
@@ -261,7 +278,7 @@ def plan_input(cfg, mcfg: GPTConfig, device_memory_gib: float) -> PlanInput:
         micro_batch=t.micro_batch_size, zero_stage=p.zero_stage, offload_optimizer=p.offload_optimizer,
         offload_params=p.offload_params, activation_checkpointing=mcfg.activation_checkpointing,
         precision=t.precision, pipeline_stages=p.pipeline_stages, micro_batches=p.micro_batches,
-        optimizer=cfg.optim.name,
+        optimizer=cfg.optim.name, mixed_precision=t.mixed_precision, use_gpu=p.use_gpu,
     )
 
 

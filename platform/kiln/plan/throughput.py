@@ -32,7 +32,7 @@ from kiln.config import read_yaml_mapping
 from kiln.devices import DEVICES
 from kiln.errors import ConfigError
 from kiln.model import GPTConfig, flops_per_token, num_params
-from kiln.plan.memory import PlanInput, bytes_per_element
+from kiln.plan.memory import PlanInput, state_bytes
 
 
 @dataclass(frozen=True)
@@ -121,7 +121,7 @@ def throughput(p: PlanInput, cluster: Cluster, mfu: float = 0.40, grad_accum: in
         flops *= 4 / 3
     compute = flops / (dev.peak_tflops * 1e12 * mfu)
 
-    grad_bytes = num_params(m, non_embedding=False) / pp * bytes_per_element(p.precision)
+    grad_bytes = num_params(m, non_embedding=False) / pp * state_bytes(p)
     volume = (3 if p.zero_stage == 3 else 2) * (dp - 1) / dp * grad_bytes if dp > 1 else 0.0
     # A ring spanning nodes moves at the slower of NVLink and the node's network share per device.
     bw = dev.intra_node_gbps * 1e9

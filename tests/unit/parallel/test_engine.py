@@ -1,8 +1,11 @@
-"""The engine Kiln builds around the GPT: what it leaves out of a one-process run changes nothing."""
+"""The engine Kiln builds around the GPT: what it leaves out of a one-process run changes nothing,
+and its clipping leaves the norm on the device."""
 
 import json
 import subprocess
 import sys
+
+import pytest
 
 from kiln.launch.local import free_port
 
@@ -39,16 +42,52 @@ for batch in batches:
 same = all(torch.equal(a, b) for a, b in zip(lone.module.parameters(), forced.module.parameters()))
 moved = any(not torch.equal(a, b) for a, b in zip(lone.module.parameters(), engine(0).module.parameters()))
 flags.append(engine(1).enable_backward_allreduce)
-print(json.dumps({"flags": flags, "same": same, "moved": moved, "reduced": len(reduced)}))
+
+# Kiln's clipping on this path against torch's clip_grad_norm_ on copies of the same gradients,
+# counting the host reads of device values (aten._local_scalar_dense: .item(), float(), bool()).
+from torch.utils._python_dispatch import TorchDispatchMode
+class HostReads(TorchDispatchMode):
+    count = 0
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        HostReads.count += func is torch.ops.aten._local_scalar_dense.default
+        return func(*args, **(kwargs or {}))
+params = list(lone.module.parameters())
+for i, p in enumerate(params):
+    p.grad = torch.randn_like(p) * (i + 1)
+copies = [p.detach().clone().requires_grad_() for p in params]
+for p, c in zip(params, copies):
+    c.grad = p.grad.clone()
+with HostReads():
+    norm = lone.clip_fp32_gradients()
+want = torch.nn.utils.clip_grad_norm_(copies, 1.0)
+clip = {"reads": HostReads.count, "norm": [float(norm), float(want)], "kept": lone.get_global_grad_norm() is norm,
+        "grads": all(torch.allclose(p.grad, c.grad, rtol=1e-5, atol=0) for p, c in zip(params, copies))}
+print(json.dumps({"flags": flags, "same": same, "moved": moved, "reduced": len(reduced), "clip": clip}))
 """
 
 
-def test_a_one_process_zero0_run_skips_the_gradient_allreduce_and_trains_identically():
+@pytest.fixture(scope="module")
+def out():
     proc = subprocess.run([sys.executable, "-c", SCRIPT, str(free_port())], capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_a_one_process_zero0_run_skips_the_gradient_allreduce_and_trains_identically(out):
     assert out["flags"] == [False, True]  # ZeRO-0 alone skips it; ZeRO-1 keeps its optimizer's reduce
     assert out["reduced"] == 3  # the forced engine did all-reduce, once per optimizer step
     assert out["moved"]  # the steps changed the weights
     assert out["same"]  # and bit for bit as with the all-reduce
+
+
+def test_clipping_matches_torch_and_reads_nothing_back_to_the_host(out):
+    """DeepSpeed's fp32 path (fp32 and bf16-autocast runs) clips with Kiln's replacement: the same
+    norm and gradients as torch's clip_grad_norm_, and the norm stays a device tensor (a host read
+    would stall a GPU's queue every step; the metrics read it on logged steps)."""
+    clip = out["clip"]
+    assert clip["reads"] == 0
+    assert clip["kept"]
+    norm, want = clip["norm"]
+    assert want > 10 and abs(norm - want) <= 1e-5 * want  # the planted gradients needed clipping
+    assert clip["grads"]

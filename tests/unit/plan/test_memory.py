@@ -11,6 +11,7 @@ from kiln.plan.memory import (
     first_fit,
     format_table,
     options,
+    plan_input,
     refuse_if_too_big,
 )
 
@@ -89,3 +90,25 @@ def test_refusal_names_the_overflow_and_the_first_option_that_fits():
     assert "the first option that fits: parallel.zero_stage=" in msg
     fits = first_fit(base)
     assert f"({fits.estimate.total / GIB:.2f} GiB)" in msg
+
+
+def test_autocast_keeps_fp32_states_and_residual_stream():
+    """bf16 autocast holds fp32 weights and gradients (16 bytes per parameter with Adam at ZeRO-0,
+    against DeepSpeed's bf16 weights' 20) and an fp32 residual stream; the run's resolution of
+    `auto` reaches the planner."""
+    from kiln.config import load_config
+
+    m = config_for("gpt2-124m", vocab_size=8192, seq_len=1024)
+
+    def est(precision, mixed="weights", **kw):
+        return estimate(PlanInput(model=m, micro_batch=16, precision=precision, mixed_precision=mixed, **kw))
+
+    weights, autocast, fp32 = est("bf16"), est("bf16", "autocast"), est("fp32")
+    psi = num_params(m, non_embedding=False)
+    assert (weights.model_states, autocast.model_states, fp32.model_states) == (20 * psi, 16 * psi, 16 * psi)
+    assert weights.activations < autocast.activations < fp32.activations
+    assert est("bf16", "auto").model_states == autocast.model_states  # a GPU at ZeRO-0
+    assert est("bf16", "auto", zero_stage=2).model_states == est("bf16", zero_stage=2).model_states
+    for zero, want in ((0, True), (2, False)):
+        cfg = load_config(None, ["parallel.use_gpu=true", "train.precision=bf16", f"parallel.zero_stage={zero}"])
+        assert plan_input(cfg, m, 80).autocast is want
