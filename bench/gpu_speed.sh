@@ -1,20 +1,43 @@
 #!/usr/bin/env bash
 # Issue 20's GPU figures on one lent GPU without Ray or MLflow (the local launcher runs the same
-# train_loop): gpt2-124m bf16 at micro-batch 16 against the plain loop for ZeRO-0/2/3, and a
-# compiled large model's MFU. Results go to $1/RESULTS-gpu.md (bench/throughput.py's format).
+# train_loop), most important first, each step bounded so one stuck run cannot eat a lease:
+#   1. gpt2-124m at micro-batch 16, bf16 autocast (auto's choice at ZeRO-0), ZeRO-0/2/3 against
+#      the plain loop;
+#   2. a compiled 1.3B model's MFU (ZeRO-0, autocast) against the compiled plain loop;
+#   3. where a step's time goes (bench/profile_step.py: plain, ZeRO-0, ZeRO-3);
+#   4. the same small runs with DeepSpeed's bf16 weights (train.mixed_precision: weights).
+# Tables go to $1/RESULTS-gpu.md (bench/throughput.py's format), profiles to $1/profile.txt.
 #
-#   bash bench/gpu_speed.sh OUT_DIR [small|large|both]     (data: data/stdlib-bpe-1024)
-set -euo pipefail
-out=${1:?output dir}; what=${2:-both}
+#   bash bench/gpu_speed.sh OUT_DIR [STEP ...]     (data: data/stdlib-bpe-1024, see RESULTS.md)
+set -uo pipefail
+out=${1:?output dir}; shift
+steps=("$@"); [ ${#steps[@]} -gt 0 ] || steps=(small large profile weights)
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
+py=${PY:-python3}
+results="$out/RESULTS-gpu.md"
 common=(--launcher local --device cuda --config jobs/configs/gpt2-124m.yaml --data data/stdlib-bpe-1024
-        --precision bf16 --results "$out/RESULTS-gpu.md")
-if [ "$what" != large ]; then
-  python bench/throughput.py "${common[@]}" --flavour gpt2-124m --batch 16 --steps 80 --zero-stages 0,2,3
-fi
-if [ "$what" != small ]; then
-  # 1.3B (1.2B params with this vocab) compiled, ZeRO-1, micro-batch 8 x 1024 tokens.
-  python bench/throughput.py "${common[@]}" --flavour 1.3b --batch 8 --steps 40 --zero-stages 1 --compile \
-    --set train.grad_clip=1.0
-fi
+        --precision bf16 --results "$results" --repeats 1)
+small=(--flavour gpt2-124m --batch 16 --steps 80)
+bounded() { local limit=$1; shift; timeout "$limit" "$@" || echo "FAILED or timed out ($limit s): $*"; }
+
+for step in "${steps[@]}"; do
+  echo "=== $step $(date +%T)"
+  case $step in
+    small) bounded 220 "$py" bench/throughput.py "${common[@]}" "${small[@]}" --zero-stages 0,2,3 \
+             --set train.mixed_precision=autocast ;;
+    # 1.3B (1.2B params with this vocab) compiled, micro-batch 8 x 1024 tokens.
+    large) bounded 300 "$py" bench/throughput.py "${common[@]}" --flavour 1.3b --batch 8 --steps 40 --zero-stages 0 \
+             --compile --set train.mixed_precision=autocast ;;
+    profile) for args in "--plain" "--zero-stage 0 --mixed-precision autocast" "--zero-stage 3 --mixed-precision autocast"; do
+               # shellcheck disable=SC2086
+               bounded 80 "$py" bench/profile_step.py --device cuda --precision bf16 --flavour gpt2-124m --batch 16 \
+                 --top 20 $args >> "$out/profile.txt" 2>&1
+               grep "^RESULT" "$out/profile.txt" | tail -1
+             done ;;
+    weights) bounded 160 "$py" bench/throughput.py "${common[@]}" "${small[@]}" --zero-stages 0,2 \
+               --set train.mixed_precision=weights ;;
+    *) echo "unknown step $step" ;;
+  esac
+done
+if command -v nvidia-smi > /dev/null; then nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; fi
