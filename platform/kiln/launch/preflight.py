@@ -27,7 +27,7 @@ from kiln.plan.memory import plan_input, refuse_if_too_big
 from kiln.redact import scrub
 from kiln.storage import absolute, is_url, resolve
 from kiln.tracking.server import check_store, resolve_tracking_uri
-from kiln.train.checkpoint import resolve_resume
+from kiln.train.checkpoint import precision_record, resolve_resume
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +120,7 @@ def check_resume(cfg: RunConfig, world_size: int, remote_cluster: bool) -> RunCo
         return cfg
     path = absolute(cfg.train.resume_from)
     if not remote_cluster:
-        resolve_resume(path, world_size)
+        resolve_resume(path, world_size, precision_record(cfg))
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, resume_from=path))
 
 

@@ -28,7 +28,7 @@ import shutil
 import time
 from collections.abc import Callable
 
-from kiln.config import RunConfig, TrainConfig, gpt_config
+from kiln.config import RunConfig, TrainConfig, gpt_config, uses_autocast
 from kiln.errors import ConfigError
 from kiln.train.collectives import barrier
 
@@ -55,7 +55,37 @@ def model_card(cfg: RunConfig) -> dict:
         "format": 1, "gpt": asdict(gpt_config(cfg)),
         "parallel": {"zero_stage": cfg.parallel.zero_stage, "pipeline_stages": cfg.parallel.pipeline_stages},
         "data": {"path": d.path, "s3_endpoint": d.s3_endpoint, "s3_region": d.s3_region},
+        "precision": precision_record(cfg),
     })
+
+
+def precision_record(cfg: RunConfig) -> dict:
+    """What decides the layout of DeepSpeed's optimizer state: the precision, and for bf16
+    whether it ran as autocast over fp32 weights or as DeepSpeed's bf16 weights."""
+    return {"precision": cfg.train.precision, "bf16_autocast": uses_autocast(cfg)}
+
+
+def _check_precision(directory: str, want: dict) -> None:
+    """Refuse a resume across weight layouts (DeepSpeed would fail inside its load with a
+    KeyError). fp32 and bf16 autocast share one (fp32 weights, the torch optimizer's state), so
+    an fp32 run resumes under autocast. Cards written before the record say nothing and are not
+    checked."""
+    had = (_read_marker(os.path.join(directory, CARD)) or {}).get("precision")
+    if had is None or _layout(had) == _layout(want):
+        return
+    raise ConfigError(f"train.resume_from = {directory!r} was written with {_words(had)}; this run has {_words(want)}, "
+                      "and DeepSpeed's optimizer state differs between them: set train.precision and "
+                      "train.mixed_precision as the checkpoint had them")
+
+
+def _layout(record: dict) -> str:
+    return "fp32 weights" if record["precision"] == "fp32" or record["bf16_autocast"] else record["precision"]
+
+
+def _words(record: dict) -> str:
+    if record["precision"] != "bf16":
+        return f"train.precision = {record['precision']!r}"
+    return f"train.precision = 'bf16' as {'autocast' if record['bf16_autocast'] else 'weights'}"
 
 
 def step_dir(root: str, step: int) -> str:
@@ -194,10 +224,11 @@ def newest_reported(root: str) -> str | None:
     return max(found)[1] if found else None
 
 
-def resolve_resume(path: str, world_size: int) -> tuple[str, int]:
+def resolve_resume(path: str, world_size: int, precision: dict | None = None) -> tuple[str, int]:
     """(checkpoint directory, its step) for train.resume_from: a checkpoint directory, or a run's
     directory (the local launcher's `step_N`s, or Ray Train's `checkpoint_<time>`s) whose newest
-    complete checkpoint is taken. Refuses anything incomplete."""
+    complete checkpoint is taken. Refuses anything incomplete, written by another number of
+    ranks, or (given this run's `precision_record`) in another precision layout."""
     if not os.path.isdir(path):
         raise ConfigError(f"train.resume_from = {path!r}: no such directory")
     directory = path if (os.path.exists(os.path.join(path, MARKER.format(rank=0)))
@@ -213,6 +244,8 @@ def resolve_resume(path: str, world_size: int) -> tuple[str, int]:
         raise ConfigError(f"train.resume_from = {directory!r} was written by {marker['world_size']} ranks; "
                           f"this run has {world_size}. DeepSpeed's ZeRO shards load only into the same "
                           "number of ranks")
+    if precision is not None:
+        _check_precision(directory, precision)
     return directory, int(marker["step"])
 
 
@@ -251,7 +284,7 @@ class CheckpointPolicy:
         self._last_save = time.monotonic()
         if not self.t.resume_from:
             return 0, 0
-        resume_dir, _ = resolve_resume(self.t.resume_from, self.world_size)
+        resume_dir, _ = resolve_resume(self.t.resume_from, self.world_size, (self.card or {}).get("precision"))
         _, client = engine.load_checkpoint(resume_dir, tag=TAG)
         done = int(client["step"])
         # The data position: micro-batches drawn so far, the ones the health guard left out

@@ -92,3 +92,38 @@ def test_prune_by_val_loss_keeps_the_best_and_the_newest(tmp_path):
     assert [p.rsplit("/", 1)[1] for p in deleted] == ["step_00000010", "step_00000030", "step_00000050"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000020", "step_00000040", "step_00000060"]
     assert checkpoint.latest_complete(str(tmp_path)).endswith("step_00000060")
+
+
+
+def _precision(*sets: str) -> dict:
+    from kiln.config import load_config
+
+    return checkpoint.precision_record(load_config(None, ["train.precision=bf16", *sets]))
+
+
+AUTOCAST, WEIGHTS = _precision("train.mixed_precision=autocast"), _precision("train.mixed_precision=weights")
+
+
+def test_a_gpu_at_zero0_records_bf16_as_autocast():
+    assert _precision("parallel.use_gpu=true", "parallel.zero_stage=0") == AUTOCAST != WEIGHTS
+
+
+@pytest.mark.parametrize("card", ["autocast", "weights", "none"])
+def test_resume_across_precision_layouts_is_refused_naming_both(tmp_path, card):
+    """bf16 as autocast (fp32 weights, torch's optimizer state) and as DeepSpeed's bf16 weights
+    (its bf16 optimizer's state) cannot load into each other: refused, where DeepSpeed's load
+    failed with a KeyError. A card from before the record says nothing and is not checked."""
+    d = _fake(tmp_path, 10, world=1)
+    if card != "none":
+        (d / checkpoint.CARD).write_text(json.dumps({"precision": AUTOCAST if card == "autocast" else WEIGHTS}))
+    assert checkpoint.resolve_resume(str(d), 1, WEIGHTS if card == "weights" else AUTOCAST)[1] == 10
+    if card == "none":
+        assert checkpoint.resolve_resume(str(d), 1, WEIGHTS)[1] == 10
+        return
+    fp32 = {"precision": "fp32", "bf16_autocast": False}  # fp32 weights, as autocast has them
+    if card == "autocast":
+        assert checkpoint.resolve_resume(str(d), 1, fp32)[1] == 10
+    with pytest.raises(ConfigError) as e:
+        checkpoint.resolve_resume(str(d), 1, WEIGHTS if card == "autocast" else AUTOCAST)
+    assert f"written with train.precision = 'bf16' as {card}; this run has" in str(e.value)
+    assert "train.mixed_precision" in str(e.value)
