@@ -290,10 +290,11 @@ class TrainConfig:
     matmuls in bf16 and the torch optimizer stepping the weights directly: fewer host-side ops per
     step, which pays where small micro-batches leave the GPU waiting on launches (gpt2-124m at
     micro-batch 16 on an H200: 0.97x the plain loop against 0.79x, bench/RESULTS.md). `auto`
-    (default): autocast on GPUs at ZeRO-0 without a pipeline, where its model states are also the
-    smaller (16 bytes per parameter against 20); weights where ZeRO shards the optimizer (the replicated part
-    is then 4 bytes per parameter against autocast's 8), under a pipeline (which runs no
-    autocast) and on CPUs (no speed difference measured there)."""
+    (default): autocast on GPUs at ZeRO-0 without a pipeline, where its model states are also
+    the smaller (16 bytes per parameter against 20); weights where ZeRO shards the optimizer
+    (the replicated part is then 4 bytes per parameter against autocast's 8), under a pipeline
+    (which runs no autocast) and on CPUs (no speed difference measured there). A checkpoint
+    resumes only under the same choice (fp32 runs resume under autocast)."""
     compile: bool = False
     """Run the model through torch.compile (inductor), fusing its elementwise kernels. Pays on
     GPUs (fewer launches, less memory traffic) after a compile of tens of seconds, which the run

@@ -33,10 +33,10 @@ stores the s x s scores, no dropout, no tensor parallelism):
     per block   17*b*s*h*e   (ln_1 in, qkv in, q k v, attention out, proj in, ln_2 in, fc in,
                               GELU in 4bsh, proj in 4bsh)
     checkpointed: b*s*h*e per block kept, plus one block's 17*b*s*h*e while it is recomputed
+    logits      b*s*V*(e + 8)  (the logits, their fp32 copy and the saved log-softmax)
 
 Under bf16 autocast (`train.mixed_precision`) the weights, gradients and the residual stream (the
 LayerNorms' inputs, each block's input) stay fp32: those count 4 bytes, the rest 2.
-    logits      b*s*V*(e + 8)  (the logits, their fp32 copy and the saved log-softmax)
 
 A pipeline stage holds 1/P of the layers, and its first stage holds up to min(P, M) micro-batches
 in flight under DeepSpeed's 1F1B schedule.
@@ -123,8 +123,8 @@ def bytes_per_element(precision: str) -> int:
 
 
 def state_bytes(p: PlanInput) -> int:
-    """Bytes per element of the weights and gradients: fp32 under autocast (only the
-    activations are bf16), else the compute precision's."""
+    """Bytes per element of the weights, gradients and residual stream: fp32 under autocast,
+    else the compute precision's."""
     return 4 if p.autocast else bytes_per_element(p.precision)
 
 
