@@ -43,3 +43,13 @@ DEVICES: dict[str, Device] = {d.name: d for d in (
 def by_cuda_name(cuda_name: str) -> Device | None:
     """The table's entry for a device torch reports by this name, or None for an unknown part."""
     return next((d for d in DEVICES.values() if d.match in cuda_name), None)
+
+
+def name_deepspeed_accelerator(use_gpu: bool) -> None:
+    """Tell DeepSpeed a CPU run is one, before its first import: it picks its accelerator then,
+    and without `DS_ACCELERATOR` it warns on the console that it guessed. A user's own setting
+    stands; a GPU run leaves DeepSpeed to find its device."""
+    if not use_gpu:
+        import os
+
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")

@@ -102,6 +102,16 @@ def test_a_shard_corrupted_inside_is_named_by_its_checksum(tmp_path, byte_datase
     assert intact.returncode == 0 and "shards match their manifest" in intact.stdout, intact.stderr
 
 
+def test_the_local_launcher_refuses_bad_input_in_one_line(tmp_path):
+    """The local launcher checks before DeepSpeed loads: nothing of DeepSpeed's (its accelerator
+    notice) comes before the error, and the error is all there is."""
+    out = subprocess.run([sys.executable, "-m", "kiln.launch.local", "--set", "data.path=nope"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert_clean_error(out, f"dataset {tmp_path / 'nope'} does not exist", code=1)
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert out.stdout == ""  # DeepSpeed writes its notices to stdout
+
+
 def test_fp16_on_cpu_is_refused(tmp_path, byte_dataset):
     out = kiln("train", "--set", f"data.path={byte_dataset}", "--set", "train.precision=fp16", cwd=tmp_path)
     assert_clean_error(out, "train.precision = 'fp16' is not supported on CPU")

@@ -26,6 +26,7 @@ import torch
 from kiln import hf_checkpoint as hf
 from kiln.data.manifest import load_manifest
 from kiln.data.tokenizer import pretrained
+from kiln.devices import name_deepspeed_accelerator
 from kiln.errors import ConfigError, KilnError
 from kiln.model import GPT, GPTConfig
 from kiln.storage import resolve
@@ -110,8 +111,7 @@ def consolidate(ckpt: str, cfg: GPTConfig, pipeline_stages: int) -> dict[str, to
     if pipeline_stages > 1:
         state = _pipeline_layers(state_dir, cfg)
     elif glob.glob(os.path.join(state_dir, "*zero_pp_rank_*_optim_states.pt")):
-        if not torch.cuda.is_available():  # merging is host work; say so, or DeepSpeed warns it guessed
-            os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        name_deepspeed_accelerator(torch.cuda.is_available())  # merging is host work where no GPU is
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         # ZeRO 1-3: the fp32 master weights, merged from every rank's partition. The tool

@@ -25,6 +25,7 @@ import torch
 from kiln.clock import process_start, startup_mark
 from kiln.config import RunConfig, load_config
 from kiln.data.sources import ParquetSource
+from kiln.devices import name_deepspeed_accelerator
 from kiln.errors import KilnError
 from kiln.launch.console import run_reporting_errors
 from kiln.launch.preflight import preflight
@@ -88,13 +89,14 @@ def _run_root(cfg: RunConfig) -> str:
 
 def run_local(cfg: RunConfig, started: float | None = None) -> Summary | None:
     """Train in this process; returns the summary on rank 0 (None on other ranks)."""
-    import deepspeed
-
     started = started or time.time()
     marks = startup_mark("command", started)
     checked = preflight(cfg, local_storage=True, world_size=int(os.environ.get("WORLD_SIZE", "1")))
     cfg, manifest, tracking_uri = checked.cfg, checked.manifest, checked.tracking_uri
     marks |= startup_mark("preflight")
+    name_deepspeed_accelerator(cfg.parallel.use_gpu)  # a bad input is refused above, before DeepSpeed speaks
+    import deepspeed
+
     world = _world_from_env(cfg.parallel.use_gpu)
     cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, num_workers=world.world_size)).validate()
     deepspeed.init_distributed(dist_backend="nccl" if world.device.type == "cuda" else "gloo")
