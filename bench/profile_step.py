@@ -40,9 +40,9 @@ def main() -> None:
     p.add_argument("--top", type=int, default=25)
     args = p.parse_args()
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29511")
-    import deepspeed
+    from kiln.parallel.ops import init_distributed
 
-    deepspeed.init_distributed(dist_backend="nccl" if args.device == "cuda" else "gloo")
+    init_distributed(on_cuda=args.device == "cuda")
     cfg = load_config(None, [f"model.flavour={args.flavour}", f"model.vocab_size={args.vocab}",
                              f"model.seq_len={args.seq_len}", f"parallel.zero_stage={args.zero_stage}",
                              f"train.micro_batch_size={args.batch}", f"train.precision={args.precision}",

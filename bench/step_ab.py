@@ -103,7 +103,9 @@ def plain_stepper(cfg):
 def bare_stepper(cfg):
     import deepspeed
 
-    deepspeed.init_distributed(dist_backend="gloo")
+    from kiln.parallel.ops import init_distributed
+
+    init_distributed(on_cuda=False)
     torch.manual_seed(cfg.train.seed)
     model = GPT(gpt_config(cfg))
     opt = build_optimizer(model, cfg.optim, on_cuda=False)

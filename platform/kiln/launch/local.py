@@ -31,6 +31,7 @@ from kiln.launch.console import run_reporting_errors
 from kiln.launch.preflight import preflight
 from kiln.launch.summary import Summary
 from kiln.parallel.engine import build_engine
+from kiln.parallel.ops import init_distributed
 from kiln.parallel.pipeline import data_parallel_coords
 from kiln.redact import configure_logging
 from kiln.train.loop import WorldInfo, train_loop
@@ -95,11 +96,9 @@ def run_local(cfg: RunConfig, started: float | None = None) -> Summary | None:
     cfg, manifest, tracking_uri = checked.cfg, checked.manifest, checked.tracking_uri
     marks |= startup_mark("preflight")
     name_deepspeed_accelerator(cfg.parallel.use_gpu)  # a bad input is refused above, before DeepSpeed speaks
-    import deepspeed
-
     world = _world_from_env(cfg.parallel.use_gpu)
     cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, num_workers=world.world_size)).validate()
-    deepspeed.init_distributed(dist_backend="nccl" if world.device.type == "cuda" else "gloo")
+    init_distributed(world.device.type == "cuda")
     cfg = agree_on_run_name(cfg, world)
 
     run, logger = None, NullLogger()

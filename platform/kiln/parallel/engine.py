@@ -18,7 +18,7 @@ from torch import nn
 from kiln.config import RunConfig, gpt_config, uses_autocast, uses_cpu_adam
 from kiln.errors import ConfigError
 from kiln.model import GPT, GPTConfig
-from kiln.parallel.ops import use_environment_cache
+from kiln.parallel.ops import init_distributed
 from kiln.parallel.pipeline import check_coords, to_pipeline
 from kiln.redact import redact_tree
 from kiln.train.collectives import ranks
@@ -233,15 +233,11 @@ def build_engine(cfg: RunConfig, world: WorldInfo):
 
 def initialize(cfg: RunConfig, mcfg: GPTConfig, data_parallel_size: int, device: torch.device, scheduler_fn):
     """(engine, scheduler): a DeepSpeedEngine, or a PipelineEngine when pipeline_stages > 1."""
-    use_environment_cache()  # before DeepSpeed loads its first JIT op (the CPU allreduce)
+    on_cuda = device.type == "cuda"
+    init_distributed(on_cuda)  # a PipelineModule needs the comm layer before deepspeed.initialize
     import deepspeed
 
-    on_cuda = device.type == "cuda"
-
     ds_config = deepspeed_config(cfg, data_parallel_size, mcfg.d_model)
-    # DeepSpeed's comm layer over the torch process group that Ray Train or torchrun set up (a
-    # no-op if done already); a PipelineModule needs it before deepspeed.initialize.
-    deepspeed.init_distributed(dist_backend="nccl" if on_cuda else "gloo")
     if cfg.parallel.pipeline_stages > 1:
         model = to_pipeline(build_model(cfg, mcfg, ds_config, torch.device("cpu")), cfg.parallel,
                             mcfg.activation_checkpointing)

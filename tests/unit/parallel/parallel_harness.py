@@ -101,11 +101,11 @@ def cfg_manifest(cfg):
 
 
 def main(out_path: str, data: str, root: str, specs_path: str) -> int:
-    import deepspeed
+    from kiln.parallel.ops import init_distributed
 
     logging.basicConfig(level=logging.WARNING)
     world = _world_from_env(use_gpu=False)
-    deepspeed.init_distributed(dist_backend="gloo")
+    init_distributed(on_cuda=False)
     results = {}
     for spec in json.loads(Path(specs_path).read_text()):
         results[spec["name"]] = run_one(spec, data, root, world)

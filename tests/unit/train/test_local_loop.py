@@ -34,7 +34,8 @@ def _run_local(byte_dataset, tmp_path, *overrides, ranks=1, tty=False):
            "--set", f"logging.tracking_uri=sqlite:///{tmp_path}/mlflow.db", "--set", "logging.experiment=local",
            "--set", f"train.storage_path={tmp_path}/runs", "--set", f"data.s3_endpoint={PLANTED_ENDPOINT}",
            *[a for o in overrides for a in ("--set", o)]]
-    env = dict(os.environ, **PLANTED_ENV)
+    env = dict(os.environ, **PLANTED_ENV, **shared_cache_in(tmp_path))
+    env.pop("TORCH_EXTENSIONS_DIR", None)  # Kiln's choice of cache is what is tested
     if not tty:
         return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
     # stderr on a real pseudo-terminal, as when a user runs it in a shell; stdout stays a pipe.
@@ -61,6 +62,14 @@ def _run_local(byte_dataset, tmp_path, *overrides, ranks=1, tty=False):
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, b"".join(chunks).decode(errors="replace"))
 
 
+def shared_cache_in(tmp_path) -> dict[str, str]:
+    """The machine's shared caches, moved under `tmp_path`: torch's extension cache (where
+    DeepSpeed would JIT-build its ops) starts empty; matplotlib's font cache stays where it is."""
+    import matplotlib
+
+    return {"XDG_CACHE_HOME": str(tmp_path / "xdg-cache"), "MPLCONFIGDIR": matplotlib.get_cachedir()}
+
+
 @pytest.mark.parametrize("zero_stage, ranks", [(3, 1), (2, 2)], ids=["single-process-zero3", "torchrun-2-ranks-zero2"])
 def test_loop_trains_without_ray(byte_dataset, tmp_path, zero_stage, ranks):
     # The 2-rank run also saves by wall clock (every 6 ms: in effect after every step, so the
@@ -81,6 +90,9 @@ def test_loop_trains_without_ray(byte_dataset, tmp_path, zero_stage, ranks):
         assert not frames and "\x1b[K" not in out.stderr
         assert "step 20/30" in out.stderr and "step 30/30" in out.stderr
     assert "import ray" not in out.stderr
+    # DeepSpeed's ops came from the environment's cache, built at install: nothing was compiled
+    # into the machine's shared one (which an empty or another venv's cache made take 29 s).
+    assert not (tmp_path / "xdg-cache" / "torch_extensions").exists()
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
