@@ -4,7 +4,9 @@ Runs `kiln train` (the demo config by default) while sampling every process on t
 (psutil), and adds up the CPU time each kind of process (the driver, Ray's daemons, each Ray
 actor class, Kiln's workers) had spent by the run's first optimizer step. On a machine with
 few cores start-up is CPU-bound: the sum over processes, divided by the cores, is the floor on
-its wall time, and this says which processes make it up. Appends a table to bench/RESULTS.md.
+its wall time, and this says which processes make it up. A timeline says when each process
+started and took its role, and how busy the machine's cores were every 2 s: where they idle,
+start-up waits on a chain of process starts rather than on CPU. Appends both to bench/RESULTS.md.
 
     python bench/startup_cpu.py                    # demo config, 10 steps
     python bench/startup_cpu.py --set parallel.num_workers=1 --set parallel.cpus_per_worker=2
@@ -30,11 +32,14 @@ from throughput import BIN, REPO, machine
 from kiln.clock import STARTUP, startup_breakdown
 
 
-def sample(stop: threading.Event, seen: dict, interval: float = 0.2) -> None:
-    """Every `interval`: each process's (sample time, cumulative CPU seconds, kind)."""
+def sample(stop: threading.Event, seen: dict, busy: list, interval: float = 0.2) -> None:
+    """Every `interval`: each process's (sample time, cumulative CPU seconds, kind) into `seen`,
+    and the machine's (sample time, CPU seconds busy over all cores) into `busy`."""
     me = os.getpid()
     while not stop.is_set():
         now = time.time()
+        cores = psutil.cpu_times()
+        busy.append((now, cores.user + cores.nice + cores.system + cores.irq + cores.softirq))
         for p in psutil.process_iter(["pid", "create_time", "cmdline", "name", "cpu_times"]):
             try:
                 if p.info["pid"] == me or p.info["cpu_times"] is None:
@@ -67,6 +72,7 @@ def main() -> None:
     p.add_argument("--results", default=str(REPO / "bench" / "RESULTS.md"))
     args = p.parse_args()
     seen: dict = {}
+    busy: list = []
     stop = threading.Event()
     before = time.time()
     with tempfile.TemporaryDirectory() as tmp:
@@ -74,7 +80,7 @@ def main() -> None:
         sets = [f"train.max_steps={args.steps}", f"logging.run_name=startup-{int(before)}", *args.sets]
         cmd = [str(BIN / "kiln"), "train", "--config", args.config, "--summary-json", out,
                *[a for s in sets for a in ("--set", s)]]
-        sampler = threading.Thread(target=sample, args=(stop, seen), daemon=True)
+        sampler = threading.Thread(target=sample, args=(stop, seen, busy), daemon=True)
         sampler.start()
         subprocess.run(cmd, cwd=REPO, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         stop.set()
@@ -82,15 +88,26 @@ def main() -> None:
         metrics = json.loads(Path(out).read_text())["metrics"]
     first_step = metrics[f"{STARTUP}first_step_unix"]
     by_kind: collections.Counter = collections.Counter()
+    started = []  # (created, role reached at, role, CPU-s) of each process the run started
     for (_, created), samples in seen.items():
-        upto = [(cpu, k) for t, cpu, k in samples if t <= first_step]
+        upto = [(t, cpu, k) for t, cpu, k in samples if t <= first_step]
         if not upto:
             continue
         if created < before - 1:  # running before the command (the OS, other work): their growth
-            by_kind["processes older than the run (their CPU meanwhile)"] += upto[-1][0] - samples[0][1]
-        else:
-            by_kind[upto[-1][1]] += upto[-1][0]
+            by_kind["processes older than the run (their CPU meanwhile)"] += upto[-1][1] - samples[0][1]
+            continue
+        role = role_of([k for _, _, k in upto])
+        by_kind[role] += upto[-1][1]
+        started.append((created - before, next(t for t, _, k in upto if k == role) - before, role, upto[-1][1]))
     report(args, metrics, by_kind)
+    report_timeline(args, sorted(started), [(t - before, b) for t, b in busy if t <= first_step])
+
+
+def role_of(kinds: list[str]) -> str:
+    """A process's role from its kinds over time: a Ray worker starts under the raylet's name,
+    idles, runs an actor or tasks, and may idle again; its role is what it last ran."""
+    ran = [k for k in kinds if k not in ("ray::IDLE", "raylet")]
+    return ran[-1] if ran else kinds[-1]
 
 
 def report(args, metrics: dict, by_kind: collections.Counter) -> None:
@@ -104,6 +121,28 @@ def report(args, metrics: dict, by_kind: collections.Counter) -> None:
              "wall: " + ", ".join(f"{what} {s:.1f} s" for what, s in startup_breakdown(metrics)) + "\n",
              "| process | CPU-s by the first step |", "|---|---:|"]
     lines += [f"| {k.replace('|', '/')} | {v:.1f} |" for k, v in by_kind.most_common() if v >= 0.1]
+    text = "\n".join(lines) + "\n"
+    sys.stdout.write(text)
+    with open(args.results, "a") as f:
+        f.write(text)
+
+
+def report_timeline(args, started: list, busy: list, bin_s: float = 2.0) -> None:
+    """The processes that used at least 0.3 CPU-s by the first step, in the order they
+    started, and the machine's busy share per `bin_s`."""
+    cores = psutil.cpu_count()
+    lines = ["\nTimeline (s after the command started; a Ray worker process takes its role once it has "
+             "started and imported what the role needs):\n",
+             "| process | started | role taken | CPU-s by the first step |", "|---|---:|---:|---:|"]
+    lines += [f"| {role.replace('|', '/')} | {at:.1f} | {took:.1f} | {cpu:.1f} |"
+              for at, took, role, cpu in started if cpu >= 0.3]
+    shares, mark = [], None
+    for t, b in busy:
+        if mark is None or t - mark[0] >= bin_s:
+            if mark is not None:
+                shares.append(f"{mark[0]:.0f}-{t:.0f} s {100 * (b - mark[1]) / (t - mark[0]) / cores:.0f}%")
+            mark = (t, b)
+    lines.append(f"\nBusy share of the {cores} cores: " + ", ".join(shares) + "\n")
     text = "\n".join(lines) + "\n"
     sys.stdout.write(text)
     with open(args.results, "a") as f:
