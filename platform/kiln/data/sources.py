@@ -43,7 +43,7 @@ Samples = tuple[np.ndarray, torch.Tensor]  # (sample ids, token rows) of one mic
 
 class BatchSource(Protocol):
     def prefetch(self) -> None:
-        """Start fetching ahead (before the model is built; a second call does nothing)."""
+        """Start fetching ahead (called once before the model is built)."""
 
     def train_batches(self, skip: int = 0) -> Iterator[torch.Tensor]:
         """Endless: epoch after epoch, starting after the first `skip` batches (a resume)."""
@@ -154,12 +154,8 @@ class OrderedSource:
             yield tokens
 
     def prefetch(self) -> None:
-        """Start reading the validation split in the background, once (a second call does
-        nothing): validation reads the same batches every time, so they are read once and kept.
-        The launchers call this before DeepSpeed builds the engine: on Ray the read processes
-        then start while it builds, and the training stream's reads reuse them."""
-        if self._val_thread is not None:
-            return
+        # Validation reads the same batches every time, so they are read once, in the
+        # background from the start, and kept.
         self._val_thread = threading.Thread(target=self._fill_val_cache, daemon=True, name="kiln-val-prefetch")
         self._val_thread.start()
 

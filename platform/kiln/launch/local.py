@@ -117,7 +117,6 @@ def run_local(cfg: RunConfig, started: float | None = None) -> Summary | None:
     dp_rank, dp_size = data_parallel_coords(world.rank, world.world_size, cfg.parallel.pipeline_stages)
     source = ParquetSource(checked.datasets, dp_rank, dp_size, cfg.train.micro_batch_size, cfg.train.eval_batches,
                            seed=cfg.train.seed, reshuffle=cfg.data.reshuffle)
-    source.prefetch()  # validation's rows are read while the engine builds
     ckpt_root = _run_root(cfg)
     with run.finishing() if run is not None else contextlib.nullcontext():
         # The loop shows progress on rank 0 only: a bar when stderr is a terminal, else log lines.

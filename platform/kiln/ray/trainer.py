@@ -49,7 +49,6 @@ def _worker_entry(loop_config: dict[str, Any]) -> None:
                       device=ray.train.torch.get_device(), local_rank=ctx.get_local_rank(),
                       local_world_size=ctx.get_local_world_size())
     source = _source(cfg, world)
-    source.prefetch()  # its read processes start while the engine builds (2 in all where 4 started after)
     run_id = loop_config.get("mlflow_run_id")
     placement = _placement(world)
     logging.getLogger("kiln.train").info("rank %d of %d on node %s", world.rank, world.world_size,

@@ -125,7 +125,7 @@ class _Training:
         self.policy = CheckpointPolicy(t, checkpoint_root, world.rank, world.world_size, model_card(cfg))
         self.done, consumed = self.policy.resume(engine, cfg.micro_batches_per_step)
         # Start reading now so the pipeline's start-up overlaps the first step; skip what the
-        # resumed steps consumed. (The launchers started validation's read already.)
+        # resumed steps consumed.
         source.prefetch()
         self.prefetcher = DevicePrefetcher(source.train_batches(skip=consumed), device, cfg.data.prefetch_batches)
         self.batches = _Counted(self.prefetcher, consumed)
