@@ -65,6 +65,7 @@ bench: $(DEMO_DATA)
 	$(BIN)/python bench/step_ab.py
 	$(BIN)/python bench/checkpoint_overhead.py
 	$(BIN)/python bench/startup_cpu.py
+	$(BIN)/python bench/background_cost.py
 	$(BIN)/python bench/generate.py
 	$(BIN)/python bench/prepare.py
 	# The example sweep with ASHA and with every trial to the end (~30 min on 2 cores).
