@@ -17,11 +17,10 @@ import json
 import multiprocessing as mp
 import statistics
 import subprocess
-import sys
 import time
 
 import psutil
-from throughput import BIN, REPO, machine
+from throughput import BIN, REPO, machine, publish
 
 PERIOD_S = 0.25  # each background process wakes 4 times a second, as Ray's periodic work does
 
@@ -84,9 +83,7 @@ def main() -> None:
         "|---|---:|---:|---:|---:|",
         *[f"| {i + 1} | {a:,.0f} | {b:,.0f} | {b / a:.3f} | {took:.1%} |" for i, (a, b, took) in enumerate(rows)],
         f"\nMedian ratio {statistics.median(ratios):.3f} (range {min(ratios):.3f}-{max(ratios):.3f}).\n"])
-    sys.stdout.write(text)
-    with open(args.results, "a") as f:
-        f.write(text)
+    publish(text, args.results)
 
 
 if __name__ == "__main__":

@@ -20,14 +20,13 @@ import json
 import os
 import re
 import subprocess
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
 import psutil
-from throughput import BIN, REPO, machine
+from throughput import BIN, REPO, machine, publish
 
 from kiln.clock import STARTUP, startup_breakdown
 
@@ -121,10 +120,7 @@ def report(args, metrics: dict, by_kind: collections.Counter) -> None:
              "wall: " + ", ".join(f"{what} {s:.1f} s" for what, s in startup_breakdown(metrics)) + "\n",
              "| process | CPU-s by the first step |", "|---|---:|"]
     lines += [f"| {k.replace('|', '/')} | {v:.1f} |" for k, v in by_kind.most_common() if v >= 0.1]
-    text = "\n".join(lines) + "\n"
-    sys.stdout.write(text)
-    with open(args.results, "a") as f:
-        f.write(text)
+    publish("\n".join(lines) + "\n", args.results)
 
 
 def report_timeline(args, started: list, busy: list, bin_s: float = 2.0) -> None:
@@ -143,10 +139,7 @@ def report_timeline(args, started: list, busy: list, bin_s: float = 2.0) -> None
                 shares.append(f"{mark[0]:.0f}-{t:.0f} s {100 * (b - mark[1]) / (t - mark[0]) / cores:.0f}%")
             mark = (t, b)
     lines.append(f"\nBusy share of the {cores} cores: " + ", ".join(shares) + "\n")
-    text = "\n".join(lines) + "\n"
-    sys.stdout.write(text)
-    with open(args.results, "a") as f:
-        f.write(text)
+    publish("\n".join(lines) + "\n", args.results)
 
 
 if __name__ == "__main__":

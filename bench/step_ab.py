@@ -39,7 +39,7 @@ from kiln.train.step import PhaseTimer, train_step
 
 sys.path.insert(0, os.path.dirname(__file__))
 from plain_loop import plain_step  # noqa: E402  (bench/ is not a package)
-from throughput import machine  # noqa: E402
+from throughput import machine, publish  # noqa: E402
 
 
 def main() -> None:
@@ -86,10 +86,7 @@ def main() -> None:
              "| step | ms/step (median) | ratio vs plain (median) | range |", "|---|---|---|---|"]
     lines += [f"| {name} | {statistics.median(ms[name]):.1f} | {statistics.median(ratios[name]):.3f} "
               f"| {min(ratios[name]):.3f}-{max(ratios[name]):.3f} |" for name in names]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    with open(args.results, "a") as f:
-        f.write(text + "\n")
+    publish("\n".join(lines) + "\n\n", args.results)  # a blank line after the section, on both
 
 
 def plain_stepper(cfg):

@@ -34,6 +34,13 @@ BIN = Path(sys.executable).parent
 PLAIN = "Plain PyTorch loop, 1 process"
 
 
+def publish(text: str, results: str) -> None:
+    """Show a benchmark's section and append it, as it is, to the results file (bench/RESULTS.md)."""
+    sys.stdout.write(text)
+    with open(results, "a") as f:
+        f.write(text)
+
+
 def machine() -> str:
     cpu = "unknown CPU"
     try:
