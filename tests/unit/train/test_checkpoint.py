@@ -94,7 +94,6 @@ def test_prune_by_val_loss_keeps_the_best_and_the_newest(tmp_path):
     assert checkpoint.latest_complete(str(tmp_path)).endswith("step_00000060")
 
 
-
 def _precision(*sets: str) -> dict:
     from kiln.config import load_config
 
