@@ -84,3 +84,22 @@ def checkpoint_tensors():
                 for k, t in _tensors(torch.load(f, map_location="cpu", weights_only=False))}
 
     return load
+
+
+@pytest.fixture(scope="session")
+def tiny_hf(tmp_path_factory, corpus) -> Path:
+    """A tiny random GPT-2 in Hugging Face format (transformers' `save_pretrained`, one
+    safetensors file) with a 300-token BPE tokenizer: a checkpoint a user downloaded."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from kiln.data.tokenizer import BPETokenizer
+
+    torch.manual_seed(0)
+    d = tmp_path_factory.mktemp("hf") / "tiny-gpt2"
+    config = transformers.GPT2Config(n_positions=64, n_embd=32, n_layer=2, n_head=4, vocab_size=300,
+                                     bos_token_id=0, eos_token_id=0)
+    transformers.GPT2LMHeadModel(config).save_pretrained(d)
+    texts = [p.read_text() for p in sorted(Path(corpus[0]).glob("*.py"))]
+    (d / "tokenizer.json").write_text(BPETokenizer.train(texts, 300).to_json())
+    return d

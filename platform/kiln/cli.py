@@ -18,7 +18,7 @@ from kiln.clock import process_start
 from kiln.errors import ConfigError, KilnError
 from kiln.launch.console import run_reporting_errors
 from kiln.redact import configure_logging
-from kiln.storage import writable_dir, write_whole
+from kiln.storage import write_whole
 
 _STARTED = process_start()
 
@@ -28,19 +28,21 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> typing.NoReturn:
         self.print_usage(sys.stderr)
-        self.exit(2, f"kiln: error: {self.prog}: {message}\n")
+        from kiln.redact import scrub
+
+        self.exit(2, scrub(f"kiln: error: {self.prog}: {message}") + "\n")
 
 
-def _output_file(path: str | None, flag: str) -> Path | None:
-    """A file the command writes when it is done, checked before it starts: its directory must
-    exist and take new files, so a typo does not cost a finished run its result."""
+def _output_file(path: str | None, flag: str, kind: str, inputs: list[str] | tuple = ()) -> Path | None:
+    """A file the command writes when it is done, checked before it starts (`kiln.guard`): its
+    directory must exist and take new files, and anything there must be an earlier such output,
+    so a typo does not cost a finished run its result, nor a user their file."""
     if path is None:
         return None
-    out = Path(path)
-    parent = out.parent.resolve()
-    if out.is_dir() or not parent.is_dir() or not writable_dir(parent):
-        raise ConfigError(f"{flag} {path}: expected a file path in an existing directory this user can write to")
-    return out
+    from kiln.guard import check_file_target
+
+    check_file_target(path, kind, f"{flag} {path}", inputs=[i for i in inputs if i])
+    return Path(path)
 
 
 def _port(text: str) -> int:
@@ -146,7 +148,7 @@ def _tracking_uri(given: str) -> str:
     from kiln.tracking.server import check_store, resolve_tracking_uri
 
     uri = resolve_tracking_uri(given)
-    check_store(uri, "--tracking-uri")
+    check_store(uri, "--tracking-uri", read_only=True)  # these commands only read the store
     return uri
 
 
@@ -307,10 +309,17 @@ def run(args: argparse.Namespace) -> int:
 def _data(args: argparse.Namespace) -> int:
     if args.data_cmd == "verify":
         return verify_dataset(args.path, args.s3_endpoint)
-    from kiln.data.prepare import PrepareConfig, prepare
+    from kiln.data.prepare import PrepareConfig, prepare, validate_config
 
     if args.workers is not None and args.workers < 0:
         raise ConfigError(f"--workers {args.workers}: expected 0 (no Ray) or a number of tokenizer actors")
+    cfg = PrepareConfig(
+        inputs=args.input, output=args.output, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
+        seq_len=args.seq_len, val_fraction=args.val_fraction, shard_tokens=args.shard_tokens,
+        text_field=args.text_field, prompt_field=args.prompt_field, response_field=args.response_field,
+        seed=args.seed, if_exists=args.if_exists, s3_endpoint=args.s3_endpoint, on_binary=args.on_binary,
+        on_bad_record=args.on_bad_record, unit_bytes=args.unit_bytes, bpe_sample_bytes=args.bpe_sample_bytes)
+    validate_config(cfg)  # the flags first, whatever the Ray address says
     executor = None
     if args.workers != 0:
         from kiln.ray.address import check_ray_address
@@ -320,13 +329,7 @@ def _data(args: argparse.Namespace) -> int:
         if address:
             check_ray_address(address)
         executor = on_ray(address, args.workers or 0)
-    m = prepare(PrepareConfig(
-        inputs=args.input, output=args.output, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
-        seq_len=args.seq_len, val_fraction=args.val_fraction, shard_tokens=args.shard_tokens,
-        text_field=args.text_field, prompt_field=args.prompt_field, response_field=args.response_field,
-        seed=args.seed, if_exists=args.if_exists, s3_endpoint=args.s3_endpoint, on_binary=args.on_binary,
-        on_bad_record=args.on_bad_record, unit_bytes=args.unit_bytes, bpe_sample_bytes=args.bpe_sample_bytes,
-    ), executor=executor)
+    m = prepare(cfg, executor=executor)
     tr, va = m["splits"]["train"], m["splits"]["val"]
     print(f"dataset {args.output}: {tr['tokens']:,} train / {va['tokens']:,} val tokens, "
           f"{len(tr['shards'])} + {len(va['shards'])} shards, vocab {m['tokenizer']['vocab_size']}, "
@@ -350,8 +353,10 @@ def _train(args: argparse.Namespace) -> int:
     if getattr(args, "profile", False):
         steps = load_config(args.config, overrides).train.max_steps
         overrides.append(f"train.profile.start_step={max(1, min(10, steps - 2))}")
+    from kiln.launch.summary import RUN_SUMMARY
+
     cfg = load_config(args.config, overrides)  # validated before anything starts
-    summary_json = _output_file(args.summary_json, "--summary-json")
+    summary_json = _output_file(args.summary_json, "--summary-json", RUN_SUMMARY, [args.config])
     if args.dry_run:
         import os
 
@@ -364,7 +369,7 @@ def _train(args: argparse.Namespace) -> int:
     summary = train(cfg, address=args.address, started=_STARTED, verbose=args.verbose)
     print(summary.render())
     if summary_json:
-        write_whole(summary_json, summary.to_json())
+        write_whole(summary_json, summary.to_json(), kind=RUN_SUMMARY)
     return 0
 
 
@@ -378,9 +383,9 @@ def _runs(args: argparse.Namespace) -> int:
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    from kiln.sweep.run import run_sweep
+    from kiln.sweep.run import SWEEP_SUMMARY, run_sweep
 
-    summary_json = _output_file(args.summary_json, "--summary-json")
+    summary_json = _output_file(args.summary_json, "--summary-json", SWEEP_SUMMARY, [args.config])
     if args.resume:
         from kiln.sweep.config import stored_sweep
 
@@ -391,7 +396,7 @@ def _sweep(args: argparse.Namespace) -> int:
         summary = run_sweep(load_sweep(args.config, args.overrides), address=args.address)
     print(summary.render())
     if summary_json:
-        write_whole(summary_json, summary.to_json())
+        write_whole(summary_json, summary.to_json(), kind=SWEEP_SUMMARY)
     return 0
 
 
@@ -407,12 +412,13 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from kiln.infer.commands import read_prompts, run_generate
+    from kiln.infer.commands import check_device, read_prompts, run_generate
     from kiln.infer.sampling import Sampling
 
     s = Sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.repetition_penalty,
                  args.repetition_window, args.seed, not args.no_stop)
     check_sampling(s, args.batch_size)
+    check_device(args.device)
     prompts = read_prompts(args.prompt, args.prompts)
 
     def write(text: str) -> None:
@@ -459,10 +465,11 @@ def check_sampling(s, batch_size: int) -> None:
 
 def _lr(args: argparse.Namespace) -> int:
     from kiln.config import load_config
-    from kiln.train.schedule import plot_schedule
+    from kiln.guard import check_file_target
+    from kiln.train.schedule import LR_PLOT, plot_schedule
 
     cfg = load_config(args.config, args.overrides)
-    _output_file(args.out, "--out")
+    check_file_target(args.out, LR_PLOT, f"--out {args.out}", inputs=[args.config or ""])
     plot_schedule(cfg.schedule, cfg.optim.lr, cfg.train.max_steps, args.out)
     print(f"wrote {args.out}: {cfg.schedule.name} over {cfg.train.max_steps} steps, peak lr {cfg.optim.lr:g}")
     return 0

@@ -32,6 +32,7 @@ from typing import Any, Literal
 
 import yaml
 
+from kiln import yamlfile
 from kiln.errors import ConfigError, KilnError
 from kiln.limits import MAX_INT, MAX_SEQ_LEN
 from kiln.model import FLAVOURS, GPTConfig, config_for
@@ -342,12 +343,17 @@ class TrainConfig:
     micro-batch, or roll back to the last checkpoint); every event is tagged in MLflow."""
 
 
+RUN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,199}")  # one directory name, never a path
+
+
 @dataclass
 class LoggingConfig:
     experiment: str = knob("kiln", lambda v: bool(v.strip()), "a non-empty name")
     """MLflow experiment name."""
-    run_name: str = ""
-    """MLflow run name; empty: generated from the flavour and a timestamp."""
+    run_name: str = knob("", lambda v: v == "" or (bool(RUN_NAME.fullmatch(v)) and v.strip(".") != ""),
+                         "letters, digits, '.', '_' and '-', not starting with '.' (it names the run's directory)")
+    """MLflow run name, and the name of the run's directory under train.storage_path; empty:
+    generated from the flavour and a timestamp."""
     tracking_uri: str = ""
     """MLflow tracking URI. Empty: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the cwd."""
     log_every: int = knob(1, *span(1, MAX_STEPS))
@@ -793,58 +799,15 @@ def parse_override(text: str) -> tuple[str, Any]:
         raise ConfigError(f"--set {text!r}: {key.strip()!r} is not a field name; expected KEY=VALUE, "
                           "e.g. --set optim.lr=3e-4")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = yamlfile.load_text(raw, f"--set {key.strip()}") if raw.strip() else ""
     except yaml.YAMLError:
         value = raw
     return key.strip(), value
 
 
-class _StrictLoader(yaml.SafeLoader):
-    """YAML's safe loader, but a key given twice in one mapping is an error (YAML would keep the
-    last one silently, and a run would train with a value nobody meant)."""
-
-
-def _mapping_without_duplicates(loader: _StrictLoader, node: yaml.MappingNode) -> dict:
-    seen = set()
-    for key_node, _ in node.value:
-        key = loader.construct_object(key_node, deep=True)
-        if key in seen:
-            raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
-        seen.add(key)
-    return loader.construct_mapping(node, deep=True)
-
-
-_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping_without_duplicates)
-# YAML 1.1 (PyYAML) needs a dot in a float, so `lr: 3e-4` would load as the string "3e-4";
-# YAML 1.2 and every user read it as a number, and so does Kiln, in run configs and sweep files.
-_StrictLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+$"), list("-+0123456789"))
-
-
-def _yaml_problem(e: yaml.YAMLError) -> str:
-    """A YAML error on one line: what is wrong, and where."""
-    mark = getattr(e, "problem_mark", None)
-    where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
-    return f"{getattr(e, 'problem', None) or str(e).splitlines()[0]}{where}"
-
-
 def read_yaml_mapping(path: str | os.PathLike, what: str) -> dict[str, Any]:
-    """A YAML file that must hold a mapping; `what` names it in errors ("config file 'x.yaml'").
-    An empty file, a duplicated key or bytes that are not UTF-8 are errors, not defaults."""
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"{what} does not exist")
-    try:
-        tree = yaml.load(p.read_text(encoding="utf-8"), Loader=_StrictLoader)
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"{what} is not UTF-8 text (byte {e.start}): save it as UTF-8") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{what} is not valid YAML: {_yaml_problem(e)}") from None
-    if tree is None:
-        raise ConfigError(f"{what} is empty: expected a mapping of settings (omit the file for the defaults)")
-    if not isinstance(tree, dict):
-        raise ConfigError(f"{what} must hold a mapping")
-    return tree
+    """A YAML file that must hold a mapping, read safe, strict and bounded (`kiln.yamlfile`)."""
+    return yamlfile.read_mapping(path, what)
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()) -> RunConfig:

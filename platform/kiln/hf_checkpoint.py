@@ -18,14 +18,58 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+import pydantic
 import torch
+from typing_extensions import Required, TypedDict
 
 from kiln.errors import ConfigError
-from kiln.model import GPTConfig
+from kiln.model import GPTConfig, shape_problem
+from kiln.schemas import type_problems
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
+
+
+class _GPT2Fields(TypedDict, total=False):
+    """The fields of a GPT-2 `config.json` Kiln reads, with their JSON types."""
+
+    n_embd: Required[int]
+    n_layer: Required[int]
+    n_head: Required[int]
+    n_positions: Required[int]
+    vocab_size: Required[int]
+    n_inner: int | None
+    layer_norm_epsilon: float
+
+
+class _LlamaFields(TypedDict, total=False):
+    """The fields of a Llama `config.json` Kiln reads, with their JSON types."""
+
+    hidden_size: Required[int]
+    intermediate_size: Required[int]
+    num_hidden_layers: Required[int]
+    num_attention_heads: Required[int]
+    max_position_embeddings: Required[int]
+    vocab_size: Required[int]
+    num_key_value_heads: int | None
+    head_dim: int | None
+    tie_word_embeddings: bool
+    rope_theta: float
+    rope_scaling: dict | None
+    rope_parameters: dict | None
+    rms_norm_eps: float
+
+
+_FIELDS = {"gpt2": pydantic.TypeAdapter(_GPT2Fields), "llama": pydantic.TypeAdapter(_LlamaFields)}
+
+
+class _IndexFile(TypedDict):
+    weight_map: dict[str, str]
+    """Each weight's name -> the file in the directory that holds it."""
+
+
+_INDEX = pydantic.TypeAdapter(_IndexFile)
 _GELU_TANH = ("gelu_new", "gelu_pytorch_tanh")  # both are the tanh approximation Kiln's MLP uses
 
 
@@ -38,9 +82,8 @@ def local_copy(uri: str, s3_endpoint: str = "", region: str = "us-east-1") -> Pa
         return Path(uri)
     import hashlib
     import os
-    import shutil
-    import tempfile
 
+    from kiln import guard
     from kiln.storage import resolve
 
     cache = Path(os.environ.get("KILN_CACHE", Path.home() / ".cache" / "kiln")) / "checkpoints"
@@ -52,18 +95,18 @@ def local_copy(uri: str, s3_endpoint: str = "", region: str = "us-east-1") -> Pa
     if CONFIG not in files:
         raise ConfigError(f"{uri}: holds no {CONFIG}; expected a Hugging Face checkpoint prefix")
     cache.mkdir(parents=True, exist_ok=True)
-    staged = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=cache))
+    staged = guard.temp_dir(cache, target.name, "checkpoint-cache")
     try:
         for name in files:
             (staged / name).parent.mkdir(parents=True, exist_ok=True)
             (staged / name).write_bytes(src.join(name).read_bytes())
         try:
-            staged.rename(target)
+            guard.move(staged, target)
         except OSError:  # another process on this machine finished first
             if not (target / CONFIG).exists():
                 raise
     finally:
-        shutil.rmtree(staged, ignore_errors=True)
+        guard.discard(staged, "checkpoint-cache")
     return target
 
 
@@ -114,10 +157,14 @@ def read_config(directory: Path) -> GPTConfig:
     kind = raw.get("model_type")
     if kind not in ("gpt2", "llama"):
         raise ConfigError(f"{path}: model_type {kind!r} is not supported; expected 'gpt2' or 'llama'")
-    try:
-        return _gpt2_config(raw, path) if kind == "gpt2" else _llama_config(raw, path)
-    except (KeyError, TypeError, ValueError) as e:
-        raise ConfigError(f"{path}: a {kind} config needs {e} (a number)") from None
+    problems = type_problems(_FIELDS[kind], raw)
+    if problems:
+        raise ConfigError(f"{path}: {problems[0]}")
+    cfg = _gpt2_config(raw, path) if kind == "gpt2" else _llama_config(raw, path)
+    problem = shape_problem(cfg)
+    if problem:
+        raise ConfigError(f"{path}: {problem}")
+    return cfg
 
 
 def _refuse(raw: dict, path: Path, want: dict[str, tuple]) -> None:
@@ -161,13 +208,35 @@ def _weight_files(directory: Path) -> list[Path]:
     index = directory / INDEX
     if index.exists():
         try:
-            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (OSError, ValueError, KeyError) as e:
-            raise ConfigError(f"{index}: not a safetensors index (a JSON object with weight_map): {e}") from None
+            raw = json.loads(index.read_text())
+            names = sorted(set(_INDEX.validate_python(raw, strict=True)["weight_map"].values()))
+        except (OSError, ValueError) as e:  # pydantic's ValidationError is a ValueError
+            raise ConfigError(f"{index}: not a safetensors index (a JSON object whose weight_map maps each "
+                              f"weight's name to a file name): {str(e).splitlines()[0]}") from None
+        bad = [n for n in names if n != Path(n).name or n.startswith(".")]
+        if bad:
+            raise ConfigError(f"{index}: weight_map names {bad[0]!r}; expected a file name in the directory")
         return [directory / n for n in names]
     if (directory / WEIGHTS).exists():
         return [directory / WEIGHTS]
     raise ConfigError(f"{directory}: no {WEIGHTS} or {INDEX}; Kiln reads safetensors weights")
+
+
+def check_weights(directory: Path, cfg: GPTConfig) -> None:
+    """Before launch: the weight files are complete and their names and shapes fit `cfg`, from
+    the safetensors headers alone (the tensors stay on disk)."""
+    from safetensors import SafetensorError, safe_open
+
+    shapes: dict[str, list[int]] = {}
+    for f in _weight_files(directory):
+        if not f.exists():
+            raise ConfigError(f"{f}: missing; the checkpoint's index lists it")
+        try:
+            with safe_open(str(f), "pt") as st:  # checks the header against the file's size
+                shapes |= {name: st.get_slice(name).get_shape() for name in st.keys()}  # noqa: SIM118
+        except (SafetensorError, OSError) as e:
+            raise ConfigError(f"{f}: not a complete safetensors file ({e})") from None
+    kiln_state(cfg, {name: torch.empty(shape, device="meta") for name, shape in shapes.items()}, str(directory))
 
 
 def read_weights(directory: Path) -> dict[str, torch.Tensor]:

@@ -70,6 +70,25 @@ class GPTConfig:
         return 4 * self.d_model if self.arch == "gpt" else -(-8 * self.d_model // 3 // 256) * 256
 
 
+def shape_problem(cfg: GPTConfig) -> str | None:
+    """Why these shapes make no model, in words naming the fields, or None: the one statement
+    of it, asked by the model, the config, checkpoint readers and the planner."""
+    if cfg.arch not in ("gpt", "llama"):
+        return f"arch = {cfg.arch!r}: expected 'gpt' or 'llama'"
+    for name in ("n_layer", "n_head", "d_model"):
+        if getattr(cfg, name) < 1:
+            return f"{name} = {getattr(cfg, name)}: expected a positive integer"
+    if cfg.n_kv_head < 0 or cfg.ffn_hidden < 0:
+        return "n_kv_head and ffn_hidden must be 0 (the default) or positive"
+    if cfg.d_model % cfg.n_head:
+        return f"d_model = {cfg.d_model} is not divisible by n_head = {cfg.n_head}: each head needs a whole share"
+    if cfg.n_head % cfg.kv_heads:
+        return f"n_head = {cfg.n_head} is not a multiple of n_kv_head = {cfg.kv_heads}"
+    if cfg.arch == "llama" and cfg.head_dim % 2:
+        return f"head size d_model / n_head = {cfg.head_dim} is odd; RoPE rotates pairs of dimensions"
+    return None
+
+
 # Shapes follow GPT-2 (124M, 350M) and GPT-3 (1.3B XL, 2.7B, 6.7B; 13B with d_model 5120 so heads
 # are 128 wide), and Llama 2 7B and Llama 3.2 1B. The debug ones are small enough that a
 # training step takes milliseconds on one CPU core, so every test can run the whole training
@@ -176,8 +195,9 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig, layer: int = 0):
         super().__init__()
-        assert cfg.d_model % cfg.n_head == 0, "d_model must be divisible by n_head"
-        assert cfg.n_head % cfg.kv_heads == 0, "n_head must be a multiple of n_kv_head"
+        problem = shape_problem(cfg)
+        if problem:
+            raise ValueError(problem)
         self.cfg, self.layer = cfg, layer  # layer: which of a KVCache's slots is this block's
         hd = cfg.head_dim
         # One matmul for queries, keys and values (faster than three).

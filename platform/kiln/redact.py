@@ -18,8 +18,19 @@ SECRET_PATTERN = re.compile(r"(secret|token(?!izer|s(?![a-z]))|password|passwd|c
 REDACTED = "***"
 
 # The userinfo of any URL, whatever its scheme (a misspelt one too): `user:password@` or a bare
-# `token@`. Greedy up to the last `@` before the path, so a password holding `@` is masked whole.
-URL_USERINFO = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)(?P<userinfo>[^/\s?#]*)@")
+# `token@`. After `user:` the password runs to the word's last `@`, so one holding `@`, `#`,
+# `?` or `/` is masked whole (a port and a path holding `@` are masked too: too much, never
+# too little); a bare token stops at the path.
+URL_USERINFO = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)(?P<userinfo>[^/\s'\":@]+:[^\s'\"]*|[^/\s'\"]*)@")
+# The same without a scheme (`--s3-endpoint user:pw@host:9`): a user name, a colon, anything
+# up to the word's last `@`, then a host.
+BARE_USERINFO = re.compile(r"(?<![\w.:/@%+-])(?P<scheme>)(?P<userinfo>[\w.~%+-]+:(?!//)[^\s'\"]*)@(?=[\w\[])")
+# A credential-named key and its value, as Python, JSON and YAML print a mapping and as a shell
+# or `--set` assigns it: `'aws_secret_access_key': '...'`, `"token": "..."`, `API_KEY=...`.
+_KEY = r"[\w.-]*" + SECRET_PATTERN.pattern + r"[\w.-]*"
+KEY_VALUE = re.compile(r"(?P<key>(?P<q>['\"]?)" + _KEY + r"(?P=q)\s*(?::\s*|=))"
+                       r"(?P<value>'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"|[^\s,;}\]&|'\"]+)", re.I)
+SETTING_WORDS = {"token", "true", "false", "none", "null", "''", '""', REDACTED}  # values that are settings
 # Credentials recognisable by their shape wherever they appear: AWS access key ids, GitHub and
 # Hugging Face tokens.
 TOKEN_SHAPES = re.compile(r"\b(?:(?:AKIA|ASIA)[0-9A-Z]{16}|gh[pousr]_[A-Za-z0-9]{20,}|github_pat_[A-Za-z0-9_]{20,}"
@@ -66,6 +77,8 @@ def scrub(text: str) -> str:
     token shapes masked, and the value of every credential-named environment variable (AWS
     keys, MLflow and Ray tokens, ...) replaced by ***."""
     text = URL_USERINFO.sub(_mask_userinfo, text)
+    text = BARE_USERINFO.sub(_mask_userinfo, text)
+    text = KEY_VALUE.sub(_mask_value, text)
     text = TOKEN_SHAPES.sub(REDACTED, text)
     for value in _environment_secrets():
         text = text.replace(value, REDACTED)
@@ -75,6 +88,14 @@ def scrub(text: str) -> str:
 def _mask_userinfo(m: re.Match) -> str:
     user, colon, _ = m.group("userinfo").partition(":")
     return m.group("scheme") + (f"{user}:{REDACTED}" if colon else REDACTED) + "@"
+
+
+def _mask_value(m: re.Match) -> str:
+    value = m.group("value")
+    if value.strip("'\"").lower() in SETTING_WORDS or value.startswith(("$", "/", "~")):
+        return m.group(0)  # `RAY_AUTH_MODE=token`, `${VAR}`, a file that holds the secret
+    quote = value[0] if value[0] in "'\"" else ""
+    return m.group("key") + quote + REDACTED + quote
 
 
 def _environment_secrets() -> list[str]:

@@ -7,11 +7,10 @@ and are never passed through Kiln's config, so they cannot leak into logged para
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import posixpath
-import tempfile
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,6 +20,8 @@ from urllib.parse import urlparse
 import pyarrow.fs as pafs
 
 from kiln.errors import ConfigError, StorageError
+from kiln.guard import writable_dir as writable_dir  # re-exported: callers check outputs here
+from kiln.guard import write_file
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -50,35 +51,16 @@ def absolute(path: str) -> str:
     return path if is_url(path) else os.path.abspath(path)
 
 
-def write_private(path: str | os.PathLike, text: str) -> None:
+def write_private(path: str | os.PathLike, text: str, kind: str | None = None) -> None:
     """Write a local file that may hold connection settings: readable by its owner only (0600),
-    and whole or not at all."""
-    write_whole(path, text, 0o600)
+    and whole or not at all; with a `kind`, over nothing but an earlier such Kiln output."""
+    write_whole(path, text, 0o600, kind)
 
 
-def writable_dir(path: str | os.PathLike) -> bool:
-    """Whether this process can create files in the directory `path`. Tried, not inferred from
-    mode bits (root ignores them; a read-only mount does not show in them): an unnamed temp file
-    (O_TMPFILE on Linux) that leaves nothing behind."""
-    try:
-        with tempfile.TemporaryFile(dir=path):
-            return True
-    except OSError:
-        return False
-
-
-def write_whole(path: str | os.PathLike, text: str, mode: int = 0o644) -> None:
-    """Write a local file whole or not at all: a temp file beside it, then a rename."""
-    tmp = f"{os.fspath(path)}.tmp-{os.getpid()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+def write_whole(path: str | os.PathLike, text: str, mode: int = 0o644, kind: str | None = None) -> None:
+    """Write a local file whole or not at all (`guard.write_file`): with a `kind`, an existing
+    file is replaced only if it is that kind of Kiln output."""
+    write_file(path, text, mode, kind)
 
 
 @dataclass(frozen=True)
@@ -149,6 +131,16 @@ class Location:
         return sorted(i.path[len(base) :] for i in infos if i.type == pafs.FileType.File)
 
 
+def without_userinfo(url: str) -> str:
+    """`url` without its `user:password@`, whatever the password holds (up to the last `@`
+    before the path; urllib stops at a `#` or `?` inside one and misreads the rest)."""
+    scheme, sep, rest = url.rpartition("://")
+    authority, slash, path = rest.partition("/")
+    if "@" in authority or "@" not in rest or ":" not in authority or re.fullmatch(r"[^:]*:\d+", authority):
+        return f"{scheme}{sep}{authority.rpartition('@')[2]}{slash}{path}"
+    return f"{scheme}{sep}{rest.rpartition('@')[2]}"  # `user:pa/ss@host`: a password holding '/''
+
+
 def s3_endpoint(explicit: str = "") -> str:
     return explicit or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL", "")
 
@@ -163,7 +155,9 @@ def s3_filesystem(endpoint: str = "", region: str = "us-east-1") -> pafs.S3FileS
     )
     endpoint = s3_endpoint(endpoint)
     if endpoint:
-        parsed = urlparse(endpoint if is_url(endpoint) else f"https://{endpoint}")
+        # S3 signs with AWS keys, never with a URL's userinfo: drop any, so it reaches neither
+        # pyarrow nor its error messages.
+        parsed = urlparse(without_userinfo(endpoint if is_url(endpoint) else f"https://{endpoint}"))
         kwargs["endpoint_override"] = parsed.netloc
         kwargs["scheme"] = parsed.scheme or "https"
     return pafs.S3FileSystem(**kwargs)
@@ -175,6 +169,9 @@ def resolve(uri: str, s3_endpoint_url: str = "", region: str = "us-east-1") -> L
         bucket_path = uri[len("s3://") :].rstrip("/")
         if not bucket_path:
             raise ConfigError(f"{uri!r}: expected s3://bucket/prefix")
+        if "@" in bucket_path.split("/", 1)[0]:  # the console masks the userinfo in this line
+            raise ConfigError(f"{uri!r}: credentials never go in an s3:// path; set AWS_ACCESS_KEY_ID and "
+                              "AWS_SECRET_ACCESS_KEY in the environment and name just s3://bucket/prefix")
         endpoint = s3_endpoint(s3_endpoint_url)
         return Location(s3_filesystem(endpoint, region), bucket_path, uri.rstrip("/"), endpoint)
     if is_url(uri):

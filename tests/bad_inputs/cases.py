@@ -35,6 +35,9 @@ class Case:
     files: dict[str, str | bytes] = field(default_factory=dict)
     dataset: bool = False
     secrets: tuple[str, ...] = ()
+    model: bool = False
+    """A copy of a tiny Hugging Face GPT-2 at `{hf}` (`hf/` in the case's directory)."""
+    env: dict[str, str] = field(default_factory=dict)
 
 
 def _train(id, sets, needle, code=2, **kw):
@@ -404,7 +407,7 @@ SERVICES = [
     Case("services-up-port-out-of-range", ["services", "up", "--dir", "svc", "--port", "99999"], "--port"),
     Case("services-up-dir-a-file", ["services", "up", "--dir", "f.txt"], "f.txt", 1, files={"f.txt": "x"}),
     Case("services-up-running", ["services", "up", "--dir", "svc"], "already running", 1,
-         files={"svc/services.json": "RUNNING"}),
+         files={"svc/services.json": "RUNNING", "svc/.kiln-output": "kiln-output:services\n"}),
 ]
 
 KILN_CONFIG = [
@@ -442,4 +445,231 @@ MODELS = [
     Case("eval-no-such-data", ["eval", "--model", "x", "--data", "nope"], "nope", 1),
 ]
 
-CASES = MODELS + PREPARE + VERIFY + CONFIG_FILES + OVERRIDES + LAUNCH + SWEEP + LR + RUNS + PLAN + CLUSTER + SERVICES + KILN_CONFIG
+
+PW_ODD = "planted#pa/ss?Qz7@x"  # a password with the characters URL parsers stop at
+KEY_SECRET = "planted-key-secret-Wd38"
+GPT2_BAD = '{"model_type": "gpt2", "n_embd": 30, "n_head": 4, "n_layer": 1, "n_positions": 8, "vocab_size": 300}'
+CARD_OK = ('{"format": 1, "gpt": {"vocab_size": 320, "seq_len": 64, "n_layer": 1, "n_head": 4, "d_model": 32}, '
+           '"parallel": {"zero_stage": 0, "pipeline_stages": 1}, "data": {"path": "ds"}}')
+CKPT_MARKER = '{"step": 1, "world_size": 1, "rank": 0, "tag": "state"}'
+
+
+def _ckpt(card: str, **more) -> dict[str, str | bytes]:
+    """A checkpoint directory as Kiln lays one out, with `card` as its kiln_model.json."""
+    return {"ckpt/kiln_model.json": card, "ckpt/kiln_complete.rank0.json": CKPT_MARKER,
+            "ckpt/state/notes.txt": "x", **more}
+
+
+def _bomb(levels: int = 9, leaf: str = "lol") -> str:
+    """YAML's billion laughs: each level nine aliases of the one below (9**9 values)."""
+    lines = [f"l0: &l0 [{leaf}]"]
+    for i in range(1, levels + 1):
+        lines.append(f"l{i}: &l{i} [" + ", ".join([f"*l{i - 1}"] * 9) + "]")
+    return "\n".join(lines) + "\n"
+
+
+def _flow_bomb(levels: int = 9) -> str:
+    """The same as one flow mapping, as `--set` takes a value."""
+    parts = ["a0: &a0 [x]"] + [f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, levels + 1)]
+    return "{{" + ", ".join(parts) + "}}"  # doubled: the harness formats each argument
+
+
+HOME_SECRETS = {"home/.ssh/id_ed25519": "PRIVATE KEY", "home/todo.txt": "mine", "home/config.json": "{}",
+                "home/model.safetensors": "x"}
+HF_LOOKALIKE = {"theirs/config.json": '{"model_type": "gpt2"}', "theirs/model.safetensors": "w",
+                "theirs/README.md": "# model card", "theirs/eval/scores.txt": "0.93"}
+LAUNCHER = "cluster_name: x\nprovider: {type: aws, region: us-east-1}\n"
+KUBE = "apiVersion: ray.io/v1\nkind: RayCluster\nmetadata: {name: k}\n"
+KUBE_SPEC = ("spec:\n  authOptions: {mode: token}\n  headGroupSpec:\n    template:\n      spec:\n"
+             "        containers: [{name: h, image: i}]\n")
+
+WRITE_GUARD = [
+    Case("export-onto-home", ["export", "{hf}", "--output", "~", "--overwrite"], "--output ~", model=True,
+         files=HOME_SECRETS),
+    Case("export-onto-cwd", ["export", "{hf}", "--output", ".", "--overwrite"], "--output .", model=True,
+         files={"train.py": "print(1)", "data/x.txt": "x", "config.json": "{}", "model.safetensors": "x"}),
+    Case("export-onto-parent", ["export", "{hf}", "--output", "..", "--overwrite"], "--output ..", model=True),
+    Case("export-onto-hf-folder", ["export", "{hf}", "--output", "theirs", "--overwrite"], "no .kiln-output marker",
+         model=True, files=HF_LOOKALIKE),
+    Case("export-onto-symlink", ["export", "{hf}", "--output", "link", "--overwrite"], "symbolic link", model=True,
+         files={**HF_LOOKALIKE, "link": "SYMLINK:theirs"}),
+    Case("export-onto-its-input", ["export", "{hf}", "--output", "{hf}", "--overwrite"], "own input", model=True),
+    Case("export-into-its-input", ["export", "{hf}", "--output", "{hf}/out"], "own input", model=True),
+    Case("export-onto-repo-root", ["export", "{hf}", "--output", "repo", "--overwrite"], "repository", model=True,
+         files={"repo/.git/HEAD": "ref: refs/heads/main\n", "repo/config.json": "{}", "repo/model.safetensors": "x"}),
+    Case("export-output-a-file", ["export", "{hf}", "--output", "notes.txt"], "is a file", model=True,
+         files={"notes.txt": "mine"}),
+    Case("export-s3-userinfo", ["export", "{hf}", "--output", f"s3://me:{PW}@bucket/m"], "credentials never go",
+         model=True, secrets=(PW,)),
+    Case("lr-out-onto-its-config", ["lr", "plot", "--config", "c.yaml", "--out", "c.yaml"], "--out c.yaml",
+         files={"c.yaml": "train:\n  max_steps: 10\n"}),
+    Case("lr-out-onto-foreign-png", ["lr", "plot", "--out", "mine.png"], "--out mine.png",
+         files={"mine.png": b"\x89PNG\r\n\x1a\nnot Kiln's"}),
+    Case("lr-out-symlink", ["lr", "plot", "--out", "lr.png"], "symbolic link",
+         files={"mine.png": "x", "lr.png": "SYMLINK:mine.png"}),
+    Case("train-summary-onto-foreign", ["train", "--set", "data.path={ds}", "--summary-json", "notes.json"],
+         "--summary-json notes.json", dataset=True, files={"notes.json": '{"mine": 1}'}),
+    Case("train-summary-onto-config", ["train", "--config", "c.yaml", "--summary-json", "c.yaml"],
+         "--summary-json c.yaml", files={"c.yaml": "train:\n  max_steps: 10\n"}),
+    _sweep("sweep-summary-onto-sweep-file", SWEEP_OK, "--summary-json s.yaml", args=("--summary-json", "s.yaml")),
+    Case("services-up-home", ["services", "up", "--dir", "~"], "home directory", 1, files={"home/notes": "x"}),
+    Case("services-up-foreign-dir", ["services", "up", "--dir", "mine"], "mine", 1,
+         files={"mine/notes.md": "keep", "mine/mlflow.db": "APPDB"}),
+]
+
+STORES = [
+    Case("runs-foreign-sqlite", ["runs", "list", "--tracking-uri", "sqlite:///app.db"], "another application's", 1,
+         files={"app.db": "APPDB"}),
+    Case("runs-default-store-foreign", ["runs", "compare"], "another application's", 1, files={"mlflow.db": "APPDB"}),
+    Case("generate-models-uri-foreign-db", ["generate", "--model", "models:/x/1", "--prompt", "a", "--tracking-uri",
+                                            "sqlite:///app.db"], "another application's", 1, files={"app.db": "APPDB"}),
+    Case("eval-run-id-foreign-db", ["eval", "--model", "{hf}", "--data", "{ds}", "--run-id", "abc", "--tracking-uri",
+                                    "sqlite:///app.db"], "another application's", 1, files={"app.db": "APPDB"},
+         model=True, dataset=True),
+    Case("export-models-uri-no-store", ["export", "models:/x/1", "--output", "out"], "no MLflow store", 1),
+    Case("generate-models-uri-no-store", ["generate", "--model", "models:/x/1", "--prompt", "a"], "no MLflow store", 1),
+    Case("eval-run-id-no-store", ["eval", "--model", "{hf}", "--data", "{ds}", "--run-id", "abc"], "no MLflow store", 1,
+         model=True, dataset=True),
+    Case("generate-file-store-missing", ["generate", "--model", "models:/x/1", "--prompt", "a", "--tracking-uri",
+                                         "./nowhere"], "no MLflow store", 1),
+    Case("services-up-foreign-backend", ["services", "up", "--dir", "svc", "--backend-store-uri", "sqlite:///app.db"],
+         "another application's", 1, files={"app.db": "APPDB"}),
+    _train("train-tracking-foreign-db", ["data.path={ds}", "logging.tracking_uri=sqlite:///app.db"],
+           "another application's", 1, dataset=True, files={"app.db": "APPDB"}),
+]
+
+BOUNDS = [
+    _cfg("config-billion-laughs", _bomb(), "alias bomb"),
+    _cfg("config-bomb-in-deepspeed", "parallel:\n  deepspeed:\n" + "".join("    " + line + "\n" for line in
+                                                                            _bomb().splitlines()), "alias bomb"),
+    _train("set-billion-laughs", [f"parallel.deepspeed={_flow_bomb()}"], "--set parallel.deepspeed"),
+    _cfg("config-50mb", "BIG", "larger than"),
+    _cfg("config-nested-deep", "a: " + "[" * 500 + "]" * 500 + "\n", "nests"),
+    _cfg("config-nested-past-libyaml", "a: " + "[" * 5000 + "]" * 5000 + "\n", "maximum nesting depth"),
+    _sweep("sweep-billion-laughs", SWEEP_OK + _bomb(), "alias bomb"),
+    Case("cluster-billion-laughs", ["cluster", "check", "c.yaml"], "alias bomb", files={"c.yaml": LAUNCHER + _bomb()}),
+    Case("plan-cluster-billion-laughs", ["plan", "--model", "debug", "--cluster", "c.yaml"], "alias bomb",
+         files={"c.yaml": LAUNCHER + _bomb()}),
+    Case("cluster-duplicate-key", ["cluster", "check", "c.yaml"], "duplicate key 'max_workers'",
+         files={"c.yaml": LAUNCHER + "max_workers: 2\nmax_workers: 3\n"}),
+]
+
+SECRETS = [
+    _cfg("config-deepspeed-list-secret", f"parallel:\n  deepspeed: [{{aws_secret_access_key: {KEY_SECRET}}}]\n",
+         "parallel.deepspeed", secrets=(KEY_SECRET,)),
+    _cfg("config-mix-mapping-secret", f"data:\n  mix: {{path: a, token: {KEY_SECRET}}}\n", "data.mix",
+         secrets=(KEY_SECRET,)),
+    Case("set-deepspeed-secret-scalar", ["train", "--set", f"parallel.deepspeed=api_key={KEY_SECRET}"],
+         "parallel.deepspeed", secrets=(KEY_SECRET,)),
+    _prep("prep-s3-endpoint-no-scheme", ["--output", "s3://bucket/ds", "--s3-endpoint", f"kiln:{PW}@127.0.0.1:9"],
+          "s3://bucket/ds", 1, secrets=(PW,)),
+    _prep("prep-s3-password-odd-chars", ["--output", "s3://bucket/ds", "--s3-endpoint",
+                                         f"http://kiln:{PW_ODD}@127.0.0.1:9"], "s3://bucket/ds", 1, secrets=(PW_ODD,)),
+    _prep("prep-s3-userinfo-in-path", ["--output", f"s3://me:{PW}@bucket/ds"], "credentials never go", 2,
+          secrets=(PW,)),
+    _train("train-data-s3-userinfo", [f"data.path=s3://me:{PW}@bucket/ds"], "credentials never go", 2, secrets=(PW,)),
+    Case("cluster-schema-secret", ["cluster", "check", "c.yaml"], "setup_commands",
+         files={"c.yaml": LAUNCHER + f"setup_commands: 'export WANDB_API_KEY={KEY_SECRET}'\n"}, secrets=(KEY_SECRET,)),
+    Case("runs-odd-password-url", ["runs", "list", "--tracking-uri", f"http://me:{PW_ODD}@127.0.0.1:9"],
+         "127.0.0.1:9", 1, secrets=(PW_ODD,)),
+]
+
+TYPES = [
+    Case("plan-cluster-max-workers-word", ["plan", "--model", "debug", "--cluster", "c.yaml"], "max_workers",
+         files={"c.yaml": LAUNCHER + "max_workers: two\n"}),
+    Case("plan-cluster-node-config-string", ["plan", "--model", "debug", "--cluster", "c.yaml"], "node_config",
+         files={"c.yaml": LAUNCHER + "available_node_types:\n  gpu: {node_config: p4d, resources: {GPU: 8}}\n"}),
+    Case("plan-cluster-resources-string", ["plan", "--model", "debug", "--cluster", "c.yaml"], "resources",
+         files={"c.yaml": LAUNCHER + "available_node_types:\n  gpu: {node_config: {}, resources: GPU}\n"}),
+    Case("cluster-max-workers-word", ["cluster", "check", "c.yaml"], "max_workers: expected an integer",
+         files={"c.yaml": LAUNCHER + "max_workers: two\n"}),
+    Case("cluster-node-config-string", ["cluster", "check", "c.yaml"], "node_config: expected a mapping",
+         files={"c.yaml": LAUNCHER + "available_node_types:\n  gpu: {node_config: p4d, resources: {}}\n"}),
+    Case("kuberay-replicas-string", ["cluster", "check", "k.yaml"], "replicas: expected an integer",
+         files={"k.yaml": KUBE + KUBE_SPEC + "  workerGroupSpecs:\n    - {groupName: g, replicas: '2'}\n"}),
+    Case("kuberay-metadata-scalar", ["cluster", "check", "k.yaml"], "metadata: expected a mapping",
+         files={"k.yaml": KUBE.replace("{name: k}", "k") + KUBE_SPEC}),
+    Case("kuberay-template-scalar", ["cluster", "check", "k.yaml"], "template: expected a mapping",
+         files={"k.yaml": KUBE + "spec:\n  headGroupSpec: {template: pod}\n"}),
+    Case("kuberay-env-scalar", ["cluster", "check", "k.yaml"], "env: expected a list",
+         files={"k.yaml": KUBE + KUBE_SPEC.replace("image: i}", "image: i, env: RAY_AUTH_MODE}")}),
+    Case("export-card-wrong-types", ["export", "ckpt", "--output", "out"], "kiln_model.json",
+         files=_ckpt(CARD_OK.replace('"n_head": 4', '"n_head": "four"'))),
+    Case("export-card-not-a-mapping", ["export", "ckpt", "--output", "out"], "kiln_model.json",
+         files=_ckpt('["gpt"]')),
+    Case("export-card-heads", ["export", "ckpt", "--output", "out"], "not divisible by n_head",
+         files=_ckpt(CARD_OK.replace('"n_head": 4', '"n_head": 5'))),
+    Case("export-shards-truncated", ["export", "ckpt", "--output", "out"], "cannot be read", 1,
+         files=_ckpt(CARD_OK, **{"ckpt/state/mp_rank_00_model_states.pt": b"PK\x03\x04trunc"})),
+    Case("export-zero-optimizer-truncated", ["export", "ckpt", "--output", "out"], "cannot be read", 1,
+         files=_ckpt(CARD_OK, **{"ckpt/state/zero_pp_rank_0_mp_rank_00_optim_states.pt": b"PK\x03\x04",
+                                 "ckpt/state/mp_rank_00_model_states.pt": b"PK\x03\x04"})),
+    Case("export-index-non-strings", ["export", "{hf}", "--output", "out"], "model.safetensors.index.json", model=True,
+         files={"hf/model.safetensors.index.json": '{"weight_map": {"transformer.wte.weight": 5}}'}),
+    Case("export-index-escapes", ["export", "{hf}", "--output", "out"], "model.safetensors.index.json", model=True,
+         files={"hf/model.safetensors.index.json": '{"weight_map": {"transformer.wte.weight": "../../x"}}'}),
+    Case("export-index-not-json", ["export", "{hf}", "--output", "out"], "model.safetensors.index.json", model=True,
+         files={"hf/model.safetensors.index.json": '{"weight_map": '}),
+    Case("export-heads-not-dividing", ["export", "{hf}", "--output", "out"], "not divisible by n_head", model=True),
+    Case("generate-hf-heads", ["generate", "--model", "hf", "--prompt", "a"], "not divisible by n_head",
+         files={"hf/config.json": GPT2_BAD}),
+    Case("generate-nan-weights", ["generate", "--model", "{hf}", "--prompt", "a"], "NaN", 1, model=True),
+    Case("generate-device-cuda", ["generate", "--model", "{hf}", "--prompt", "a", "--device", "cuda"], "--device cuda",
+         model=True),
+    Case("generate-device-gpu0", ["generate", "--model", "{hf}", "--prompt", "a", "--device", "gpu0"], "--device gpu0",
+         model=True),
+    _prep("prep-parquet-int-text", ["--input", "d.parquet"], "column 'text' holds int64", 1,
+          files={"d.parquet": "PARQUET_INT"}),
+]
+
+DRY_RUN = [
+    Case("dry-run-init-truncated", ["train", "--dry-run", "--set", "data.path={ds}", "--set", "model.init_from={hf}"],
+         "model.init_from", dataset=True, model=True),
+    Case("dry-run-init-wrong-shape", ["train", "--dry-run", "--set", "data.path={ds}", "--set",
+                                      "model.init_from={hf}"], "model.init_from", dataset=True, model=True),
+    Case("dry-run-init-bin-only", ["train", "--dry-run", "--set", "data.path={ds}", "--set", "model.init_from={hf}"],
+         "no model.safetensors", dataset=True, model=True),
+    Case("dry-run-init-heads", ["train", "--dry-run", "--set", "data.path={ds}", "--set", "model.init_from={hf}"],
+         "not divisible by n_head", dataset=True, model=True),
+    Case("dry-run-run-name-escapes", ["train", "--dry-run", "--set", "data.path={ds}", "--set",
+                                      "logging.run_name=../../outside"], "logging.run_name", dataset=True),
+    Case("dry-run-storage-a-file", ["train", "--dry-run", "--set", "data.path={ds}", "--set",
+                                    "train.storage_path=f.txt/runs"], "train.storage_path", 1, dataset=True,
+         files={"f.txt": "x"}),
+    Case("dry-run-ds-contradicts-zero", ["train", "--dry-run", "--set", "data.path={ds}", "--set",
+                                         "parallel.deepspeed.zero_optimization.stage=3"],
+         "parallel.deepspeed.zero_optimization.stage", dataset=True),
+    Case("dry-run-ds-micro-batch", ["train", "--dry-run", "--set", "data.path={ds}", "--set",
+                                    "parallel.deepspeed.train_micro_batch_size_per_gpu=99"],
+         "train.micro_batch_size", dataset=True),
+    Case("dry-run-ds-optimizer", ["train", "--dry-run", "--set", "data.path={ds}", "--set",
+                                  "parallel.deepspeed.optimizer={{type: Adam}}"], "parallel.deepspeed.optimizer",
+         dataset=True),
+    Case("dry-run-resume-with-address", ["train", "--dry-run", "--set", "data.path={ds}", "--set",
+                                         "train.resume_from=ckpt"], "train.resume_from", dataset=True,
+         files={"ckpt/notes.txt": "x"}, env={"RAY_ADDRESS": "127.0.0.1:9"}),
+    Case("dry-run-export-to-home", ["train", "--dry-run", "--set", "data.path={ds}", "--set", "logging.export_to=~/"],
+         "logging.export_to", dataset=True, files={"home/todo.txt": "mine"}),
+]
+
+SWEEP_EDGE = [
+    _sweep("sweep-grid-huge", "name: s\nbase: base.yaml\nsearch: grid\nspace:\n" + "".join(
+        f"  {f}: {{grid: [{', '.join(str(v) for v in vals)}]}}\n" for f, vals in (
+            ("optim.lr", [1e-4 * (i + 1) for i in range(10)]), ("optim.weight_decay", [0.01 * i for i in range(10)]),
+            ("optim.beta1", [0.8 + 0.01 * i for i in range(10)]), ("optim.beta2", [0.9 + 0.005 * i for i in range(10)]),
+            ("train.seed", list(range(10))), ("schedule.warmup_steps", list(range(10))),
+            ("train.grad_clip", [0.5 + 0.1 * i for i in range(10)]), ("model.dropout", [0.01 * i for i in range(10)]))),
+           "100,000,000 trials"),
+    _sweep("sweep-metric-typo", SWEEP_OK + "metric: loss/vall\n", "sweep.metric"),
+    _sweep("sweep-uniform-int-field", "name: s\nbase: base.yaml\nspace:\n  train.micro_batch_size: {uniform: [1, 8]}\n",
+           "integer field"),
+    Case("sweep-resume-broken-state", ["sweep", "--resume", "s"], "kiln-sweep.json",
+         files={"runs/sweeps/s/kiln-sweep.json": "{not json"}),
+    Case("sweep-resume-bad-config-state", ["sweep", "--resume", "s"], "kiln-sweep.json",
+         files={"runs/sweeps/s/kiln-sweep.json": '{"parent_run_id": "r", "sweep": {"config": {"name": "s", '
+                '"base": "b.yaml", "num_samples": 0}, "base_tree": {}, "source": "s.yaml"}}'}),
+    _prep("prep-seq-len-with-address", ["--seq-len", "-3", "--address", "127.0.0.1:9"], "--seq-len -3"),
+]
+
+CASES = (MODELS + PREPARE + VERIFY + CONFIG_FILES + OVERRIDES + LAUNCH + SWEEP + LR + RUNS + PLAN + CLUSTER + SERVICES + KILN_CONFIG
+         + WRITE_GUARD + STORES + BOUNDS + SECRETS + TYPES + DRY_RUN + SWEEP_EDGE)

@@ -5,6 +5,10 @@ so ~150 cases take a minute instead of the ~8 that 150 interpreter starts would.
 The child is the real CLI (`kiln.cli.main`), with one change: `ray.init` records that it was
 called and fails, since a bad input must be refused before Ray is contacted.
 
+Each result has the exit code, the seconds the case took, and the child's peak resident set
+(`wait4`'s ru_maxrss): the memory the command's process touched, the preloaded modules it
+used included.
+
 Run as `python harness.py CASES.json RESULTS.json`; `snapshot` lists a directory tree for the
 before/after comparison.
 """
@@ -39,6 +43,7 @@ def _preload() -> None:
     import mlflow  # noqa: F401
     import pyarrow.parquet  # noqa: F401
     import ray
+    import torch._dynamo  # noqa: F401 - its import makes torch's cache dir in $TMPDIR: once, here, not per case
 
     import kiln.cli  # noqa: F401
     import kiln.config  # noqa: F401
@@ -97,14 +102,15 @@ def run_cases(cases: list[dict], parallel: int = 2) -> dict[str, dict]:
                     os._exit(99)
             running[pid] = (case["id"], time.time())
         for pid, (case_id, t0) in list(running.items()):
-            done, status = os.waitpid(pid, os.WNOHANG)
+            done, status, usage = os.wait4(pid, os.WNOHANG)
             if not done and time.time() - t0 > CASE_TIMEOUT_S:
                 os.kill(pid, signal.SIGKILL)
                 os.waitpid(pid, 0)
-                results[case_id] = {"code": "timeout", "seconds": CASE_TIMEOUT_S}
+                results[case_id] = {"code": "timeout", "seconds": CASE_TIMEOUT_S, "peak_mb": 0}
                 del running[pid]
             elif done:
-                results[case_id] = {"code": os.waitstatus_to_exitcode(status), "seconds": round(time.time() - t0, 2)}
+                results[case_id] = {"code": os.waitstatus_to_exitcode(status), "seconds": round(time.time() - t0, 2),
+                                    "peak_mb": round(usage.ru_maxrss / 1024, 1)}
                 del running[pid]
         time.sleep(0.005)
     return results

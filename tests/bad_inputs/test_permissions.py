@@ -44,8 +44,9 @@ def _error_line(out) -> str:
     return lines[0]
 
 
-def test_unreadable_input_directory_and_read_only_output_are_named(unprivileged):
+def test_unreadable_input_directory_and_read_only_output_are_named(unprivileged, byte_dataset):
     ws, run = unprivileged
+    dataset = shutil.copytree(byte_dataset, ws / "bytes")  # readable by the ordinary user
     corpus = ws / "corpus"
     (corpus / "private").mkdir(parents=True)
     (corpus / "a.txt").write_text("some text to tokenize\n" * 50)
@@ -71,5 +72,10 @@ def test_unreadable_input_directory_and_read_only_output_are_named(unprivileged)
     assert out.returncode == 1 and f"cannot write in {ws / 'ro'}" in _error_line(out)
     out = run("lr", "plot", "--out", "ro/lr.png")
     assert out.returncode == 2 and "--out ro/lr.png" in _error_line(out)
+    # A read-only storage path fails the dry run, not the first checkpoint minutes in.
+    out = run("train", "--dry-run", "--set", f"data.path={dataset}", "--set", "train.storage_path=ro/runs")
+    assert out.returncode == 1 and "train.storage_path" in _error_line(out) and "cannot write in" in _error_line(out)
+    out = run("export", str(ws / "nowhere"), "--output", "ro/export")
+    assert out.returncode == 2 and "--output ro/export: cannot write in" in _error_line(out)
     after = sorted(p.relative_to(ws) for p in ws.rglob("*"))
     assert after == before, "something was left on disk"

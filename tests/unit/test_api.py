@@ -59,3 +59,29 @@ def test_prepare_train_and_read_runs_from_python(corpus, tmp_path):
     assert "TrainingReport(" not in out.stderr  # the quiet console holds in the API too
     # The notebook's own MLflow settings are as they were: Kiln addressed its store by client only.
     assert said["env_uri"] is None and said["fluent_kept"]
+
+
+def test_api_arguments_of_the_wrong_type_are_one_config_error_and_leave_nothing(tmp_path, monkeypatch, corpus):
+    import pytest
+
+    import kiln
+    from kiln.errors import ConfigError
+
+    monkeypatch.chdir(tmp_path)
+    calls = {
+        "seq_len as text": lambda: kiln.data.prepare(inputs=[corpus[0]], output="out", seq_len="64"),
+        "seq_len as float": lambda: kiln.data.prepare(inputs=[corpus[0]], output="out", seq_len=64.0),
+        "inputs None": lambda: kiln.data.prepare(inputs=None, output="out"),
+        "output None": lambda: kiln.data.prepare(inputs=[corpus[0]], output=None),
+        "limit as text": lambda: kiln.runs("kiln", limit="5"),
+    }
+    said = {}
+    for name, call in calls.items():
+        with pytest.raises(ConfigError) as e:
+            call()
+        said[name] = str(e.value)
+    assert said == {"seq_len as text": "prepare: seq_len: expected an integer",
+                    "seq_len as float": "prepare: seq_len: expected an integer",
+                    "inputs None": "prepare: inputs: expected a list", "output None": "prepare: output: expected a string",
+                    "limit as text": "runs: limit: expected an integer"}
+    assert list(tmp_path.iterdir()) == []  # no .out.partial-*, no mlflow.db

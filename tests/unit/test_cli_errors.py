@@ -215,7 +215,7 @@ def test_an_mlflow_store_it_cannot_open_is_one_line_without_the_password(tmp_pat
     (["plan", "--model", "debug", "--device-memory-gib", "nan"], "--device-memory-gib = nan: expected a number in [0, 100000]", 2),
     (["plan", "--model", "debug", "--device-memory-gib", "inf"], "--device-memory-gib = inf: expected a number in [0, 100000]", 2),
     (["plan", "--model", "debug", "--seq-len", "-5"], "--seq-len = -5: expected an integer in [0, 1e7]", 2),
-    (["lr", "plot", "--out", "no-such-dir/lr.png"], "--out no-such-dir/lr.png: expected a file path", 2),
+    (["lr", "plot", "--out", "no-such-dir/lr.png"], "--out no-such-dir/lr.png: its parent directory must exist", 2),
     (["runs", "list"], "no MLflow store at sqlite:///", 1),
 ], ids=["plan-nan", "plan-inf", "plan-negative-seq", "lr-bad-out", "runs-in-an-empty-dir"])
 def test_bad_values_for_plan_lr_and_runs_leave_nothing_behind(tmp_path, args, needle, code):

@@ -101,7 +101,7 @@ def test_a_relative_data_path_reaches_workers_as_an_absolute_one(byte_dataset, m
     (b"optim:\n  lr: .inf\n", "optim.lr = inf is not a finite number"),
     (b"optim:\n  lr: 1e400\n", "optim.lr = inf is not a finite number"),
     (b"# caf\xe9\noptim: {}\n", "is not UTF-8 text (byte 5)"),
-    (b"a: [\n", "is not valid YAML: expected the node content"),
+    (b"a: [\n", "node content (line 2, column 1)"),
 ], ids=["duplicate-key", "empty", "comment-only", "list-section", "inf", "overflow", "latin-1", "unclosed"])
 def test_a_config_file_that_says_less_or_other_than_it_seems_is_refused(tmp_path, content, needle):
     path = tmp_path / "run.yaml"

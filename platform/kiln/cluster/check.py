@@ -23,8 +23,10 @@ from typing import Any
 
 import yaml
 
+from kiln import yamlfile
 from kiln.errors import ConfigError
 from kiln.redact import SECRET_PATTERN, TOKEN_SHAPES, URL_USERINFO
+from kiln.schemas import ClusterSpec, JobSpec, KubeRay, Launcher, type_problems
 
 KUBERAY_KINDS = ("RayCluster", "RayJob")
 
@@ -38,8 +40,11 @@ def check_launcher(cfg: dict) -> list[str]:
     """Problems of a Ray cluster launcher config: Ray's schema first, then Kiln's needs."""
     import jsonschema
 
+    problems = type_problems(Launcher, cfg)
+    if problems:
+        return problems  # Ray's schema and Kiln's rules assume these types
     validator = jsonschema.Draft7Validator(ray_schema())
-    problems = [f"{'.'.join(map(str, e.absolute_path)) or '(top level)'}: {e.message}"
+    problems = [f"{'.'.join(map(str, e.absolute_path)) or '(top level)'}: {_schema_words(e)}"
                 for e in sorted(validator.iter_errors(cfg), key=lambda e: list(map(str, e.absolute_path)))]
     if problems:
         return problems  # the rest assumes the shapes the schema guarantees
@@ -77,6 +82,18 @@ def check_launcher(cfg: dict) -> list[str]:
         problems.append("head_start_ray_commands: the dashboard binds to 0.0.0.0; bind it to 127.0.0.1 "
                         "and reach it with `ray dashboard <file>`")
     return problems
+
+
+def _schema_words(e) -> str:
+    """A schema error in words that name the rule, never the offending value (jsonschema's own
+    message quotes it, and it may be a secret)."""
+    if e.validator in ("required", "additionalProperties", "dependencies"):
+        return e.message  # names keys, not values
+    if e.validator == "type":
+        return f"expected type {e.validator_value!r}"
+    if e.validator == "enum":
+        return f"expected one of {e.validator_value}"
+    return f"does not satisfy the schema's {e.validator!r} rule"
 
 
 def _containers(template: dict, where: str, problems: list[str]) -> list[dict]:
@@ -118,7 +135,13 @@ def _check_cluster_spec(spec: dict, where: str, problems: list[str]) -> None:
 
 def check_kuberay(doc: dict) -> list[str]:
     """Problems of a KubeRay RayCluster or RayJob manifest."""
-    problems: list[str] = []
+    problems = type_problems(KubeRay, doc)
+    spec = doc.get("spec")
+    if isinstance(spec, dict):
+        model = ClusterSpec if doc.get("kind") == "RayCluster" else JobSpec
+        problems += [f"spec.{p}" for p in type_problems(model, spec)]
+    if problems:
+        return problems  # the rules below assume these types
     if doc.get("apiVersion") != "ray.io/v1":
         problems.append(f"apiVersion: expected ray.io/v1, got {doc.get('apiVersion')!r}")
     kind = doc.get("kind")
@@ -146,14 +169,13 @@ def check_cluster_file(path: str | Path) -> str:
     path = Path(path)
     if path.is_dir():
         raise ConfigError(f"{path}: a directory, not a cluster file (pass the files in it: {path}/*.yaml)")
-    try:
-        doc = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: no such cluster file") from None
-    except UnicodeDecodeError:
-        raise ConfigError(f"{path}: not a text file (a cluster file is YAML)") from None
+    if not path.exists():
+        raise ConfigError(f"{path}: no such cluster file")
+    text = yamlfile.read_text(path, f"{path}: this cluster file")
+    try:  # strict and bounded like run configs: a key given twice is refused, not last-wins
+        doc = yamlfile.load_text(text, f"{path}")
     except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {str(e).splitlines()[0]}") from None
+        raise ConfigError(f"{path}: not valid YAML: {yamlfile.problem(e)}") from None
     if not isinstance(doc, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level")
     if "apiVersion" in doc or "kind" in doc:

@@ -293,6 +293,9 @@ def _parquet(piece: Piece, opts: ReadOptions) -> Iterator[Document]:
         for name in fields:
             if name not in names:  # a DataError: not retried, not taken for an unreadable file
                 raise DataError(f"input {f.uri} has no column {name!r} (columns: {names})")
+            kind = pf.schema_arrow.field(name).type
+            if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+                raise DataError(f"input {f.uri}: column {name!r} holds {kind}, not text; expected a string column")
         groups = [i for i in range(pf.num_row_groups) if piece.start <= _group_start(pf.metadata, i) < piece.stop]
         return pf.read_row_groups(groups, columns=list(fields))
 

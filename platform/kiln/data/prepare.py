@@ -35,6 +35,7 @@ import logging
 import os
 import tempfile
 import time
+import typing
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +43,7 @@ from pathlib import Path
 import numpy as np
 
 import kiln
+from kiln import guard
 from kiln.data import listing as listing_rules
 from kiln.data import replace
 from kiln.data.inputs import ReadOptions, ReadStats, read_unit
@@ -56,7 +58,9 @@ from kiln.data.tokenizer import (
     unigram_entropy_bits,
 )
 from kiln.errors import ConfigError, DataError
+from kiln.guard import delete_stored
 from kiln.limits import MAX_INT, MAX_SEQ_LEN
+from kiln.schemas import validated
 from kiln.storage import Location, resolve
 
 log = logging.getLogger(__name__)
@@ -200,6 +204,7 @@ def _staging(out: Location, key: str) -> Location:
         return out
     place = replace.writable_ancestor(out) / f".{Path(out.path).name}.partial-{key}"
     place.mkdir(exist_ok=True)
+    guard.mark(place, replace.DATASET)  # the write guard's proof that this directory is Kiln's
     return resolve(str(place))
 
 
@@ -229,10 +234,19 @@ def _config_from(fields: dict) -> PrepareConfig:
         raise ConfigError(f"prepare: {' and '.join(missing)} must be given")
     if isinstance(fields["inputs"], (str, os.PathLike)):
         fields = {**fields, "inputs": [fields["inputs"]]}  # one path is a list of one
-    return PrepareConfig(**{k: (list(map(str, v)) if k == "inputs" else v) for k, v in fields.items()})
+    if isinstance(fields["inputs"], (list, tuple)):
+        fields = {**fields, "inputs": [os.fspath(i) if isinstance(i, os.PathLike) else i for i in fields["inputs"]]}
+    if isinstance(fields["output"], os.PathLike):
+        fields = {**fields, "output": os.fspath(fields["output"])}
+    # The same rules as the CLI's flags, strictly typed: "64" or 64.0 is not an integer here.
+    validated(dict[str, typing.Any], fields, "prepare")
+    for name, value in fields.items():
+        validated(typing.get_type_hints(PrepareConfig)[name], value, f"prepare: {name}")
+    return PrepareConfig(**fields)
 
 
-def _validate(cfg: PrepareConfig) -> None:
+def validate_config(cfg: PrepareConfig) -> None:
+    """Every flag's rule, before any listing, Ray or output is touched."""
     if bool(cfg.prompt_field) != bool(cfg.response_field):
         raise ConfigError("--prompt-field and --response-field go together: give both for instruction data, or neither")
     if cfg.tokenizer not in ("byte", "bpe") and not Path(cfg.tokenizer).exists():
@@ -266,11 +280,19 @@ def _validate(cfg: PrepareConfig) -> None:
         raise ConfigError(f"--bpe-sample-bytes {cfg.bpe_sample_bytes}: expected a positive number of bytes")
 
 
+def _is_glob(raw: str) -> bool:
+    """A glob's matches are files, which an output directory cannot be: only a file or folder
+    input is checked against the output."""
+    return any(c in raw for c in "*?[")
+
+
 def _check_output(cfg: PrepareConfig, out: Location, key: str) -> dict | None:
     """The Kiln dataset already at `out` that `if_exists` allows to reuse or replace (None: the
     output is new or empty); refuse anything else before any work is done."""
     if cfg.if_exists == "overwrite":
         replace.refuse_protected(out)
+    if not out.is_s3:
+        guard.refuse_inputs(Path(out.path), [i for i in cfg.inputs if not _is_glob(i)], f"--output {cfg.output}", DataError)
     first = out.first_entry() if out.exists() else None
     if first is None:
         return None
@@ -298,7 +320,7 @@ def prepare(cfg: PrepareConfig | None = None, /, *, executor: Executor | None = 
     output=..., tokenizer="bpe")`). `executor` runs the units (`kiln.ray.prepare.on_ray`
     gives Ray's); by default they run in this process."""
     cfg = cfg if cfg is not None else _config_from(fields)
-    _validate(cfg)
+    validate_config(cfg)
     out = resolve(cfg.output, cfg.s3_endpoint)
     # The output is checked before the inputs are listed, which can take minutes: a read-only
     # or mistyped --output, or an unreachable S3 endpoint, fails in a second. The listing's
@@ -385,9 +407,9 @@ def _drop_records(staged: Location) -> None:
     """The unit records are the prepare's, not the dataset's: gone once the manifest is."""
     records = staged.join(UNITS_DIR)
     for rel in records.list_files():
-        staged.fs.delete_file(records.join(rel).path)
+        delete_stored(staged.fs, records.join(rel).path, proof="this prepare's own unit records")
     if not staged.is_s3 and records.exists():
-        staged.fs.delete_dir(records.path)
+        delete_stored(staged.fs, records.path, proof="this prepare's own records folder", directory=True)
 
 
 def _throughput(done: list[dict], began: float, ended: float) -> dict:

@@ -15,16 +15,15 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import shutil
-import uuid
 from pathlib import Path
 
+from kiln import guard
 from kiln.data.manifest import MANIFEST, TOKENIZER_FILE, is_kiln_manifest
 from kiln.errors import DataError
-from kiln.storage import Location, resolve, writable_dir
+from kiln.storage import Location, writable_dir
 
 log = logging.getLogger(__name__)
+DATASET = "dataset"  # the write guard's kind for a dataset's staging directory
 
 
 def kiln_manifest(out: Location) -> dict | None:
@@ -52,26 +51,9 @@ def refuse_protected(out: Location) -> None:
             raise DataError(f"--output {out.uri} is a whole bucket: Kiln never overwrites one; "
                             "choose a prefix inside it")
         return
-    path = Path(out.path).resolve()
-    for place, what in ((Path("/"), "the filesystem root"), (Path.home().resolve(), "your home directory"),
-                        (Path.cwd().resolve(), "the current directory")):
-        if path == place:
-            raise DataError(f"--output {out.uri} is {what}: Kiln never overwrites it; choose a dataset "
-                            "directory of its own")
-    if (path / ".git").exists():
-        raise DataError(f"--output {out.uri} is the root of a repository: Kiln never overwrites it; "
-                        "choose a dataset directory of its own")
-
-
-def staging(out: Location) -> Location:
-    """Where to write before the dataset becomes visible: a hidden sibling directory locally;
-    on S3 the final prefix itself."""
-    if out.is_s3:
-        return out
-    # In the nearest directory that exists, so a failure before `commit` leaves no new parents.
-    tmp = writable_ancestor(out) / f".{Path(out.path).name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    return resolve(str(tmp))
+    reason = guard.protected_reason(out.path)
+    if reason:
+        raise DataError(f"--output {out.uri} {reason}")
 
 
 def writable_ancestor(out: Location) -> Path:
@@ -94,7 +76,7 @@ def remove_dataset(out: Location, manifest: dict) -> None:
     files = set(out.list_files())
     for rel in [MANIFEST, *owned_files(manifest)[:-1]]:
         if rel in files:
-            out.fs.delete_file(out.join(rel).path)
+            guard.delete_stored(out.fs, out.join(rel).path, proof="listed by the old dataset's Kiln manifest")
 
 
 def commit(staged: Location, out: Location, old: dict | None) -> None:
@@ -105,16 +87,17 @@ def commit(staged: Location, out: Location, old: dict | None) -> None:
     target = Path(out.path)
     if old is None and not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
-        os.rename(staged.path, target)  # atomic: the whole dataset appears at once
+        guard.remove_file(Path(staged.path) / guard.MARKER, proof="the staging marker, not the dataset's")
+        guard.move(staged.path, target)  # atomic: the whole dataset appears at once
         return
     if old is not None:
         remove_dataset(out, old)
     source = Path(staged.path)
-    moved = sorted(p.relative_to(source) for p in source.rglob("*") if p.is_file())
+    moved = sorted(p.relative_to(source) for p in source.rglob("*") if p.is_file() and p.name != guard.MARKER)
     for rel in sorted(moved, key=lambda r: str(r) == MANIFEST):  # the manifest last
         (target / rel).parent.mkdir(parents=True, exist_ok=True)
-        os.replace(source / rel, target / rel)
-    shutil.rmtree(source, ignore_errors=True)
+        guard.move(source / rel, target / rel)
+    guard.discard(source, DATASET)
 
 
 def discard(staged: Location, written: list[str]) -> None:
@@ -122,8 +105,8 @@ def discard(staged: Location, written: list[str]) -> None:
     try:
         if staged.is_s3:
             for rel in sorted(written, key=lambda r: r != MANIFEST):  # the manifest first
-                staged.fs.delete_file(staged.join(rel).path)
+                guard.delete_stored(staged.fs, staged.join(rel).path, proof="written by this prepare")
         else:
-            shutil.rmtree(staged.path, ignore_errors=True)
+            guard.discard(staged.path, DATASET)
     except Exception as e:  # the original error matters more than a failed clean-up
         log.warning("could not remove the partial output at %s: %s", staged.uri, e)

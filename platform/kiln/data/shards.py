@@ -23,6 +23,7 @@ import pyarrow.parquet as pq
 
 from kiln.data.inputs import ReadOptions, ReadStats, Unit, read_unit
 from kiln.data.manifest import SAMPLE_ID, TOKENS
+from kiln.guard import move
 from kiln.storage import Location, resolve
 
 UNIT_ID_BITS = 32  # a unit holds fewer than 2**32 rows; 2**31 units fit an int64 id
@@ -168,4 +169,4 @@ def write_once(loc: Location, data: bytes) -> None:
     folder, name = os.path.split(loc.path)
     tmp = resolve(os.path.join(folder, f".{name}.tmp"))
     tmp.write_bytes(data)
-    os.replace(tmp.path, loc.path)
+    move(tmp.path, loc.path)

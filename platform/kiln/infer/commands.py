@@ -6,47 +6,44 @@ text into, so the library itself never prints.
 
 from __future__ import annotations
 
-import os
-import shutil
+import dataclasses
+import logging
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from kiln import guard
 from kiln import hf_checkpoint as hf
 from kiln.errors import ConfigError
 from kiln.infer.generate import Generated, Sampling, TextStream, generate
 from kiln.infer.load import LoadedModel, load_model
 
+log = logging.getLogger(__name__)
 
 # ---- export --------------------------------------------------------------------------------------
+EXPORT = "export"  # the write guard's kind for an export directory
+
+
 def export(spec: str, output: str, overwrite: bool = False, s3_endpoint: str = "") -> tuple[LoadedModel, list[str]]:
     """Write `spec`'s model as a Hugging Face directory at `output`, whole or not at all. A local
-    one is written into a sibling temp directory and renamed into place; an s3:// one (no
-    rename there) is uploaded file by file with config.json last, so a partial upload is not a
-    loadable checkpoint. An existing `output` is replaced only with `overwrite`, and only if it
-    is an export itself (config.json and weights)."""
+    one is written into a hidden sibling and swapped into place by the write guard (`kiln.guard`);
+    an s3:// one (no rename there) is uploaded file by file with config.json last, so a partial
+    upload is not a loadable checkpoint. An existing `output` is replaced only with `overwrite`,
+    and only if Kiln's marker says it is an export."""
     if output.startswith("s3://"):
         return _export_to_s3(spec, output, overwrite, s3_endpoint)
-    check_target(output)
-    out = Path(output).absolute()
-    old = _existing_export(out, overwrite)
+    check_target(output, overwrite=overwrite, inputs=(spec,))
+    out = guard.local_path(output)
     loaded = load_model(spec)
-    staged = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+    staged = guard.temp_dir(out.parent, out.name)
     try:
         files = hf.write(loaded.cfg, loaded.state, loaded.tokenizer, loaded.vocab_size, staged)
         staged.chmod(0o755)  # mkdtemp's 0700 would hide the export from other users
-        if old:
-            trash = out.with_name(f".{out.name}.replaced-{os.getpid()}")
-            out.rename(trash)
-            staged.rename(out)
-            shutil.rmtree(trash)
-        else:
-            staged.rename(out)
+        guard.replace_dir(staged, out, EXPORT, replace=overwrite)
     finally:
-        if staged.exists():
-            shutil.rmtree(staged, ignore_errors=True)
-    return loaded, files
+        guard.discard(staged, ("temp", EXPORT))  # gone already unless something failed
+    return loaded, [*files, guard.MARKER]
 
 
 def _export_to_s3(spec: str, output: str, overwrite: bool, s3_endpoint: str) -> tuple[LoadedModel, list[str]]:
@@ -54,51 +51,33 @@ def _export_to_s3(spec: str, output: str, overwrite: bool, s3_endpoint: str) -> 
 
     out = resolve(output, s3_endpoint)
     present = out.list_files()
+    if present and guard.MARKER not in present:
+        raise ConfigError(f"--output {output}: holds files Kiln did not write as an export (no {guard.MARKER} "
+                          "marker); it is never overwritten")
+    if present and out.join(guard.MARKER).read_bytes().strip() != guard.tag(EXPORT).encode():
+        raise ConfigError(f"--output {output}: its {guard.MARKER} marker is not an export's; it is never overwritten")
     if present and not overwrite:
-        raise ConfigError(f"--output {output}: already holds files; pass --overwrite to replace an earlier export")
-    if present and hf.CONFIG not in present:
-        raise ConfigError(f"--output {output}: holds files and is not an export (no config.json); it is never "
-                          "overwritten")
+        raise ConfigError(f"--output {output}: already holds an earlier export; pass --overwrite to replace it")
     loaded = load_model(spec)
     with tempfile.TemporaryDirectory(prefix="kiln-export-") as tmp:
         files = hf.write(loaded.cfg, loaded.state, loaded.tokenizer, loaded.vocab_size, Path(tmp))
         if present:
-            out.join(hf.CONFIG).fs.delete_file(out.join(hf.CONFIG).path)  # the old export stops loading first
+            # The old export stops loading first.
+            guard.delete_stored(out.fs, out.join(hf.CONFIG).path, proof="an export's, by its marker")
+        out.join(guard.MARKER).write_bytes(guard.tag(EXPORT).encode() + b"\n")
         for name in sorted(files, key=lambda n: n == hf.CONFIG):  # config.json last
             out.join(name).write_bytes((Path(tmp) / name).read_bytes())
-    for stale in set(present) - set(files):
-        out.join(stale).fs.delete_file(out.join(stale).path)
-    return loaded, files
+    for stale in set(present) - {*files, guard.MARKER}:
+        guard.delete_stored(out.fs, out.join(stale).path, proof="an earlier export's, by its marker")
+    return loaded, [*files, guard.MARKER]
 
 
-def check_target(output: str, flag: str = "--output") -> None:
+def check_target(output: str, flag: str = "--output", overwrite: bool = False, inputs: tuple = ()) -> None:
     """Refuse, before any work, a local export target that could not be written or is not ours
-    to replace (an s3:// one is checked by `export`, which has its endpoint)."""
+    to replace (`kiln.guard`; an s3:// one is checked by `export`, which has its endpoint)."""
     if output.startswith("s3://"):
         return
-    out = Path(output).absolute()
-    if not out.parent.is_dir() or not os.access(out.parent, os.W_OK):
-        raise ConfigError(f"{flag} {output}: its parent directory must exist and be writable")
-    if out.exists() and any(out.iterdir()):
-        _refuse_unless_export(out, f"{flag} {output}")
-
-
-def _refuse_unless_export(out: Path, named: str) -> None:
-    if not ((out / hf.CONFIG).is_file() and (out / hf.WEIGHTS).is_file()):
-        raise ConfigError(f"{named}: exists and is not an export (no config.json and model.safetensors); "
-                          "it is never overwritten")
-
-
-def _existing_export(out: Path, overwrite: bool) -> bool:
-    if not out.exists():
-        return False
-    if out.is_dir() and not any(out.iterdir()):
-        out.rmdir()
-        return False
-    if not overwrite:
-        raise ConfigError(f"--output {out}: already exists; pass --overwrite to replace an earlier export")
-    _refuse_unless_export(out, f"--output {out}")
-    return True
+    guard.check_dir_target(output, EXPORT, f"{flag} {output}", inputs=inputs, replace=overwrite)
 
 
 # ---- generate ------------------------------------------------------------------------------------
@@ -129,6 +108,36 @@ def read_prompts(prompts: list[str], prompts_file: str | None) -> list[str]:
     return found
 
 
+def fit_to_context(s: Sampling, prompt_tokens: int, context: int) -> Sampling:
+    """`s` with max_new_tokens cut to what the model's context leaves after the prompt (a
+    notice says so); a prompt that fills the context alone is refused, naming the flag."""
+    room = context - prompt_tokens
+    if room < 1:
+        raise ConfigError(f"--prompt: {prompt_tokens} tokens fill the model's whole context of {context}; "
+                          "shorten the prompt")
+    if s.max_new_tokens <= room:
+        return s
+    log.warning("--max-new-tokens %d cut to %d: the model's context is %d tokens and the prompt takes %d",
+                s.max_new_tokens, room, context, prompt_tokens)
+    return dataclasses.replace(s, max_new_tokens=room)
+
+
+def check_device(device: str) -> None:
+    """`--device` names a torch device this machine has, before any model is loaded."""
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise ConfigError(f"--device {device}: not a torch device; expected cpu, cuda or cuda:N") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"--device {device}: this machine has no CUDA device; use --device cpu")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ConfigError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    if dev.type not in ("cpu", "cuda"):
+        raise ConfigError(f"--device {device}: expected cpu, cuda or cuda:N")
+
+
 def run_generate(spec: str, prompts: list[str], s: Sampling, batch_size: int, device: str,
                  write: Callable[[str], object]) -> GenerateResult:
     """Complete each prompt, streaming text to `write` as it decodes. With batch_size 1 each
@@ -147,6 +156,7 @@ def _complete(model, loaded: LoadedModel, batch: list[str], s: Sampling,
               write: Callable[[str], object]) -> tuple[list[str], Generated]:
     tok = loaded.tokenizer
     ids = [list(map(int, row)) for row in tok.encode_batch(batch)]
+    s = fit_to_context(s, max(map(len, ids)), loaded.cfg.seq_len)
     streams = [TextStream(tok.decode) for _ in batch]
     texts = [""] * len(batch)
     single = len(batch) == 1

@@ -14,21 +14,23 @@ from __future__ import annotations
 import contextlib
 import glob
 import io
-import json
 import logging
 import os
+import pickle
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
+import pydantic
 import torch
+from typing_extensions import NotRequired, TypedDict
 
 from kiln import hf_checkpoint as hf
 from kiln.data.manifest import load_manifest
 from kiln.data.tokenizer import pretrained
 from kiln.devices import name_deepspeed_accelerator
 from kiln.errors import ConfigError, KilnError
-from kiln.model import GPT, GPTConfig
+from kiln.model import GPT, GPTConfig, shape_problem
 from kiln.storage import resolve
 from kiln.train.checkpoint import CARD, MARKER, TAG, is_complete, latest_complete, newest_reported
 
@@ -50,7 +52,12 @@ class LoadedModel:
     never sampled and not exported."""
 
     def build(self, device: str | torch.device = "cpu") -> GPT:
-        """The GPT with these weights, in eval mode."""
+        """The GPT with these weights, in eval mode; weights that are not finite are refused
+        (they would sample garbage, or fail deep inside the decode)."""
+        for name, t in self.state.items():
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                raise KilnError(f"{self.source}: weight {name!r} holds NaN or infinite values; this checkpoint "
+                                "cannot generate (resume from an earlier one)")
         model = GPT(self.cfg, init_weights=False)
         missing, unexpected = model.load_state_dict(self.state, strict=False)
         if self.cfg.tie_embeddings:
@@ -74,8 +81,12 @@ def load_model(spec: str) -> LoadedModel:
         return LoadedModel(cfg, hf.load(path, cfg), tokenizer, str(path), cfg.vocab_size)
     ckpt = checkpoint_of(path)
     card = _card(ckpt)
-    cfg = GPTConfig(**card["gpt"])
-    state = consolidate(ckpt, cfg, int(card["parallel"]["pipeline_stages"]))
+    cfg = card["gpt"]
+    try:
+        state = consolidate(ckpt, cfg, card["parallel"]["pipeline_stages"])
+    except (OSError, EOFError, RuntimeError, ValueError, KeyError, pickle.UnpicklingError) as e:
+        raise KilnError(f"{ckpt}: its shards cannot be read (truncated or not DeepSpeed's): "
+                        f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
     tokenizer = _dataset_tokenizer(card, ckpt)
     return LoadedModel(cfg, state, tokenizer, ckpt, int(tokenizer.vocab_size))
 
@@ -94,15 +105,48 @@ def checkpoint_of(path: Path) -> str:
     return found
 
 
+class _Parallel(TypedDict):
+    zero_stage: int
+    pipeline_stages: int
+
+
+class _Data(TypedDict):
+    path: str
+    s3_endpoint: NotRequired[str]
+    s3_region: NotRequired[str]
+
+
+class _Card(TypedDict):
+    """What `kiln.train.checkpoint.model_card` writes; checked as it is read."""
+
+    gpt: GPTConfig
+    parallel: _Parallel
+    data: _Data
+
+
+_CARD = pydantic.TypeAdapter(_Card)
+
+
 def _card(ckpt: str) -> dict:
+    """The checkpoint's card, every field of the type Kiln wrote and the model's shape one
+    that builds; each problem is one line naming the field."""
+    path = os.path.join(ckpt, CARD)
     try:
-        with open(os.path.join(ckpt, CARD)) as f:
-            return json.load(f)
+        with open(path, "rb") as f:
+            card = _CARD.validate_json(f.read(), strict=True)
     except FileNotFoundError:
         raise ConfigError(f"{ckpt}: has no {CARD} (written by Kiln from this version on); the model's "
                           "shape is unknown, so it cannot be exported") from None
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"{os.path.join(ckpt, CARD)}: not readable JSON ({e})") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: not readable ({e})") from None
+    except pydantic.ValidationError as e:
+        first = e.errors()[0]
+        raise ConfigError(f"{path}: {'.'.join(map(str, first['loc'])) or 'the file'}: "
+                          f"{first['msg'].split(',')[0].lower()}") from None
+    problem = shape_problem(card["gpt"])
+    if problem or card["parallel"]["pipeline_stages"] < 1:
+        raise ConfigError(f"{path}: gpt: {problem or 'parallel.pipeline_stages must be positive'}")
+    return card
 
 
 def consolidate(ckpt: str, cfg: GPTConfig, pipeline_stages: int) -> dict[str, torch.Tensor]:

@@ -21,11 +21,11 @@ from kiln.data.manifest import Manifest
 from kiln.data.mixture import Dataset
 from kiln.errors import ConfigError, StorageError
 from kiln.model import num_params
-from kiln.parallel.engine import check_offload_ops
+from kiln.parallel.engine import check_offload_ops, check_passthrough
 from kiln.parallel.pipeline import check_partition
 from kiln.plan.memory import plan_input, refuse_if_too_big
 from kiln.redact import scrub
-from kiln.storage import absolute, is_url, resolve
+from kiln.storage import absolute, is_url, resolve, writable_dir
 from kiln.tracking.server import check_store, resolve_tracking_uri
 from kiln.train.checkpoint import precision_record, resolve_resume
 
@@ -83,6 +83,7 @@ def preflight(cfg: RunConfig, remote_cluster: bool = False, storage_field: str =
     own). `local_storage`: the launcher writes checkpoints itself, to a local directory.
     `world_size`: the ranks the run will have, where the launcher knows better than
     `parallel.num_workers` (torchrun)."""
+    check_init_from(cfg)  # the weights' own problems first: the data's fit to them is checked next
     cfg, datasets = resolve_against_data(cfg)
     cfg = check_resume(cfg, world_size or cfg.parallel.num_workers, remote_cluster)
     check_precision(cfg)
@@ -94,8 +95,36 @@ def preflight(cfg: RunConfig, remote_cluster: bool = False, storage_field: str =
     if cfg.logging.export_to:
         from kiln.infer.commands import check_target
 
-        check_target(cfg.logging.export_to, "logging.export_to =")
+        check_target(cfg.logging.export_to, "logging.export_to =", overwrite=True,
+                     inputs=(cfg.data.path, cfg.model.init_from, cfg.train.resume_from))
     return Checked(cfg, datasets, tracking_uri, memory)
+
+
+def _check_local_storage(path: str, field: str) -> None:
+    """A local storage path is a directory this process can write in, or can be made in one."""
+    place = path
+    while not os.path.exists(place):
+        place = os.path.dirname(place)
+    if not os.path.isdir(place):
+        raise StorageError(f"{field} = {path!r}: {place} is a file; expected a directory for checkpoints")
+    if not writable_dir(place):
+        raise StorageError(f"{field} = {path!r}: cannot write in {place} (permission denied or a read-only "
+                           "filesystem)")
+
+
+def check_init_from(cfg: RunConfig) -> None:
+    """model.init_from's weights, from their headers: complete safetensors files whose names and
+    shapes fit its config.json (what the first step would find out minutes later)."""
+    if not cfg.model.init_from:
+        return
+    from kiln.config import pretrained_dir, pretrained_shape
+    from kiln.hf_checkpoint import check_weights
+
+    shape = pretrained_shape(cfg)  # config.json's errors are named by the field already
+    try:
+        check_weights(pretrained_dir(cfg), shape)
+    except ConfigError as e:
+        raise ConfigError(f"model.init_from = {cfg.model.init_from!r}: {e}") from None
 
 
 def precision_flavour(cfg: RunConfig) -> str:
@@ -119,7 +148,7 @@ def check_resume(cfg: RunConfig, world_size: int, remote_cluster: bool) -> RunCo
     if not cfg.train.resume_from:
         return cfg
     path = absolute(cfg.train.resume_from)
-    if not remote_cluster:
+    if not remote_cluster or os.path.exists(path):  # on a cluster's shared disk it may be visible here too
         resolve_resume(path, world_size, precision_record(cfg))
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, resume_from=path))
 
@@ -161,6 +190,7 @@ def check_resources(cfg: RunConfig, remote_cluster: bool = False) -> str:
     """Before launch: the ops an offload needs, and the memory plan against the devices; returns
     the plan's verdict in words."""
     check_partition(gpt_config(cfg).n_layer, cfg.parallel)
+    check_passthrough(cfg)
     check_offload_ops(cfg)
     mem = device_memory(cfg, remote_cluster)
     if mem is None:
@@ -183,6 +213,7 @@ def check_storage(cfg: RunConfig, field: str = "train.storage_path", local_only:
         raise ConfigError(f"{field} = {path!r}: the local launcher writes checkpoints to a local directory; "
                            "expected a local path (an s3:// storage path is for `kiln train` on Ray)")
     if not path.startswith("s3://"):
+        _check_local_storage(os.path.abspath(path), field)
         return
     loc = resolve(path, cfg.data.s3_endpoint, cfg.data.s3_region)
     bucket = loc.path.split("/", 1)[0]

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from dataclasses import dataclass
 
 from kiln.clock import startup_breakdown
 from kiln.config import RunConfig
 from kiln.data.manifest import Manifest
+from kiln.guard import marked_json
 from kiln.tracking.server import ui_command
+
+RUN_SUMMARY = "run-summary"  # the write guard's kind for --summary-json
 
 
 @dataclass
@@ -41,7 +43,7 @@ class Summary:
         )
 
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), indent=2, default=str)
+        return marked_json(RUN_SUMMARY, dataclasses.asdict(self))
 
     def render(self) -> str:
         m, ln2 = self.metrics, math.log(2)

@@ -52,6 +52,13 @@ def _offload(device: str, cfg: RunConfig) -> dict[str, Any]:
 
 
 def deepspeed_config(cfg: RunConfig, data_parallel_size: int, d_model: int = 0) -> dict[str, Any]:
+    """The DeepSpeed config of a run: Kiln's own (`kiln_deepspeed_config`), with
+    `parallel.deepspeed` merged over it."""
+    return deep_merge(kiln_deepspeed_config(cfg, data_parallel_size, d_model), cfg.parallel.deepspeed)
+
+
+def kiln_deepspeed_config(cfg: RunConfig, data_parallel_size: int, d_model: int = 0) -> dict[str, Any]:
+    """What Kiln's own fields say DeepSpeed should do."""
     t, p = cfg.train, cfg.parallel
     zero: dict[str, Any] = {"stage": p.zero_stage}
     if p.zero_stage >= 2:
@@ -87,7 +94,48 @@ def deepspeed_config(cfg: RunConfig, data_parallel_size: int, d_model: int = 0) 
         "steps_per_print": 1 << 30,  # Kiln does its own logging
         "wall_clock_breakdown": False,
     }
-    return deep_merge(ds, p.deepspeed)
+    return ds
+
+
+# The DeepSpeed settings Kiln sets from its own fields: the passthrough may not say otherwise.
+OWNED = {
+    "train_micro_batch_size_per_gpu": "train.micro_batch_size",
+    "gradient_accumulation_steps": "train.grad_accum_steps",
+    "train_batch_size": "train.micro_batch_size x train.grad_accum_steps x data-parallel size",
+    "gradient_clipping": "train.grad_clip",
+    "zero_optimization.stage": "parallel.zero_stage",
+    "zero_optimization.offload_optimizer.device": "parallel.offload_optimizer",
+    "zero_optimization.offload_param.device": "parallel.offload_params",
+    "bf16.enabled": "train.precision", "fp16.enabled": "train.precision",
+    "torch_autocast.enabled": "train.mixed_precision",
+}
+REFUSED = {"optimizer": "optim", "scheduler": "schedule"}  # Kiln builds these itself
+
+
+def check_passthrough(cfg: RunConfig) -> None:
+    """Before launch: `parallel.deepspeed` may add what Kiln does not model, never contradict
+    what it does (the merge would win silently, and the planner and checkpoints would be wrong)."""
+    from kiln.errors import ConfigError
+
+    ours = _leaves(kiln_deepspeed_config(cfg, cfg.data_parallel_size))
+    for key, value in _leaves(cfg.parallel.deepspeed).items():
+        top = key.split(".")[0]
+        if top in REFUSED:
+            raise ConfigError(f"parallel.deepspeed.{top}: Kiln builds the {top} itself; set the {REFUSED[top]} "
+                              "section instead")
+        if key in OWNED and key in ours and value != ours[key]:
+            raise ConfigError(f"parallel.deepspeed.{key} contradicts {OWNED[key]}, which makes it {ours[key]!r}; "
+                              f"set {OWNED[key].split(' ')[0]} instead")
+
+
+def _leaves(tree: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out |= _leaves(value, f"{prefix}{key}.")
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
 
 
 # ---- ops that offload needs, checked before launch ---------------------------------------------

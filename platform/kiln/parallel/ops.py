@@ -24,6 +24,8 @@ import os
 import sys
 import time
 
+from kiln.guard import remove_file
+
 log = logging.getLogger(__name__)
 
 # The slowest op (cpu_adam) builds in about 2 minutes on 2 cores; a lock this old is left over.
@@ -40,7 +42,7 @@ def use_environment_cache() -> str:
             if age > STALE_LOCK_S:
                 log.warning("removing %s: an op build that died %d min ago left it, and every run would "
                             "wait on it", lock, age // 60)
-                os.remove(lock)
+                remove_file(lock, proof="a stale build lock in this environment's own op cache")
     return path
 
 

@@ -33,6 +33,7 @@ from kiln.devices import DEVICES
 from kiln.errors import ConfigError
 from kiln.model import GPTConfig, flops_per_token, num_params
 from kiln.plan.memory import PlanInput, state_bytes
+from kiln.schemas import Launcher, type_problems
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,9 @@ def cluster_from_yaml(path: str | Path, nodes: int | None = None) -> Cluster:
     """The GPU node type of a Ray launcher YAML and its node count (max_workers unless given)."""
     path = Path(path)
     cfg = read_yaml_mapping(path, f"--cluster {path}")
+    problems = type_problems(Launcher, cfg)
+    if problems:
+        raise ConfigError(f"--cluster {path}: " + "; ".join(problems))
     types = cfg.get("available_node_types") or {}
     if not isinstance(types, dict) or not all(isinstance(t, dict) for t in types.values()):
         raise ConfigError(f"--cluster {path}: available_node_types must map node type names to mappings")

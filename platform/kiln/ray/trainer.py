@@ -10,8 +10,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import shutil
-import tempfile
 import warnings
 from typing import Any
 
@@ -20,6 +18,7 @@ import ray.train
 from ray.train import Checkpoint, CheckpointConfig, FailureConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
+from kiln import guard
 from kiln.clock import process_start, startup_mark
 from kiln.config import RunConfig, config_from_dict
 from kiln.data.mixture import run_datasets
@@ -32,6 +31,7 @@ from kiln.ray.source import RayDataSource
 from kiln.redact import ScrubFilter
 from kiln.storage import absolute, resolve
 from kiln.tracking.mlflow_run import ArtifactLogger, MLflowLogger
+from kiln.train.checkpoint import CHECKPOINT
 from kiln.train.collectives import barrier
 from kiln.train.loop import WorldInfo, train_loop
 from kiln.train.sinks import NullLogger, Sinks
@@ -55,7 +55,7 @@ def _worker_entry(loop_config: dict[str, Any]) -> None:
                                          placement[world.rank])
     restored = ray.train.get_checkpoint()  # set when Ray Train restarts the group after a failure
     logger = _logger(cfg, world, loop_config, restarted=restored is not None)
-    local_ckpt_root = tempfile.mkdtemp(prefix="kiln-ckpt-")
+    local_ckpt_root = str(guard.temp_dir(None, "ckpt"))
     if restored is not None:
         # Every rank copies the whole checkpoint (all ranks' shards) and loads its own part.
         resume_dir = os.path.join(local_ckpt_root, "restored")
@@ -71,7 +71,7 @@ def _worker_entry(loop_config: dict[str, Any]) -> None:
         ray.train.report(metrics, checkpoint=upload)
         if not ckpt_dir:
             return None
-        shutil.rmtree(ckpt_dir, ignore_errors=True)  # uploaded to storage_path by now (synchronous)
+        guard.discard(ckpt_dir, CHECKPOINT)  # uploaded to storage_path by now (synchronous)
         return StoredCheckpoint(ray.train.get_checkpoint(), local_ckpt_root, world.world_size)
 
     board = loop_config.get("progress_board")  # set when the driver draws a bar on its terminal
@@ -87,7 +87,7 @@ def _worker_entry(loop_config: dict[str, Any]) -> None:
     finally:
         if node_monitor is not None:
             node_monitor.finish()
-        shutil.rmtree(local_ckpt_root, ignore_errors=True)
+        guard.discard(local_ckpt_root)
 
 
 def _logger(cfg: RunConfig, world: WorldInfo, loop_config: dict[str, Any], restarted: bool):
@@ -125,7 +125,9 @@ class StoredCheckpoint:
     def __call__(self) -> str:
         barrier(self.world_size)  # every rank's upload of it has returned
         target = os.path.join(self.root, "rollback", os.path.basename(self.checkpoint.path.rstrip("/")))
-        shutil.rmtree(os.path.dirname(target), ignore_errors=True)  # an earlier rollback's copy
+        guard.discard(os.path.dirname(target))  # an earlier rollback's copy
+        os.makedirs(os.path.dirname(target))
+        guard.mark(os.path.dirname(target), "temp")
         self.checkpoint.to_directory(target)
         return target
 

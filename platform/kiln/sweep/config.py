@@ -26,8 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-
+from kiln import yamlfile
 from kiln.config import (
     RunConfig,
     build_section,
@@ -43,6 +42,11 @@ from kiln.storage import absolute
 STATE_FILE = "kiln-sweep.json"  # beside Tune's experiment state: what `--resume` restarts from
 
 KINDS = ("choice", "grid", "uniform", "loguniform", "randint")
+MAX_TRIALS = 10_000  # a sweep that would start more is a typo (a grid multiplies), not a plan
+# What every trial reports to Tune (the loop's metrics, kiln.train.meter); a mixture adds
+# loss/val/<dataset name> per dataset.
+REPORTED = ("loss/val", "loss/train", "throughput/tokens_per_s", "throughput/tokens_per_s_per_device", "mfu",
+            "grad_norm", "lr", "time/step_s", "tokens/seen")
 
 
 @dataclass
@@ -188,6 +192,13 @@ def validate(sweep: Sweep) -> None:
         ok, allowed = span(1, 100_000)
         if not ok(value):
             raise ConfigError(f"sweep.{key} = {value} is out of range: expected {allowed}")
+    trials = expected_trials(cfg)
+    if trials > MAX_TRIALS:
+        raise ConfigError(f"sweep: num_samples x the grid's sizes is {trials:,} trials; expected at most "
+                          f"{MAX_TRIALS:,}")
+    if cfg.metric not in REPORTED and not cfg.metric.startswith("loss/val/"):
+        raise ConfigError(f"sweep.metric = {cfg.metric!r} is not a metric trials report; expected one of "
+                          f"{list(REPORTED)} or loss/val/<dataset name>")
     if cfg.scheduler.name == "pbt":
         raise ConfigError("sweep.scheduler.name = 'pbt' is not supported yet: PBT copies one trial's checkpoint "
                           "into another, and Ray Train V2's TuneReportCallback hands Tune metrics only, not "
@@ -220,7 +231,7 @@ def validate(sweep: Sweep) -> None:
 
 
 def _typed(text: str) -> Any:
-    return yaml.safe_load(text)
+    return yamlfile.load_text(text, "sweep.conditional")
 
 
 def _check_field(sweep: Sweep, dotted: str, where: str) -> None:
@@ -255,6 +266,9 @@ def _check_entry(sweep: Sweep, dotted: str, spec: Any) -> None:
                                                              for v in arg)):
         raise ConfigError(f"{where}.{kind} = {arg!r}: expected [low, high] numbers")
     low, high = arg
+    if kind in ("uniform", "loguniform") and _field_type(dotted) is int:
+        raise ConfigError(f"{where}: {dotted} is an integer field and {kind} draws fractions; use randint "
+                          "[low, high) or choice")
     if low >= high:
         raise ConfigError(f"{where}.{kind} = [{low}, {high}]: low must be below high")
     if kind == "loguniform" and low <= 0:
@@ -265,6 +279,18 @@ def _check_entry(sweep: Sweep, dotted: str, spec: Any) -> None:
         high = high - 1
     for value in (low, high):
         _try(sweep, {dotted: value}, f"{where}.{kind} bound {value!r}")
+
+
+def _field_type(dotted: str) -> Any:
+    """The annotated type of a dotted RunConfig field (None for a free-form one)."""
+    import typing
+
+    cls: Any = RunConfig
+    for key in dotted.split("."):
+        if not dataclasses.is_dataclass(cls):
+            return None
+        cls = typing.get_type_hints(cls).get(key)
+    return cls
 
 
 def grid_axes(cfg: SweepConfig) -> dict[str, list]:
@@ -322,8 +348,11 @@ def stored_sweep(storage_path: str, name: str) -> Sweep:
             saved = json.load(f)
         removed, tree = saved.get("secrets_removed", []), saved["sweep"]
         sweep = Sweep.from_dict(tree)
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
-        raise ConfigError(f"{state} is not a Kiln sweep state file ({type(e).__name__}: {e})") from None
+        if not removed:
+            validate(sweep)  # what starting it checked, before any Ray contact
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError, ConfigError) as e:
+        raise ConfigError(f"{state} is not a Kiln sweep state file that can be resumed ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0][:200]})") from None
     if removed:
         raise ConfigError(
             f"sweep {name!r} cannot be resumed: its state was saved without the secrets in {', '.join(removed)} "

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kiln.errors import KilnError
+from kiln.guard import marked_json
 from kiln.launch.on_ray import connect_ray
 from kiln.launch.preflight import preflight
 from kiln.redact import redact_tree, redacted_paths
@@ -35,6 +36,8 @@ log = logging.getLogger("kiln.sweep")
 
 TRIAL_TAG = "kiln.sweep.trial_id"
 SWEEP_TAG = "kiln.sweep"
+SWEEP_SUMMARY = "sweep-summary"  # the write guard's kinds: --summary-json, and the state file
+SWEEP_STATE = "sweep-state"
 
 
 def _trial(params: dict[str, Any], ctx: dict[str, Any]) -> None:
@@ -131,8 +134,8 @@ class SweepSummary:
         return "\n".join(out)
 
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self) | {"trial_steps_run": self.trial_steps_run,
-                                                      "trial_steps_full": self.trial_steps_full}, indent=2)
+        return marked_json(SWEEP_SUMMARY, dataclasses.asdict(self) | {"trial_steps_run": self.trial_steps_run,
+                                                                      "trial_steps_full": self.trial_steps_full})
 
 
 def _scheduler(sweep: Sweep, max_steps: int):
@@ -204,9 +207,9 @@ def _start_parent(sweep: Sweep, uri: str, exp_dir: str) -> Run:
     parent = _open_parent(sweep, uri, sweep.base_config.logging.experiment)
     os.makedirs(exp_dir, exist_ok=True)
     state = sweep.to_dict()
-    write_private(os.path.join(exp_dir, STATE_FILE), json.dumps(
-        {"parent_run_id": parent.run_id, "sweep": redact_tree(state), "secrets_removed": redacted_paths(state)},
-        indent=2))
+    write_private(os.path.join(exp_dir, STATE_FILE), marked_json(SWEEP_STATE, {
+        "parent_run_id": parent.run_id, "sweep": redact_tree(state), "secrets_removed": redacted_paths(state)}),
+        kind=SWEEP_STATE)
     return parent
 
 

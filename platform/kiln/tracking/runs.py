@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 from kiln.errors import ConfigError, KilnError
 from kiln.tracking.server import check_store, resolve_tracking_uri
 from kiln.ui.table import format_table
@@ -23,12 +21,7 @@ def fetch_runs(experiment: str, tracking_uri: str = "", sort: str | None = None,
         if text and any(q in text for q in "'\"`"):
             raise ConfigError(f"{flag} {text!r}: expected a name without quotes or backticks")
     uri = resolve_tracking_uri(tracking_uri)
-    check_store(uri, "--tracking-uri")
-    path = uri[len("sqlite:///"):] if uri.startswith("sqlite:///") else None
-    if path is not None and not (os.path.isfile(path) and os.path.getsize(path)):
-        # MlflowClient would create an empty store (or fill an empty file) just to report that it is empty.
-        raise KilnError(f"no MLflow store at {uri}: nothing has been logged here yet; pass --tracking-uri "
-                        "or set $MLFLOW_TRACKING_URI to where your runs are")
+    check_store(uri, "--tracking-uri", read_only=True)  # MlflowClient would create a store to say it is empty
     client = MlflowClient(uri)
     exp = client.get_experiment_by_name(experiment)
     if exp is None:

@@ -15,17 +15,16 @@ delivers what its predecessor could not.
 from __future__ import annotations
 
 import collections
-import contextlib
 import json
 import logging
 import os
 import shutil
 import socket
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
 
+from kiln.guard import discard, move, remove_file, temp_dir
 from kiln.redact import scrub
 from kiln.tracking.server import server_address
 
@@ -86,8 +85,7 @@ class Journal:
                 return
             self._f.close()
             if self._written == self._delivered:
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(self.path)
+                remove_file(self.path, proof="this run's own metrics journal, every metric delivered")
             else:
                 _write_atomically(self.path, undelivered(self.path))
 
@@ -118,7 +116,7 @@ def _write_atomically(path: str, metrics: list[dict]) -> None:
     tmp = path + ".partial"
     with open(tmp, "w") as f:
         f.writelines(json.dumps(m) + "\n" for m in metrics)
-    os.replace(tmp, path)
+    move(tmp, path)
 
 
 @dataclass
@@ -160,8 +158,9 @@ class Sender:
 
     def send_artifacts(self, local_dir: str, artifact_path: str) -> None:
         # The caller may delete its directory as soon as this returns: send a copy.
-        copy = tempfile.mkdtemp(prefix="kiln-artifacts-")
-        shutil.copytree(local_dir, copy, dirs_exist_ok=True)
+        copy = temp_dir(None, "artifacts") / "files"  # the marked temp dir is its parent
+        shutil.copytree(local_dir, copy)
+        copy = str(copy)
         self._put(_Batch(artifacts=(copy, artifact_path)))
 
     def pending_metrics(self) -> int:
@@ -219,7 +218,7 @@ class Sender:
                   if lost_artifacts or lost_tags else "")
         for b in left:
             if b.artifacts:
-                shutil.rmtree(b.artifacts[0], ignore_errors=True)
+                discard(os.path.dirname(b.artifacts[0]))
 
     def _put(self, batch: _Batch) -> None:
         with self._cv:
@@ -289,4 +288,4 @@ class Sender:
         if batch.artifacts:
             local_dir, artifact_path = batch.artifacts
             self._client.log_artifacts(self._run_id, local_dir, artifact_path)
-            shutil.rmtree(local_dir, ignore_errors=True)
+            discard(os.path.dirname(local_dir))

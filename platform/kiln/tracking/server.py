@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 from urllib.parse import urlparse
 
 from kiln.errors import ConfigError, KilnError
 from kiln.redact import scrub
-from kiln.storage import is_url
+from kiln.storage import is_url, without_userinfo
 
 
 def resolve_tracking_uri(configured: str = "") -> str:
@@ -24,10 +25,14 @@ def resolve_tracking_uri(configured: str = "") -> str:
 
 def server_address(uri: str) -> tuple[str, int] | None:
     """(host, port) of an HTTP(S) tracking server; None for a local store (sqlite, file)."""
-    parsed = urlparse(uri)
+    parsed = urlparse(without_userinfo(uri))  # a password holding '#' or '?' misleads urllib
     if parsed.scheme not in ("http", "https"):
         return None
-    return parsed.hostname, parsed.port or (443 if parsed.scheme == "https" else 80)
+    try:
+        port = parsed.port
+    except ValueError:
+        raise ConfigError(f"{scrub(uri)}: the port is not a number") from None
+    return parsed.hostname, port or (443 if parsed.scheme == "https" else 80)
 
 
 # The schemes MLflow 3 has tracking stores for (a database's may name its driver:
@@ -37,10 +42,12 @@ STORE_SCHEMES = ("file", "sqlite", "postgresql", "mysql", "mssql", "http", "http
 SQLITE_HEADER = b"SQLite format 3\x00"
 
 
-def check_store(uri: str, name: str = "logging.tracking_uri") -> None:
+def check_store(uri: str, name: str = "logging.tracking_uri", read_only: bool = False) -> None:
     """Before any work: MLflow has a store for the URI's scheme, a database's driver is
-    installed, an SQLite file is one, and a server answers. `name` is the field or flag that
-    gave the URI, for the error."""
+    installed, an SQLite file is an MLflow store (never another application's database, which
+    MLflow would fill with its tables), and a server answers. `read_only`: the command only
+    reads, so a store that is not there is an error, not a new file. `name` is the field or
+    flag that gave the URI, for the error."""
     scheme = urlparse(uri).scheme.partition("+")[0]
     if scheme not in STORE_SCHEMES:
         raise ConfigError(f"{name} = {scrub(uri)!r}: MLflow has no store for {scheme + '://'!r}; expected "
@@ -54,12 +61,44 @@ def check_store(uri: str, name: str = "logging.tracking_uri") -> None:
             raise KilnError(f"{name} = {scrub(uri)!r} needs the database driver {e.name!r}, which is not "
                             f"installed here (pip install {e.name})") from None
     if scheme == "sqlite":
-        path = uri[len("sqlite:///"):]
-        if os.path.isfile(path) and os.path.getsize(path):
-            with open(path, "rb") as f:
-                if f.read(len(SQLITE_HEADER)) != SQLITE_HEADER:
-                    raise KilnError(f"{name}: {path} is not an SQLite database, so not an MLflow store")
+        check_sqlite_store(uri[len("sqlite:///"):], name, read_only)
+    elif scheme == "file" and read_only and not os.path.isdir(urlparse(uri).path):
+        raise KilnError(f"no MLflow store at {scrub(uri)}: nothing has been logged here yet; pass {name} "
+                        "or set $MLFLOW_TRACKING_URI to where your runs are")
     check_reachable(uri)
+
+
+# Tables every MLflow SQLite store has (its schema is versioned by alembic); a database with
+# tables and without these is another application's.
+MLFLOW_TABLES = {"alembic_version", "experiments", "runs"}
+
+
+def check_sqlite_store(path: str, name: str, read_only: bool = False) -> None:
+    """An SQLite path MLflow may open: an MLflow store, or (unless `read_only`) nothing yet or
+    an empty file. Read with SQLite's read-only mode, so the check itself changes nothing."""
+    import sqlite3
+
+    size = os.path.getsize(path) if os.path.isfile(path) else None
+    if not size:
+        if read_only:
+            raise KilnError(f"no MLflow store at sqlite:///{path}: nothing has been logged here yet; pass "
+                            f"{name} or set $MLFLOW_TRACKING_URI to where your runs are")
+        if os.path.exists(path) and not os.path.isfile(path):
+            raise KilnError(f"{name}: {path} is not a file, so not an MLflow store")
+        return
+    with open(path, "rb") as f:
+        if f.read(len(SQLITE_HEADER)) != SQLITE_HEADER:
+            raise KilnError(f"{name}: {path} is not an SQLite database, so not an MLflow store")
+    try:
+        with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as db:
+            tables = {row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    except sqlite3.Error as e:
+        raise KilnError(f"{name}: {path} cannot be read as an SQLite database ({e})") from None
+    if tables and not tables >= MLFLOW_TABLES:
+        raise KilnError(f"{name}: {path} is another application's SQLite database (tables: "
+                        f"{', '.join(sorted(tables)[:5])}), not an MLflow store; Kiln never writes into it")
+    if not tables and read_only:
+        raise KilnError(f"no MLflow store at sqlite:///{path}: the database is empty")
 
 
 def check_reachable(uri: str, timeout: float = 5.0) -> None:

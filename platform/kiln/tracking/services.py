@@ -30,11 +30,14 @@ from pathlib import Path
 import psutil
 import pydantic
 
+from kiln import guard
 from kiln.errors import KilnError
+from kiln.guard import remove_file
 from kiln.storage import write_private
 
 log = logging.getLogger("kiln.tracking.services")
 STATE = "services.json"
+SERVICES = "services"  # the write guard's kind for a services directory
 # Ray's head writes the addresses of every node's metrics agent here (Ray's Prometheus docs).
 RAY_SD_FILE = "/tmp/ray/prom_metrics_service_discovery.json"
 
@@ -119,6 +122,21 @@ def _load(root: Path) -> list[Service]:
                         "remove it and stop the processes by hand") from None
 
 
+def _check_dir(root: Path) -> None:
+    """`--dir` is new, empty, or a services directory Kiln made (its marker says so; one made
+    before the marker gets it with `echo kiln-output:services > DIR/.kiln-output`)."""
+    guard.check_dir_target(root, SERVICES, f"--dir {root}", replace=True, error=KilnError, make_parents=True)
+
+
+def _check_backend(uri: str) -> None:
+    """MLflow creates its tables in any database it is given: refuse one that holds another
+    application's tables."""
+    from kiln.tracking.server import check_sqlite_store
+
+    if uri.startswith("sqlite:///"):
+        check_sqlite_store(os.path.abspath(uri[len("sqlite:///"):]), "--backend-store-uri")
+
+
 def _save(root: Path, services: list[Service]) -> None:
     write_private(root / STATE, json.dumps([asdict(s) for s in services], indent=2))
 
@@ -133,9 +151,8 @@ def _spawn(cmd: list[str], log_path: Path) -> subprocess.Popen:
 def up(root: str | Path = "runs/services", host: str = "127.0.0.1", port: int = 5000,
        backend_store_uri: str | None = None, artifacts_destination: str | None = None,
        prometheus: bool = False, prometheus_port: int = 9090, timeout: float = 120.0) -> list[Service]:
-    root = Path(root).resolve()
-    if root.exists() and not root.is_dir():
-        raise KilnError(f"--dir {root}: a file, not a directory for the services' state and logs")
+    root = guard.local_path(root)
+    _check_dir(root)
     running = [s for s in _load(root) if _running(s)]
     if running:
         raise KilnError(f"services already running from {root}: "
@@ -152,10 +169,12 @@ def up(root: str | Path = "runs/services", host: str = "127.0.0.1", port: int = 
         raise KilnError("--prometheus: no `prometheus` binary on PATH; install Debian's package "
                         "(apt-get install prometheus) or leave --prometheus off")
 
+    backend = backend_store_uri or f"sqlite:///{root / 'mlflow.db'}"
+    _check_backend(backend)
     root.mkdir(parents=True, exist_ok=True)  # only once every check has passed
+    guard.mark(root, SERVICES)
     started: list[Service] = []
     try:
-        backend = backend_store_uri or f"sqlite:///{root / 'mlflow.db'}"
         artifacts = artifacts_destination or str(root / "artifacts")
         mlflow_log = root / "mlflow.log"
         cmd = [str(Path(sys.executable).parent / "mlflow"), "server", "--host", host, "--port", str(port),
@@ -208,12 +227,15 @@ def _stop(services: list[Service], timeout: float = 30.0) -> None:
 
 
 def down(root: str | Path = "runs/services") -> list[Service]:
-    root = Path(root).resolve()
+    root = guard.local_path(root)
     services = _load(root)
     _stop(services)
-    (root / STATE).unlink(missing_ok=True)
+    if guard.owns_dir(root, SERVICES):
+        remove_file(root / STATE, proof="the services record of a directory Kiln marked as its services'")
+    elif services:
+        log.warning("%s has no %s marker, so its %s is left in place", root, guard.MARKER, STATE)
     return services
 
 
 def status(root: str | Path = "runs/services") -> list[tuple[Service, bool]]:
-    return [(s, _running(s)) for s in _load(Path(root).resolve())]
+    return [(s, _running(s)) for s in _load(guard.local_path(root))]

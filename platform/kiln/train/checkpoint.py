@@ -24,10 +24,10 @@ import json
 import logging
 import os
 import re
-import shutil
 import time
 from collections.abc import Callable
 
+from kiln import guard
 from kiln.config import RunConfig, TrainConfig, gpt_config, uses_autocast
 from kiln.errors import ConfigError
 from kiln.train.collectives import barrier
@@ -40,6 +40,7 @@ RNG = "kiln_rng.rank{rank}.pt"
 CARD = "kiln_model.json"  # rank 0's: the model's shape and where its data (and tokenizer) is
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 RAY_DIR = re.compile(r"^checkpoint_\d{4}-\d\d-\d\d_")  # Ray Train's name for a registered checkpoint
+CHECKPOINT = "checkpoint"  # the write guard's kind for a step_N directory
 SCORE = "loss/val"  # what `keep_checkpoints_by: loss/val` ranks by, lowest best
 
 
@@ -100,8 +101,10 @@ def save(engine, root: str, step: int, rank: int, world_size: int, client_state:
     final = step_dir(root, step)
     partial = final + ".partial"
     if rank == 0 and os.path.isdir(partial):
-        shutil.rmtree(partial, ignore_errors=True)  # a writer killed earlier at this step
+        guard.discard(partial, CHECKPOINT)  # a writer killed earlier at this step marked it
     barrier(world_size)
+    os.makedirs(partial, exist_ok=True)
+    guard.mark(partial, CHECKPOINT)  # every rank: under Ray each may write its own local copy
     engine.save_checkpoint(partial, tag=TAG, client_state=client_state)
     _save_rng(os.path.join(partial, RNG.format(rank=rank)))
     if rank == 0 and card is not None:
@@ -112,7 +115,7 @@ def save(engine, root: str, step: int, rank: int, world_size: int, client_state:
     _write_synced(os.path.join(partial, MARKER.format(rank=rank)), json.dumps(marker))
     barrier(world_size)  # every rank's marker is written before the directory appears
     try:
-        os.rename(partial, final)
+        guard.move(partial, final)
     except FileNotFoundError:
         if not os.path.isdir(final):  # another rank sharing this directory renamed it already
             raise
@@ -179,8 +182,8 @@ def prune(root: str, keep: int, by: str = "newest") -> list[str]:
     for directory in doomed:
         # Rename first: a crash mid-delete leaves a `.partial`, never a half-deleted step_N.
         trash = directory + ".partial"
-        os.rename(directory, trash)
-        shutil.rmtree(trash, ignore_errors=True)
+        guard.move(directory, trash)
+        guard.discard(trash, CHECKPOINT, proofs=(MARKER.format(rank=0),))
     return doomed
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import shutil
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from kiln.clock import startup_mark
 from kiln.config import RunConfig, gpt_config, model_name
 from kiln.data.sources import BatchSource
 from kiln.errors import KilnError
+from kiln.guard import discard
 from kiln.model import inputs_and_targets, num_params
 from kiln.train.affinity import pin_worker
 from kiln.train.checkpoint import TAG, CheckpointPolicy, model_card
@@ -267,7 +267,7 @@ def _hand_in_profile(window, logger: MetricLogger) -> None:
     """A finished profiler window goes to the run's artifacts (profile/), then off local disk."""
     if window is not None:
         logger.log_artifacts(str(window), "profile")
-        shutil.rmtree(window, ignore_errors=True)
+        discard(window)
 
 
 def _after_bad_loss(bad: BadLoss, guard: HealthGuard, engine, last_good: str | Fetch | None, rank: int,

@@ -14,12 +14,12 @@ from __future__ import annotations
 import logging
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
 from kiln.config import ProfileConfig
+from kiln.guard import temp_dir
 
 log = logging.getLogger("kiln.train")
 
@@ -43,7 +43,7 @@ class StepProfiler:
         if self.device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
             torch.cuda.memory._record_memory_history(max_entries=100_000)
-        self._out = Path(tempfile.mkdtemp(prefix="kiln-profile-"))
+        self._out = temp_dir(None, "profile")
         self._prof = torch.profiler.profile(activities=activities, record_shapes=True, with_stack=False)
         self._prof.__enter__()
         self._memray = _host_tracker(self._out / f"host_memory_rank{self.rank}.bin")

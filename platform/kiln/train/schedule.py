@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 
 from kiln.config import ScheduleConfig
+from kiln.guard import tag, write_file
 
 
 def lr_multiplier(step: int, sched: ScheduleConfig, max_steps: int) -> float:
@@ -58,10 +59,13 @@ def lr_curve(sched: ScheduleConfig, peak_lr: float, max_steps: int, steps=None) 
     """The LR at each of `steps` (1-based optimizer steps; default every step of the run), in order."""
     return [peak_lr * lr_multiplier(s - 1, sched, max_steps) for s in (steps or range(1, max_steps + 1))]
 
+LR_PLOT = "lr-plot"  # the write guard's kind for `kiln lr plot`'s PNG
+
 
 def plot_schedule(sched: ScheduleConfig, peak_lr: float, max_steps: int, path: str, title: str = "") -> str:
-    """Write a PNG of the schedule to `path` (via a temp file and a rename); return the path."""
-    import os
+    """Write a PNG of the schedule to `path`, whole or not at all, over nothing but an earlier
+    plot (`kiln.guard`); return the path."""
+    import io
 
     import matplotlib
 
@@ -82,12 +86,10 @@ def plot_schedule(sched: ScheduleConfig, peak_lr: float, max_steps: int, path: s
     ax.set_title(title or f"schedule: {sched.name} (peak {peak_lr:g}, floor {sched.min_lr_ratio:g} x peak)")
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    tmp = f"{path}.tmp-{os.getpid()}.png"
-    try:
-        fig.savefig(tmp)
-        os.replace(tmp, path)
+    buf = io.BytesIO()
+    try:  # the marker in a PNG text chunk: this file is Kiln's to replace next time (kiln.guard)
+        fig.savefig(buf, format="png", metadata={"Software": tag(LR_PLOT)})
     finally:
         plt.close(fig)
-        if os.path.exists(tmp):  # a failed save or rename leaves nothing behind
-            os.unlink(tmp)
+    write_file(path, buf.getvalue(), kind=LR_PLOT)
     return path

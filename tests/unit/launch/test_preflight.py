@@ -94,9 +94,12 @@ def test_resume_from_is_made_absolute_and_checked_on_the_driver(byte_dataset, tm
     (tmp_path / "runs" / "old").mkdir(parents=True)
     with pytest.raises(KilnError, match=r"train.resume_from = '.*/runs/old': holds no complete Kiln checkpoint"):
         train(_run_config(byte_dataset, tmp_path, ["train.resume_from=runs/old"]))
-    # Where the workers' disks are elsewhere it cannot be checked here, but it is still absolute.
-    checked = preflight(_run_config(byte_dataset, tmp_path, ["train.resume_from=runs/old"]), remote_cluster=True)
-    assert checked.cfg.train.resume_from == str(tmp_path / "runs" / "old")
+    # With a cluster address, a path this machine sees (a shared disk) is checked all the same ...
+    with pytest.raises(KilnError, match="holds no complete Kiln checkpoint"):
+        preflight(_run_config(byte_dataset, tmp_path, ["train.resume_from=runs/old"]), remote_cluster=True)
+    # ... and one only the workers' disks hold cannot be checked here, but it is still absolute.
+    checked = preflight(_run_config(byte_dataset, tmp_path, ["train.resume_from=runs/there"]), remote_cluster=True)
+    assert checked.cfg.train.resume_from == str(tmp_path / "runs" / "there")
 
 
 def test_a_sweep_that_cannot_reach_ray_leaves_nothing_behind(byte_dataset, tmp_path, clean_env, monkeypatch):

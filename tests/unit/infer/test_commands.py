@@ -1,0 +1,51 @@
+"""`kiln generate` and `kiln export` at their edges: a context shorter than the default
+request, and exports that replace only Kiln's own earlier export."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from kiln import guard
+from kiln.cli import main
+
+
+def test_generate_with_default_flags_fits_a_short_context(tiny_hf, capsys, caplog):
+    # The tiny model's context is 64 tokens: the default 64 new tokens plus a prompt do not fit.
+    assert main(["generate", "--model", str(tiny_hf), "--prompt", "def main():", "--seed", "1"]) == 0
+    out = capsys.readouterr()
+    assert out.out.startswith("def main():") and "tokens in" in out.err
+    assert any("--max-new-tokens 64 cut to" in r.getMessage() for r in caplog.records)
+
+
+def test_a_prompt_that_fills_the_context_names_the_flag(tiny_hf, capsys):
+    assert main(["generate", "--model", str(tiny_hf), "--prompt", "x " * 200]) == 2
+    assert "kiln: error: --prompt:" in capsys.readouterr().err
+
+
+def test_export_replaces_only_its_own_earlier_export(tiny_hf, tmp_path, capsys):
+    out = tmp_path / "export"
+    assert main(["export", str(tiny_hf), "--output", str(out)]) == 0
+    assert guard.owns_dir(out, "export") and (out / "model.safetensors").is_file()
+    (out / "stale.txt").write_text("from an earlier export")  # inside Kiln's export: replaced whole
+    assert main(["export", str(tiny_hf), "--output", str(out)]) == 2  # no --overwrite
+    assert main(["export", str(tiny_hf), "--output", str(out), "--overwrite"]) == 0
+    assert not (out / "stale.txt").exists() and guard.owns_dir(out, "export")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]  # no temp or trash beside it
+
+    lookalike = tmp_path / "hub"
+    shutil.copytree(out, lookalike)
+    (lookalike / guard.MARKER).unlink()
+    (lookalike / "README.md").write_text("# model card")
+    capsys.readouterr()
+    assert main(["export", str(tiny_hf), "--output", str(lookalike), "--overwrite"]) == 2
+    assert "no .kiln-output marker" in capsys.readouterr().err
+    assert (lookalike / "README.md").read_text() == "# model card"
+
+
+@pytest.mark.parametrize("device,needle", [("cuda:7", "--device cuda:7"), ("gpu0", "--device gpu0"),
+                                           ("meta", "--device meta")])
+def test_a_device_this_machine_lacks_is_one_line(tiny_hf, capsys, device, needle):
+    assert main(["generate", "--model", str(tiny_hf), "--prompt", "a", "--device", device]) == 2
+    assert f"kiln: error: {needle}" in capsys.readouterr().err
