@@ -208,7 +208,7 @@ def test_init_from_and_export_to_s3(pretrained, s3_server, tmp_path, monkeypatch
     assert sorted(resolve("s3://kiln-test/exports/tiny", s3_server).list_files()) == sorted(files)
     with pytest.raises(ConfigError, match="--overwrite"):
         export(str(ckpt), "s3://kiln-test/exports/tiny", s3_endpoint=s3_server)
-    with pytest.raises(ConfigError, match="not an export"):  # the bucket's root holds other things
+    with pytest.raises(ConfigError, match="not an export Kiln wrote"):  # the bucket's root holds other things
         export(str(ckpt), "s3://kiln-test", s3_endpoint=s3_server, overwrite=True)
     from kiln.hf_checkpoint import local_copy
 

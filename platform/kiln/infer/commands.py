@@ -52,7 +52,7 @@ def _export_to_s3(spec: str, output: str, overwrite: bool, s3_endpoint: str) -> 
     out = resolve(output, s3_endpoint)
     present = out.list_files()
     if present and guard.MARKER not in present:
-        raise ConfigError(f"--output {output}: holds files Kiln did not write as an export (no {guard.MARKER} "
+        raise ConfigError(f"--output {output}: holds files and is not an export Kiln wrote (no {guard.MARKER} "
                           "marker); it is never overwritten")
     if present and out.join(guard.MARKER).read_bytes().strip() != guard.tag(EXPORT).encode():
         raise ConfigError(f"--output {output}: its {guard.MARKER} marker is not an export's; it is never overwritten")

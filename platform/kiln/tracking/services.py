@@ -153,6 +153,8 @@ def up(root: str | Path = "runs/services", host: str = "127.0.0.1", port: int = 
        prometheus: bool = False, prometheus_port: int = 9090, timeout: float = 120.0) -> list[Service]:
     root = guard.local_path(root)
     _check_dir(root)
+    backend = backend_store_uri or f"sqlite:///{root / 'mlflow.db'}"
+    _check_backend(backend)  # what the user gave, before what the machine has (ports, binaries)
     running = [s for s in _load(root) if _running(s)]
     if running:
         raise KilnError(f"services already running from {root}: "
@@ -169,8 +171,6 @@ def up(root: str | Path = "runs/services", host: str = "127.0.0.1", port: int = 
         raise KilnError("--prometheus: no `prometheus` binary on PATH; install Debian's package "
                         "(apt-get install prometheus) or leave --prometheus off")
 
-    backend = backend_store_uri or f"sqlite:///{root / 'mlflow.db'}"
-    _check_backend(backend)
     root.mkdir(parents=True, exist_ok=True)  # only once every check has passed
     guard.mark(root, SERVICES)
     started: list[Service] = []

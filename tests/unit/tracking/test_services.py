@@ -8,11 +8,13 @@ import subprocess
 
 import psutil
 
+from kiln import guard
 from kiln.storage import write_private
 from kiln.tracking import services
 
 
 def _record(root, procs_and_starts):
+    guard.mark(root, services.SERVICES)  # as `up` marks its directory
     write_private(root / services.STATE, json.dumps([
         {"name": f"svc{i}", "pid": p.pid, "url": "http://127.0.0.1:1", "log": "l", "started": started}
         for i, (p, started) in enumerate(procs_and_starts)]))
@@ -33,6 +35,10 @@ def test_down_stops_what_up_started_and_leaves_a_reused_pid_alone(tmp_path):
         assert ours.wait(timeout=30) in (0, -signal.SIGTERM)
         assert stranger.poll() is None  # never signalled
         assert not (tmp_path / services.STATE).exists()
+        # A directory Kiln's marker does not claim keeps its file: it may be someone else's.
+        (tmp_path / guard.MARKER).unlink()
+        (tmp_path / services.STATE).write_text("[]")
+        assert services.down(tmp_path) == [] and (tmp_path / services.STATE).read_text() == "[]"
     finally:
         for p in (ours, stranger):
             p.kill()
