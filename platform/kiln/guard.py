@@ -98,14 +98,24 @@ def refuse_inputs(out: Path, inputs: Iterable[str | os.PathLike], named: str, er
                         "Kiln never writes over its input")
 
 
+def writable_ancestor(path: str | os.PathLike, named: str, error: type[KilnError] = ConfigError) -> Path:
+    """The nearest existing directory at or above `path`, proved writable: where a command that
+    creates `path` (and any folders missing above it) will write first. Checked before the work,
+    so a read-only or mistyped output fails in a second, not after it."""
+    place = local_path(path)
+    while not place.exists() and place != place.parent:
+        place = place.parent
+    if not place.is_dir():
+        raise error(f"{named}: {place} is a file, not a directory")
+    if not writable_dir(place):
+        raise error(f"{named}: cannot write in {place} (permission denied or a read-only filesystem)")
+    return place
+
+
 def _check_parent(out: Path, named: str, error: type[KilnError], make_parents: bool = False) -> None:
-    parent = out.parent
-    while make_parents and not parent.exists() and parent != parent.parent:
-        parent = parent.parent  # the command creates the missing ones: the nearest existing must take them
-    if not parent.is_dir():
-        raise error(f"{named}: its parent directory must exist ({parent} does not, or is a file)")
-    if not writable_dir(parent):
-        raise error(f"{named}: cannot write in {parent} (permission denied or a read-only filesystem)")
+    if not make_parents and not out.parent.is_dir():
+        raise error(f"{named}: its parent directory must exist ({out.parent} does not, or is a file)")
+    writable_ancestor(out.parent, named, error)
 
 
 def check_dir_target(path: str | os.PathLike, kind: str, named: str, *, inputs: Iterable = (),

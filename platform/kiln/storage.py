@@ -20,7 +20,6 @@ from urllib.parse import urlparse
 import pyarrow.fs as pafs
 
 from kiln.errors import ConfigError, StorageError
-from kiln.guard import writable_dir as writable_dir  # re-exported: callers check outputs here
 from kiln.guard import write_file
 
 log = logging.getLogger(__name__)

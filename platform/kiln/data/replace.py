@@ -20,7 +20,7 @@ from pathlib import Path
 from kiln import guard
 from kiln.data.manifest import MANIFEST, TOKENIZER_FILE, is_kiln_manifest
 from kiln.errors import DataError
-from kiln.storage import Location, writable_dir
+from kiln.storage import Location
 
 log = logging.getLogger(__name__)
 DATASET = "dataset"  # the write guard's kind for a dataset's staging directory
@@ -57,18 +57,9 @@ def refuse_protected(out: Location) -> None:
 
 
 def writable_ancestor(out: Location) -> Path:
-    """The nearest existing directory at or above a local output's parent, after proving that
-    this process can create files in it; checked before any tokenizing, so a read-only or
-    mistyped --output fails in a second, not after the work."""
-    place = Path(out.path).parent
-    while not place.exists():
-        place = place.parent
-    if not place.is_dir():
-        raise DataError(f"--output {out.uri}: {place} is a file, not a directory")
-    if not writable_dir(place):
-        raise DataError(f"--output {out.uri}: cannot write in {place} (permission denied or a read-only "
-                        "filesystem)")
-    return place
+    """The nearest existing directory at or above a local output's parent, proved writable
+    (`guard.writable_ancestor`) before any tokenizing."""
+    return guard.writable_ancestor(Path(out.path).parent, f"--output {out.uri}", DataError)
 
 
 def remove_dataset(out: Location, manifest: dict) -> None:

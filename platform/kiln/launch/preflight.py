@@ -20,12 +20,13 @@ from kiln.data.check import resolve_against_data
 from kiln.data.manifest import Manifest
 from kiln.data.mixture import Dataset
 from kiln.errors import ConfigError, StorageError
+from kiln.guard import writable_ancestor
 from kiln.model import num_params
 from kiln.parallel.engine import check_offload_ops, check_passthrough
 from kiln.parallel.pipeline import check_partition
 from kiln.plan.memory import plan_input, refuse_if_too_big
 from kiln.redact import scrub
-from kiln.storage import absolute, is_url, resolve, writable_dir
+from kiln.storage import absolute, is_url, resolve
 from kiln.tracking.server import check_store, resolve_tracking_uri
 from kiln.train.checkpoint import precision_record, resolve_resume
 
@@ -98,18 +99,6 @@ def preflight(cfg: RunConfig, remote_cluster: bool = False, storage_field: str =
         check_target(cfg.logging.export_to, "logging.export_to =", overwrite=True,
                      inputs=(cfg.data.path, cfg.model.init_from, cfg.train.resume_from))
     return Checked(cfg, datasets, tracking_uri, memory)
-
-
-def _check_local_storage(path: str, field: str) -> None:
-    """A local storage path is a directory this process can write in, or can be made in one."""
-    place = path
-    while not os.path.exists(place):
-        place = os.path.dirname(place)
-    if not os.path.isdir(place):
-        raise StorageError(f"{field} = {path!r}: {place} is a file; expected a directory for checkpoints")
-    if not writable_dir(place):
-        raise StorageError(f"{field} = {path!r}: cannot write in {place} (permission denied or a read-only "
-                           "filesystem)")
 
 
 def check_init_from(cfg: RunConfig) -> None:
@@ -213,7 +202,7 @@ def check_storage(cfg: RunConfig, field: str = "train.storage_path", local_only:
         raise ConfigError(f"{field} = {path!r}: the local launcher writes checkpoints to a local directory; "
                            "expected a local path (an s3:// storage path is for `kiln train` on Ray)")
     if not path.startswith("s3://"):
-        _check_local_storage(os.path.abspath(path), field)
+        writable_ancestor(path, f"{field} = {path!r}", StorageError)  # checkpoints are written there
         return
     loc = resolve(path, cfg.data.s3_endpoint, cfg.data.s3_region)
     bucket = loc.path.split("/", 1)[0]
