@@ -465,11 +465,10 @@ def check_sampling(s, batch_size: int) -> None:
 
 def _lr(args: argparse.Namespace) -> int:
     from kiln.config import load_config
-    from kiln.guard import check_file_target
     from kiln.train.schedule import LR_PLOT, plot_schedule
 
     cfg = load_config(args.config, args.overrides)
-    check_file_target(args.out, LR_PLOT, f"--out {args.out}", inputs=[args.config or ""])
+    _output_file(args.out, "--out", LR_PLOT, [args.config])
     plot_schedule(cfg.schedule, cfg.optim.lr, cfg.train.max_steps, args.out)
     print(f"wrote {args.out}: {cfg.schedule.name} over {cfg.train.max_steps} steps, peak lr {cfg.optim.lr:g}")
     return 0

@@ -32,7 +32,6 @@ import pydantic
 
 from kiln import guard
 from kiln.errors import KilnError
-from kiln.guard import remove_file
 from kiln.storage import write_private
 
 log = logging.getLogger("kiln.tracking.services")
@@ -231,7 +230,7 @@ def down(root: str | Path = "runs/services") -> list[Service]:
     services = _load(root)
     _stop(services)
     if guard.owns_dir(root, SERVICES):
-        remove_file(root / STATE, proof="the services record of a directory Kiln marked as its services'")
+        guard.remove_file(root / STATE, proof="the services record of a directory Kiln marked as its services'")
     elif services:
         log.warning("%s has no %s marker, so its %s is left in place", root, guard.MARKER, STATE)
     return services
