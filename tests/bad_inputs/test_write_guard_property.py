@@ -84,16 +84,22 @@ def test_writes_never_touch_what_kiln_did_not_create(commands, tmp_path_factory,
     os.chdir(work)
     os.environ["HOME"] = str(home)
     created: set[Path] = set()
+    started: list[str] = []
     try:
         for command, target, flag in commands:
             if command == "services-up" and not (work / target).exists():
                 continue  # it would start a real server there: a new directory is Kiln's to fill
             existed = (work / target).exists() or (work / target).is_symlink()
             code = main(_argv(command, target, flag, model, small_corpus))
+            if command == "services-up" and code == 0:
+                started.append(target)
+            assert not started, f"services up took {target}, which is not Kiln's"  # no target here is a services dir
             if code == 0 and not existed:
                 created.add(Path(os.path.abspath(os.path.expanduser(target))))
             after = _fingerprint(root, created)
             assert {k: v for k, v in before.items() if k not in after or after[k] != v} == {}, (command, target)
     finally:
+        for target in started:  # a server this test must not leave running, whatever it found
+            main(["services", "down", "--dir", target])
         os.chdir(saved_cwd)
         os.environ["HOME"] = saved_home
