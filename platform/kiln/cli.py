@@ -309,7 +309,8 @@ def run(args: argparse.Namespace) -> int:
 def _data(args: argparse.Namespace) -> int:
     if args.data_cmd == "verify":
         return verify_dataset(args.path, args.s3_endpoint)
-    from kiln.data.prepare import PrepareConfig, prepare, validate_config
+    from kiln.data.prepare import prepare
+    from kiln.data.prepare_config import PrepareConfig, validate_config
 
     if args.workers is not None and args.workers < 0:
         raise ConfigError(f"--workers {args.workers}: expected 0 (no Ray) or a number of tokenizer actors")
