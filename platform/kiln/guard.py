@@ -192,8 +192,8 @@ def write_file(path: str | os.PathLike, data: str | bytes, mode: int = 0o644, ki
     """Write a local file whole or not at all: a temp file beside it, then a rename. With a
     `kind`, an existing file is replaced only if it is that kind of Kiln output."""
     path = local_path(path)
-    if kind is not None and (path.is_symlink() or (path.exists() and not owns_file(path, kind))):
-        raise ConfigError(f"{path}: exists and is not a {kind} Kiln wrote; it is never overwritten")
+    if kind is not None:  # checked again: the file may have appeared during the work
+        check_file_target(path, kind, str(path))
     tmp = path.with_name(f".{path.name}{TEMP_TAG}{uuid.uuid4().hex[:8]}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
     try:

@@ -24,7 +24,7 @@ from typing_extensions import Required, TypedDict
 
 from kiln.errors import ConfigError
 from kiln.model import GPTConfig, shape_problem
-from kiln.schemas import type_problems
+from kiln.schemas import type_problems, validated
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
@@ -208,11 +208,11 @@ def _weight_files(directory: Path) -> list[Path]:
     index = directory / INDEX
     if index.exists():
         try:
-            raw = json.loads(index.read_text())
-            names = sorted(set(_INDEX.validate_python(raw, strict=True)["weight_map"].values()))
-        except (OSError, ValueError) as e:  # pydantic's ValidationError is a ValueError
-            raise ConfigError(f"{index}: not a safetensors index (a JSON object whose weight_map maps each "
-                              f"weight's name to a file name): {str(e).splitlines()[0]}") from None
+            raw = index.read_bytes()
+        except OSError as e:
+            raise ConfigError(f"{index}: not readable ({e})") from None
+        # A JSON object whose weight_map maps each weight's name to a file name.
+        names = sorted(set(validated(_INDEX, raw, f"{index}", json=True)["weight_map"].values()))
         bad = [n for n in names if n != Path(n).name or n.startswith(".")]
         if bad:
             raise ConfigError(f"{index}: weight_map names {bad[0]!r}; expected a file name in the directory")

@@ -18,7 +18,7 @@ from typing import Any
 import pydantic
 from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr
 
-from kiln.errors import ConfigError
+from kiln.errors import ConfigError, KilnError
 
 
 class _Open(BaseModel):
@@ -120,22 +120,34 @@ def type_problems(model: type[BaseModel] | pydantic.TypeAdapter, doc: Any) -> li
         else:
             model.model_validate(doc)
     except pydantic.ValidationError as e:
-        lines = [f"{_path(err['loc']) or '(top level)'}: {_expected(err)}" for err in e.errors()]
-        return list(dict.fromkeys(lines))  # a union's members each report the same field
+        return _problems(e)
     return []
 
 
-def validated(schema: type | Any, value: Any, where: str) -> Any:
-    """`value` checked strictly against `schema` (a dataclass, TypedDict or type); the first
-    problem as a ConfigError that starts with `where`, e.g. `prepare: seq_len: expected an integer`."""
-    adapter = pydantic.TypeAdapter(schema)
-    problems = type_problems(adapter, value)
-    if problems:
-        raise ConfigError(f"{where}: {problems[0].removeprefix('(top level): ')}")
-    return value
+def validated(schema: type | pydantic.TypeAdapter | Any, value: Any, where: str, *, json: bool = False,
+              error: type[KilnError] = ConfigError) -> Any:
+    """`value` checked strictly against `schema` (a dataclass, TypedDict, type or TypeAdapter;
+    with `json`, `value` is a JSON document's bytes); the validated value, or the first problem
+    as an `error` that starts with `where`, e.g. `prepare: seq_len: expected an integer`."""
+    adapter = schema if isinstance(schema, pydantic.TypeAdapter) else pydantic.TypeAdapter(schema)
+    try:
+        return adapter.validate_json(value, strict=True) if json else adapter.validate_python(value, strict=True)
+    except pydantic.ValidationError as e:
+        raise error(f"{where}: {_problems(e)[0].removeprefix('(top level): ')}") from None
+
+
+def _problems(e: pydantic.ValidationError) -> list[str]:
+    lines = [f"{_path(err['loc']) or '(top level)'}: {_expected(err)}" for err in e.errors()]
+    return list(dict.fromkeys(lines))  # a union's members each report the same field
 
 
 _MEMBERS = {"str", "int", "float", "bool", "dict", "list"}  # pydantic's names for a union's members
+# pydantic's error types in words; any other is pydantic's own message, shortened.
+_WORDS = {"int_type": "expected an integer", "float_type": "expected a number", "bool_type": "expected true or false",
+          "string_type": "expected a string", "list_type": "expected a list", "dict_type": "expected a mapping",
+          "model_type": "expected a mapping", "model_attributes_type": "expected a mapping",
+          "dataclass_type": "expected a mapping", "missing": "required", "extra_forbidden": "not a known field",
+          "json_invalid": "not valid JSON"}
 
 
 def _path(loc: tuple) -> str:
@@ -143,9 +155,4 @@ def _path(loc: tuple) -> str:
 
 
 def _expected(err: dict) -> str:
-    kind = err["type"]
-    words = {"int_type": "expected an integer", "missing": "required", "bool_type": "expected true or false",
-             "dataclass_type": "expected a mapping", "extra_forbidden": "not a known field", "string_type": "expected a string", "dict_type": "expected a mapping",
-             "list_type": "expected a list", "float_type": "expected a number", "model_type": "expected a mapping",
-             "model_attributes_type": "expected a mapping"}
-    return words.get(kind, f"{err['msg'].split(',')[0].lower()}")
+    return _WORDS.get(err["type"], err["msg"].split(",")[0].lower())

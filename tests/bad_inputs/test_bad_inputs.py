@@ -27,12 +27,17 @@ MAX_SECONDS = 10  # refused within seconds: a bad input never costs minutes
 MAX_PEAK_MB = 1024  # nor gigabytes (an alias bomb, a 50 MB file): the peak of the process running it
 
 
-def _edit_manifest(change):
-    def edit(ds: Path) -> None:
-        m = json.loads((ds / "manifest.json").read_text())
-        change(m)
-        (ds / "manifest.json").write_text(json.dumps(m))
+def _edit_json(name: str, change):
+    """An edit of the JSON file `name` in a copied dataset or model: `change` mutates its object."""
+    def edit(folder: Path) -> None:
+        obj = json.loads((folder / name).read_text())
+        change(obj)
+        (folder / name).write_text(json.dumps(obj))
     return edit
+
+
+def _edit_manifest(change):
+    return _edit_json("manifest.json", change)
 
 
 def _first_shard(ds: Path) -> Path:
@@ -79,11 +84,7 @@ def _truncate_weights(model: Path) -> None:
 
 
 def _edit_hf_config(change):
-    def edit(model: Path) -> None:
-        c = json.loads((model / "config.json").read_text())
-        change(c)
-        (model / "config.json").write_text(json.dumps(c))
-    return edit
+    return _edit_json("config.json", change)
 
 
 def _bin_only(model: Path) -> None:

@@ -31,6 +31,7 @@ from kiln.data.tokenizer import pretrained
 from kiln.devices import name_deepspeed_accelerator
 from kiln.errors import ConfigError, KilnError
 from kiln.model import GPT, GPTConfig, shape_problem
+from kiln.schemas import validated
 from kiln.storage import resolve
 from kiln.train.checkpoint import CARD, MARKER, TAG, is_complete, latest_complete, newest_reported
 
@@ -133,19 +134,18 @@ def _card(ckpt: str) -> dict:
     path = os.path.join(ckpt, CARD)
     try:
         with open(path, "rb") as f:
-            card = _CARD.validate_json(f.read(), strict=True)
+            raw = f.read()
     except FileNotFoundError:
         raise ConfigError(f"{ckpt}: has no {CARD} (written by Kiln from this version on); the model's "
                           "shape is unknown, so it cannot be exported") from None
     except OSError as e:
         raise ConfigError(f"{path}: not readable ({e})") from None
-    except pydantic.ValidationError as e:
-        first = e.errors()[0]
-        raise ConfigError(f"{path}: {'.'.join(map(str, first['loc'])) or 'the file'}: "
-                          f"{first['msg'].split(',')[0].lower()}") from None
+    card = validated(_CARD, raw, path, json=True)
     problem = shape_problem(card["gpt"])
-    if problem or card["parallel"]["pipeline_stages"] < 1:
-        raise ConfigError(f"{path}: gpt: {problem or 'parallel.pipeline_stages must be positive'}")
+    if problem:
+        raise ConfigError(f"{path}: gpt: {problem}")
+    if card["parallel"]["pipeline_stages"] < 1:
+        raise ConfigError(f"{path}: parallel.pipeline_stages: expected a positive integer")
     return card
 
 

@@ -28,10 +28,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import psutil
-import pydantic
 
 from kiln import guard
 from kiln.errors import KilnError
+from kiln.schemas import validated
 from kiln.storage import write_private
 
 log = logging.getLogger("kiln.tracking.services")
@@ -111,14 +111,11 @@ def _wait_http(url: str, proc: subprocess.Popen, timeout: float, log_path: Path)
 def _load(root: Path) -> list[Service]:
     path = root / STATE
     try:
-        return pydantic.TypeAdapter(list[Service]).validate_json(path.read_bytes(), strict=True)
+        raw = path.read_bytes()
     except FileNotFoundError:
         return []
-    except pydantic.ValidationError as e:
-        first = e.errors()[0]
-        where = ".".join(map(str, first["loc"])) or "the file"
-        raise KilnError(f"{path} is not a services state file: at {where}, {first['msg'].lower()}; "
-                        "remove it and stop the processes by hand") from None
+    return validated(list[Service], raw, f"{path} is not a services state file (remove it and stop the "
+                     "processes by hand)", json=True, error=KilnError)
 
 
 def _check_dir(root: Path) -> None:
