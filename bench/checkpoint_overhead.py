@@ -29,7 +29,7 @@ MODELS = [  # (label, flavour, layers (0: the flavour's), micro-batch)
     ("debug", "debug", 0, 16),
     ("gpt2-124m width, 4 layers", "gpt2-124m", 4, 4),
 ]
-WARMUP_STEPS_EXCLUDED = 5  # kiln.train.loop's: saves within the first steps are not counted
+WARMUP_STEPS_EXCLUDED = 5  # kiln.core.loop's: saves within the first steps are not counted
 
 
 def run(overrides: list[str], tmp: str, name: str) -> dict:

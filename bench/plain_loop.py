@@ -19,13 +19,13 @@ import torch
 
 from kiln.clock import process_start
 from kiln.config import OptimConfig, ScheduleConfig
+from kiln.core.host_memory import keep_freed_memory
+from kiln.core.meter import datasheet_peak_flops
+from kiln.core.optim import build_optimizer, lr_multiplier
 from kiln.data.manifest import load_manifest
 from kiln.data.sources import ParquetSource
 from kiln.model import GPT, config_for, flops_per_token, padded_vocab
 from kiln.storage import resolve
-from kiln.train.host_memory import keep_freed_memory
-from kiln.train.meter import datasheet_peak_flops
-from kiln.train.optim import build_optimizer, lr_multiplier
 
 STARTED = process_start()
 WARMUP = 5

@@ -20,9 +20,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from kiln.config import gpt_config, load_config
+from kiln.core.optim import build_optimizer, build_scheduler
 from kiln.model import GPT
 from kiln.parallel.engine import initialize
-from kiln.train.optim import build_optimizer, build_scheduler
 
 
 def main() -> None:

@@ -29,13 +29,13 @@ import time
 import torch
 
 from kiln.config import gpt_config, load_config
+from kiln.core.health import HealthGuard
+from kiln.core.loop import WorldInfo
+from kiln.core.optim import build_optimizer, build_scheduler
+from kiln.core.step import PhaseTimer, train_step
 from kiln.launch.local import free_port
 from kiln.model import GPT
 from kiln.parallel.engine import build_engine, deepspeed_config
-from kiln.train.health import HealthGuard
-from kiln.train.loop import WorldInfo
-from kiln.train.optim import build_optimizer, build_scheduler
-from kiln.train.step import PhaseTimer, train_step
 
 sys.path.insert(0, os.path.dirname(__file__))
 from plain_loop import plain_step  # noqa: E402  (bench/ is not a package)

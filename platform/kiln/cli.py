@@ -466,7 +466,7 @@ def check_sampling(s, batch_size: int) -> None:
 
 def _lr(args: argparse.Namespace) -> int:
     from kiln.config import load_config
-    from kiln.train.schedule import LR_PLOT, plot_schedule
+    from kiln.core.schedule import LR_PLOT, plot_schedule
 
     cfg = load_config(args.config, args.overrides)
     _output_file(args.out, "--out", LR_PLOT, [args.config])

@@ -184,7 +184,7 @@ class ParallelConfig:
 class OptimConfig:
     name: Literal["adamw", "adam", "sgd", "rmsprop", "lamb"] = "adamw"
     """Optimizer. AdamW and LAMB decouple weight decay from the gradient; Adam, SGD and RMSprop
-    add it to the gradient as L2, as each defines it. LAMB is Kiln's own (kiln.train.lamb)."""
+    add it to the gradient as L2, as each defines it. LAMB is Kiln's own (kiln.core.lamb)."""
     lr: float = knob(1e-3, lambda v: 0.0 < v < 10.0, "a number in (0, 10)")
     """Peak learning rate, reached at the end of warmup."""
     weight_decay: float = knob(0.1, *span(0, 10, "a number"))
@@ -210,7 +210,7 @@ class OptimConfig:
 @dataclass
 class ScheduleConfig:
     name: Literal["cosine", "linear", "constant", "exponential", "inverse_sqrt", "cosine_restarts"] = "cosine"
-    """Shape of the learning rate after warmup (kiln.train.schedule has each formula)."""
+    """Shape of the learning rate after warmup (kiln.core.schedule has each formula)."""
     warmup_steps: int = knob(20, *span(0, MAX_STEPS))
     """Linear warmup from lr/warmup_steps to optim.lr over this many optimizer steps."""
     min_lr_ratio: float = knob(0.1, lambda v: 0.0 <= v <= 1.0, "a number in [0, 1]")

@@ -1,6 +1,6 @@
 """Accelerators Kiln knows by name: dense peak FLOP/s, memory and bus bandwidth.
 
-One table for the two places that need a datasheet: MFU on a GPU (`kiln.train.meter`) and the
+One table for the two places that need a datasheet: MFU on a GPU (`kiln.core.meter`) and the
 throughput planner (`kiln.plan.throughput`). Peaks are vendor datasheet figures for SXM parts
 without sparsity; fp32 counts TF32 tensor-core matmuls, which is what torch runs with
 `allow_tf32`. A CPU has no datasheet peak here: MFU there is relative to a measured matmul rate.

@@ -21,6 +21,7 @@ from kiln.launch.on_ray import train
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(REPO / "tests/dashboards"))
 from prom_queries import dashboard_queries_without_data  # noqa: E402
 from render_panels import render as render_panels  # noqa: E402
 

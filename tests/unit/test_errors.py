@@ -5,8 +5,8 @@ import pickle
 from ray.train import WorkerGroupError
 from ray.train.v2._internal.exceptions import UserExceptionWithTraceback
 
+from kiln.core.loop import TrainingUnhealthy
 from kiln.errors import DataError, KilnError, user_error_in
-from kiln.train.loop import TrainingUnhealthy
 
 
 def _as_ray_reports_it(failures: dict) -> WorkerGroupError:

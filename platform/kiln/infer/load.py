@@ -26,6 +26,7 @@ import torch
 from typing_extensions import NotRequired, TypedDict
 
 from kiln import hf_checkpoint as hf
+from kiln.core.checkpoint import CARD, MARKER, TAG, is_complete, latest_complete, newest_reported
 from kiln.data.manifest import load_manifest
 from kiln.data.tokenizer import pretrained
 from kiln.devices import name_deepspeed_accelerator
@@ -33,7 +34,6 @@ from kiln.errors import ConfigError, KilnError
 from kiln.model import GPT, GPTConfig, shape_problem
 from kiln.schemas import validated
 from kiln.storage import resolve
-from kiln.train.checkpoint import CARD, MARKER, TAG, is_complete, latest_complete, newest_reported
 
 log = logging.getLogger(__name__)
 LAYER_FILE = re.compile(r"^layer_(\d+)-model_states\.pt$")
@@ -118,7 +118,7 @@ class _Data(TypedDict):
 
 
 class _Card(TypedDict):
-    """What `kiln.train.checkpoint.model_card` writes; checked as it is read."""
+    """What `kiln.core.checkpoint.model_card` writes; checked as it is read."""
 
     gpt: GPTConfig
     parallel: _Parallel

@@ -24,6 +24,8 @@ import torch
 
 from kiln.clock import process_start, startup_mark
 from kiln.config import RunConfig, load_config
+from kiln.core.loop import WorldInfo, train_loop
+from kiln.core.sinks import NullLogger, Sinks
 from kiln.data.sources import ParquetSource
 from kiln.devices import name_deepspeed_accelerator
 from kiln.errors import KilnError
@@ -34,8 +36,6 @@ from kiln.parallel.engine import build_engine
 from kiln.parallel.ops import init_distributed
 from kiln.parallel.pipeline import data_parallel_coords
 from kiln.redact import configure_logging
-from kiln.train.loop import WorldInfo, train_loop
-from kiln.train.sinks import NullLogger, Sinks
 from kiln.ui.progress import sink_for
 
 log = logging.getLogger(__name__)

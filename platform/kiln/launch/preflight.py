@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 
 from kiln.config import RunConfig, gpt_config, model_base, model_name, uses_autocast
+from kiln.core.checkpoint import precision_record, resolve_resume
 from kiln.data.check import resolve_against_data
 from kiln.data.manifest import Manifest
 from kiln.data.mixture import Dataset
@@ -28,7 +29,6 @@ from kiln.plan.memory import plan_input, refuse_if_too_big
 from kiln.redact import scrub
 from kiln.storage import absolute, is_url, resolve
 from kiln.tracking.server import check_store, resolve_tracking_uri
-from kiln.train.checkpoint import precision_record, resolve_resume
 
 log = logging.getLogger(__name__)
 

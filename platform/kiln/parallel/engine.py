@@ -16,20 +16,20 @@ import torch
 from torch import nn
 
 from kiln.config import RunConfig, gpt_config, uses_autocast, uses_cpu_adam
-from kiln.errors import ConfigError
-from kiln.model import GPT, GPTConfig
-from kiln.parallel.ops import init_distributed
-from kiln.parallel.pipeline import check_coords, to_pipeline
-from kiln.redact import redact_tree
-from kiln.train.collectives import ranks
-from kiln.train.loop import WorldInfo, prepare_process
-from kiln.train.optim import (
+from kiln.core.collectives import ranks
+from kiln.core.loop import WorldInfo, prepare_process
+from kiln.core.optim import (
     StepGate,
     build_optimizer,
     build_scheduler,
     gate_optimizer,
     param_groups,
 )
+from kiln.errors import ConfigError
+from kiln.model import GPT, GPTConfig
+from kiln.parallel.ops import init_distributed
+from kiln.parallel.pipeline import check_coords, to_pipeline
+from kiln.redact import redact_tree
 
 log = logging.getLogger(__name__)
 

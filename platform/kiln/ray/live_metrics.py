@@ -6,7 +6,7 @@ name with `ray_`, so `kiln_train_loss` is scraped as `ray_kiln_train_loss`). Nam
 Prometheus conventions: base units (seconds, bytes, ratios) and `_total` on counters.
 
 The training loop only sees `observe(metrics, step)`, `step_seconds(seconds)` (every step),
-`checkpointed(seconds)` and `close()` (`kiln.train.sinks.LiveMetrics`); `NullLive` stands in where no Ray runs.
+`checkpointed(seconds)` and `close()` (`kiln.core.sinks.LiveMetrics`); `NullLive` stands in where no Ray runs.
 """
 
 from __future__ import annotations

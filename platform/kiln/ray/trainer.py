@@ -21,6 +21,10 @@ from ray.train.torch import TorchConfig, TorchTrainer
 from kiln import guard
 from kiln.clock import process_start, startup_mark
 from kiln.config import RunConfig, config_from_dict
+from kiln.core.checkpoint import CHECKPOINT
+from kiln.core.collectives import barrier
+from kiln.core.loop import WorldInfo, train_loop
+from kiln.core.sinks import NullLogger, Sinks
 from kiln.data.mixture import run_datasets
 from kiln.parallel.engine import build_engine
 from kiln.parallel.pipeline import data_parallel_coords
@@ -31,10 +35,6 @@ from kiln.ray.source import RayDataSource
 from kiln.redact import ScrubFilter
 from kiln.storage import absolute, resolve
 from kiln.tracking.mlflow_run import ArtifactLogger, MLflowLogger
-from kiln.train.checkpoint import CHECKPOINT
-from kiln.train.collectives import barrier
-from kiln.train.loop import WorldInfo, train_loop
-from kiln.train.sinks import NullLogger, Sinks
 
 
 def _worker_entry(loop_config: dict[str, Any]) -> None:

@@ -43,7 +43,7 @@ STATE_FILE = "kiln-sweep.json"  # beside Tune's experiment state: what `--resume
 
 KINDS = ("choice", "grid", "uniform", "loguniform", "randint")
 MAX_TRIALS = 10_000  # a sweep that would start more is a typo (a grid multiplies), not a plan
-# What every trial reports to Tune: the loop's metrics (kiln.train.loop, kiln.train.meter).
+# What every trial reports to Tune: the loop's metrics (kiln.core.loop, kiln.core.meter).
 REPORTED = ("loss/val", "loss/train", "throughput/tokens_per_s", "throughput/tokens_per_s_per_device", "mfu",
             "grad_norm", "lr", "time/step_s", "tokens/seen")
 

@@ -18,13 +18,13 @@ from typing import Any
 
 import kiln
 from kiln.config import RunConfig, flatten
+from kiln.core.sinks import NullLogger
 from kiln.data.mixture import Dataset
 from kiln.errors import KilnError
 from kiln.redact import redact, redact_tree, scrub
 from kiln.tracking.plots import PLOTTED, training_plots
 from kiln.tracking.sender import Journal, Sender
 from kiln.tracking.source import UNKNOWN, git_commit
-from kiln.train.sinks import NullLogger
 
 log = logging.getLogger(__name__)
 
@@ -283,7 +283,7 @@ def open_run(cfg: RunConfig, datasets: list[Dataset], tracking_uri: str, cluster
 
 def log_schedule_plot(run: Run, cfg: RunConfig) -> None:
     """The LR schedule this run will follow, as a PNG artifact (schedule/lr.png)."""
-    from kiln.train.schedule import plot_schedule
+    from kiln.core.schedule import plot_schedule
 
     with tempfile.TemporaryDirectory(prefix="kiln-lr-") as tmp:
         path = plot_schedule(cfg.schedule, cfg.optim.lr, cfg.train.max_steps, f"{tmp}/lr.png",

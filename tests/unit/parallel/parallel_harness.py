@@ -1,6 +1,6 @@
 """Run several parallel configurations in one process group; rank 0 writes what each did.
 
-Started by tests/unit/train/test_parallelism.py as one process, or under torchrun with N ranks:
+Started by tests/unit/core/test_parallelism.py as one process, or under torchrun with N ranks:
 
     torchrun --nproc-per-node 2 tests/unit/parallel/parallel_harness.py OUT.json DATA ROOT SPECS.json
 
@@ -21,15 +21,15 @@ from pathlib import Path
 import torch
 
 from kiln.config import gpt_config, load_config
+from kiln.core.loop import train_loop
+from kiln.core.meter import inner_optimizer
+from kiln.core.sinks import Sinks
 from kiln.data.check import resolve_against_data
 from kiln.data.sources import ParquetSource
 from kiln.launch.local import _world_from_env
 from kiln.parallel.engine import build_engine
 from kiln.parallel.pipeline import data_parallel_coords
 from kiln.plan.memory import estimate, plan_input
-from kiln.train.loop import train_loop
-from kiln.train.meter import inner_optimizer
-from kiln.train.sinks import Sinks
 
 BASE = [
     "model.flavour=debug", "train.precision=fp32", "train.micro_batch_size=4", "train.max_steps=20",

@@ -18,7 +18,7 @@ import torch
 os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
 from kiln.config import load_config
 from kiln.parallel.engine import build_engine
-from kiln.train.loop import WorldInfo
+from kiln.core.loop import WorldInfo
 
 def engine(stage):
     cfg = load_config(None, ["model.flavour=debug", "model.vocab_size=256", "model.seq_len=32",

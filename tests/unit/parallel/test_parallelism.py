@@ -116,7 +116,7 @@ def test_every_optimizer_under_every_zero_stage(runs, opt):
         assert len(loss) == OPTIMIZER_STEPS and loss[-1] < loss[0] - 0.5, (stage, loss)
         if opt != "lamb":  # element-wise rules: ZeRO's partitioning changes nothing
             assert _max_rel(loss, base) <= 1e-4, (stage, loss, base)
-        # LAMB's trust ratio is per tensor; under ZeRO it sees flat partitions (kiln.train.lamb).
+        # LAMB's trust ratio is per tensor; under ZeRO it sees flat partitions (kiln.core.lamb).
 
 
 def test_zero_saves_the_memory_it_promises(runs):

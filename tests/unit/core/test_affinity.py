@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from kiln.train.affinity import cores_for, parse_cpulist
+from kiln.core.affinity import cores_for, parse_cpulist
 
 
 def test_cpulists_parse():
@@ -30,7 +30,7 @@ def test_slices_stay_inside_numa_nodes_and_never_overlap():
 def test_a_worker_is_pinned_to_its_core_and_logs_it():
     mine = sorted(os.sched_getaffinity(0))
     code = ("import logging, os, sys; logging.basicConfig(level=logging.INFO, stream=sys.stdout)\n"
-            "from kiln.train.affinity import pin_worker\n"
+            "from kiln.core.affinity import pin_worker\n"
             "import threading; t = threading.Thread(target=lambda: None); t.start(); t.join()\n"
             "print(sorted(pin_worker(1, 2, 1.0)), sorted(os.sched_getaffinity(0)))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True).stdout
@@ -41,6 +41,6 @@ def test_a_worker_is_pinned_to_its_core_and_logs_it():
     assert any("local rank 1 pinned to cores" in line for line in logs), out
     # too many workers for the cores: left alone, and said why
     code = ("import logging, sys; logging.basicConfig(level=logging.INFO, stream=sys.stdout)\n"
-            f"from kiln.train.affinity import pin_worker; print(pin_worker(0, {len(mine) + 1}, 1.0))")
+            f"from kiln.core.affinity import pin_worker; print(pin_worker(0, {len(mine) + 1}, 1.0))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True).stdout
     assert out.strip().endswith("None") and "not pinned" in out, out

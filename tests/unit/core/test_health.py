@@ -13,9 +13,9 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from kiln.config import load_config
+from kiln.core import checkpoint
+from kiln.core.health import MIN_HISTORY, BadLoss, HealthConfig, HealthGuard
 from kiln.errors import ConfigError
-from kiln.train import checkpoint
-from kiln.train.health import MIN_HISTORY, BadLoss, HealthConfig, HealthGuard
 
 REPO = Path(__file__).resolve().parents[3]
 CPU = torch.device("cpu")
@@ -51,7 +51,7 @@ def test_verdicts_nan_inf_and_spikes_over_the_running_median():
 
 def test_a_shut_gate_keeps_the_step_from_weights_optimizer_state_and_schedule():
     from kiln.config import ScheduleConfig
-    from kiln.train.optim import StepGate, build_scheduler, gate_optimizer
+    from kiln.core.optim import StepGate, build_scheduler, gate_optimizer
 
     model = torch.nn.Linear(4, 4)
     gate = StepGate()

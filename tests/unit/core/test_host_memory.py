@@ -18,7 +18,7 @@ SCRIPT = r"""
 import json, resource, sys
 import torch
 from kiln.model import GPT, config_for
-from kiln.train.host_memory import apply_host_malloc
+from kiln.core.host_memory import apply_host_malloc
 apply_host_malloc(sys.argv[1])
 torch.manual_seed(0)
 torch.set_num_threads(2)
@@ -55,9 +55,9 @@ def test_keep_reuses_freed_memory_where_glibcs_defaults_fault_it_in_again_every_
 
 
 def test_keep_is_logged_and_a_bad_mode_is_one_config_error(caplog):
-    from kiln.train.host_memory import apply_host_malloc
+    from kiln.core.host_memory import apply_host_malloc
 
-    with caplog.at_level("INFO", logger="kiln.train.host_memory"):
+    with caplog.at_level("INFO", logger="kiln.core.host_memory"):
         apply_host_malloc("keep")
     assert any(r.message.startswith("host malloc: glibc") and "keeps freed memory" in r.message
                for r in caplog.records), [r.message for r in caplog.records]

@@ -29,8 +29,8 @@ from collections.abc import Callable
 
 from kiln import guard
 from kiln.config import RunConfig, TrainConfig, gpt_config, uses_autocast
+from kiln.core.collectives import barrier
 from kiln.errors import ConfigError
-from kiln.train.collectives import barrier
 
 log = logging.getLogger(__name__)
 

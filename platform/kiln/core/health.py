@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from kiln.config import HealthConfig
-from kiln.train.collectives import ranks
+from kiln.core.collectives import ranks
 
 MIN_HISTORY = 10  # good steps seen before a spike can be called: the first steps fall fast
 

@@ -2,8 +2,8 @@ import pytest
 import torch
 
 from kiln.config import OptimConfig
+from kiln.core.optim import build_optimizer, param_groups, parameter_kinds
 from kiln.model import GPT, config_for
-from kiln.train.optim import build_optimizer, param_groups, parameter_kinds
 
 
 def test_no_decay_on_norms_biases_embeddings():

@@ -13,7 +13,7 @@ import threading
 import time
 from pathlib import Path
 
-from kiln.train import checkpoint
+from kiln.core import checkpoint
 
 WRITER = str(Path(__file__).with_name("checkpoint_writer.py"))
 TRIALS = 10

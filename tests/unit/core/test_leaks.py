@@ -4,7 +4,7 @@ import logging
 
 import psutil
 
-from kiln.train.leaks import MIN_GROWTH_BYTES, WINDOW, LeakWatch
+from kiln.core.leaks import MIN_GROWTH_BYTES, WINDOW, LeakWatch
 
 
 def _rss() -> dict[str, float]:

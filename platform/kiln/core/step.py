@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
+from kiln.core.health import BadLoss, HealthGuard
+from kiln.core.optim import StepGate
 from kiln.model import inputs_and_targets
-from kiln.train.health import BadLoss, HealthGuard
-from kiln.train.optim import StepGate
 
 PHASES = ("time/forward_s", "time/backward_s", "time/optimizer_s")
 

@@ -22,22 +22,22 @@ import torch
 
 from kiln.clock import startup_mark
 from kiln.config import RunConfig, gpt_config, model_name
+from kiln.core.affinity import pin_worker
+from kiln.core.checkpoint import TAG, CheckpointPolicy, model_card
+from kiln.core.collectives import mean_over_ranks
+from kiln.core.health import BadLoss, HealthGuard
+from kiln.core.host_memory import apply_host_malloc
+from kiln.core.leaks import LeakWatch
+from kiln.core.meter import StepMeter, memory_in_use, memory_metrics
+from kiln.core.optim import StepGate
+from kiln.core.prefetch import DevicePrefetcher
+from kiln.core.profiling import StepProfiler
+from kiln.core.sinks import Fetch, MetricLogger, Sinks
+from kiln.core.step import PhaseTimer, StepResult, train_step
 from kiln.data.sources import BatchSource
 from kiln.errors import KilnError
 from kiln.guard import discard
 from kiln.model import inputs_and_targets, num_params
-from kiln.train.affinity import pin_worker
-from kiln.train.checkpoint import TAG, CheckpointPolicy, model_card
-from kiln.train.collectives import mean_over_ranks
-from kiln.train.health import BadLoss, HealthGuard
-from kiln.train.host_memory import apply_host_malloc
-from kiln.train.leaks import LeakWatch
-from kiln.train.meter import StepMeter, memory_in_use, memory_metrics
-from kiln.train.optim import StepGate
-from kiln.train.prefetch import DevicePrefetcher
-from kiln.train.profiling import StepProfiler
-from kiln.train.sinks import Fetch, MetricLogger, Sinks
-from kiln.train.step import PhaseTimer, StepResult, train_step
 from kiln.ui.progress import LogLines, Progress, ProgressSink, console
 
 log = logging.getLogger("kiln.train")

@@ -7,8 +7,8 @@ import types
 import torch
 
 from kiln.config import gpt_config, load_config
-from kiln.train import meter as meter_mod
-from kiln.train.meter import PEAK_PROBES, WARMUP_STEPS_EXCLUDED, StepMeter
+from kiln.core import meter as meter_mod
+from kiln.core.meter import PEAK_PROBES, WARMUP_STEPS_EXCLUDED, StepMeter
 
 
 def test_the_cpu_peak_is_the_best_of_several_probes_whose_time_is_not_the_steps(monkeypatch):

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
+from kiln.core import checkpoint
 from kiln.errors import ConfigError
-from kiln.train import checkpoint
 
 
 def _fake(root, step: int, world: int, markers: int | None = None, partial: bool = False,

@@ -2,7 +2,7 @@
 
 Weight decay applies to the groups `optim.no_decay` leaves: by default matmul weights only.
 Decaying norm gains, biases and embeddings hurts, as they are not over-parameterised the way
-matmuls are. The LR schedule is in kiln.train.schedule.
+matmuls are. The LR schedule is in kiln.core.schedule.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from kiln.config import OptimConfig, ScheduleConfig, no_decay_kinds
-from kiln.train.lamb import Lamb
-from kiln.train.schedule import lr_multiplier
+from kiln.core.lamb import Lamb
+from kiln.core.schedule import lr_multiplier
 
 NORMS = (nn.LayerNorm, nn.GroupNorm, nn.BatchNorm1d, getattr(nn, "RMSNorm", nn.LayerNorm))
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from kiln.core import checkpoint
 from kiln.launch.local import free_port
-from kiln.train import checkpoint
 
 REPO = Path(__file__).resolve().parents[3]
 # Credentials as users hand them over: in the environment, and inside a URL in the config.
@@ -149,8 +149,8 @@ def _name_as_rank(rank: int, tmp: str) -> None:
     import torch.distributed as dist
 
     from kiln.config import load_config
+    from kiln.core.loop import WorldInfo
     from kiln.launch.local import agree_on_run_name
-    from kiln.train.loop import WorldInfo
 
     dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=2)
     cfg = load_config(str(REPO / "jobs/configs/debug.yaml"))

@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from kiln.train.prefetch import DevicePrefetcher
+from kiln.core.prefetch import DevicePrefetcher
 
 CPU = torch.device("cpu")
 
@@ -62,7 +62,7 @@ def test_cuda_batches_arrive_pinned_copied_and_equal():
 
 
 def test_phase_timer_sums_each_phase_and_reads_nothing_when_off():
-    from kiln.train.step import PHASES, PhaseTimer
+    from kiln.core.step import PHASES, PhaseTimer
 
     timer = PhaseTimer(CPU)
     for _ in range(2):  # two micro-batches

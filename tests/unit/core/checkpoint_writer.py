@@ -1,5 +1,5 @@
 """Test helper for test_checkpoint_kill.py: a real DeepSpeed engine (debug GPT, ZeRO-2, Adam
-state) that checkpoints through kiln.train.checkpoint.
+state) that checkpoints through kiln.core.checkpoint.
 
     python checkpoint_writer.py write ROOT        # save step 1, 2, ... until killed
     python checkpoint_writer.py load ROOT...      # resume each root; print {root: step} as JSON
@@ -14,10 +14,10 @@ import sys
 import torch
 
 from kiln.config import gpt_config, load_config
+from kiln.core import checkpoint
+from kiln.core.optim import build_scheduler
 from kiln.launch.local import _world_from_env
 from kiln.parallel.engine import initialize
-from kiln.train import checkpoint
-from kiln.train.optim import build_scheduler
 
 
 def engine():

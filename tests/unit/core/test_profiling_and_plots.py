@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from kiln.config import load_config
+from kiln.core.profiling import ProfileConfig, StepProfiler
 from kiln.errors import ConfigError
 from kiln.tracking.plots import training_plots
-from kiln.train.profiling import ProfileConfig, StepProfiler
 
 
 def _keep_mib(n: int) -> bytearray:

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from kiln.train.lamb import Lamb
+from kiln.core.lamb import Lamb
 
 
 def _step(x, grads, **hp):
