@@ -60,16 +60,16 @@ lint: $(TEST_STAMP)
 	$(BIN)/lint-imports --no-logo
 
 bench: $(DEMO_DATA)
-	$(BIN)/python bench/throughput.py
-	$(BIN)/python bench/throughput.py --launcher local --zero-stages 0
-	$(BIN)/python bench/step_ab.py
-	$(BIN)/python bench/checkpoint_overhead.py
-	$(BIN)/python bench/startup_cpu.py
-	$(BIN)/python bench/background_cost.py
-	$(BIN)/python bench/generate.py
-	$(BIN)/python bench/prepare.py
+	$(BIN)/python -m bench.throughput
+	$(BIN)/python -m bench.throughput --launcher local --zero-stages 0
+	$(BIN)/python -m bench.step_ab
+	$(BIN)/python -m bench.checkpoint_overhead
+	$(BIN)/python -m bench.startup_cpu
+	$(BIN)/python -m bench.background_cost
+	$(BIN)/python -m bench.generate
+	$(BIN)/python -m bench.prepare
 	# The example sweep with ASHA and with every trial to the end (~30 min on 2 cores).
-	$(BIN)/python bench/sweep_asha.py
+	$(BIN)/python -m bench.sweep_asha
 
 clean:
 	rm -rf $(VENV) data runs mlflow.db mlartifacts

@@ -5,9 +5,9 @@ together use `--share` of the machine in short bursts, as Ray's daemons and help
 beside a Ray Train worker, alternating the two `--rounds` times, and measures the share the
 load took. A loop whose step runs on two intra-op threads waits at every op for the slower
 thread, so a burst that takes one core from it stalls the other as well. Appends a table to
-bench/RESULTS.md.
+bench/results/startup.md.
 
-    python bench/background_cost.py --share 0.09 --processes 15 --rounds 3
+    python -m bench.background_cost --share 0.09 --processes 15 --rounds 3
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ import subprocess
 import time
 
 import psutil
-from throughput import BIN, REPO, machine, publish
+
+from bench.common import BIN, REPO, machine, publish, results_file
 
 PERIOD_S = 0.25  # each background process wakes 4 times a second, as Ray's periodic work does
 
@@ -35,7 +36,7 @@ def burn(burst_s: float, stop) -> None:
 
 
 def plain(args) -> float:
-    cmd = [str(BIN / "python"), str(REPO / "bench" / "plain_loop.py"), "--data", args.data,
+    cmd = [str(BIN / "python"), "-m", "bench.plain_loop", "--data", args.data,
            "--batch", str(args.batch), "--steps", str(args.steps), "--threads", str(args.threads)]
     out = subprocess.run(cmd, cwd=REPO, check=True, capture_output=True, text=True)
     return json.loads(out.stdout.splitlines()[-1])["tokens_per_s"]
@@ -69,14 +70,14 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--steps", type=int, default=150)
     p.add_argument("--threads", type=int, default=0, help="the loop's torch threads; 0: all cores")
-    p.add_argument("--results", default=str(REPO / "bench" / "RESULTS.md"))
+    p.add_argument("--results", default=results_file("startup"))
     args = p.parse_args()
     rows = [(plain(args), *with_load(args)) for _ in range(args.rounds)]
     ratios = [loaded / alone for alone, loaded, _ in rows]
     threads = args.threads or psutil.cpu_count(logical=False)
     text = "\n".join([
-        f"\n### Background load against the plain loop, {time.strftime('%Y-%m-%d %H:%M')} ({machine()})\n",
-        f"`python bench/background_cost.py --share {args.share} --processes {args.processes} --rounds "
+        f"\n## Background load against the plain loop, {time.strftime('%Y-%m-%d %H:%M')} ({machine()})\n",
+        f"`python -m bench.background_cost --share {args.share} --processes {args.processes} --rounds "
         f"{args.rounds} --threads {args.threads}`: {threads} thread(s), micro-batch {args.batch}, "
         f"{args.steps} steps; the load is {args.share:.0%} of the machine in {args.processes} processes.\n",
         "| round | alone, tokens/s | beside the load, tokens/s | ratio | the load's measured share |",

@@ -4,9 +4,9 @@ Runs the local launcher (one process, no Ray) on the same data and steps, once w
 intermediate checkpoints and once saving every N steps, for the `debug` flavour and a larger one
 that still trains on a CPU (gpt2-124m's width, 4 layers). The cost is measured inside the run:
 `throughput/tokens_per_s_with_checkpoints` counts the seconds the saves took within the
-steady-state steps, `throughput/tokens_per_s` does not. Appends a table to bench/RESULTS.md.
+steady-state steps, `throughput/tokens_per_s` does not. Appends a table to bench/results/throughput.md.
 
-    python bench/checkpoint_overhead.py              # ~6 min on 2 cores
+    python -m bench.checkpoint_overhead              # ~6 min on 2 cores
 """
 
 from __future__ import annotations
@@ -19,12 +19,9 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from throughput import machine  # noqa: E402
-
+from bench.common import REPO, machine, publish, results_file
 from kiln.model import config_for, num_params  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
 MODELS = [  # (label, flavour, layers (0: the flavour's), micro-batch)
     ("debug", "debug", 0, 16),
     ("gpt2-124m width, 4 layers", "gpt2-124m", 4, 4),
@@ -52,7 +49,7 @@ def main() -> None:
     p.add_argument("--data", default=str(REPO / "data/stdlib-bpe"))
     p.add_argument("--steps", type=int, default=45)
     p.add_argument("--every", type=int, default=10)
-    p.add_argument("--results", default=str(REPO / "bench" / "RESULTS.md"))
+    p.add_argument("--results", default=results_file("throughput"))
     args = p.parse_args()
     rows = []
     with tempfile.TemporaryDirectory(prefix="kiln-ckpt-bench-") as tmp:
@@ -77,7 +74,7 @@ def main() -> None:
     lines = [
         f"## {time.strftime('%Y-%m-%d %H:%M')} — checkpoint overhead, local launcher, cpu, fp32, {args.steps} steps",
         "",
-        f"Command: `python bench/checkpoint_overhead.py {' '.join(sys.argv[1:])}`  ",
+        f"Command: `python -m bench.checkpoint_overhead {' '.join(sys.argv[1:])}`  ",
         f"Machine: {machine()}",
         "",
         "| model | checkpoints | tokens/s counting saves | ratio vs none | one checkpoint (GiB) |",
@@ -88,9 +85,7 @@ def main() -> None:
         lines.append(f"| {label} | {what} | {with_ckpt:,.0f} | {with_ckpt / base[label]:.3f} | {gib:.3f} |")
     lines.append("")
     text = "\n".join(lines)
-    print(text)
-    with open(args.results, "a") as f:
-        f.write("\n" + text)
+    publish(text, args.results)
 
 
 if __name__ == "__main__":

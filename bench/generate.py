@@ -4,10 +4,10 @@ on Kiln's export of the same model, greedy, the same prompts and the same number
 
 Random weights (the speed of a forward does not depend on them), GPT-2 and Llama shapes at two
 sizes, one prompt and a batch of eight. Rounds alternate which runs first; medians are reported.
-Appends a table to bench/RESULTS.md.
+Appends a table to bench/results/generation.md.
 
-    python bench/generate.py                 # about 3 minutes on 2 cores
-    python bench/generate.py --rounds 5 --new-tokens 128
+    python -m bench.generate                 # about 3 minutes on 2 cores
+    python -m bench.generate --rounds 5 --new-tokens 128
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 
 import torch
-from throughput import REPO, machine
 
+from bench.common import machine, publish, results_file
 from kiln import hf_checkpoint
 from kiln.data.tokenizer import ByteTokenizer
 from kiln.infer.generate import Sampling, generate
@@ -81,7 +81,7 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
-    ap.add_argument("--no-write", action="store_true", help="print only; do not append to bench/RESULTS.md")
+    ap.add_argument("--no-write", action="store_true", help="print only; do not append to bench/results/generation.md")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     rows = []
@@ -94,9 +94,9 @@ def main() -> int:
                         f"{tps['kiln, KV cache'] / tps['transformers']:.2f} |")
             print(rows[-1], flush=True)
     table = "\n".join([
-        f"### Generation on CPU, {time.strftime('%Y-%m-%d %H:%M')} ({machine()}, {args.threads} threads)",
+        f"## Generation on CPU, {time.strftime('%Y-%m-%d %H:%M')} ({machine()}, {args.threads} threads)",
         "",
-        f"Command: `python bench/generate.py --rounds {args.rounds} --new-tokens {args.new_tokens} "
+        f"Command: `python -m bench.generate --rounds {args.rounds} --new-tokens {args.new_tokens} "
         f"--prompt-len {args.prompt_len}`. Greedy, {args.prompt_len}-token prompts, {args.new_tokens} new tokens each; "
         "tokens/s of new tokens (prompt processing included), medians of the rounds. Each row first checks that "
         "Kiln's and transformers' tokens are identical.",
@@ -106,8 +106,7 @@ def main() -> int:
         *rows, "",
     ])
     if not args.no_write:
-        with open(REPO / "bench" / "RESULTS.md", "a") as f:
-            f.write("\n" + table)
+        publish(table, results_file("generation"))
     return 0
 
 

@@ -3,7 +3,7 @@
 # memory planner's prediction for the same run. For a lent GPU box without Ray or MLflow: the
 # local launcher runs the same train_loop.
 #
-#   bash bench/gpu_parallel.sh OUT_DIR [NAME ...]     (data: data/stdlib-bpe-1024, see RESULTS.md)
+#   bash bench/gpu_parallel.sh OUT_DIR [NAME ...]     (data: data/stdlib-bpe-1024, see bench/results/gpu.md)
 #
 # CPU smoke of this script itself (bf16 runs only; fp16 is refused on CPU):
 #   CFG=jobs/configs/debug.yaml STEPS=8 EXTRA="parallel.use_gpu=false data.path=data/stdlib-bpe" \

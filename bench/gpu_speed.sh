@@ -8,7 +8,7 @@
 #   4. the same small runs with DeepSpeed's bf16 weights (train.mixed_precision: weights).
 # Tables go to $1/RESULTS-gpu.md (bench/throughput.py's format), profiles to $1/profile.txt.
 #
-#   bash bench/gpu_speed.sh OUT_DIR [STEP ...]     (data: data/stdlib-bpe-1024, see RESULTS.md)
+#   bash bench/gpu_speed.sh OUT_DIR [STEP ...]     (data: data/stdlib-bpe-1024, see bench/results/gpu.md)
 set -uo pipefail
 out=${1:?output dir}; shift
 steps=("$@"); [ ${#steps[@]} -gt 0 ] || steps=(small large profile weights)
@@ -24,18 +24,18 @@ bounded() { local limit=$1; shift; timeout "$limit" "$@" || echo "FAILED or time
 for step in "${steps[@]}"; do
   echo "=== $step $(date +%T)"
   case $step in
-    small) bounded 220 "$py" bench/throughput.py "${common[@]}" "${small[@]}" --zero-stages 0,2,3 \
+    small) bounded 220 "$py" -m bench.throughput "${common[@]}" "${small[@]}" --zero-stages 0,2,3 \
              --set train.mixed_precision=autocast ;;
     # 1.3B (1.2B params with this vocab) compiled, micro-batch 8 x 1024 tokens.
-    large) bounded 300 "$py" bench/throughput.py "${common[@]}" --flavour 1.3b --batch 8 --steps 40 --zero-stages 0 \
+    large) bounded 300 "$py" -m bench.throughput "${common[@]}" --flavour 1.3b --batch 8 --steps 40 --zero-stages 0 \
              --compile --set train.mixed_precision=autocast ;;
     profile) for args in "--plain" "--zero-stage 0 --mixed-precision autocast" "--zero-stage 3 --mixed-precision autocast"; do
                # shellcheck disable=SC2086
-               bounded 80 "$py" bench/profile_step.py --device cuda --precision bf16 --flavour gpt2-124m --batch 16 \
+               bounded 80 "$py" -m bench.profile_step --device cuda --precision bf16 --flavour gpt2-124m --batch 16 \
                  --top 20 $args >> "$out/profile.txt" 2>&1
                grep "^RESULT" "$out/profile.txt" | tail -1
              done ;;
-    weights) bounded 160 "$py" bench/throughput.py "${common[@]}" "${small[@]}" --zero-stages 0,2 \
+    weights) bounded 160 "$py" -m bench.throughput "${common[@]}" "${small[@]}" --zero-stages 0,2 \
                --set train.mixed_precision=weights ;;
     *) echo "unknown step $step" ;;
   esac

@@ -3,7 +3,7 @@
 Same GPT, same Parquet shards, same optimizer and LR schedule as the Kiln run it is compared
 with; one process that uses all the cores (CPU) or the one GPU.
 
-    python bench/plain_loop.py --data data/stdlib-bpe --flavour debug --batch 32 --steps 100
+    python -m bench.plain_loop --data data/stdlib-bpe --flavour debug --batch 32 --steps 100
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ import psutil
 import torch
 
 from kiln.clock import process_start
-from kiln.config import OptimConfig, ScheduleConfig
 from kiln.core.host_memory import keep_freed_memory
 from kiln.core.meter import datasheet_peak_flops
-from kiln.core.optim import build_optimizer, lr_multiplier
+from kiln.core.optim import OptimConfig, build_optimizer, lr_multiplier
+from kiln.core.schedule import ScheduleConfig
 from kiln.data.manifest import load_manifest
 from kiln.data.sources import ParquetSource
 from kiln.model import GPT, config_for, flops_per_token, padded_vocab

@@ -1,7 +1,7 @@
 """Data preparation at scale: throughput against a plain loop, and peak memory as the corpus grows.
 
 The corpus is real text nobody here wrote: the Python sources of the installed packages
-(site-packages). Two parts, appended to bench/RESULTS.md:
+(site-packages). Two parts, appended to bench/results/data.md:
 
 1. Throughput with the BPE tokenizer, on a ~`--small-mb` corpus: `kiln data prepare` on Ray
    with 1 and 2 tokenizer actors, and in one process without Ray (`--workers 0`: the
@@ -19,7 +19,7 @@ The corpus is real text nobody here wrote: the Python sources of the installed p
    copies: the same bytes again, read again), with the byte tokenizer and 2 actors; then from
    one large Parquet file and from one twice its size.
 
-    python bench/prepare.py                       # ~20 minutes on 2 cores
+    python -m bench.prepare                       # ~20 minutes on 2 cores
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ import psutil
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
-from throughput import BIN, REPO, machine
+
+from bench.common import BIN, REPO, machine, publish, results_file
 
 
 def corpus_files(limit_bytes: int) -> list[Path]:
@@ -185,7 +186,7 @@ def main() -> None:
     ap.add_argument("--parquet-only", action="store_true", help="the large Parquet file's memory only")
     args = ap.parse_args()
     lines = [f"\n## Data preparation, {time.strftime('%Y-%m-%d %H:%M')}\n",
-             f"Machine: {machine()}. Command: `python bench/prepare.py --small-mb {args.small_mb} "
+             f"Machine: {machine()}. Command: `python -m bench.prepare --small-mb {args.small_mb} "
              f"--rss-mb {args.rss_mb} --scale-mb {args.scale_mb} --scale-rounds {args.scale_rounds} --unit-mb {args.unit_mb}"
              f"{' --no-memory' if args.no_memory else ''}{' --parquet-only' if args.parquet_only else ''}`. Corpus: the `.py` files of the installed "
              "packages (site-packages), in sorted order.\n"]
@@ -202,9 +203,7 @@ def main() -> None:
         if not args.no_memory:
             lines += parquet_part(tmp, args, unit)
     text = "\n".join(lines) + "\n"
-    print(text)
-    with open(REPO / "bench" / "RESULTS.md", "a") as f:
-        f.write(text)
+    publish(text, results_file("data"))
 
 
 def throughput_part(tmp: Path, args, unit: list[str]) -> tuple[list[str], Path]:

@@ -2,9 +2,9 @@
 Kiln builds (`kiln.parallel.engine.initialize`: Kiln's clipping, the one-process all-reduce
 skip), printed as a top-N operator table.
 
-    python bench/profile_step.py --flavour debug --zero-stage 2               # CPU
-    python bench/profile_step.py --flavour gpt2-124m --device cuda --precision bf16
-    python bench/profile_step.py --flavour gpt2-124m --device cuda --precision bf16 --plain   # the plain loop
+    python -m bench.profile_step --flavour debug --zero-stage 2               # CPU
+    python -m bench.profile_step --flavour gpt2-124m --device cuda --precision bf16
+    python -m bench.profile_step --flavour gpt2-124m --device cuda --precision bf16 --plain   # the plain loop
 
 Prints, per step, the wall time and the device's busy time (the sum of its kernels): where the
 wall time exceeds the busy time, the GPU waits on the host.
@@ -19,7 +19,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from kiln.config import gpt_config, load_config
+from kiln.config import load_config
 from kiln.core.optim import build_optimizer, build_scheduler
 from kiln.model import GPT
 from kiln.parallel.engine import initialize
@@ -51,9 +51,9 @@ def main() -> None:
     device = torch.device(args.device)
     batch = torch.randint(0, args.vocab, (args.batch, args.seq_len + 1), device=device)
     if args.plain:
-        from plain_loop import plain_step  # bench/ is this script's directory
+        from bench.plain_loop import plain_step
 
-        model = GPT(gpt_config(cfg)).to(device)
+        model = GPT(cfg.model.shape()).to(device)
         if args.compile:
             model.compile()
         opt = build_optimizer(model, cfg.optim, on_cuda=device.type == "cuda")
@@ -62,7 +62,7 @@ def main() -> None:
         def step():
             return plain_step(model, opt, batch, autocast)
     else:
-        engine, _ = initialize(cfg, gpt_config(cfg), 1, device, lambda opt: build_scheduler(opt, cfg.schedule, 100))
+        engine, _ = initialize(cfg, cfg.model.shape(), 1, device, lambda opt: build_scheduler(opt, cfg.schedule, 100))
 
         def step():
             _, loss = engine(batch[:, :-1], batch[:, 1:])

@@ -1,6 +1,6 @@
 """Screenshot the MLflow UI comparing the trials of one Kiln sweep (headless Chromium).
 
-    python bench/screenshot_mlflow.py --tracking-uri sqlite:///runs/bench-mlflow.db \
+    python -m bench.screenshot_mlflow --tracking-uri sqlite:///runs/bench-mlflow.db \
         --experiment kiln-sweeps --sweep NAME --out bench/mlflow-sweep-compare.png
 
 Starts `mlflow server` on loopback, opens its compare-runs page for the sweep's child runs, and
@@ -21,7 +21,6 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))
 from kiln.launch.local import free_port  # noqa: E402
 
 BIN = Path(sys.executable).parent

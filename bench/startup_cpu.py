@@ -6,10 +6,10 @@ actor class, Kiln's workers) had spent by the run's first optimizer step. On a m
 few cores start-up is CPU-bound: the sum over processes, divided by the cores, is the floor on
 its wall time, and this says which processes make it up. A timeline says when each process
 started and took its role, and how busy the machine's cores were every 2 s: where they idle,
-start-up waits on a chain of process starts rather than on CPU. Appends both to bench/RESULTS.md.
+start-up waits on a chain of process starts rather than on CPU. Appends both to bench/results/startup.md.
 
-    python bench/startup_cpu.py                    # demo config, 10 steps
-    python bench/startup_cpu.py --set parallel.num_workers=1 --set parallel.cpus_per_worker=2
+    python -m bench.startup_cpu                    # demo config, 10 steps
+    python -m bench.startup_cpu --set parallel.num_workers=1 --set parallel.cpus_per_worker=2
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ import time
 from pathlib import Path
 
 import psutil
-from throughput import BIN, REPO, machine, publish
 
+from bench.common import BIN, REPO, machine, publish, results_file
 from kiln.clock import STARTUP, startup_breakdown
 
 
@@ -68,7 +68,7 @@ def main() -> None:
     p.add_argument("--config", default="jobs/configs/debug.yaml")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--set", dest="sets", action="append", default=[], help="extra Kiln override, repeatable")
-    p.add_argument("--results", default=str(REPO / "bench" / "RESULTS.md"))
+    p.add_argument("--results", default=results_file("startup"))
     args = p.parse_args()
     seen: dict = {}
     busy: list = []
@@ -112,8 +112,8 @@ def role_of(kinds: list[str]) -> str:
 def report(args, metrics: dict, by_kind: collections.Counter) -> None:
     wall = sum(s for _, s in startup_breakdown(metrics))
     total, cores = sum(by_kind.values()), psutil.cpu_count()
-    lines = [f"\n### Start-up CPU, {time.strftime('%Y-%m-%d %H:%M')} ({machine()})\n",
-             f"`python bench/startup_cpu.py --config {args.config} --steps {args.steps}"
+    lines = [f"\n## Start-up CPU, {time.strftime('%Y-%m-%d %H:%M')} ({machine()})\n",
+             f"`python -m bench.startup_cpu --config {args.config} --steps {args.steps}"
              + "".join(f" --set {s}" for s in args.sets) + "`\n",
              f"Command start to first step: {wall:.1f} s wall; {total:.1f} CPU-s over all processes, "
              f"{total / cores:.1f} s on {cores} cores if perfectly spread.\n",

@@ -13,8 +13,8 @@ shows the medians over rounds. One process has one malloc: every row runs with K
 `parallel.host_malloc` (keep), set when Kiln's engine is built, so the malloc's effect is not in
 these ratios (`bench/throughput.py --plain-host-malloc` measures it).
 
-    python bench/step_ab.py                       # the debug GPT, micro-batch 16, 2 threads
-    python bench/step_ab.py --flavour small --rounds 9
+    python -m bench.step_ab                       # the debug GPT, micro-batch 16, 2 threads
+    python -m bench.step_ab --flavour small --rounds 9
 """
 
 from __future__ import annotations
@@ -28,18 +28,16 @@ import time
 
 import torch
 
-from kiln.config import gpt_config, load_config
+from bench.common import machine, publish, results_file
+from bench.plain_loop import plain_step
+from kiln.config import load_config
 from kiln.core.health import HealthGuard
-from kiln.core.loop import WorldInfo
 from kiln.core.optim import build_optimizer, build_scheduler
+from kiln.core.process import WorldInfo
 from kiln.core.step import PhaseTimer, train_step
 from kiln.launch.local import free_port
 from kiln.model import GPT
 from kiln.parallel.engine import build_engine, deepspeed_config
-
-sys.path.insert(0, os.path.dirname(__file__))
-from plain_loop import plain_step  # noqa: E402  (bench/ is not a package)
-from throughput import machine, publish  # noqa: E402
 
 
 def main() -> None:
@@ -51,7 +49,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--steps", type=int, default=5, help="steps per timed block")
     p.add_argument("--rounds", type=int, default=40)
-    p.add_argument("--results", default=os.path.join(os.path.dirname(__file__), "RESULTS.md"))
+    p.add_argument("--results", default=results_file("throughput"))
     args = p.parse_args()
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     cfg = load_config(None, [f"model.flavour={args.flavour}", f"model.vocab_size={args.vocab}",
@@ -82,7 +80,7 @@ def main() -> None:
             ratios[name].append(rate[name] / rate["plain"])
     lines = [f"## {time.strftime('%Y-%m-%d %H:%M')} — step A/B in one process: {args.flavour}, micro-batch "
              f"{args.batch}, seq {args.seq_len}, {args.threads} threads, {args.rounds} rounds x {args.steps} steps",
-             "", f"Command: `python bench/step_ab.py {' '.join(sys.argv[1:])}`  ", f"Machine: {machine()}", "",
+             "", f"Command: `python -m bench.step_ab {' '.join(sys.argv[1:])}`  ", f"Machine: {machine()}", "",
              "| step | ms/step (median) | ratio vs plain (median) | range |", "|---|---|---|---|"]
     lines += [f"| {name} | {statistics.median(ms[name]):.1f} | {statistics.median(ratios[name]):.3f} "
               f"| {min(ratios[name]):.3f}-{max(ratios[name]):.3f} |" for name in names]
@@ -91,7 +89,7 @@ def main() -> None:
 
 def plain_stepper(cfg):
     torch.manual_seed(cfg.train.seed)
-    model = GPT(gpt_config(cfg))
+    model = GPT(cfg.model.shape())
     opt = build_optimizer(model, cfg.optim, on_cuda=False)
     autocast = torch.autocast("cpu", enabled=False)
     return lambda batch: plain_step(model, opt, batch, autocast).item()
@@ -104,7 +102,7 @@ def bare_stepper(cfg):
 
     init_distributed(on_cuda=False)
     torch.manual_seed(cfg.train.seed)
-    model = GPT(gpt_config(cfg))
+    model = GPT(cfg.model.shape())
     opt = build_optimizer(model, cfg.optim, on_cuda=False)
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=deepspeed_config(cfg, 1),
                                       lr_scheduler=build_scheduler(opt, cfg.schedule, cfg.train.max_steps))
@@ -121,7 +119,7 @@ def bare_stepper(cfg):
 def kiln_stepper(cfg, allreduce: bool = False):
     """Kiln's step; `allreduce` puts back the gradient all-reduce that a one-process run skips."""
     world = WorldInfo()
-    engine, scheduler = build_engine(cfg, world)
+    engine, scheduler = build_engine(cfg, cfg.model.shape(), world)
     if allreduce:
         engine.enable_backward_allreduce = True
     guard, gate, timer = HealthGuard(cfg.train.health, 0, world.device), scheduler.gate, PhaseTimer(world.device)
@@ -129,7 +127,7 @@ def kiln_stepper(cfg, allreduce: bool = False):
     count = itertools.count(1)
 
     def step(batch):
-        return train_step(engine, iter([batch]), 1, False, guard, gate, timer, next(count)).loss.item()
+        return train_step(engine, iter([batch]), 1, guard, gate, timer, next(count)).loss.item()
 
     return step
 

@@ -1,11 +1,11 @@
 """What ASHA saves: the example sweep run twice on the same grid, with ASHA and with every trial
-run to the end (FIFO), on an embedded local Ray. Appends to bench/RESULTS.md:
+run to the end (FIFO), on an embedded local Ray. Appends to bench/results/sweeps.md:
 
 - compute: trial-steps ASHA ran over the trial-steps of the full sweep;
 - quality: the best loss/val ASHA found against the best with every trial run to the end.
 
-    python bench/sweep_asha.py                          (the 15-trial example, ~30 min on 2 cores)
-    python bench/sweep_asha.py --set overrides.train.max_steps=20 --set scheduler.grace_period=5 \
+    python -m bench.sweep_asha                          (the 15-trial example, ~30 min on 2 cores)
+    python -m bench.sweep_asha --set overrides.train.max_steps=20 --set scheduler.grace_period=5 \
         --set overrides.train.eval_every=5              (a quick CPU smoke)
 """
 
@@ -19,10 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from throughput import machine  # noqa: E402
+from bench.common import REPO, machine, publish, results_file
 
-REPO = Path(__file__).resolve().parents[1]
 KILN = str(Path(sys.executable).parent / "kiln")
 
 
@@ -44,7 +42,7 @@ def main() -> None:
     p.add_argument("--config", default=str(REPO / "jobs/configs/sweeps/optimizers-x-schedules.yaml"))
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a sweep-file field in both sweeps")
-    p.add_argument("--results", default=str(REPO / "bench" / "RESULTS.md"))
+    p.add_argument("--results", default=results_file("sweeps"))
     p.add_argument("--tracking-uri", default="", help="keep both sweeps' MLflow runs here (default: a temp store)")
     p.add_argument("--asha-only", action="store_true",
                    help="skip the FIFO sweep: report ASHA's trial-steps against the full budget, no quality comparison")
@@ -66,7 +64,7 @@ def main() -> None:
     lines = [
         f"## {time.strftime('%Y-%m-%d %H:%M')} — sweep: compute ASHA saved ({len(full['trials'])} trials)",
         "",
-        f"Command: `python bench/sweep_asha.py {' '.join(sys.argv[1:])}`  ",
+        f"Command: `python -m bench.sweep_asha {' '.join(sys.argv[1:])}`  ",
         f"Machine: {machine()}",
         "",
         "| | trial-steps | share of the full sweep | wall s | best loss/val | best trial |",
@@ -84,9 +82,7 @@ def main() -> None:
         "",
     ]
     text = "\n".join(lines)
-    print(text)
-    with Path(args.results).open("a") as f:
-        f.write("\n" + text)
+    publish(text, args.results)
 
 
 def report_asha_only(args: argparse.Namespace, asha: dict, asha_s: float) -> None:
@@ -97,7 +93,7 @@ def report_asha_only(args: argparse.Namespace, asha: dict, asha_s: float) -> Non
     text = "\n".join([
         f"## {time.strftime('%Y-%m-%d %H:%M')} — sweep: the example sweep with ASHA ({len(asha['trials'])} trials)",
         "",
-        f"Command: `python bench/sweep_asha.py {' '.join(sys.argv[1:])}`  ",
+        f"Command: `python -m bench.sweep_asha {' '.join(sys.argv[1:])}`  ",
         f"Machine: {machine()}",
         "",
         f"ASHA ran {asha['trial_steps_run']:,} of {asha['trial_steps_full']:,} trial-steps ({share:.2f} of the "
@@ -112,9 +108,7 @@ def report_asha_only(args: argparse.Namespace, asha: dict, asha_s: float) -> Non
         rows,
         "",
     ])
-    print(text)
-    with Path(args.results).open("a") as f:
-        f.write("\n" + text)
+    publish(text, args.results)
 
 
 if __name__ == "__main__":

@@ -4,11 +4,11 @@ Reports steady-state tokens/s of each and their ratio, the time from command sta
 optimizer step, and the share of step time Kiln's workers spent waiting for data: medians over
 `--repeats` rounds, each between two plain-loop runs whose mean it is compared with (this VM's
 speed drifts by 10-20% between minutes); `bench/step_ab.py` resolves the step's own overhead
-below that noise, in one process. Prints a table and appends it to bench/RESULTS.md with the
+below that noise, in one process. Prints a table and appends it to bench/results/throughput.md with the
 command and the machine.
 
-    python bench/throughput.py                     # CPU: the demo config (2 workers, ZeRO-2)
-    python bench/throughput.py --launcher local --device cuda --config jobs/configs/gpt2-124m.yaml \
+    python -m bench.throughput                     # CPU: the demo config (2 workers, ZeRO-2)
+    python -m bench.throughput --launcher local --device cuda --config jobs/configs/gpt2-124m.yaml \
         --data data/stdlib-bpe-1024 --batch 16      # one GPU without Ray
 """
 
@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -25,36 +24,10 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
+from bench.common import BIN, REPO, machine, publish, results_file
 from kiln.clock import startup_breakdown
 
-REPO = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
 PLAIN = "Plain PyTorch loop, 1 process"
-
-
-def publish(text: str, results: str) -> None:
-    """Show a benchmark's section and append it, as it is, to the results file (bench/RESULTS.md)."""
-    sys.stdout.write(text)
-    with open(results, "a") as f:
-        f.write(text)
-
-
-def machine() -> str:
-    cpu = "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    desc = f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB RAM, Python {platform.python_version()}, torch {torch.__version__}"
-    if torch.cuda.is_available():
-        desc += f", {torch.cuda.get_device_name()}"
-    return desc
 
 
 def run_kiln(args, overrides: list[str], out_json: str) -> dict:
@@ -71,7 +44,7 @@ def run_kiln(args, overrides: list[str], out_json: str) -> dict:
 
 
 def run_plain(args, batch: int) -> dict:
-    cmd = [sys.executable, str(REPO / "bench" / "plain_loop.py"), "--data", args.data, "--flavour", args.flavour,
+    cmd = [sys.executable, "-m", "bench.plain_loop", "--data", args.data, "--flavour", args.flavour,
            "--batch", str(batch), "--steps", str(args.steps), "--device", args.device, "--precision", args.precision,
            "--host-malloc", args.plain_host_malloc, *(["--compile"] if args.compile else [])]
     print("+", " ".join(cmd), flush=True)
@@ -100,7 +73,7 @@ def main() -> None:
                    help="the plain loop's malloc: glibc's defaults, as a user's loop has them, or set as Kiln's "
                         "parallel.host_malloc=keep sets it (to compare the rest of Kiln's path alike)")
     p.add_argument("--set", dest="sets", action="append", default=[], help="extra Kiln override, repeatable")
-    p.add_argument("--results", default=str(REPO / "bench" / "RESULTS.md"))
+    p.add_argument("--results", default=results_file("throughput"))
     p.add_argument("--repeats", type=int, default=3,
                    help="rounds of every Kiln run, each round between two plain-loop runs; the table shows "
                         "medians (this VM's speed drifts by 10-20%% between minutes)")
@@ -108,13 +81,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         rounds = bracketed_rounds(args, tmp)
     text = report(args, rounds)
-    print(text)
-    results = Path(args.results)
-    if not results.exists():
-        results.write_text("# Benchmark results\n\nAppended by `make bench` (bench/throughput.py). "
-                           "Each section is one run on one machine; compare ratios within a section.\n\n")
-    with results.open("a") as f:
-        f.write(text + "\n")
+    publish(text + "\n", args.results)
 
 
 def kiln_configs(args, tmp: str) -> list[tuple[str, list[str]]]:
@@ -183,7 +150,7 @@ def report(args, rounds: list[dict[str, dict]]) -> str:
     lines = [
         f"## {time.strftime('%Y-%m-%d %H:%M')} — {args.launcher} launcher, {args.device}, {args.flavour}, "
         f"{args.precision}{', compiled' if args.compile else ''}, micro-batch {args.batch}, {args.steps} steps",
-        "", f"Command: `python bench/throughput.py {' '.join(sys.argv[1:])}`  ", f"Machine: {machine()}  ",
+        "", f"Command: `python -m bench.throughput {' '.join(sys.argv[1:])}`  ", f"Machine: {machine()}  ",
         f"Medians of {len(rounds)} round(s), each against the mean of the plain runs before and after it; "
         "the ratio range is the lowest and highest of the rounds' own ratios.", "",
         "| run | tokens/s (steady) | ratio vs plain | ratio range | s to first step | first step s (compile) "

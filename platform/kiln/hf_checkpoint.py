@@ -22,7 +22,7 @@ import pydantic
 import torch
 from typing_extensions import Required, TypedDict
 
-from kiln.errors import ConfigError
+from kiln.errors import ConfigError, KilnError
 from kiln.model import GPTConfig, shape_problem
 from kiln.schemas import type_problems, validated
 
@@ -108,6 +108,25 @@ def local_copy(uri: str, s3_endpoint: str = "", region: str = "us-east-1") -> Pa
     finally:
         guard.discard(staged, "checkpoint-cache")
     return target
+
+
+def init_from_dir(init_from: str, s3_endpoint: str = "", region: str = "us-east-1") -> Path:
+    """`model.init_from` as a local directory (an s3:// prefix is copied into a local cache once
+    per machine), its errors named by the field."""
+    try:
+        return local_copy(init_from, s3_endpoint, region)
+    except KilnError as e:
+        raise ConfigError(f"model.init_from = {init_from!r}: {e}") from None
+
+
+def pretrained_shape(init_from: str, s3_endpoint: str = "", region: str = "us-east-1") -> GPTConfig:
+    """The shape of `model.init_from`'s checkpoint, its config.json's errors named by the field.
+    Read before launch (preflight); workers get the shape with the config."""
+    path = init_from_dir(init_from, s3_endpoint, region)
+    try:
+        return read_config(path)
+    except ConfigError as e:
+        raise ConfigError(f"model.init_from = {init_from!r}: {e}") from None
 
 
 # ---- the name tables -----------------------------------------------------------------------------

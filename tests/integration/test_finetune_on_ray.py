@@ -123,7 +123,7 @@ def _the_run_logged_and_registered_its_model(client, summary, stage, loaded, our
     assert text == loaded.tokenizer.decode(expected)
     if stage == 2:
         assert _served_over_http(summary.model, prompt, tmp_path) == text
-        from kiln.infer.evaluate import evaluate_model
+        from kiln.tracking.model import evaluate_model
 
         result, logged_to = evaluate_model(summary.model, str(pretrained_data), "val", 8, 0, "",
                                            client.tracking_uri, "")
@@ -184,7 +184,6 @@ def test_init_from_and_export_to_s3(pretrained, s3_server, tmp_path, monkeypatch
     loaded like a directory) and kiln export to one, on the loopback S3 server."""
     from conftest import S3_ENV
 
-    from kiln.config import gpt_config
     from kiln.launch.preflight import preflight
     from kiln.parallel.engine import build_model
     from kiln.storage import resolve
@@ -196,9 +195,9 @@ def test_init_from_and_export_to_s3(pretrained, s3_server, tmp_path, monkeypatch
     prefix = resolve("s3://kiln-test/models/tiny-llama", s3_server)
     for f in ckpt.iterdir():
         prefix.join(f.name).write_bytes(f.read_bytes())
-    cfg = preflight(_config("s3://kiln-test/models/tiny-llama", data, tmp_path, "from-s3", "parallel.zero_stage=2",
-                            f"data.s3_endpoint={s3_server}")).cfg
-    model = build_model(cfg, gpt_config(cfg), {}, torch.device("cpu")).eval()
+    checked = preflight(_config("s3://kiln-test/models/tiny-llama", data, tmp_path, "from-s3",
+                                "parallel.zero_stage=2", f"data.s3_endpoint={s3_server}"))
+    model = build_model(checked.cfg, checked.model, {}, torch.device("cpu")).eval()
     x = torch.randint(0, 300, (2, 20))
     with torch.no_grad():
         assert (model(x) - original(x).logits).abs().max().item() <= 1e-5

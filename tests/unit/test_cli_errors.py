@@ -237,7 +237,7 @@ def test_every_option_says_what_it_does_and_kiln_has_a_version():
     import argparse
 
     import kiln
-    from kiln.cli import build_parser
+    from kiln.cli_args import build_parser
 
     silent = []
 

@@ -2,8 +2,9 @@ from pathlib import Path
 
 import pytest
 
-from kiln.config import RunConfig, annotated_yaml, field_docs, flatten, load_config
+from kiln.config import RunConfig, annotated_yaml, load_config
 from kiln.errors import ConfigError
+from kiln.knobs import field_docs, flatten
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -147,12 +148,11 @@ def test_speed_options_refuse_what_deepspeed_cannot_do(overrides, needle):
     (["parallel.zero_stage=2", "train.mixed_precision=autocast"], True),
 ])
 def test_bf16_auto_is_autocast_on_a_gpu_at_zero0_without_a_pipeline(overrides, autocast):
-    from kiln.config import uses_autocast
     from kiln.parallel.engine import deepspeed_config
 
     cfg = load_config(None, ["train.precision=bf16", *overrides])
     ds = deepspeed_config(cfg, 1)
-    assert uses_autocast(cfg) is autocast
+    assert cfg.autocast is autocast
     assert (ds["torch_autocast"]["enabled"], ds["bf16"]["enabled"]) == (autocast, not autocast)
     same = [o for o in overrides if not o.startswith("train.mixed_precision")]  # explicit autocast needs bf16
     fp32 = deepspeed_config(load_config(None, ["train.precision=fp32", *same]), 1)

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kiln.cli import build_parser
-from kiln.config import RunConfig, flatten
+from kiln.cli_args import build_parser
+from kiln.config import RunConfig
+from kiln.knobs import flatten
 from kiln.model import FLAVOURS
 
 REPO = Path(__file__).resolve().parents[2]

@@ -14,7 +14,6 @@ Every problem is reported at once, each with its path in the file.
 
 from __future__ import annotations
 
-import copy
 import json
 import re
 from importlib import resources
@@ -25,6 +24,7 @@ import yaml
 
 from kiln import yamlfile
 from kiln.errors import ConfigError
+from kiln.ray.private import ray_up_problem
 from kiln.redact import SECRET_PATTERN, TOKEN_SHAPES, URL_USERINFO
 from kiln.schemas import ClusterSpec, JobSpec, KubeRay, Launcher, type_problems
 
@@ -48,15 +48,9 @@ def check_launcher(cfg: dict) -> list[str]:
                 for e in sorted(validator.iter_errors(cfg), key=lambda e: list(map(str, e.absolute_path)))]
     if problems:
         return problems  # the rest assumes the shapes the schema guarantees
-    try:  # what `ray up` runs before it contacts the provider: fill in its defaults, validate again
-        from ray.autoscaler._private.util import prepare_config, validate_config
-    except ImportError:  # a private API; the schema check above is the public contract
-        pass
-    else:
-        try:
-            validate_config(prepare_config(copy.deepcopy(cfg)))
-        except Exception as e:  # noqa: BLE001 - Ray raises ValueError, RuntimeError or schema errors
-            problems.append(f"ray up would refuse it: {str(e).splitlines()[0]}")
+    refusal = ray_up_problem(cfg)  # what `ray up` runs before it contacts the provider
+    if refusal is not None:
+        problems.append(f"ray up would refuse it: {refusal}")
 
     types = cfg.get("available_node_types", {})
     head = cfg.get("head_node_type")

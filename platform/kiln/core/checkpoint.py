@@ -26,11 +26,17 @@ import os
 import re
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from kiln import guard
-from kiln.config import RunConfig, TrainConfig, gpt_config, uses_autocast
 from kiln.core.collectives import barrier
+from kiln.core.config import TrainConfig
+from kiln.core.engine import Engine
 from kiln.errors import ConfigError
+
+if TYPE_CHECKING:  # the config composes this module's sections: a type here, never an import
+    from kiln.config import RunConfig
+    from kiln.model import GPTConfig
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +50,7 @@ CHECKPOINT = "checkpoint"  # the write guard's kind for a step_N directory
 SCORE = "loss/val"  # what `keep_checkpoints_by: loss/val` ranks by, lowest best
 
 
-def model_card(cfg: RunConfig) -> dict:
+def model_card(cfg: RunConfig, mcfg: GPTConfig) -> dict:
     """What a checkpoint records of its model: the GPT's shape, how it was sharded, and the
     dataset whose manifest names the tokenizer. Secrets are masked (an endpoint's userinfo)."""
     from dataclasses import asdict
@@ -53,7 +59,7 @@ def model_card(cfg: RunConfig) -> dict:
 
     d = cfg.data
     return redact_tree({
-        "format": 1, "gpt": asdict(gpt_config(cfg)),
+        "format": 1, "gpt": asdict(mcfg),
         "parallel": {"zero_stage": cfg.parallel.zero_stage, "pipeline_stages": cfg.parallel.pipeline_stages},
         "data": {"path": d.path, "s3_endpoint": d.s3_endpoint, "s3_region": d.s3_region},
         "precision": precision_record(cfg),
@@ -63,7 +69,7 @@ def model_card(cfg: RunConfig) -> dict:
 def precision_record(cfg: RunConfig) -> dict:
     """What decides the layout of DeepSpeed's optimizer state: the precision, and for bf16
     whether it ran as autocast over fp32 weights or as DeepSpeed's bf16 weights."""
-    return {"precision": cfg.train.precision, "bf16_autocast": uses_autocast(cfg)}
+    return {"precision": cfg.train.precision, "bf16_autocast": cfg.autocast}
 
 
 def _check_precision(directory: str, want: dict) -> None:
@@ -93,7 +99,7 @@ def step_dir(root: str, step: int) -> str:
     return os.path.join(root, f"step_{step:08d}")
 
 
-def save(engine, root: str, step: int, rank: int, world_size: int, client_state: dict,
+def save(engine: Engine, root: str, step: int, rank: int, world_size: int, client_state: dict,
          score: float | None = None, card: dict | None = None) -> str:
     """Write the engine's state for `step` under `root`; return the completed directory.
     `score` (the validation loss at this step) goes into the marker, for `prune(by="loss/val")`;
@@ -105,7 +111,7 @@ def save(engine, root: str, step: int, rank: int, world_size: int, client_state:
     barrier(world_size)
     os.makedirs(partial, exist_ok=True)
     guard.mark(partial, CHECKPOINT)  # every rank: under Ray each may write its own local copy
-    engine.save_checkpoint(partial, tag=TAG, client_state=client_state)
+    engine.save(partial, client_state)
     _save_rng(os.path.join(partial, RNG.format(rank=rank)))
     if rank == 0 and card is not None:
         _write_synced(os.path.join(partial, CARD), json.dumps(card, indent=2))
@@ -281,14 +287,14 @@ class CheckpointPolicy:
         """What a rollback reloads: a directory, or under Ray a function that downloads one."""
         self._last_save = time.monotonic()
 
-    def resume(self, engine, micro_batches: int) -> tuple[int, int]:
+    def resume(self, engine: Engine, micro_batches: int) -> tuple[int, int]:
         """Load `train.resume_from` into the engine: (steps done, micro-batches consumed). The
         clock for time-based saves starts here."""
         self._last_save = time.monotonic()
         if not self.t.resume_from:
             return 0, 0
         resume_dir, _ = resolve_resume(self.t.resume_from, self.world_size, (self.card or {}).get("precision"))
-        _, client = engine.load_checkpoint(resume_dir, tag=TAG)
+        client = engine.load(resume_dir)
         done = int(client["step"])
         # The data position: micro-batches drawn so far, the ones the health guard left out
         # included (older checkpoints lack it: steps x micro-batches).
@@ -312,7 +318,7 @@ class CheckpointPolicy:
         return bool((self.t.eval_every and step % self.t.eval_every == 0) or step == self.t.max_steps
                     or scored_save)
 
-    def save(self, engine, step: int, client_state: dict, score: float | None) -> tuple[str | None, float]:
+    def save(self, engine: Engine, step: int, client_state: dict, score: float | None) -> tuple[str | None, float]:
         """(the checkpoint directory, seconds the save took); (None, 0) where nothing is kept."""
         if self.root is None:
             return None, 0.0

@@ -18,11 +18,62 @@ comes after the step: rollback and stop work, skip is refused when the config is
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Literal
+
 import torch
 import torch.distributed as dist
 
-from kiln.config import HealthConfig
 from kiln.core.collectives import ranks
+from kiln.errors import ConfigError
+
+
+@dataclass
+class HealthConfig:
+    policy: Literal["stop", "skip", "rollback", "off"] = "stop"
+    """What a bad loss does: `stop` the run (the default: never train on garbage), `skip` the
+    step (its gradients never reach the optimizer; it runs again on the next data), `rollback`
+    to the newest complete checkpoint, or `off` (no check, no per-step read of the device)."""
+    spike_factor: float = 0.0
+    """A loss above this many times the running median of recent good losses is bad too; 0: only
+    a non-finite loss is. 3 is a sensible value once a run's loss has settled."""
+    spike_window: int = 50
+    """How many recent good steps' mean losses the running median covers."""
+    max_in_a_row: int = 10
+    """Stop after this many bad steps in a row under skip or rollback: that is divergence, not a
+    bad batch."""
+    max_rollbacks: int = 5
+    """Stop once the run has rolled back this many times in all: a run that keeps meeting bad
+    losses needs a lower LR or cleaner data, not more rollbacks."""
+    inject: str = ""
+    """For testing the guard: comma-separated `nan@S` or `spike@S` make rank 0's first
+    micro-batch loss of step S NaN, or 100 times larger."""
+
+    def injections(self) -> dict[int, str]:
+        """{step: 'nan' | 'spike'}; raises ValueError on anything else."""
+        out: dict[int, str] = {}
+        for item in filter(None, (s.strip() for s in self.inject.split(","))):
+            kind, _, step = item.partition("@")
+            if kind not in ("nan", "spike") or not step.isdigit() or int(step) < 1:
+                raise ValueError(item)
+            out[int(step)] = kind
+        return out
+
+    def check(self, pipeline_stages: int) -> None:
+        if self.spike_factor < 0 or (self.spike_factor and self.spike_factor <= 1):
+            raise ConfigError(f"train.health.spike_factor = {self.spike_factor}: expected 0 (off) or a number > 1")
+        if self.spike_window < 1 or self.max_in_a_row < 1 or self.max_rollbacks < 1:
+            raise ConfigError(f"train.health: spike_window = {self.spike_window}, max_in_a_row = "
+                              f"{self.max_in_a_row}, max_rollbacks = {self.max_rollbacks}: expected integers >= 1")
+        try:
+            self.injections()
+        except ValueError as e:
+            raise ConfigError(f"train.health.inject = {self.inject!r}: {e} is not nan@STEP or spike@STEP") from None
+        if self.policy == "skip" and pipeline_stages > 1:
+            raise ConfigError("train.health.policy = 'skip' with parallel.pipeline_stages > 1: DeepSpeed's pipeline "
+                              "engine runs forward, backward and the step in one call, so a micro-batch cannot be "
+                              "left out; expected 'stop' or 'rollback'")
+
 
 MIN_HISTORY = 10  # good steps seen before a spike can be called: the first steps fall fast
 

@@ -8,7 +8,7 @@ frees and re-allocates the same activations and gradients every step, so every s
 faults in tens of megabytes of fresh zeroed pages again. Measured with `bench/plain_loop.py`
 on the `debug` GPT, 2 cores, 150 steps: 1.5-1.8M minor page faults and 11-13% of the CPU time
 in the kernel; with the settings below 0.11M faults and 3% in the kernel, at the same peak RSS;
-about 1.1x the tokens/s in Kiln's bench runs (bench/RESULTS.md).
+about 1.1x the tokens/s in Kiln's bench runs (bench/results/throughput.md).
 
 `keep` sets, once per process and before the model is built:
 - the mmap threshold to its 64-bit ceiling, 32 MiB, so blocks up to that size come from the

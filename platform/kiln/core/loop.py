@@ -1,9 +1,10 @@
-"""The per-worker training loop: a plain function of (config, world, engine, batches, sinks).
+"""The per-worker training loop: a plain function of (config, model shape, world, engine,
+batches, sinks).
 
-It knows nothing about Ray, DeepSpeed's set-up or MLflow: a launcher builds the engine
-(`kiln.parallel.engine.build_engine`), the batch source and the sinks, and calls `train_loop`;
-Ray Train does so from `kiln.ray.trainer`, a single process or torchrun from
-`kiln.launch.local`. The loop trains for `train.max_steps` optimizer steps, validates,
+It knows nothing about Ray, DeepSpeed or MLflow: it talks to the model through the `Engine`
+seam (`kiln.core.engine`), and a launcher builds the engine, the batch source and the sinks
+and calls `train_loop` through the one worker set-up, `kiln.parallel.worker.run_worker`; Ray
+Train does so from `kiln.ray.trainer`, a single process or torchrun from `kiln.launch.local`. The loop trains for `train.max_steps` optimizer steps, validates,
 checkpoints and returns the final metrics. Its jobs live beside it: `StepMeter` (timing, MFU),
 `CheckpointPolicy` (when to save and evaluate), `HealthGuard` (bad losses) and `Sinks` (where
 the output goes).
@@ -16,29 +17,32 @@ import math
 import os
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from kiln.clock import startup_mark
-from kiln.config import RunConfig, gpt_config, model_name
-from kiln.core.affinity import pin_worker
-from kiln.core.checkpoint import TAG, CheckpointPolicy, model_card
+from kiln.core.checkpoint import CheckpointPolicy, model_card
 from kiln.core.collectives import mean_over_ranks
+from kiln.core.engine import Engine
 from kiln.core.health import BadLoss, HealthGuard
-from kiln.core.host_memory import apply_host_malloc
 from kiln.core.leaks import LeakWatch
 from kiln.core.meter import StepMeter, memory_in_use, memory_metrics
 from kiln.core.optim import StepGate
 from kiln.core.prefetch import DevicePrefetcher
+from kiln.core.process import WorldInfo
 from kiln.core.profiling import StepProfiler
 from kiln.core.sinks import Fetch, MetricLogger, Sinks
 from kiln.core.step import PhaseTimer, StepResult, train_step
 from kiln.data.sources import BatchSource
 from kiln.errors import KilnError
 from kiln.guard import discard
-from kiln.model import inputs_and_targets, num_params
+from kiln.model import GPTConfig, inputs_and_targets, num_params
+from kiln.topology import ParallelDims
 from kiln.ui.progress import LogLines, Progress, ProgressSink, console
+
+if TYPE_CHECKING:  # the config composes the core's sections: a type here, never an import
+    from kiln.config import RunConfig
 
 log = logging.getLogger("kiln.train")
 
@@ -47,62 +51,32 @@ class TrainingUnhealthy(KilnError):
     """The health guard ended the run (policy stop, nothing to roll back to, or divergence)."""
 
 
-@dataclass(frozen=True)
-class WorldInfo:
-    rank: int = 0
-    world_size: int = 1
-    device: torch.device = torch.device("cpu")
-    local_rank: int = 0  # this worker's index among the workers on its host
-    local_world_size: int = 1  # workers on this host
-
-
-def prepare_process(cfg: RunConfig, world: WorldInfo) -> None:
-    """Seed and set up this process's torch before the model is built (its init draws): threads
-    and their cores on CPU, TF32 and the caching allocator's settings on GPU; the host's malloc
-    on both."""
-    torch.manual_seed(cfg.train.seed)
-    p = cfg.parallel
-    apply_host_malloc(p.host_malloc)
-    if world.device.type == "cpu":
-        torch.set_num_threads(max(1, int(p.cpus_per_worker)))
-        if p.pin_cpu_threads:
-            pin_worker(world.local_rank, world.local_world_size, p.cpus_per_worker)
-        return
-    torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls on tensor cores
-    torch.backends.cudnn.allow_tf32 = True
-    if p.cuda_alloc_conf and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
-        torch.cuda.memory._set_allocator_settings(p.cuda_alloc_conf)
-    log.info("cuda allocator settings: %s", os.environ.get("PYTORCH_CUDA_ALLOC_CONF", p.cuda_alloc_conf) or "defaults")
-
-
 @torch.no_grad()
-def evaluate(engine, source: BatchSource, max_batches: int, device: torch.device, pipeline: bool) -> float:
-    engine.eval()
+def evaluate(engine: Engine, source: BatchSource, max_batches: int, device: torch.device) -> float:
+    engine.set_training(False)
     total, count = torch.zeros((), device=device), 0  # summed on the device, read once
     for i, batch in enumerate(source.val_batches()):
         if max_batches and i >= max_batches:
             break
         batch = batch.to(device, non_blocking=True)
-        if pipeline:  # every stage takes part; the loss is broadcast from the last
-            loss = engine.eval_batch(iter([inputs_and_targets(batch)]), num_micro_batches=1)
-        else:
-            _, loss = engine(*inputs_and_targets(batch))
+        loss = engine.eval_loss(*inputs_and_targets(batch))
         total, count = total + loss.detach().float(), count + 1
-    engine.train()
+    engine.set_training(True)
     (mean_total, mean_count) = mean_over_ranks([total.item(), float(count)], device)
     return mean_total / max(mean_count, 1e-9)
 
 
-def train_loop(cfg: RunConfig, world: WorldInfo, engine, scheduler, source: BatchSource, sinks: Sinks,
-               checkpoint_root: str | None = None, startup: dict[str, float] | None = None) -> dict[str, float]:
-    """Train `engine` to `train.max_steps`; return the final metrics (with the launcher's
-    `startup` marks, kiln.clock, and the first step's).
+def train_loop(cfg: RunConfig, mcfg: GPTConfig, world: WorldInfo, engine: Engine, scheduler, source: BatchSource,
+               sinks: Sinks, checkpoint_root: str | None = None, startup: dict[str, float] | None = None,
+               ) -> dict[str, float]:
+    """Train `engine` (a model of shape `mcfg`) to `train.max_steps`; return the final metrics
+    (with the launcher's `startup` marks, kiln.clock, and the first step's).
 
     Rules that keep ranks in step: every rank runs the same steps, takes the same save and eval
     decisions (from step counts and a clock averaged over ranks), saves between the barriers
     inside `checkpoint.save`, and calls `sinks.report` the same number of times.
     """
-    run = _Training(cfg, world, engine, scheduler, source, sinks, checkpoint_root, startup or {})
+    run = _Training(cfg, mcfg, world, engine, scheduler, source, sinks, checkpoint_root, startup or {})
     try:
         return run.train()
     except Exception:
@@ -115,25 +89,24 @@ def train_loop(cfg: RunConfig, world: WorldInfo, engine, scheduler, source: Batc
 class _Training:
     """One rank's training run: its parts, built once, and the loop over steps."""
 
-    def __init__(self, cfg: RunConfig, world: WorldInfo, engine, scheduler, source: BatchSource, sinks: Sinks,
-                 checkpoint_root: str | None, startup: dict[str, float]):
+    def __init__(self, cfg: RunConfig, mcfg: GPTConfig, world: WorldInfo, engine: Engine, scheduler,
+                 source: BatchSource, sinks: Sinks, checkpoint_root: str | None, startup: dict[str, float]):
         t, device = cfg.train, world.device
         self.cfg, self.world, self.engine, self.scheduler, self.source, self.sinks = (
             cfg, world, engine, scheduler, source, sinks)
-        self.pipeline = cfg.parallel.pipeline_stages > 1
         self.progress: ProgressSink = sinks.progress or LogLines(cfg.logging.progress_every)  # rank 0's view
-        self.policy = CheckpointPolicy(t, checkpoint_root, world.rank, world.world_size, model_card(cfg))
+        self.policy = CheckpointPolicy(t, checkpoint_root, world.rank, world.world_size, model_card(cfg, mcfg))
         self.done, consumed = self.policy.resume(engine, cfg.micro_batches_per_step)
         # Start reading now so the pipeline's start-up overlaps the first step; skip what the
         # resumed steps consumed.
         source.prefetch()
         self.prefetcher = DevicePrefetcher(source.train_batches(skip=consumed), device, cfg.data.prefetch_batches)
         self.batches = _Counted(self.prefetcher, consumed)
-        self.tokens_per_step = cfg.tokens_per_step(world.world_size // cfg.parallel.pipeline_stages)
-        mcfg = gpt_config(cfg)
+        dims = ParallelDims.of(cfg.parallel, world.world_size)
+        self.tokens_per_step = cfg.tokens_per_step(dims.data_parallel_size)
         self.meter = StepMeter(cfg, mcfg, world.world_size, device, self.tokens_per_step, self.done)
         if world.rank == 0:
-            _log_start(cfg, mcfg, world.world_size, self.tokens_per_step)
+            _log_start(cfg, mcfg, dims, self.tokens_per_step)
         self.profiler = StepProfiler(t.profile, world.rank, world.world_size, device)
         self.guard = HealthGuard(t.health, world.rank, device)
         self.gate = getattr(scheduler, "gate", None) or StepGate()  # build_engine gates the optimizer
@@ -150,8 +123,8 @@ class _Training:
             lr = self.scheduler.get_last_lr()[0]
             self.timer.on = read = _reads_metrics(step, self.cfg, self.meter, self.policy)
             try:
-                result = train_step(self.engine, self.batches, self.cfg.micro_batches_per_step, self.pipeline,
-                                    self.guard, self.gate, self.timer, step)
+                result = train_step(self.engine, self.batches, self.cfg.micro_batches_per_step, self.guard,
+                                    self.gate, self.timer, step)
             except BadLoss as bad:
                 step = _after_bad_loss(bad, self.guard, self.engine, self.policy.last_good, self.world.rank,
                                        self.sinks.logger)
@@ -190,8 +163,7 @@ class _Training:
             log.warning("step %d: non-finite training loss %s", step, loss_train)
         save = self.policy.wants_save(step, since_save)
         if self.policy.wants_eval(step, save):
-            metrics["loss/val"] = _timed_eval(meter, self.engine, self.source, self.cfg.train.eval_batches, device,
-                                              self.pipeline)
+            metrics["loss/val"] = _timed_eval(meter, self.engine, self.source, self.cfg.train.eval_batches, device)
         metrics.update(memory_metrics(device))
         # this replica's bytes read so far; a mixture's realised shares, from the order itself
         metrics.update(self.source.data_metrics(self.batches.count))
@@ -233,18 +205,16 @@ def _reads_metrics(step: int, cfg: RunConfig, meter: StepMeter, policy: Checkpoi
                 or policy.wants_save(step, 0.0) or policy.wants_eval(step, False))
 
 
-def _log_start(cfg: RunConfig, mcfg, world_size: int, tokens_per_step: int) -> None:
-    stages = cfg.parallel.pipeline_stages
+def _log_start(cfg: RunConfig, mcfg: GPTConfig, dims: ParallelDims, tokens_per_step: int) -> None:
     console.info("training %s (%.2fM params) for %d steps, %d tokens/step on %d worker(s)%s",
-             model_name(cfg), num_params(mcfg, non_embedding=False) / 1e6, cfg.train.max_steps,
-             tokens_per_step, world_size,
-             f" ({world_size // stages} data-parallel x {stages} pipeline stages)" if stages > 1 else "")
+                 cfg.model.display_name, num_params(mcfg, non_embedding=False) / 1e6, cfg.train.max_steps,
+                 tokens_per_step, dims.world_size, f" ({dims.describe()})" if dims.pipeline_stages > 1 else "")
 
 
-def _timed_eval(meter: StepMeter, engine, source: BatchSource, max_batches: int, device: torch.device,
-                pipeline: bool) -> float:
+def _timed_eval(meter: StepMeter, engine: Engine, source: BatchSource, max_batches: int, device: torch.device,
+                ) -> float:
     start = time.perf_counter()
-    loss = evaluate(engine, source, max_batches, device, pipeline)
+    loss = evaluate(engine, source, max_batches, device)
     meter.evaluated(time.perf_counter() - start)
     return loss
 
@@ -270,7 +240,7 @@ def _hand_in_profile(window, logger: MetricLogger) -> None:
         discard(window)
 
 
-def _after_bad_loss(bad: BadLoss, guard: HealthGuard, engine, last_good: str | Fetch | None, rank: int,
+def _after_bad_loss(bad: BadLoss, guard: HealthGuard, engine: Engine, last_good: str | Fetch | None, rank: int,
                     logger: MetricLogger) -> int:
     """Roll back to `last_good` (a directory, or under Ray a function that downloads one) and
     return its step, or end the run with the reason."""
@@ -278,7 +248,7 @@ def _after_bad_loss(bad: BadLoss, guard: HealthGuard, engine, last_good: str | F
     if guard.cfg.policy == "rollback" and not bad.fatal and last_good is not None and not capped:
         if callable(last_good):
             last_good = last_good()
-        _, client = engine.load_checkpoint(last_good, tag=TAG)
+        client = engine.load(last_good)
         back_to = int(client["step"])
         guard.rollbacks += 1
         guard.events.append(f"step {bad.step}: rolled back to {os.path.basename(last_good)}, skipping the "

@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
 
 import psutil
 import torch
 
-from kiln.config import RunConfig
+from kiln.core.engine import Engine
 from kiln.devices import by_cuda_name
 from kiln.model import GPTConfig, flops_per_token
+
+if TYPE_CHECKING:  # the config composes the core's sections: a type here, never an import
+    from kiln.config import RunConfig
 
 log = logging.getLogger("kiln.train")
 
@@ -72,10 +76,10 @@ class StepMeter:
         return self.steady_time / self.steady_steps if self.steady_steps else 0.0
 
     def metrics(self, step: int, step_s: float, loss: float, lr: float, phases: dict[str, float],
-                data_wait: float, engine, rank: int) -> dict[str, float]:
+                data_wait: float, engine: Engine, rank: int) -> dict[str, float]:
         """The step's metrics; `loss` and `data_wait` are already averaged over ranks."""
         tok_s = self.tokens_per_step / step_s
-        grad_norm = engine.get_global_grad_norm()
+        grad_norm = engine.grad_norm()
         out = {
             "loss/train": loss,
             "lr": lr,
@@ -95,7 +99,7 @@ class StepMeter:
         if self.precision == "fp16":
             out.update(self._fp16(engine, step, rank))
         if step == self.done + 1:
-            self.held = engine_memory(engine)  # optimizer state exists after the first step
+            self.held = engine.memory()  # optimizer state exists after the first step
             out.update(self.held)
         return out
 
@@ -110,15 +114,15 @@ class StepMeter:
     def mfu(self, tokens_per_s: float) -> float:
         return self.flops_per_token * tokens_per_s / (self.peak * self.world_size)
 
-    def _fp16(self, engine, step: int, rank: int) -> dict[str, float]:
+    def _fp16(self, engine: Engine, step: int, rank: int) -> dict[str, float]:
         """Dynamic loss scaling skips the steps whose gradients overflowed: count and say so."""
-        skipped = int(getattr(engine, "skipped_steps", 0))
+        skipped, scale = engine.overflow()
         if skipped > self._skipped_before and rank == 0:
             log.warning("step %d: fp16 gradient overflow, step skipped and loss scale lowered "
                         "(%d skipped so far)", step, skipped)
         self._skipped_before = skipped
         return {"train/skipped_steps_total": float(skipped),
-                "train/loss_scale": float(getattr(engine.optimizer, "cur_scale", 0.0) or 0.0)}
+                "train/loss_scale": scale}
 
     def evaluated(self, seconds: float) -> None:
         """`seconds` of this iteration that are not training (validation, a peak probe)."""
@@ -219,42 +223,3 @@ def memory_in_use(device: torch.device) -> dict[str, float]:
     if device.type == "cuda":
         out["device"] = float(torch.cuda.memory_allocated(device))
     return out
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-def inner_optimizer(engine) -> torch.optim.Optimizer:
-    """The torch optimizer under DeepSpeed's wrappers (ZeRO, bf16, fp16)."""
-    opt = engine.optimizer
-    while not isinstance(opt, torch.optim.Optimizer) and getattr(opt, "optimizer", None) is not None:
-        opt = opt.optimizer
-    return opt
-
-
-MASTER_ATTRS = ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat", "fp32_groups_flat_partition")
-
-
-def engine_memory(engine) -> dict[str, float]:
-    """Bytes this rank holds, from the tensors themselves (not a formula).
-
-    params: the model's weights (ZeRO-3: this rank's partition); master: fp32 copies the
-    optimizer steps on when they are not the model's own tensors; optimizer_state: the optimizer's
-    moments and buffers.
-    """
-    model_params = {id(p): p for p in engine.module.parameters()}
-    params = sum(_nbytes(p.ds_tensor) if hasattr(p, "ds_tensor") else _nbytes(p) for p in model_params.values())
-    opt = inner_optimizer(engine)
-    # The fp32 copies the wrapper steps on (ZeRO-1/2, ZeRO-3 and bf16 name them differently;
-    # ZeRO-3 also empties the torch optimizer's param groups between steps).
-    flat = next((getattr(engine.optimizer, a) for a in MASTER_ATTRS if hasattr(engine.optimizer, a)), None)
-    if flat is not None:
-        master = sum(_nbytes(t) for t in flat if torch.is_tensor(t))
-    else:
-        stepped = {id(p): p for g in opt.param_groups for p in g["params"]}
-        master = sum(_nbytes(p) for i, p in stepped.items() if i not in model_params)
-    state = sum(_nbytes(v) for s in opt.state.values() for v in s.values()
-                if torch.is_tensor(v) and v.dim() > 0)
-    return {"memory/params_bytes": float(params), "memory/master_params_bytes": float(master),
-            "memory/optimizer_state_bytes": float(state)}

@@ -1,27 +1,115 @@
-"""Optimizers and their parameter groups.
+"""Optimizers: the `optim` section, the registry of optimizers, and their parameter groups.
 
 Weight decay applies to the groups `optim.no_decay` leaves: by default matmul weights only.
 Decaying norm gains, biases and embeddings hurts, as they are not over-parameterised the way
 matmuls are. The LR schedule is in kiln.core.schedule.
+
+A new optimizer is one module with its torch optimizer (as `kiln.core.lamb`) and one line in
+`OPTIMIZERS`: the config's allowed names, `kiln plan --optimizer`'s choices and the planner's
+count of optimizer states all read that table.
 """
 
 from __future__ import annotations
 
 import types
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from kiln.config import OptimConfig, ScheduleConfig, no_decay_kinds
 from kiln.core.lamb import Lamb
-from kiln.core.schedule import lr_multiplier
+from kiln.core.schedule import ScheduleConfig, lr_multiplier
+from kiln.errors import ConfigError
+from kiln.knobs import check_ranges, choice, knob, span
 
 NORMS = (nn.LayerNorm, nn.GroupNorm, nn.BatchNorm1d, getattr(nn, "RMSNorm", nn.LayerNorm))
+NO_DECAY_KINDS = ("norms", "biases", "embeddings")
+Impl = dict[str, bool]  # the fast implementation's flag: fused on CUDA, foreach on CPU
 
 
-def parameter_kinds(model: nn.Module) -> dict[int, str]:
+@dataclass(frozen=True)
+class Optimizer:
+    """One entry of OPTIMIZERS."""
+
+    build: Callable[[list[dict], OptimConfig, Impl], torch.optim.Optimizer]
+    """The torch optimizer over parameter groups, from the `optim` section."""
+    states: int
+    """fp32 tensors of optimizer state per parameter (Adam's two moments: 2, momentum: 1): the
+    memory planner's k."""
+    cpu_adam: bool = False
+    """Under optimizer offload, step on the host with DeepSpeed's vectorised CPU Adam (5-7x
+    torch's Adam on CPU); other optimizers run their own torch step there."""
+    decoupled: bool = False
+    """Weight decay decoupled from the gradient (AdamW-style) rather than added as L2."""
+
+
+def _betas(o: OptimConfig) -> tuple[float, float]:
+    return (o.beta1, o.beta2)
+
+
+# torch has no fused RMSprop; foreach is its fast path on both devices. Adam's weight decay is
+# L2 added to the gradient, not decoupled.
+OPTIMIZERS: dict[str, Optimizer] = {
+    "adamw": Optimizer(lambda g, o, impl: torch.optim.AdamW(g, lr=o.lr, betas=_betas(o), eps=o.eps, **impl),
+                       states=2, cpu_adam=True, decoupled=True),
+    "adam": Optimizer(lambda g, o, impl: torch.optim.Adam(g, lr=o.lr, betas=_betas(o), eps=o.eps, **impl),
+                      states=2, cpu_adam=True),
+    "sgd": Optimizer(lambda g, o, impl: torch.optim.SGD(g, lr=o.lr, momentum=o.momentum, nesterov=o.nesterov,
+                                                        **impl), states=1),
+    "rmsprop": Optimizer(lambda g, o, impl: torch.optim.RMSprop(g, lr=o.lr, alpha=o.rmsprop_alpha, eps=o.eps,
+                                                                momentum=o.momentum, foreach=True), states=1),
+    "lamb": Optimizer(lambda g, o, impl: Lamb(g, lr=o.lr, betas=_betas(o), eps=o.eps), states=2, decoupled=True),
+}
+
+
+def no_decay_kinds(text: str) -> set[str]:
+    return {k.strip() for k in text.split(",") if k.strip()}
+
+
+@dataclass
+class OptimConfig:
+    name: str = choice("adamw", OPTIMIZERS)
+    """Optimizer: a name in OPTIMIZERS. AdamW and LAMB decouple weight decay from the gradient;
+    Adam, SGD and RMSprop add it to the gradient as L2, as each defines it. LAMB is Kiln's own
+    (kiln.core.lamb)."""
+    lr: float = knob(1e-3, lambda v: 0.0 < v < 10.0, "a number in (0, 10)")
+    """Peak learning rate, reached at the end of warmup."""
+    weight_decay: float = knob(0.1, *span(0, 10, "a number"))
+    """Weight decay (decoupled for adamw and lamb, L2 for the others), on the groups no_decay leaves."""
+    no_decay: str = knob(
+        "norms,biases,embeddings", lambda v: no_decay_kinds(v) <= set(NO_DECAY_KINDS), "a comma list of norms, biases, embeddings (or '')")
+    """Comma list of parameter kinds exempt from weight decay: norms, biases, embeddings ('' decays
+    all). Decaying norm gains, biases and embeddings hurts: they are not over-parameterised."""
+    beta1: float = knob(0.9, lambda v: 0.0 <= v < 1.0, "a number in [0, 1)")
+    """First-moment decay (Adam, AdamW, LAMB)."""
+    beta2: float = knob(0.95, lambda v: 0.0 <= v < 1.0, "a number in [0, 1)")
+    """Second-moment decay (Adam, AdamW, LAMB); 0.95 rather than 0.999 is steadier for LLMs."""
+    eps: float = knob(1e-8, *span(0, 1, "a number", lo_open=True))
+    """Denominator epsilon (Adam, AdamW, LAMB, RMSprop)."""
+    momentum: float = knob(0.9, lambda v: 0.0 <= v < 1.0, "a number in [0, 1)")
+    """Momentum for SGD and RMSprop (0 disables it)."""
+    nesterov: bool = False
+    """Nesterov momentum for SGD (needs momentum > 0)."""
+    rmsprop_alpha: float = knob(0.99, lambda v: 0.0 <= v < 1.0, "a number in [0, 1)")
+    """RMSprop's decay of the squared-gradient average (torch's default)."""
+
+    def check(self) -> None:
+        check_ranges(self, "optim")
+        if self.nesterov and (self.name != "sgd" or self.momentum == 0):
+            raise ConfigError(f"optim.nesterov = true with optim.name = {self.name!r} and optim.momentum = "
+                              f"{self.momentum}: Nesterov needs optim.name = 'sgd' and optim.momentum > 0")
+
+    @property
+    def spec(self) -> Optimizer:
+        return OPTIMIZERS[self.name]
+
+
+def parameter_kinds(model: nn.Module, shape_of: Callable[[nn.Parameter], tuple] = lambda p: p.shape,
+                    ) -> dict[int, str]:
     """id(param) -> 'embeddings' | 'norms' | 'biases' | 'matmuls'. A tied weight counts as an
-    embedding (it is one, shared with the output head)."""
+    embedding (it is one, shared with the output head). `shape_of`: a parameter's full shape
+    (an engine that partitions weights says how to read it)."""
     kinds: dict[int, str] = {}
     rank = {"matmuls": 0, "biases": 1, "norms": 2, "embeddings": 3}
     for module in model.modules():
@@ -33,16 +121,16 @@ def parameter_kinds(model: nn.Module) -> dict[int, str]:
             elif isinstance(module, NORMS):
                 kind = "norms"
             else:
-                # A ZeRO-3 partitioned weight is a flat shard; its real shape is `ds_shape`.
-                kind = "matmuls" if len(getattr(p, "ds_shape", p.shape)) >= 2 else "norms"
+                kind = "matmuls" if len(shape_of(p)) >= 2 else "norms"
             if rank[kind] >= rank.get(kinds.get(id(p), "matmuls"), 0):
                 kinds[id(p)] = kind
     return kinds
 
 
-def param_groups(model: nn.Module, weight_decay: float, no_decay: str = "norms,biases,embeddings") -> list[dict]:
+def param_groups(model: nn.Module, weight_decay: float, no_decay: str = "norms,biases,embeddings",
+                 shape_of: Callable[[nn.Parameter], tuple] = lambda p: p.shape) -> list[dict]:
     exempt = no_decay_kinds(no_decay)
-    kinds = parameter_kinds(model)
+    kinds = parameter_kinds(model, shape_of)
     decay, rest = [], []
     for p in model.parameters():  # tied weights appear once
         if p.requires_grad:
@@ -56,25 +144,12 @@ def param_groups(model: nn.Module, weight_decay: float, no_decay: str = "norms,b
     return [g for g in groups if g["params"]]
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig, on_cuda: bool) -> torch.optim.Optimizer:
-    groups = param_groups(model, cfg.weight_decay, cfg.no_decay)
+def build_optimizer(model: nn.Module, cfg: OptimConfig, on_cuda: bool,
+                    shape_of: Callable[[nn.Parameter], tuple] = lambda p: p.shape) -> torch.optim.Optimizer:
+    """The torch optimizer of `cfg.name`, over `param_groups`."""
+    groups = param_groups(model, cfg.weight_decay, cfg.no_decay, shape_of)
     # fused kernels on CUDA (one launch for all params); foreach on CPU.
-    impl = {"fused": True} if on_cuda else {"foreach": True}
-    betas = (cfg.beta1, cfg.beta2)
-    if cfg.name == "adamw":
-        return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.eps, **impl)
-    if cfg.name == "adam":
-        # Adam's weight decay is L2 added to the gradient, not decoupled.
-        return torch.optim.Adam(groups, lr=cfg.lr, betas=betas, eps=cfg.eps, **impl)
-    if cfg.name == "sgd":
-        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov, **impl)
-    if cfg.name == "rmsprop":
-        # torch has no fused RMSprop; foreach is its fast path on both devices.
-        return torch.optim.RMSprop(groups, lr=cfg.lr, alpha=cfg.rmsprop_alpha, eps=cfg.eps,
-                                   momentum=cfg.momentum, foreach=True)
-    if cfg.name == "lamb":
-        return Lamb(groups, lr=cfg.lr, betas=betas, eps=cfg.eps)
-    raise ValueError(f"unknown optimizer {cfg.name!r}")
+    return cfg.spec.build(groups, cfg, {"fused": True} if on_cuda else {"foreach": True})
 
 
 class StepGate:

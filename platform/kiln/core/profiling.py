@@ -14,14 +14,48 @@ from __future__ import annotations
 import logging
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from kiln.config import ProfileConfig
+from kiln.errors import ConfigError
 from kiln.guard import temp_dir
 
 log = logging.getLogger("kiln.train")
+
+
+@dataclass
+class ProfileConfig:
+    start_step: int = 0
+    """First profiled step; 0 turns profiling off. Pick a step after warm-up (allocator, JIT,
+    Ray Data start-up) unless start-up is what you are after."""
+    steps: int = 3
+    """Steps in the window: a few, since traces grow by megabytes a step."""
+    ranks: str = "0"
+    """Ranks that profile: comma-separated ("0,3") or "all". One is usually enough; all of them
+    find a straggler."""
+
+    def rank_set(self, world_size: int) -> set[int]:
+        if self.ranks.strip() == "all":
+            return set(range(world_size))
+        return {int(r) for r in self.ranks.split(",") if r.strip()}
+
+    def check(self, max_steps: int, world_size: int) -> None:
+        """A window inside the run, on ranks that exist."""
+        if self.start_step < 0 or self.steps < 1:
+            raise ConfigError(f"train.profile: start_step = {self.start_step}, steps = {self.steps}: expected "
+                              "start_step >= 0 (0: off) and steps >= 1")
+        if self.start_step and self.start_step + self.steps - 1 > max_steps:
+            raise ConfigError(f"train.profile: steps {self.start_step}-{self.start_step + self.steps - 1} run past "
+                              f"train.max_steps = {max_steps}")
+        try:
+            ranks = self.rank_set(world_size)
+        except ValueError:
+            raise ConfigError(f"train.profile.ranks = {self.ranks!r}: expected comma-separated ranks or 'all'") from None
+        if any(r < 0 or r >= world_size for r in ranks):
+            raise ConfigError(f"train.profile.ranks = {self.ranks!r}: ranks run 0..{world_size - 1}")
+
 
 
 class StepProfiler:

@@ -20,36 +20,67 @@ t = step - warmup_steps, T = max_steps - warmup_steps, p = min(1, t / T) and flo
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
-from kiln.config import ScheduleConfig
 from kiln.guard import tag, write_file
+from kiln.knobs import check_ranges, choice, knob, span
+from kiln.limits import MAX_STEPS
+
+# After warmup: (t, T, schedule) -> the LR as a fraction of the peak, as the table above gives it
+# (t: steps since warmup; T: steps from warmup to the end, at least 1). A new schedule is its
+# function and one line here: the config's allowed names and `kiln lr plot` read this table.
+Shape = Callable[[int, int, "ScheduleConfig"], float]
+
+
+def _cosine_restarts(t: int, _: int, sched: ScheduleConfig) -> float:
+    t_i, period = t, sched.restart_period
+    while t_i >= period:  # integer arithmetic: restarts land on exact steps
+        t_i -= period
+        period *= sched.restart_mult
+    floor = sched.min_lr_ratio
+    return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * t_i / period))
+
+
+def _warmup_width(sched: ScheduleConfig) -> int:
+    return max(1, sched.warmup_steps)
+
+
+SCHEDULES: dict[str, Shape] = {
+    "cosine": lambda t, T, s: s.min_lr_ratio + (1.0 - s.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * min(1.0, t / T))),
+    "linear": lambda t, T, s: s.min_lr_ratio + (1.0 - s.min_lr_ratio) * (1.0 - min(1.0, t / T)),
+    "constant": lambda t, T, s: 1.0,
+    "exponential": lambda t, T, s: max(s.min_lr_ratio, math.exp(-s.decay_rate * t)),
+    "inverse_sqrt": lambda t, T, s: max(s.min_lr_ratio, math.sqrt(_warmup_width(s) / (_warmup_width(s) + t))),
+    "cosine_restarts": _cosine_restarts,
+}
+
+
+@dataclass
+class ScheduleConfig:
+    name: str = choice("cosine", SCHEDULES)
+    """Shape of the learning rate after warmup: a name in SCHEDULES (kiln.core.schedule has each
+    formula)."""
+    warmup_steps: int = knob(20, *span(0, MAX_STEPS))
+    """Linear warmup from lr/warmup_steps to optim.lr over this many optimizer steps."""
+    min_lr_ratio: float = knob(0.1, lambda v: 0.0 <= v <= 1.0, "a number in [0, 1]")
+    """Floor of the LR as a fraction of optim.lr: cosine and linear end there, the others never
+    go below it."""
+    decay_rate: float = knob(0.01, *span(0, 10, "a number", note="per step"))
+    """exponential: lambda in lr_t = lr * exp(-lambda * t), t counted in steps after warmup."""
+    restart_period: int = knob(100, *span(1, MAX_STEPS))
+    """cosine_restarts (SGDR): steps in the first cosine cycle, T_0."""
+    restart_mult: int = knob(2, *span(1, 1000))
+    """cosine_restarts (SGDR): each cycle is this many times longer than the last, T_mult."""
+
+    def check(self) -> None:
+        check_ranges(self, "schedule")
 
 
 def lr_multiplier(step: int, sched: ScheduleConfig, max_steps: int) -> float:
     if step < sched.warmup_steps:
         return (step + 1) / sched.warmup_steps
-    t = step - sched.warmup_steps
-    floor = sched.min_lr_ratio
-    name = sched.name
-    if name == "constant":
-        return 1.0
-    if name in ("linear", "cosine"):
-        progress = min(1.0, t / max(1, max_steps - sched.warmup_steps))
-        if name == "linear":
-            return floor + (1.0 - floor) * (1.0 - progress)
-        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
-    if name == "exponential":
-        return max(floor, math.exp(-sched.decay_rate * t))
-    if name == "inverse_sqrt":
-        w = max(1, sched.warmup_steps)
-        return max(floor, math.sqrt(w / (w + t)))
-    if name == "cosine_restarts":
-        t_i, period = t, sched.restart_period
-        while t_i >= period:  # integer arithmetic: restarts land on exact steps
-            t_i -= period
-            period *= sched.restart_mult
-        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * t_i / period))
-    raise ValueError(f"unknown schedule {name!r}")
+    return SCHEDULES[sched.name](step - sched.warmup_steps, max(1, max_steps - sched.warmup_steps), sched)
 
 
 PLOT_POINTS = 2000  # enough to draw every schedule's shape, warmup included, at the plot's width

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kiln.core.engine import Engine
 from kiln.core.health import BadLoss, HealthGuard
 from kiln.core.optim import StepGate
 from kiln.model import inputs_and_targets
@@ -72,7 +73,7 @@ class StepResult:
     skipped: str | None = None  # why the step was left out (skip policy)
 
 
-def train_step(engine, batches: Iterator[torch.Tensor], micro_batches: int, pipeline: bool, guard: HealthGuard,
+def train_step(engine: Engine, batches: Iterator[torch.Tensor], micro_batches: int, guard: HealthGuard,
                gate: StepGate, timer: PhaseTimer, step: int) -> StepResult:
     """One optimizer step over `micro_batches` micro-batches (already on the device).
 
@@ -92,9 +93,9 @@ def train_step(engine, batches: Iterator[torch.Tensor], micro_batches: int, pipe
         wait += clock() - start
         return batch
 
-    if pipeline:  # DeepSpeed runs the whole 1F1B schedule (and the step) in train_batch
+    if engine.pipeline:  # the engine runs the whole 1F1B schedule (and the step) in train_batch
         pairs = [inputs_and_targets(next_batch()) for _ in range(micro_batches)]
-        loss = guard.inject(engine.train_batch(data_iter=iter(pairs)).detach().float(), step)
+        loss = guard.inject(engine.train_batch(iter(pairs)).detach().float(), step)
         guard.observe(loss)
         reason = guard.verdict(step)
         if reason is not None:
@@ -105,7 +106,7 @@ def train_step(engine, batches: Iterator[torch.Tensor], micro_batches: int, pipe
     for i in range(micro_batches):
         batch = next_batch()
         timer.start()
-        _, loss = engine(*inputs_and_targets(batch))
+        loss = engine.forward(*inputs_and_targets(batch))
         loss = guard.inject(loss, step)
         guard.observe(loss)
         timer.lap("time/forward_s")

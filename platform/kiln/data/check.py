@@ -8,19 +8,24 @@ reads a config's shapes from its data where it can.
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
-from kiln.config import RunConfig, pretrained_dir, pretrained_shape
 from kiln.data.manifest import Manifest, check_shards
 from kiln.data.mixture import Dataset, check_agree, run_datasets
 from kiln.data.tokenizer import describe, pretrained
 from kiln.errors import ConfigError
-from kiln.model import padded_vocab
+from kiln.hf_checkpoint import init_from_dir, pretrained_shape
+from kiln.model import GPTConfig, padded_vocab
 from kiln.storage import absolute
 
+if TYPE_CHECKING:  # the config composes the data section: a type here, never an import
+    from kiln.config import RunConfig
 
-def resolve_against_data(cfg: RunConfig) -> tuple[RunConfig, list[Dataset]]:
+
+def resolve_against_data(cfg: RunConfig, pretrained: GPTConfig | None = None) -> tuple[RunConfig, list[Dataset]]:
     """Load and check the run's datasets (`data.path`, or each of `data.mix`, which must agree);
-    fill in model.vocab_size/seq_len; refuse mismatches. Local paths become absolute: workers
+    fill in model.vocab_size/seq_len; refuse mismatches. `pretrained`: model.init_from's shape
+    where the caller has read it already. Local paths become absolute: workers
     read the shards themselves, from another directory; data.path becomes the mixture's first."""
     mix = [dataclasses.replace(m, path=absolute(m.path)) for m in cfg.data.mix]
     cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, mix=mix,
@@ -44,7 +49,7 @@ def resolve_against_data(cfg: RunConfig) -> tuple[RunConfig, list[Dataset]]:
             f"expected {seq}, or 0 to take it from the data"
         )
     if m.init_from:
-        model = _pretrained_model(cfg, manifest)
+        model = _pretrained_model(cfg, manifest, pretrained)
     else:
         model = dataclasses.replace(m, vocab_size=m.vocab_size or padded_vocab(vocab), seq_len=seq)
     cfg = dataclasses.replace(cfg, model=model)
@@ -61,11 +66,13 @@ def resolve_against_data(cfg: RunConfig) -> tuple[RunConfig, list[Dataset]]:
     return cfg, datasets
 
 
-def _pretrained_model(cfg: RunConfig, manifest: Manifest):
+def _pretrained_model(cfg: RunConfig, manifest: Manifest, shape: GPTConfig | None):
     """model.init_from's checkpoint against the data: its context must hold the data's rows, and
     the data must be tokenized with its tokenizer (same vocab, same ids)."""
     m, where = cfg.model, f"model.init_from = {cfg.model.init_from!r}"
-    shape, local = pretrained_shape(cfg), pretrained_dir(cfg)
+    d = cfg.data
+    shape = shape or pretrained_shape(m.init_from, d.s3_endpoint, d.s3_region)
+    local = init_from_dir(m.init_from, d.s3_endpoint, d.s3_region)
     if m.vocab_size or m.n_layer:
         raise ConfigError(f"{where} sets the model's shape: leave model.vocab_size and model.n_layer at 0")
     if manifest.seq_len > shape.seq_len:

@@ -4,11 +4,15 @@ agree on what a row is (tokenizer and seq_len) before anything launches."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from kiln.config import MixSource, RunConfig, mix_name
+from kiln.data.config import MixSource, mix_name
 from kiln.data.manifest import Manifest, load_manifest
 from kiln.errors import ConfigError
 from kiln.storage import resolve
+
+if TYPE_CHECKING:  # the config composes the data section: a type here, never an import
+    from kiln.config import RunConfig
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from kiln.data.manifest import Manifest
 from kiln.data.sources import ParquetSource
 from kiln.data.tokenizer import token_bytes
 from kiln.errors import ConfigError
-from kiln.infer.load import LoadedModel, load_model
+from kiln.infer.load import LoadedModel
 from kiln.model import IGNORE, inputs_and_targets
 
 
@@ -63,33 +63,3 @@ def evaluate(loaded: LoadedModel, manifest: Manifest, split: str = "val", batch_
     if tokens == 0:
         raise ConfigError(f"--data {manifest.location.uri}: its {split} split has no full batch of {batch_size} rows")
     return EvalResult(split, tokens, nbytes, nats / tokens, nats / math.log(2) / max(nbytes, 1))
-
-
-# ---- the command -------------------------------------------------------------------------------
-def evaluate_model(spec: str, data: str, split: str, batch_size: int, max_batches: int, s3_endpoint: str = "",
-                   tracking_uri: str = "", run_id: str = "") -> tuple[EvalResult, str | None]:
-    """`kiln eval`: the figures, and the MLflow run they were logged to (the model's source run
-    for a models:/ spec, else --run-id; None when neither). `tracking_uri` is resolved already."""
-    from kiln.data.manifest import load_manifest
-    from kiln.storage import is_mlflow_model, resolve
-
-    uri, local, source_run = tracking_uri, spec, run_id
-    if is_mlflow_model(spec):
-        from kiln.infer.mlflow_model import download, source_run_of
-
-        local, source_run = download(spec, uri), run_id or source_run_of(spec, uri)
-    manifest = load_manifest(resolve(data, s3_endpoint))
-    result = evaluate(load_model(local), manifest, split, batch_size, max_batches)
-    if source_run:
-        from mlflow import MlflowClient
-
-        MlflowClient(uri).log_batch(source_run, metrics=[_metric(k, v) for k, v in result.metrics().items()])
-    return result, source_run or None
-
-
-def _metric(key: str, value: float):
-    import time
-
-    from mlflow.entities import Metric
-
-    return Metric(key, float(value), int(time.time() * 1000), 0)

@@ -11,9 +11,6 @@ are read here, since DeepSpeed's tool covers neither.
 
 from __future__ import annotations
 
-import contextlib
-import glob
-import io
 import logging
 import os
 import pickle
@@ -32,6 +29,7 @@ from kiln.data.tokenizer import pretrained
 from kiln.devices import name_deepspeed_accelerator
 from kiln.errors import ConfigError, KilnError
 from kiln.model import GPT, GPTConfig, shape_problem
+from kiln.parallel.zero_checkpoint import is_zero_sharded, merged_fp32_state
 from kiln.schemas import validated
 from kiln.storage import resolve
 
@@ -154,16 +152,9 @@ def consolidate(ckpt: str, cfg: GPTConfig, pipeline_stages: int) -> dict[str, to
     state_dir = os.path.join(ckpt, TAG)
     if pipeline_stages > 1:
         state = _pipeline_layers(state_dir, cfg)
-    elif glob.glob(os.path.join(state_dir, "*zero_pp_rank_*_optim_states.pt")):
+    elif is_zero_sharded(state_dir):
         name_deepspeed_accelerator(torch.cuda.is_available())  # merging is host work where no GPU is
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-        # ZeRO 1-3: the fp32 master weights, merged from every rank's partition. The tool
-        # prints its progress; that goes to the debug log, not the user's terminal.
-        chatter = io.StringIO()
-        with contextlib.redirect_stdout(chatter), contextlib.redirect_stderr(chatter):
-            state = dict(get_fp32_state_dict_from_zero_checkpoint(ckpt, tag=TAG))
-        log.debug("zero_to_fp32: %s", chatter.getvalue())
+        state = merged_fp32_state(ckpt, TAG)  # ZeRO 1-3: the fp32 master weights, from every rank's partition
     else:
         state = torch.load(os.path.join(state_dir, "mp_rank_00_model_states.pt"), map_location="cpu",
                            weights_only=False)["module"]  # Kiln's own file (ZeRO-0: whole on each rank)

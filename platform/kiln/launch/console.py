@@ -56,14 +56,9 @@ def _environment_errors() -> tuple[type[BaseException], ...]:
     import yaml
 
     # ImportError: an optional driver that is not installed (a postgresql:// store without psycopg2).
-    errors: list[type[BaseException]] = [OSError, UnicodeError, ImportError, yaml.YAMLError]
-    try:
-        from mlflow.exceptions import MlflowException
+    from kiln.tracking.client import errors
 
-        errors.append(MlflowException)
-    except ImportError:
-        pass
-    return tuple(errors)
+    return (OSError, UnicodeError, ImportError, yaml.YAMLError, *errors())
 
 
 def _save_traceback() -> str:

@@ -24,7 +24,7 @@ import torch
 
 from kiln.clock import process_start, startup_mark
 from kiln.config import RunConfig, load_config
-from kiln.core.loop import WorldInfo, train_loop
+from kiln.core.process import WorldInfo
 from kiln.core.sinks import NullLogger, Sinks
 from kiln.data.sources import ParquetSource
 from kiln.devices import name_deepspeed_accelerator
@@ -32,9 +32,8 @@ from kiln.errors import KilnError
 from kiln.launch.console import run_reporting_errors
 from kiln.launch.preflight import preflight
 from kiln.launch.summary import Summary
-from kiln.parallel.engine import build_engine
 from kiln.parallel.ops import init_distributed
-from kiln.parallel.pipeline import data_parallel_coords
+from kiln.parallel.worker import run_worker
 from kiln.redact import configure_logging
 from kiln.ui.progress import sink_for
 
@@ -103,9 +102,9 @@ def run_local(cfg: RunConfig, started: float | None = None) -> Summary | None:
 
     run, logger = None, NullLogger()
     if world.rank == 0:
-        try:
-            import mlflow  # noqa: F401
-        except ImportError:
+        from kiln.tracking.client import installed
+
+        if not installed():
             log.warning("mlflow is not installed here: metrics go to the console only")
         else:
             from kiln.tracking.mlflow_run import MLflowLogger, open_run
@@ -114,16 +113,16 @@ def run_local(cfg: RunConfig, started: float | None = None) -> Summary | None:
             logger = MLflowLogger(tracking_uri, run.run_id, spill_dir=_run_root(cfg),
                                   outage_wait_s=cfg.logging.outage_wait_s)
             marks |= startup_mark("mlflow")
-    dp_rank, dp_size = data_parallel_coords(world.rank, world.world_size, cfg.parallel.pipeline_stages)
-    source = ParquetSource(checked.datasets, dp_rank, dp_size, cfg.train.micro_batch_size, cfg.train.eval_batches,
-                           seed=cfg.train.seed, reshuffle=cfg.data.reshuffle)
+    def source(dp_rank: int, dp_size: int) -> ParquetSource:
+        return ParquetSource(checked.datasets, dp_rank, dp_size, cfg.train.micro_batch_size, cfg.train.eval_batches,
+                             seed=cfg.train.seed, reshuffle=cfg.data.reshuffle)
+
     ckpt_root = _run_root(cfg)
     with run.finishing() if run is not None else contextlib.nullcontext():
         # The loop shows progress on rank 0 only: a bar when stderr is a terminal, else log lines.
         progress = sink_for(sys.stderr, cfg.logging.progress_every)
-        engine, scheduler = build_engine(cfg, world)
-        final = train_loop(cfg, world, engine, scheduler, source, Sinks(logger=logger, progress=progress), ckpt_root,
-                           marks | startup_mark("engine"))
+        final = run_worker(cfg, checked.model, world, source, Sinks(logger=logger, progress=progress), ckpt_root,
+                           marks)
     if world.rank != 0:
         return None
     checkpoint = f"{ckpt_root}/step_{final['step']:08d}"

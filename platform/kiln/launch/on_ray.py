@@ -60,7 +60,7 @@ def train(cfg: RunConfig, address: str | None = None, started: float | None = No
         stream = progress_stream or sys.stderr
         bar = bar or (TerminalBar(stream) if is_terminal(stream) else None)
         board = ProgressBoard.remote() if bar is not None else None
-        trainer = build_trainer(cfg, cfg.logging.run_name, tracking_uri, run.run_id,
+        trainer = build_trainer(cfg, checked.model, cfg.logging.run_name, tracking_uri, run.run_id,
                                 progress_board=board)
         with WorkerLogRouter(worker_log, bar.print_above if bar else None, verbose), \
                 BoardWatcher(board, bar) if bar is not None else contextlib.nullcontext():
@@ -101,14 +101,13 @@ def _log_model(cfg: RunConfig, run, checkpoint: str | None, metrics: dict) -> st
         log.info("exported the model to %s", cfg.logging.export_to)
     if not cfg.logging.log_model:
         return None
-    from mlflow.exceptions import MlflowException
-
-    from kiln.infer.mlflow_model import log_model
+    from kiln.tracking.client import errors
+    from kiln.tracking.model import log_model
 
     try:
         model_id, version = log_model(run.client, run.run_id, checkpoint, metrics, int(metrics.get("step", 0)),
                                       cfg.logging.register_as)
-    except (KilnError, MlflowException, OSError) as e:
+    except (KilnError, OSError, *errors()) as e:
         log.warning("the model was not logged to MLflow (%s); kiln export %s --output DIR exports it",
                     str(e).splitlines()[0] if str(e) else type(e).__name__, checkpoint)
         return None

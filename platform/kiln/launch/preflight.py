@@ -15,14 +15,15 @@ import os
 import time
 from dataclasses import dataclass
 
-from kiln.config import RunConfig, gpt_config, model_base, model_name, uses_autocast
+from kiln.config import RunConfig
 from kiln.core.checkpoint import precision_record, resolve_resume
 from kiln.data.check import resolve_against_data
 from kiln.data.manifest import Manifest
 from kiln.data.mixture import Dataset
 from kiln.errors import ConfigError, StorageError
 from kiln.guard import writable_ancestor
-from kiln.model import num_params
+from kiln.hf_checkpoint import check_weights, init_from_dir, pretrained_shape
+from kiln.model import GPTConfig, num_params
 from kiln.parallel.engine import check_offload_ops, check_passthrough
 from kiln.parallel.pipeline import check_partition
 from kiln.plan.memory import plan_input, refuse_if_too_big
@@ -39,6 +40,8 @@ class Checked:
     filled in, the dataset's manifest, and the tracking URI."""
 
     cfg: RunConfig
+    model: GPTConfig
+    """The model's shape, resolved once here and handed to every worker with the config."""
     datasets: list[Dataset]
     """The run's datasets: `data.path`, or each of `data.mix`."""
     tracking_uri: str
@@ -53,18 +56,18 @@ class Checked:
     def describe(self) -> str:
         """The resolved plan, as `kiln train --dry-run` prints it."""
         c, m = self.cfg, self.manifest
-        mcfg, p, t = gpt_config(c), c.parallel, c.train
+        mcfg, p, t = self.model, c.parallel, c.train
         rows = [
             ("run", f"{c.logging.run_name} (experiment {c.logging.experiment!r})"),
             *[("data" if i == 0 else "", f"{d.manifest.location.uri}: {d.manifest.split('train')['rows']:,} train / "
                   f"{d.manifest.split('val')['rows']:,} val rows of {m.seq_len} tokens, vocab {m.vocab_size} "
                   f"(fingerprint {d.manifest.fingerprint})" + (f", weight {d.weight:g}" if c.data.mix else ""))
               for i, d in enumerate(self.datasets)],
-            ("model", f"{model_name(c)}: {mcfg.n_layer} layers x d_model {mcfg.d_model}, "
+            ("model", f"{c.model.display_name}: {mcfg.n_layer} layers x d_model {mcfg.d_model}, "
                       f"{num_params(mcfg, non_embedding=False) / 1e6:.2f}M params, vocab {mcfg.vocab_size}, "
                       f"{'GPT-2' if mcfg.arch == 'gpt' else 'Llama'} architecture"),
-            ("parallel", f"{p.num_workers} worker(s) ({c.data_parallel_size} data-parallel x {p.pipeline_stages} "
-                         f"stage(s)), ZeRO-{p.zero_stage}, offload {p.offload_optimizer}/{p.offload_params}, "
+            ("parallel", f"{p.num_workers} worker(s) ({c.dims.data_parallel_size} data-parallel x "
+                         f"{p.pipeline_stages} stage(s)), ZeRO-{p.zero_stage}, offload {p.offload_optimizer}/{p.offload_params}, "
                          f"{t.precision}{precision_flavour(c)}, {'GPU' if p.use_gpu else 'CPU'}"),
             ("steps", f"{t.max_steps} x {c.tokens_per_step():,} tokens (micro-batch {t.micro_batch_size} x "
                       f"{c.micro_batches_per_step} per replica), {c.optim.name} lr {c.optim.lr:g}, {c.schedule.name}"),
@@ -84,12 +87,13 @@ def preflight(cfg: RunConfig, remote_cluster: bool = False, storage_field: str =
     own). `local_storage`: the launcher writes checkpoints itself, to a local directory.
     `world_size`: the ranks the run will have, where the launcher knows better than
     `parallel.num_workers` (torchrun)."""
-    check_init_from(cfg)  # the weights' own problems first: the data's fit to them is checked next
-    cfg, datasets = resolve_against_data(cfg)
+    pretrained = check_init_from(cfg)  # the weights' own problems first: the data's fit to them is next
+    cfg, datasets = resolve_against_data(cfg, pretrained)
+    model = cfg.model.shape(pretrained)
     cfg = check_resume(cfg, world_size or cfg.parallel.num_workers, remote_cluster)
     check_precision(cfg)
     cfg = with_run_name(cfg)
-    memory = check_resources(cfg, remote_cluster)
+    memory = check_resources(cfg, model, remote_cluster)
     tracking_uri = resolve_tracking_uri(cfg.logging.tracking_uri)
     check_store(tracking_uri)
     check_storage(cfg, storage_field, local_storage)  # after with_run_name: $KILN_STORAGE_PATH
@@ -98,34 +102,34 @@ def preflight(cfg: RunConfig, remote_cluster: bool = False, storage_field: str =
 
         check_target(cfg.logging.export_to, "logging.export_to =", overwrite=True,
                      inputs=(cfg.data.path, cfg.model.init_from, cfg.train.resume_from))
-    return Checked(cfg, datasets, tracking_uri, memory)
+    return Checked(cfg, model, datasets, tracking_uri, memory)
 
 
-def check_init_from(cfg: RunConfig) -> None:
-    """model.init_from's weights, from their headers: complete safetensors files whose names and
-    shapes fit its config.json (what the first step would find out minutes later)."""
-    if not cfg.model.init_from:
-        return
-    from kiln.config import pretrained_dir, pretrained_shape
-    from kiln.hf_checkpoint import check_weights
-
-    shape = pretrained_shape(cfg)  # config.json's errors are named by the field already
+def check_init_from(cfg: RunConfig) -> GPTConfig | None:
+    """model.init_from's shape (its config.json, read here once for the whole run) and its
+    weights, from their headers: complete safetensors files whose names and shapes fit the
+    shape (what the first step would find out minutes later). None without init_from."""
+    m, d = cfg.model, cfg.data
+    if not m.init_from:
+        return None
+    shape = pretrained_shape(m.init_from, d.s3_endpoint, d.s3_region)  # its errors name the field already
     try:
-        check_weights(pretrained_dir(cfg), shape)
+        check_weights(init_from_dir(m.init_from, d.s3_endpoint, d.s3_region), shape)
     except ConfigError as e:
-        raise ConfigError(f"model.init_from = {cfg.model.init_from!r}: {e}") from None
+        raise ConfigError(f"model.init_from = {m.init_from!r}: {e}") from None
+    return shape
 
 
 def precision_flavour(cfg: RunConfig) -> str:
     """How bf16 runs, for the pre-launch table (`train.mixed_precision`'s `auto` resolved)."""
     if cfg.train.precision != "bf16":
         return ""
-    return " (autocast, fp32 weights)" if uses_autocast(cfg) else " (DeepSpeed bf16 weights)"
+    return " (autocast, fp32 weights)" if cfg.autocast else " (DeepSpeed bf16 weights)"
 
 
 def with_run_name(cfg: RunConfig) -> RunConfig:
     """Fill in what the driver decides once for all workers: the run name and where it is stored."""
-    name = cfg.logging.run_name or f"{model_base(cfg)}-{time.strftime('%Y%m%d-%H%M%S')}"
+    name = cfg.logging.run_name or f"{cfg.model.base_name}-{time.strftime('%Y%m%d-%H%M%S')}"
     storage = cfg.train.storage_path or os.environ.get("KILN_STORAGE_PATH") or "runs"
     return dataclasses.replace(cfg, logging=dataclasses.replace(cfg.logging, run_name=name),
                                train=dataclasses.replace(cfg.train, storage_path=storage))
@@ -175,10 +179,10 @@ def device_memory(cfg: RunConfig, remote_cluster: bool) -> tuple[float, str] | N
     return psutil.virtual_memory().total / (1 << 30) / p.num_workers, f"this machine's RAM / {p.num_workers} workers"
 
 
-def check_resources(cfg: RunConfig, remote_cluster: bool = False) -> str:
-    """Before launch: the ops an offload needs, and the memory plan against the devices; returns
-    the plan's verdict in words."""
-    check_partition(gpt_config(cfg).n_layer, cfg.parallel)
+def check_resources(cfg: RunConfig, model: GPTConfig, remote_cluster: bool = False) -> str:
+    """Before launch: the ops an offload needs, and the memory plan of a `model` against the
+    devices; returns the plan's verdict in words."""
+    check_partition(model.n_layer, cfg.parallel)
     check_passthrough(cfg)
     check_offload_ops(cfg)
     mem = device_memory(cfg, remote_cluster)
@@ -186,7 +190,7 @@ def check_resources(cfg: RunConfig, remote_cluster: bool = False) -> str:
         verdict = "device memory unknown from here: set parallel.device_memory_gib to check the plan before launch"
         log.info("%s", verdict)
         return verdict
-    est = refuse_if_too_big(plan_input(cfg, gpt_config(cfg), mem[0]), mem[1])
+    est = refuse_if_too_big(plan_input(cfg, model, mem[0]), mem[1])
     verdict = f"{est.total / (1 << 30):.2f} GiB per device estimated of {mem[0]:.2f} GiB ({mem[1]})"
     log.info("memory plan: %s", verdict)
     return verdict

@@ -15,9 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from kiln.config import RunConfig, gpt_config, uses_autocast, uses_cpu_adam
+from kiln.config import RunConfig
 from kiln.core.collectives import ranks
-from kiln.core.loop import WorldInfo, prepare_process
 from kiln.core.optim import (
     StepGate,
     build_optimizer,
@@ -25,11 +24,15 @@ from kiln.core.optim import (
     gate_optimizer,
     param_groups,
 )
+from kiln.core.process import WorldInfo, prepare_process
 from kiln.errors import ConfigError
+from kiln.hf_checkpoint import init_from_dir
 from kiln.model import GPT, GPTConfig
+from kiln.parallel.deepspeed_engine import DeepSpeedEngine
 from kiln.parallel.ops import init_distributed
 from kiln.parallel.pipeline import check_coords, to_pipeline
 from kiln.redact import redact_tree
+from kiln.topology import ParallelDims
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +78,7 @@ def kiln_deepspeed_config(cfg: RunConfig, data_parallel_size: int, d_model: int 
     if p.offload_params != "none":
         zero["offload_param"] = _offload(p.offload_params, cfg)
     micro_batches = cfg.micro_batches_per_step
-    autocast = uses_autocast(cfg)
+    autocast = cfg.autocast
     ds = {
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
         "gradient_accumulation_steps": micro_batches,
@@ -143,7 +146,7 @@ def check_offload_ops(cfg: RunConfig) -> None:
     """Refuse, naming the op, an offload whose DeepSpeed op cannot be built on this machine."""
     p = cfg.parallel
     needed = []
-    if uses_cpu_adam(cfg):
+    if cfg.cpu_adam:
         needed.append(("cpu_adam", "parallel.offload_optimizer"))
     if "nvme" in (p.offload_optimizer, p.offload_params):
         needed.append(("async_io", "parallel.offload_* = 'nvme'"))
@@ -240,10 +243,9 @@ def _pretrained_weights(cfg: RunConfig, mcfg: GPTConfig) -> dict[str, torch.Tens
     scatters each weight as the partitioned model is filled)."""
     if not cfg.model.init_from or (cfg.parallel.zero_stage == 3 and _rank() != 0):
         return None
-    from kiln.config import pretrained_dir
     from kiln.hf_checkpoint import load
 
-    return load(pretrained_dir(cfg), mcfg)
+    return load(init_from_dir(cfg.model.init_from, cfg.data.s3_endpoint, cfg.data.s3_region), mcfg)
 
 
 def _post_order(module: nn.Module):
@@ -256,27 +258,33 @@ def build_optimizer_for(model: nn.Module, cfg: RunConfig, on_cuda: bool) -> torc
     """The torch optimizer DeepSpeed steps: fused where torch has a fused kernel (on CUDA), and
     DeepSpeed's vectorised CPU Adam under optimizer offload."""
     o = cfg.optim
-    if uses_cpu_adam(cfg):
+    if cfg.cpu_adam:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-        return DeepSpeedCPUAdam(param_groups(model, o.weight_decay, o.no_decay), lr=o.lr, betas=(o.beta1, o.beta2),
-                                eps=o.eps, adamw_mode=o.name == "adamw")
-    return build_optimizer(model, o, on_cuda=on_cuda)
+        return DeepSpeedCPUAdam(param_groups(model, o.weight_decay, o.no_decay, _full_shape), lr=o.lr,
+                                betas=(o.beta1, o.beta2), eps=o.eps, adamw_mode=o.spec.decoupled)
+    return build_optimizer(model, o, on_cuda=on_cuda, shape_of=_full_shape)
 
 
-def build_engine(cfg: RunConfig, world: WorldInfo):
+def _full_shape(p: nn.Parameter) -> tuple:
+    """A parameter's shape; a ZeRO-3 partitioned weight is a flat shard, its real shape `ds_shape`."""
+    return getattr(p, "ds_shape", p.shape)
+
+
+def build_engine(cfg: RunConfig, mcfg: GPTConfig, world: WorldInfo) -> tuple[DeepSpeedEngine, object]:
     """(engine, scheduler) for `train_loop` on this rank: the process seeded first (the model's
-    init draws from it), then the GPT wrapped as `parallel.*` says."""
+    init draws from it), then a GPT of shape `mcfg` wrapped as `parallel.*` says."""
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)  # Kiln logs its own progress
-    prepare_process(cfg, world)
+    prepare_process(cfg.parallel, cfg.train.seed, world)
     gate = StepGate()  # the health guard's way to withhold a bad step from the optimizer
+    dims = ParallelDims.of(cfg.parallel, world.world_size)
     engine, scheduler = initialize(
-        cfg, gpt_config(cfg), world.world_size // cfg.parallel.pipeline_stages, device=world.device,
+        cfg, mcfg, dims.data_parallel_size, device=world.device,
         scheduler_fn=lambda opt: build_scheduler(gate_optimizer(opt, gate), cfg.schedule, cfg.train.max_steps, gate),
     )
-    if cfg.parallel.pipeline_stages > 1:
-        check_coords(engine, world.rank, world.world_size, cfg.parallel.pipeline_stages)
-    return engine, scheduler
+    if dims.pipeline_stages > 1:
+        check_coords(engine, world.rank, dims)
+    return DeepSpeedEngine(engine, pipeline=dims.pipeline_stages > 1), scheduler
 
 
 def initialize(cfg: RunConfig, mcfg: GPTConfig, data_parallel_size: int, device: torch.device, scheduler_fn):

@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint as recompute  # activation checkpointing
 
-from kiln.config import ParallelConfig
 from kiln.model import GPT, embed, next_token_loss
+from kiln.topology import ParallelConfig, ParallelDims
 
 
 class EmbeddingStage(nn.Module):
@@ -104,19 +104,11 @@ def check_partition(n_layer: int, p: ParallelConfig) -> None:
         check_stages_hold_blocks(uniform_parts(n_layer + 3, p.pipeline_stages), n_layer, p)
 
 
-def data_parallel_coords(rank: int, world_size: int, stages: int) -> tuple[int, int]:
-    """(data-parallel rank, data-parallel size) of a global rank.
-
-    DeepSpeed's PipeDataParallelTopology orders axes (pipe, data): data varies fastest, so
-    ranks 0..D-1 are stage 0 of replicas 0..D-1. `check_coords` verifies this against the
-    engine's own grid.
-    """
-    dp = world_size // stages
-    return rank % dp, dp
-
-
-def check_coords(engine, rank: int, world_size: int, stages: int) -> None:
-    expected = data_parallel_coords(rank, world_size, stages)
+def check_coords(engine, rank: int, dims: ParallelDims) -> None:
+    """The engine's own grid against Kiln's layout (`kiln.topology`): the data a rank reads
+    follows Kiln's, so a disagreement would feed stages of one pipeline different rows."""
+    coords = dims.coords(rank)
+    expected = (coords.data_parallel_rank, dims.data_parallel_size)
     actual = (engine.grid.get_data_parallel_rank(), engine.grid.get_data_parallel_world_size())
     if expected != actual:
         raise RuntimeError(f"pipeline topology changed: expected (dp rank, dp size) {expected}, got {actual}")

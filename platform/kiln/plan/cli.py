@@ -6,10 +6,12 @@ import argparse
 import dataclasses
 import math
 
-from kiln.config import RunConfig, deepspeed_refusal, field_range, load_config, span
+from kiln.config import RunConfig, field_range, load_config
 from kiln.errors import ConfigError
+from kiln.knobs import span
 from kiln.model import FLAVOURS, GPTConfig, config_for
 from kiln.plan.memory import PlanInput, format_table, plan_input
+from kiln.topology import deepspeed_refusal
 
 DEFAULT_VOCAB = 50304  # GPT-2's 50257, padded to a multiple of 64
 

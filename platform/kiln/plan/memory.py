@@ -48,14 +48,13 @@ import dataclasses
 import itertools
 from dataclasses import dataclass
 
-from kiln.config import bf16_autocast, deepspeed_refusal
+from kiln.config import bf16_autocast
+from kiln.core.optim import OPTIMIZERS
 from kiln.model import GPTConfig, largest_layer_params, num_params
+from kiln.topology import ParallelDims, deepspeed_refusal
 from kiln.ui import table
 
 GIB = 1 << 30
-
-# Optimizer state tensors per parameter (fp32 each).
-OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "lamb": 2, "rmsprop": 1, "sgd": 1}
 
 # Rough relative step cost of each memory technique, to rank options that fit ("cheapest
 # first"). Orderings, not predictions: recomputation adds one forward (~1/3 of a step);
@@ -85,8 +84,12 @@ class PlanInput:
     use_gpu: bool = True
 
     @property
+    def dims(self) -> ParallelDims:
+        return ParallelDims(self.world_size, self.pipeline_stages)
+
+    @property
     def data_parallel(self) -> int:
-        return self.world_size // self.pipeline_stages
+        return self.dims.data_parallel_size
 
     @property
     def autocast(self) -> bool:
@@ -133,7 +136,7 @@ def estimate(p: PlanInput) -> Estimate:
     n, P = max(1, p.data_parallel), p.pipeline_stages
     psi = num_params(m, non_embedding=False) // P  # one stage's share (embedding split is approximate)
     s = p.zero_stage
-    k = OPTIMIZER_STATES[p.optimizer]
+    k = OPTIMIZERS[p.optimizer].states  # optimizer state tensors per parameter (fp32 each)
 
     params = e * psi / (n if s == 3 else 1)
     grads = e * psi / (n if s >= 2 else 1)
@@ -167,7 +170,7 @@ def activation_bytes(p: PlanInput) -> int:
     m, e = p.model, bytes_per_element(p.precision)
     r = state_bytes(p)  # the residual stream: fp32 under autocast (its adds and LayerNorms run in fp32)
     b, s, h, V = p.micro_batch, m.seq_len, m.d_model, m.vocab_size
-    layers = -(-m.n_layer // p.pipeline_stages)
+    layers = p.dims.most_layers_per_stage(m.n_layer)
     block = (15 * e + 2 * r) * b * s * h  # ln_1 and ln_2 inputs are the residual stream
     # Checkpointed: each block keeps only its input, and one block is live while recomputed.
     per_mb = layers * b * s * h * r + block if p.activation_checkpointing else layers * block
@@ -208,7 +211,7 @@ class Option:
 
 def options(base: PlanInput) -> list[Option]:
     """Every ZeRO stage x CPU offload x checkpointing choice at the base's scale that DeepSpeed
-    allows (`kiln.config.deepspeed_refusal`: a pipeline keeps ZeRO 0-1 and no offload),
+    allows (`kiln.topology.deepspeed_refusal`: a pipeline keeps ZeRO 0-1 and no offload),
     cheapest first."""
     out = []
     offloads = (("none", "none"), ("cpu", "none"), ("cpu", "cpu"))

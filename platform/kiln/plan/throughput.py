@@ -2,7 +2,7 @@
 
 A roofline-style model with one step = compute + the communication that cannot hide + the
 pipeline bubble. It is meant to rank setups and size a budget before renting hardware, not to
-replace a measurement; bench/RESULTS.md holds measured MFU to calibrate `mfu` against (34.8% for
+replace a measurement; bench/results/gpu.md holds measured MFU to calibrate `mfu` against (34.8% for
 gpt2-124m ZeRO-2 bf16 on one H100).
 
 Formulas and sources:
@@ -28,12 +28,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from kiln.config import read_yaml_mapping
 from kiln.devices import DEVICES
 from kiln.errors import ConfigError
 from kiln.model import GPTConfig, flops_per_token, num_params
 from kiln.plan.memory import PlanInput, state_bytes
 from kiln.schemas import Launcher, type_problems
+from kiln.yamlfile import read_mapping
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ class Cluster:
 def cluster_from_yaml(path: str | Path, nodes: int | None = None) -> Cluster:
     """The GPU node type of a Ray launcher YAML and its node count (max_workers unless given)."""
     path = Path(path)
-    cfg = read_yaml_mapping(path, f"--cluster {path}")
+    cfg = read_mapping(path, f"--cluster {path}")
     problems = type_problems(Launcher, cfg)
     if problems:
         raise ConfigError(f"--cluster {path}: " + "; ".join(problems))

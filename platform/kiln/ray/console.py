@@ -23,6 +23,7 @@ import sys
 import threading
 from collections.abc import Callable
 
+from kiln.ray.private import stdstream_dispatcher
 from kiln.redact import scrub
 from kiln.ui.progress import CONSOLE_LOGGER
 
@@ -68,8 +69,7 @@ class WorkerLogRouter:
         self._shown: collections.OrderedDict[tuple, None] = collections.OrderedDict()
 
     def __enter__(self) -> WorkerLogRouter:
-        from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
-
+        dispatcher = stdstream_dispatcher()
         if not self.verbose:
             dispatcher.remove_handler(RAY_HANDLER)
         dispatcher.add_handler(KILN_HANDLER, self)
@@ -102,9 +102,7 @@ class WorkerLogRouter:
             return True
 
     def close(self) -> None:
-        from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
-
-        dispatcher.remove_handler(KILN_HANDLER)
+        stdstream_dispatcher().remove_handler(KILN_HANDLER)
         with self._lock:
             self._file.close()
 

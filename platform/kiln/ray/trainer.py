@@ -23,17 +23,18 @@ from kiln.clock import process_start, startup_mark
 from kiln.config import RunConfig, config_from_dict
 from kiln.core.checkpoint import CHECKPOINT
 from kiln.core.collectives import barrier
-from kiln.core.loop import WorldInfo, train_loop
+from kiln.core.process import WorldInfo
 from kiln.core.sinks import NullLogger, Sinks
 from kiln.data.mixture import run_datasets
-from kiln.parallel.engine import build_engine
-from kiln.parallel.pipeline import data_parallel_coords
+from kiln.model import GPTConfig
+from kiln.parallel.worker import run_worker
 from kiln.ray.console import WORKER_FORMAT
 from kiln.ray.live_metrics import RayLive, device_limit_bytes
 from kiln.ray.progress import BoardSink
 from kiln.ray.source import RayDataSource
 from kiln.redact import ScrubFilter
 from kiln.storage import absolute, resolve
+from kiln.tracking import client
 from kiln.tracking.mlflow_run import ArtifactLogger, MLflowLogger
 
 
@@ -44,11 +45,11 @@ def _worker_entry(loop_config: dict[str, Any]) -> None:
 
     _quiet_worker_logs()
     cfg = config_from_dict(loop_config["config"])
+    mcfg = GPTConfig(**loop_config["model"])  # the shape preflight resolved: config.json is not read again
     ctx = ray.train.get_context()
     world = WorldInfo(rank=ctx.get_world_rank(), world_size=ctx.get_world_size(),
                       device=ray.train.torch.get_device(), local_rank=ctx.get_local_rank(),
                       local_world_size=ctx.get_local_world_size())
-    source = _source(cfg, world)
     run_id = loop_config.get("mlflow_run_id")
     placement = _placement(world)
     logging.getLogger("kiln.train").info("rank %d of %d on node %s", world.rank, world.world_size,
@@ -64,7 +65,7 @@ def _worker_entry(loop_config: dict[str, Any]) -> None:
         if world.rank == 0 and run_id:
             _record_restart(loop_config["tracking_uri"], run_id, restored.path)
     if world.rank == 0 and run_id:
-        _record_placement(loop_config["tracking_uri"], run_id, placement)
+        client.record_placement(loop_config["tracking_uri"], run_id, placement)
 
     def report(metrics: dict, ckpt_dir: str | None):
         upload = Checkpoint.from_directory(ckpt_dir) if ckpt_dir else None
@@ -80,10 +81,8 @@ def _worker_entry(loop_config: dict[str, Any]) -> None:
                    device_limit_bytes(world.device))
     node_monitor = _node_system_metrics(world, placement, loop_config["tracking_uri"], run_id)
     try:
-        engine, scheduler = build_engine(cfg, world)
-        train_loop(cfg, world, engine, scheduler, source,
-                   Sinks(logger=logger, live=live, progress=progress, report=report), local_ckpt_root,
-                   startup | startup_mark("engine"))
+        run_worker(cfg, mcfg, world, lambda dp_rank, dp_size: _source(cfg, dp_rank, dp_size),
+                   Sinks(logger=logger, live=live, progress=progress, report=report), local_ckpt_root, startup)
     finally:
         if node_monitor is not None:
             node_monitor.finish()
@@ -99,17 +98,10 @@ def _logger(cfg: RunConfig, world: WorldInfo, loop_config: dict[str, Any], resta
         # Metrics MLflow never took land beside local checkpoints, else in this node's temp dir.
         return MLflowLogger(uri, run_id, spill_dir=cfg.local_run_dir(),
                             outage_wait_s=cfg.logging.outage_wait_s,
-                            skip_through=_logged_through(uri, run_id) if restarted else 0)
+                            skip_through=client.logged_through(uri, run_id) if restarted else 0)
     if run_id and world.rank in cfg.train.profile.rank_set(world.world_size) and cfg.train.profile.start_step:
         return ArtifactLogger(uri, run_id)
     return NullLogger()
-
-
-def _logged_through(tracking_uri: str, run_id: str) -> int:
-    """The last step whose metrics the run holds (each step's metrics go in one batch)."""
-    from mlflow.tracking import MlflowClient
-
-    return max((m.step for m in MlflowClient(tracking_uri).get_metric_history(run_id, "loss/train")), default=0)
 
 
 class StoredCheckpoint:
@@ -154,12 +146,7 @@ def _node_system_metrics(world: WorldInfo, placement: list[str], tracking_uri: s
     started monitor, or None on the ranks that do not monitor."""
     if not run_id or not monitors_its_node(world.rank, placement):
         return None
-    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
-
-    monitor = SystemMetricsMonitor(run_id, sampling_interval=10, node_id=node_label(placement[world.rank]),
-                                   tracking_uri=tracking_uri)
-    monitor.start()
-    return monitor
+    return client.node_monitor(tracking_uri, run_id, node_label(placement[world.rank]))
 
 
 def monitors_its_node(rank: int, placement: list[str]) -> bool:
@@ -173,31 +160,17 @@ def node_label(node_id: str) -> str:
     return f"node-{node_id[:8]}"
 
 
-def _record_placement(tracking_uri: str, run_id: str, nodes: list[str]) -> None:
-    """Which node each rank runs on (updated after a restart): `kiln.placement`, rank order."""
-    from mlflow.tracking import MlflowClient
-
-    MlflowClient(tracking_uri).set_tag(run_id, "kiln.placement", ",".join(nodes))
-
-
 def _record_restart(tracking_uri: str, run_id: str, checkpoint: str) -> None:
     """The same MLflow run continues after a restart; say so on it."""
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(tracking_uri)
-    restarts = int(client.get_run(run_id).data.tags.get("kiln.restarts", "0")) + 1
-    client.set_tag(run_id, "kiln.restarts", str(restarts))
-    client.set_tag(run_id, f"kiln.restart.{restarts}", f"resumed from {checkpoint}")
+    restarts = client.record_restart(tracking_uri, run_id, checkpoint)
     logging.getLogger("kiln.train").warning("restart %d after a worker failure: resuming from %s",
                                             restarts, checkpoint)
 
 
-def _source(cfg: RunConfig, world: WorldInfo) -> RayDataSource:
-    """This worker's rows in Kiln's order (kiln.data.order), by data-parallel rank: the
-    stages of one pipeline read the same batches (the first feeds inputs, the last matches
-    labels; Ray Data's split across all workers deadlocked them), and a restarted worker group
-    resumes at the exact row where its checkpoint stopped."""
-    dp_rank, dp_size = data_parallel_coords(world.rank, world.world_size, cfg.parallel.pipeline_stages)
+def _source(cfg: RunConfig, dp_rank: int, dp_size: int) -> RayDataSource:
+    """This worker's rows in Kiln's order (kiln.data.order), by data-parallel rank (Ray Data's
+    own split across all workers deadlocked the stages of a pipeline, which must read the same
+    batches)."""
     # The manifests are read again on the worker (the driver checked them before launch).
     return RayDataSource(run_datasets(cfg), dp_rank, dp_size, cfg.train.micro_batch_size, cfg.data.prefetch_batches,
                          cfg.train.eval_batches, read_task_cpus=cfg.data.read_task_cpus, seed=cfg.train.seed,
@@ -228,7 +201,7 @@ def _quiet_worker_logs() -> None:
     logging.getLogger("ray.train").setLevel(logging.WARNING)  # one "Reporting training result" per report
 
 
-def build_trainer(cfg: RunConfig, run_name: str, tracking_uri: str, run_id: str | None,
+def build_trainer(cfg: RunConfig, mcfg: GPTConfig, run_name: str, tracking_uri: str, run_id: str | None,
                   callbacks: list | None = None, storage_path: str | None = None,
                   progress_board=None) -> TorchTrainer:
     """The TorchTrainer of one run. A sweep's trial adds Tune's report callback and keeps its
@@ -242,7 +215,7 @@ def build_trainer(cfg: RunConfig, run_name: str, tracking_uri: str, run_id: str 
     storage, filesystem = train_storage(storage_path or cfg.train.storage_path or "runs", cfg)
     return TorchTrainer(
         train_loop_per_worker=_worker_entry,
-        train_loop_config={"config": cfg.to_dict(), "tracking_uri": tracking_uri, "mlflow_run_id": run_id,
+        train_loop_config={"config": cfg.to_dict(), "model": dataclasses.asdict(mcfg), "tracking_uri": tracking_uri, "mlflow_run_id": run_id,
                            "progress_board": progress_board},
         scaling_config=ScalingConfig(
             num_workers=p.num_workers, use_gpu=p.use_gpu, resources_per_worker={"CPU": p.cpus_per_worker},

@@ -27,16 +27,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 from kiln import yamlfile
-from kiln.config import (
-    RunConfig,
-    build_section,
-    flatten,
-    parse_override,
-    read_yaml_mapping,
-    set_dotted,
-    span,
-)
+from kiln.config import RunConfig
 from kiln.errors import ConfigError
+from kiln.knobs import build_section, flatten, parse_override, set_dotted, span
 from kiln.storage import absolute
 
 STATE_FILE = "kiln-sweep.json"  # beside Tune's experiment state: what `--resume` restarts from
@@ -133,12 +126,12 @@ def trial_config(base_tree: dict[str, Any], params: dict[str, Any], conditional:
     """The run config of one trial: the base, the drawn params, then matching conditionals."""
     tree = copy.deepcopy(base_tree)
     for dotted, value in params.items():
-        set_dotted(tree, dotted, value)
+        set_dotted(RunConfig, tree, dotted, value)
     for cond, fixed in conditional.items():
         key, want = cond.split("=", 1)
         if str(params.get(key.strip())) == want.strip():
             for dotted, value in fixed.items():
-                set_dotted(tree, dotted, value)
+                set_dotted(RunConfig, tree, dotted, value)
     cfg = build_section(RunConfig, tree).validate()
     return cfg
 
@@ -146,7 +139,7 @@ def trial_config(base_tree: dict[str, Any], params: dict[str, Any], conditional:
 def load_sweep(path: str | os.PathLike, overrides: list[str] = ()) -> Sweep:
     """Read and validate a sweep file; `overrides` are `a.b=c` on the sweep file itself."""
     p = Path(path)
-    raw = read_yaml_mapping(p, f"sweep file {str(p)!r}")
+    raw = yamlfile.read_mapping(p, f"sweep file {str(p)!r}")
     for text in overrides:
         key, value = parse_override(text)
         head, _, rest = key.partition(".")
@@ -169,12 +162,12 @@ def load_sweep(path: str | os.PathLike, overrides: list[str] = ()) -> Sweep:
     if not base_path.is_file():
         raise ConfigError(f"sweep.base = {cfg.base!r}: {str(base_path)!r} does not exist; expected a run "
                           "config YAML, relative to the sweep file")
-    base_tree = read_yaml_mapping(base_path, f"sweep.base {str(base_path)!r}")
+    base_tree = yamlfile.read_mapping(base_path, f"sweep.base {str(base_path)!r}")
     for dotted, value in cfg.overrides.items():
-        set_dotted(base_tree, dotted, value)
+        set_dotted(RunConfig, base_tree, dotted, value)
     r = cfg.resources_per_trial
     for key, value in (("num_workers", r.num_workers), ("cpus_per_worker", r.cpus_per_worker), ("use_gpu", r.use_gpu)):
-        set_dotted(base_tree, f"parallel.{key}", value)
+        set_dotted(RunConfig, base_tree, f"parallel.{key}", value)
     sweep = Sweep(cfg, base_tree, str(p))
     validate(sweep)
     return sweep
@@ -235,7 +228,7 @@ def _typed(text: str) -> Any:
 
 def _check_field(sweep: Sweep, dotted: str, where: str) -> None:
     try:
-        set_dotted(copy.deepcopy(sweep.base_tree), dotted, None)
+        set_dotted(RunConfig, copy.deepcopy(sweep.base_tree), dotted, None)
     except ConfigError as e:
         raise ConfigError(f"{where}: {e}") from None
     if dotted not in flatten(dataclasses.asdict(sweep.base_config)):

@@ -46,6 +46,7 @@ def _trial(params: dict[str, Any], ctx: dict[str, Any]) -> None:
     from ray.tune.integration.ray_train import TuneReportCallback
 
     from kiln.data.check import resolve_against_data
+    from kiln.hf_checkpoint import pretrained_shape
     from kiln.ray.trainer import build_trainer
     from kiln.tracking.mlflow_run import open_run
 
@@ -54,7 +55,10 @@ def _trial(params: dict[str, Any], ctx: dict[str, Any]) -> None:
     trial_id, trial_name = tctx.get_trial_id(), tctx.get_trial_name()
     cfg = sweep.trial_config(params)
     cfg = dataclasses.replace(cfg, logging=dataclasses.replace(cfg.logging, run_name=f"{sweep.config.name}-{trial_id}"))
-    cfg, datasets = resolve_against_data(cfg)
+    # Each trial is a run's driver: model.init_from's shape is read once here, for its workers.
+    m = cfg.model
+    pretrained = pretrained_shape(m.init_from, cfg.data.s3_endpoint, cfg.data.s3_region) if m.init_from else None
+    cfg, datasets = resolve_against_data(cfg, pretrained)
     uri, parent = ctx["tracking_uri"], ctx["parent_run_id"]
     attempt = _retire_earlier_attempts(uri, cfg.logging.experiment, parent, trial_id)
     run = open_run(cfg, datasets, uri, {"launcher": "sweep"}, parent_run_id=parent, tags={
@@ -63,7 +67,7 @@ def _trial(params: dict[str, Any], ctx: dict[str, Any]) -> None:
     })
     # A unique Train run name per attempt: a restarted trial starts clean.
     train_name = f"{cfg.logging.run_name}-a{attempt}"
-    trainer = build_trainer(cfg, train_name, uri, run.run_id, callbacks=[TuneReportCallback()],
+    trainer = build_trainer(cfg, cfg.model.shape(pretrained), train_name, uri, run.run_id, callbacks=[TuneReportCallback()],
                             storage_path=ctx["train_storage"])
     with run.finishing():
         trainer.fit()
@@ -71,17 +75,9 @@ def _trial(params: dict[str, Any], ctx: dict[str, Any]) -> None:
 
 def _retire_earlier_attempts(uri: str, experiment: str, parent: str, trial_id: str) -> int:
     """Soft-delete the runs of earlier attempts of this trial; return this attempt's number."""
-    from mlflow.tracking import MlflowClient
+    from kiln.tracking.client import delete_runs
 
-    client = MlflowClient(uri)
-    exp = client.get_experiment_by_name(experiment)
-    if exp is None:
-        return 1
-    earlier = client.search_runs([exp.experiment_id], filter_string=(
-        f"tags.mlflow.parentRunId = '{parent}' and tags.`{TRIAL_TAG}` = '{trial_id}'"))
-    for r in earlier:
-        client.delete_run(r.info.run_id)
-    return len(earlier) + 1
+    return delete_runs(uri, experiment, f"tags.mlflow.parentRunId = '{parent}' and tags.`{TRIAL_TAG}` = '{trial_id}'") + 1
 
 
 @dataclass
@@ -326,10 +322,10 @@ def _open_parent(sweep: Sweep, uri: str, experiment: str) -> Run:
 
 def summarise(sweep: Sweep, results, parent: Run, uri: str, max_steps: int) -> SweepSummary:
     """Rank the trials and mark each child run: FINISHED, or KILLED when stopped early."""
-    from mlflow.tracking import MlflowClient
+    from kiln.tracking.client import connect
 
     cfg = sweep.config
-    client = MlflowClient(uri)
+    client = connect(uri)
     exp_id = experiment_id(client, sweep.base_config.logging.experiment)
     children = {r.data.tags.get(TRIAL_TAG): r for r in client.search_runs(
         [exp_id], filter_string=f"tags.mlflow.parentRunId = '{parent.run_id}'")}

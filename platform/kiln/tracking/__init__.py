@@ -1,1 +1,2 @@
-"""MLflow: runs, the background sender, redaction, plots, and the local services."""
+"""MLflow, the only package that imports it: runs, the background sender, the model as an
+MLflow pyfunc, plots, the calls other layers need (`client`), and the local services."""

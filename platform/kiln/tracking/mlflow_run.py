@@ -14,17 +14,20 @@ import os
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import kiln
-from kiln.config import RunConfig, flatten
 from kiln.core.sinks import NullLogger
 from kiln.data.mixture import Dataset
 from kiln.errors import KilnError
+from kiln.knobs import flatten
 from kiln.redact import redact, redact_tree, scrub
 from kiln.tracking.plots import PLOTTED, training_plots
 from kiln.tracking.sender import Journal, Sender
 from kiln.tracking.source import UNKNOWN, git_commit
+
+if TYPE_CHECKING:  # tracking sits below the config that composes its section
+    from kiln.config import RunConfig
 
 log = logging.getLogger(__name__)
 

@@ -13,10 +13,11 @@ import sys
 
 import torch
 
-from kiln.config import gpt_config, load_config
+from kiln.config import load_config
 from kiln.core import checkpoint
 from kiln.core.optim import build_scheduler
 from kiln.launch.local import _world_from_env
+from kiln.parallel.deepspeed_engine import DeepSpeedEngine
 from kiln.parallel.engine import initialize
 
 
@@ -24,11 +25,12 @@ def engine():
     cfg = load_config(None, ["model.flavour=debug", "model.vocab_size=512", "model.seq_len=64",
                              "parallel.num_workers=1", "parallel.zero_stage=2", "train.precision=fp32"])
     _world_from_env(use_gpu=False)
-    eng, _ = initialize(cfg, gpt_config(cfg), 1, device=torch.device("cpu"),
-                        scheduler_fn=lambda opt: build_scheduler(opt, cfg.schedule, cfg.train.max_steps))
+    ds, _ = initialize(cfg, cfg.model.shape(), 1, device=torch.device("cpu"),
+                       scheduler_fn=lambda opt: build_scheduler(opt, cfg.schedule, cfg.train.max_steps))
+    eng = DeepSpeedEngine(ds, pipeline=False)
     # One real step, so the checkpoint carries Adam's moments as well as the weights.
     x = torch.randint(0, 512, (2, 65))
-    _, loss = eng(x[:, :-1], x[:, 1:])
+    loss = eng.forward(x[:, :-1], x[:, 1:])
     eng.backward(loss)
     eng.step()
     return eng

@@ -50,8 +50,8 @@ def test_verdicts_nan_inf_and_spikes_over_the_running_median():
 
 
 def test_a_shut_gate_keeps_the_step_from_weights_optimizer_state_and_schedule():
-    from kiln.config import ScheduleConfig
     from kiln.core.optim import StepGate, build_scheduler, gate_optimizer
+    from kiln.core.schedule import ScheduleConfig
 
     model = torch.nn.Linear(4, 4)
     gate = StepGate()

@@ -6,7 +6,7 @@ import types
 
 import torch
 
-from kiln.config import gpt_config, load_config
+from kiln.config import load_config
 from kiln.core import meter as meter_mod
 from kiln.core.meter import PEAK_PROBES, WARMUP_STEPS_EXCLUDED, StepMeter
 
@@ -22,10 +22,9 @@ def test_the_cpu_peak_is_the_best_of_several_probes_whose_time_is_not_the_steps(
 
     monkeypatch.setattr(meter_mod, "measured_peak_flops", probe)
     cfg = load_config(None, ["model.flavour=debug", "model.vocab_size=256", "model.seq_len=32", "train.max_steps=20"])
-    meter = StepMeter(cfg, gpt_config(cfg), 1, torch.device("cpu"), tokens_per_step=1000, done=0)
-    layer = torch.nn.Linear(4, 4)
-    engine = types.SimpleNamespace(module=layer, optimizer=torch.optim.SGD(layer.parameters(), lr=0.1),
-                                   get_global_grad_norm=lambda: None)
+    meter = StepMeter(cfg, cfg.model.shape(), 1, torch.device("cpu"), tokens_per_step=1000, done=0)
+    engine = types.SimpleNamespace(grad_norm=lambda: None, memory=lambda: {"memory/params_bytes": 80.0},
+                                   overflow=lambda: (0, 0.0))  # the `Engine` seam's reads
     mfus = []
     for step in range(1, 21):
         meter.begin()

@@ -1,8 +1,7 @@
 import pytest
 import torch
 
-from kiln.config import OptimConfig
-from kiln.core.optim import build_optimizer, param_groups, parameter_kinds
+from kiln.core.optim import OptimConfig, build_optimizer, param_groups, parameter_kinds
 from kiln.model import GPT, config_for
 
 

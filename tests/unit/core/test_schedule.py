@@ -4,8 +4,7 @@ import math
 
 import pytest
 
-from kiln.config import ScheduleConfig
-from kiln.core.schedule import lr_curve, lr_multiplier, plot_schedule
+from kiln.core.schedule import ScheduleConfig, lr_curve, lr_multiplier, plot_schedule
 
 
 def test_warmup_then_cosine_to_floor():

@@ -172,7 +172,7 @@ def test_each_replica_reads_about_its_share_of_the_bytes(tmp_path, corpus):
 
 def test_a_tokenizer_actor_starts_without_torch():
     """What a Ray tokenizer actor imports (its class's module) must not pull in torch, which
-    cost each actor seconds of start (bench/RESULTS.md: the first unit waited 4.6 s)."""
+    cost each actor seconds of start (bench/results/data.md: the first unit waited 4.6 s)."""
     code = ("import sys, kiln.ray.prepare, kiln.data.shards, kiln.data.inputs\n"
             "print(sorted(m for m in ('torch', 'deepspeed', 'mlflow') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -149,7 +149,7 @@ def _name_as_rank(rank: int, tmp: str) -> None:
     import torch.distributed as dist
 
     from kiln.config import load_config
-    from kiln.core.loop import WorldInfo
+    from kiln.core.process import WorldInfo
     from kiln.launch.local import agree_on_run_name
 
     dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=2)

@@ -39,7 +39,7 @@ def nothing_starts(monkeypatch):
         raise AssertionError("a driver went past a failed preflight")
 
     for target in ("kiln.launch.on_ray.connect_ray", "kiln.sweep.run.connect_ray",
-                   "kiln.launch.local._world_from_env", "kiln.launch.local.build_engine"):
+                   "kiln.launch.local._world_from_env", "kiln.launch.local.run_worker"):
         monkeypatch.setattr(target, started)
 
 
@@ -132,3 +132,31 @@ def test_dry_run_prints_the_resolved_plan_and_starts_nothing(byte_dataset, tmp_p
     bad = subprocess.run([*kiln, "--set", f"data.path={tmp_path}/nope"], cwd=tmp_path, capture_output=True,
                          text=True, timeout=120)
     assert bad.returncode == 1 and "kiln: error: dataset" in bad.stderr and "does not exist" in bad.stderr
+
+
+def test_the_checkpoint_s_shape_is_read_once_before_launch_and_handed_to_the_workers(tiny_hf, corpus, tmp_path,
+                                                                                      monkeypatch):
+    """model.init_from's config.json is read once, by preflight; the shape it resolves travels
+    with the config (Checked.model, the Ray workers' loop config), and no worker-side module reads
+    the checkpoint's config again."""
+    import ast
+
+    import kiln
+    from kiln import hf_checkpoint
+    from kiln.launch.preflight import preflight
+
+    kiln.data.prepare(inputs=[corpus[0]], output=str(tmp_path / "ds"), tokenizer=str(tiny_hf), seq_len=64,
+                      shard_tokens=1 << 16)
+    reads = []
+    real = hf_checkpoint.read_config
+    monkeypatch.setattr(hf_checkpoint, "read_config", lambda d: reads.append(d) or real(d))
+    cfg = load_config(None, [f"model.init_from={tiny_hf}", f"data.path={tmp_path / 'ds'}", "parallel.num_workers=1",
+                             f"logging.tracking_uri=sqlite:///{tmp_path}/mlflow.db",
+                             f"train.storage_path={tmp_path}/runs"])
+    checked = preflight(cfg)
+    assert len(reads) == 1
+    assert (checked.model.n_layer, checked.model.d_model, checked.model.vocab_size) == (2, 32, 300)
+    worker_side = [p for d in ("core", "parallel", "ray") for p in (REPO / "platform/kiln" / d).rglob("*.py")]
+    callers = {str(p.relative_to(REPO)) for p in worker_side for node in ast.walk(ast.parse(p.read_text()))
+               if isinstance(node, ast.Name) and node.id in ("read_config", "pretrained_shape")}
+    assert callers == set()

@@ -20,16 +20,16 @@ from pathlib import Path
 
 import torch
 
-from kiln.config import gpt_config, load_config
+from kiln.config import load_config
 from kiln.core.loop import train_loop
-from kiln.core.meter import inner_optimizer
 from kiln.core.sinks import Sinks
 from kiln.data.check import resolve_against_data
 from kiln.data.sources import ParquetSource
 from kiln.launch.local import _world_from_env
+from kiln.parallel.deepspeed_engine import inner_optimizer
 from kiln.parallel.engine import build_engine
-from kiln.parallel.pipeline import data_parallel_coords
 from kiln.plan.memory import estimate, plan_input
+from kiln.topology import ParallelDims
 
 BASE = [
     "model.flavour=debug", "train.precision=fp32", "train.micro_batch_size=4", "train.max_steps=20",
@@ -61,23 +61,25 @@ class Capture:
 def run_one(spec: dict, data: str, root: str, world) -> dict:
     overrides = [*BASE, f"data.path={data}", f"parallel.num_workers={world.world_size}", *spec.get("set", [])]
     cfg, _ = resolve_against_data(load_config(None, overrides))
-    dp_rank, dp_size = data_parallel_coords(world.rank, world.world_size, cfg.parallel.pipeline_stages)
-    source = ParquetSource(cfg_manifest(cfg), dp_rank, dp_size, cfg.train.micro_batch_size)
+    dims = ParallelDims.of(cfg.parallel, world.world_size)
+    mcfg = cfg.model.shape()
+    source = ParquetSource(cfg_manifest(cfg), dims.coords(world.rank).data_parallel_rank, dims.data_parallel_size,
+                           cfg.train.micro_batch_size)
     out: dict = {}
     if spec.get("dtypes"):  # one step, then what dtypes the engine keeps
-        engine, _ = build_engine(cfg, world)
+        engine, _ = build_engine(cfg, mcfg, world)
         batch = next(source.train_batches())
-        _, loss = engine(batch[:, :-1], batch[:, 1:])
+        loss = engine.forward(batch[:, :-1], batch[:, 1:])
         engine.backward(loss)
         engine.step()
-        return {"dtypes": {k: sorted(v) for k, v in state_dtypes(engine).items()}}
+        return {"dtypes": {k: sorted(v) for k, v in state_dtypes(engine.ds).items()}}
     capture = Capture()
-    engine, scheduler = build_engine(cfg, world)
-    final = train_loop(cfg, world, engine, scheduler, source, Sinks(logger=capture), os.path.join(root, spec["name"]))
+    engine, scheduler = build_engine(cfg, mcfg, world)
+    final = train_loop(cfg, mcfg, world, engine, scheduler, source, Sinks(logger=capture), os.path.join(root, spec["name"]))
     out["loss"] = [capture.history[s]["loss/train"] for s in sorted(capture.history)]
     out["steps"] = sorted(capture.history)
     out["final"] = final
-    est = estimate(plan_input(cfg, gpt_config(cfg), 1.0))
+    est = estimate(plan_input(cfg, mcfg, 1.0))
     out["planned"] = {"params": est.params, "optimizer_states": est.optimizer_states}
     return out
 

@@ -18,13 +18,13 @@ import torch
 os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
 from kiln.config import load_config
 from kiln.parallel.engine import build_engine
-from kiln.core.loop import WorldInfo
+from kiln.core.process import WorldInfo
 
 def engine(stage):
     cfg = load_config(None, ["model.flavour=debug", "model.vocab_size=256", "model.seq_len=32",
                              f"parallel.zero_stage={stage}", "parallel.num_workers=1", "train.grad_accum_steps=2",
                              "train.micro_batch_size=4", "train.grad_clip=1.0", "optim.lr=1e-2"])
-    return build_engine(cfg, WorldInfo())[0]
+    return build_engine(cfg, cfg.model.shape(), WorldInfo())[0].ds
 
 lone, forced = engine(0), engine(0)
 flags = [lone.enable_backward_allreduce]

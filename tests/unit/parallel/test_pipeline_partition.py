@@ -2,9 +2,9 @@
 
 import pytest
 
-from kiln.config import ParallelConfig
 from kiln.errors import ConfigError
 from kiln.parallel.pipeline import check_partition, uniform_parts
+from kiln.topology import ParallelConfig
 
 
 def test_uniform_parts_match_deepspeed():

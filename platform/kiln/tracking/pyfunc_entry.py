@@ -3,6 +3,6 @@ model and runs it to load the model, instead of unpickling an object."""
 
 import mlflow
 
-from kiln.infer.mlflow_model import KilnTextModel
+from kiln.tracking.model import KilnTextModel
 
 mlflow.models.set_model(KilnTextModel())

@@ -1,0 +1,100 @@
+"""DeepSpeed's engine behind Kiln's `Engine` seam (`kiln.core.engine`).
+
+The loop calls `forward`, `backward`, `step`, `save`, ...; this class turns them into
+DeepSpeed's calls, and is the one place that reads DeepSpeed's own attributes (its optimizer
+wrappers' fp32 partitions, ZeRO-3's `ds_tensor`, fp16's loss scale). `ds` is the DeepSpeed
+engine itself, for code in `kiln.parallel` and for tests that inspect it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from kiln.core.checkpoint import TAG
+
+
+class DeepSpeedEngine:
+    """A DeepSpeedEngine or PipelineEngine, as the loop's `Engine`."""
+
+    def __init__(self, ds, pipeline: bool):
+        self.ds, self.pipeline = ds, pipeline
+
+    def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        _, loss = self.ds(inputs, targets)
+        return loss
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.ds.backward(loss)
+
+    def step(self) -> None:
+        self.ds.step()  # steps the optimizer at the accumulation boundary only
+
+    def train_batch(self, pairs: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        return self.ds.train_batch(data_iter=pairs)
+
+    def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if self.pipeline:  # every stage takes part; the loss is broadcast from the last
+            return self.ds.eval_batch(iter([(inputs, targets)]), num_micro_batches=1)
+        return self.forward(inputs, targets)
+
+    def set_training(self, on: bool) -> None:
+        self.ds.train() if on else self.ds.eval()
+
+    def save(self, directory: str, client_state: dict) -> None:
+        self.ds.save_checkpoint(directory, tag=TAG, client_state=client_state)
+
+    def load(self, directory: str) -> dict:
+        _, client = self.ds.load_checkpoint(directory, tag=TAG)
+        return client
+
+    def grad_norm(self) -> torch.Tensor | float | None:
+        return self.ds.get_global_grad_norm()
+
+    def overflow(self) -> tuple[int, float]:
+        return (int(getattr(self.ds, "skipped_steps", 0)),
+                float(getattr(self.ds.optimizer, "cur_scale", 0.0) or 0.0))
+
+    def memory(self) -> dict[str, float]:
+        return engine_memory(self.ds)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def inner_optimizer(ds) -> torch.optim.Optimizer:
+    """The torch optimizer under DeepSpeed's wrappers (ZeRO, bf16, fp16)."""
+    opt = ds.optimizer
+    while not isinstance(opt, torch.optim.Optimizer) and getattr(opt, "optimizer", None) is not None:
+        opt = opt.optimizer
+    return opt
+
+
+# Where DeepSpeed's optimizer wrappers keep the fp32 copies they step on (ZeRO-1/2, ZeRO-3 and
+# bf16 name them differently). Checked against DeepSpeed 0.19.
+MASTER_ATTRS = ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat", "fp32_groups_flat_partition")
+
+
+def engine_memory(ds) -> dict[str, float]:
+    """Bytes this rank holds, from the tensors themselves (not a formula).
+
+    params: the model's weights (ZeRO-3: this rank's partition); master: fp32 copies the
+    optimizer steps on when they are not the model's own tensors; optimizer_state: the optimizer's
+    moments and buffers.
+    """
+    model_params = {id(p): p for p in ds.module.parameters()}
+    params = sum(_nbytes(p.ds_tensor) if hasattr(p, "ds_tensor") else _nbytes(p) for p in model_params.values())
+    opt = inner_optimizer(ds)
+    # ZeRO-3 also empties the torch optimizer's param groups between steps: read the wrapper's.
+    flat = next((getattr(ds.optimizer, a) for a in MASTER_ATTRS if hasattr(ds.optimizer, a)), None)
+    if flat is not None:
+        master = sum(_nbytes(t) for t in flat if torch.is_tensor(t))
+    else:
+        stepped = {id(p): p for g in opt.param_groups for p in g["params"]}
+        master = sum(_nbytes(p) for i, p in stepped.items() if i not in model_params)
+    state = sum(_nbytes(v) for s in opt.state.values() for v in s.values()
+                if torch.is_tensor(v) and v.dim() > 0)
+    return {"memory/params_bytes": float(params), "memory/master_params_bytes": float(master),
+            "memory/optimizer_state_bytes": float(state)}

@@ -1,0 +1,156 @@
+"""The parallel layout of a run: the `parallel` section, and the one place that splits a world
+of ranks into pipeline stages, tensor-parallel groups and data-parallel replicas.
+
+Every place that needs the data-parallel size, or a rank's replica, asks `ParallelDims`; the
+formula is written here and nowhere else (a test greps for other spellings). The rules that
+judge a layout live here too: `ParallelConfig.check` and `deepspeed_refusal`, the one
+statement of which ZeRO, offload and pipeline combinations DeepSpeed allows. Torch-free.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+from kiln.errors import ConfigError
+from kiln.knobs import check_ranges, knob, span
+
+
+@dataclass
+class ParallelConfig:
+    num_workers: int = knob(2, *span(1, 100_000))
+    """Ray Train workers (ranks): pipeline stages x data-parallel replicas."""
+    use_gpu: bool = False
+    """One GPU per worker, NCCL backend. False: CPU workers with gloo."""
+    cpus_per_worker: float = knob(1.0, *span(0, 1024, "a number", lo_open=True))
+    """Logical CPUs Ray reserves per worker; also the worker's torch thread count."""
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    """How Ray places the workers' bundles on nodes. PACK (Ray's default) fills few nodes, so
+    ranks talk over shared memory; STRICT_SPREAD puts every worker on its own node, and waits
+    until the cluster has that many nodes."""
+    zero_stage: int = knob(2, lambda v: v in (0, 1, 2, 3), "one of 0, 1, 2, 3")
+    """DeepSpeed ZeRO stage 0-3: 1 shards optimizer state, 2 also gradients, 3 also weights."""
+    offload_optimizer: Literal["none", "cpu", "nvme"] = "none"
+    """ZeRO-Offload (stages 1-3): optimizer state and fp32 master weights live in CPU RAM (or on
+    NVMe) and the optimizer step runs on the CPU (DeepSpeedCPUAdam for adam/adamw)."""
+    offload_params: Literal["none", "cpu", "nvme"] = "none"
+    """ZeRO-Infinity (stage 3 only): parameters live in CPU RAM (or on NVMe) between uses."""
+    nvme_path: str = ""
+    """Directory on fast local disk for 'nvme' offload; must exist on every worker."""
+    pipeline_stages: int = knob(1, *span(1, 1024))
+    """Pipeline-parallel stages (DeepSpeed PipelineModule). num_workers must be a multiple of it;
+    data-parallel replicas = num_workers / pipeline_stages."""
+    micro_batches: int = knob(4, *span(1, 100_000))
+    """Micro-batches per optimizer step through the pipeline. The idle bubble is (P-1)/(M+P-1) of
+    the step, so more micro-batches waste less."""
+    partition_method: Literal["parameters", "uniform"] = "parameters"
+    """How pipeline stages split the layers: balance parameter counts, or layer counts."""
+    device_memory_gib: float = knob(0.0, *span(0, 100_000, "a number", note="0: detect"))
+    """Memory per device that the planner checks the run against before launch. 0: detected
+    (the GPU's memory; on CPU workers, RAM divided by the workers on this node)."""
+    cuda_alloc_conf: str = "expandable_segments:True"
+    """PyTorch's CUDA caching-allocator settings (PYTORCH_CUDA_ALLOC_CONF syntax), applied on
+    each GPU worker before its first allocation. Expandable segments grow one mapping instead of
+    caching blocks of fixed sizes, which avoids fragmentation when activation sizes vary;
+    empty: torch's defaults. An explicit $PYTORCH_CUDA_ALLOC_CONF on the worker wins."""
+    host_malloc: Literal["keep", "default"] = "keep"
+    """The host's malloc (glibc) in each worker, set before the model is built. keep: memory a
+    step frees stays in the process for the next step (blocks up to 32 MiB from the heap, no
+    trimming), instead of being handed back and faulted in again every step: 93% fewer page
+    faults and about 1.1x the tokens/s for the `debug` GPT on 2 CPU cores (bench/results/throughput.md),
+    at the same peak RSS, which then stays at its high-water mark.
+    default: glibc's own settings. Logged at start; no effect outside glibc."""
+    pin_cpu_threads: bool = True
+    """Pin each worker's threads to cores of its own (within one NUMA node where the host has
+    several), so two workers on one host do not trade caches and cores; the affinity is logged.
+    Applies where the worker is given whole cores (cpus_per_worker >= 1) and they exist."""
+    deepspeed: dict = field(default_factory=dict)
+    """Raw DeepSpeed config merged over the generated one, for anything Kiln does not model."""
+
+    def check(self) -> None:
+        """This section's own rules: ranges, a layout that divides the workers, and what
+        DeepSpeed allows."""
+        check_ranges(self, "parallel")
+        problem = ParallelDims.of(self).problem()
+        if problem:
+            raise ConfigError(problem)
+        refusal = deepspeed_refusal(self.zero_stage, self.offload_optimizer, self.offload_params,
+                                    self.pipeline_stages)
+        if refusal:
+            raise ConfigError(refusal)
+        if "nvme" in (self.offload_optimizer, self.offload_params) and not self.nvme_path:
+            raise ConfigError("parallel.offload_* = 'nvme' needs parallel.nvme_path: a directory on fast local disk")
+
+
+@dataclass(frozen=True)
+class Coords:
+    """One rank's place in the layout."""
+
+    data_parallel_rank: int
+    pipeline_stage: int
+    tensor_parallel_rank: int = 0
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """How `world_size` ranks divide: pipeline stages x tensor-parallel ranks x replicas."""
+
+    world_size: int
+    pipeline_stages: int = 1
+    tensor_parallel: int = 1  # ranks splitting one layer's matmuls: 1 until tensor parallelism lands
+
+    @classmethod
+    def of(cls, p: ParallelConfig, world_size: int | None = None) -> ParallelDims:
+        """The layout of `p` over `world_size` ranks (default: its `num_workers`)."""
+        return cls(world_size or p.num_workers, p.pipeline_stages)
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Replicas of the whole model, each reading its own rows."""
+        return self.world_size // (self.pipeline_stages * self.tensor_parallel)
+
+    def coords(self, rank: int) -> Coords:
+        """Where `rank` sits. DeepSpeed's PipeDataParallelTopology orders its axes (pipe, data),
+        data varying fastest, so ranks 0..D-1 are stage 0 of replicas 0..D-1
+        (`kiln.parallel.pipeline.check_coords` checks this against the engine's own grid)."""
+        dp = self.data_parallel_size
+        return Coords(data_parallel_rank=rank % dp, pipeline_stage=rank // dp)
+
+    def most_layers_per_stage(self, n_layer: int) -> int:
+        """Transformer blocks on the fullest pipeline stage (the planner's activation memory)."""
+        return -(-n_layer // self.pipeline_stages)
+
+    def problem(self, workers: str = "parallel.num_workers") -> str | None:
+        """Why the ranks do not divide into this layout; None where they do."""
+        if self.world_size % (self.pipeline_stages * self.tensor_parallel):
+            return (f"{workers} = {self.world_size} is not a multiple of parallel.pipeline_stages = "
+                    f"{self.pipeline_stages}: expected workers = stages x data-parallel replicas")
+        return None
+
+    def describe(self) -> str:
+        """The layout in words, for logs and the pre-launch summary."""
+        if self.pipeline_stages == 1:
+            return f"{self.data_parallel_size} data-parallel"
+        return f"{self.data_parallel_size} data-parallel x {self.pipeline_stages} pipeline stages"
+
+
+def deepspeed_refusal(zero_stage: int, offload_optimizer: str, offload_params: str, pipeline_stages: int,
+                      name: Callable[[str], str] = lambda f: f"parallel.{f}") -> str | None:
+    """Why DeepSpeed would reject (or silently mishandle) this ZeRO / offload / pipeline
+    combination, naming each setting through `name`; None where it is legal. The one statement of
+    these limits: `kiln train` validates with it, `kiln plan` checks its flags and lists only the
+    options it allows."""
+    if pipeline_stages > 1 and zero_stage > 1:
+        return (f"{name('zero_stage')} = {zero_stage} with {name('pipeline_stages')} = {pipeline_stages}: "
+                "DeepSpeed's pipeline engine supports ZeRO stage 0 or 1 only; expected 0 or 1")
+    if pipeline_stages > 1 and (offload_optimizer != "none" or offload_params != "none"):
+        return (f"{name('offload_*')} with {name('pipeline_stages')} > 1: DeepSpeed's pipeline engine does "
+                "not offload; expected offload 'none'")
+    if offload_optimizer != "none" and zero_stage == 0:
+        return (f"{name('offload_optimizer')} = {offload_optimizer!r} needs {name('zero_stage')} >= 1 (ZeRO "
+                "partitions what it offloads); expected zero_stage 1, 2 or 3")
+    if offload_params != "none" and zero_stage != 3:
+        return (f"{name('offload_params')} = {offload_params!r} needs {name('zero_stage')} = 3 (only stage 3 "
+                "partitions parameters)")
+    return None

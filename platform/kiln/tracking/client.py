@@ -1,0 +1,86 @@
+"""The MLflow calls other layers need, in the one package that imports MLflow.
+
+The Ray worker, the launchers and the sweep record a few things in MLflow besides a run's
+metrics (placement, restarts, a node's system metrics, an earlier attempt retired); they call
+these functions, and `connect` where they query runs themselves. Kiln never sets MLflow's
+process-wide tracking URI: every call names its store.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+
+def installed() -> bool:
+    """Whether MLflow can be imported here (the local launcher runs without it)."""
+    try:
+        import mlflow  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def errors() -> tuple[type[BaseException], ...]:
+    """MLflow's own exception class, where MLflow is installed: what a store or server raises."""
+    try:
+        from mlflow.exceptions import MlflowException
+    except ImportError:
+        return ()
+    return (MlflowException,)
+
+
+def connect(tracking_uri: str) -> Any:
+    """An MlflowClient of `tracking_uri`."""
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri)
+
+
+def log_metrics(tracking_uri: str, run_id: str, metrics: dict[str, float], step: int = 0) -> None:
+    """`metrics` on a run, in one batch, stamped now."""
+    from mlflow.entities import Metric
+
+    now = int(time.time() * 1000)
+    connect(tracking_uri).log_batch(run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()])
+
+
+def logged_through(tracking_uri: str, run_id: str, metric: str = "loss/train") -> int:
+    """The last step whose metrics the run holds (each step's metrics go in one batch)."""
+    return max((m.step for m in connect(tracking_uri).get_metric_history(run_id, metric)), default=0)
+
+
+def node_monitor(tracking_uri: str, run_id: str, node_id: str):
+    """A started MLflow system-metrics monitor of this node, logging as `system/<node_id>/...`."""
+    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+    monitor = SystemMetricsMonitor(run_id, sampling_interval=10, node_id=node_id, tracking_uri=tracking_uri)
+    monitor.start()
+    return monitor
+
+
+def record_placement(tracking_uri: str, run_id: str, nodes: list[str]) -> None:
+    """Which node each rank runs on (updated after a restart): `kiln.placement`, rank order."""
+    connect(tracking_uri).set_tag(run_id, "kiln.placement", ",".join(nodes))
+
+
+def record_restart(tracking_uri: str, run_id: str, checkpoint: str) -> int:
+    """The same MLflow run continues after a restart: count it and say where it resumed; the
+    restart's number."""
+    client = connect(tracking_uri)
+    restarts = int(client.get_run(run_id).data.tags.get("kiln.restarts", "0")) + 1
+    client.set_tag(run_id, "kiln.restarts", str(restarts))
+    client.set_tag(run_id, f"kiln.restart.{restarts}", f"resumed from {checkpoint}")
+    return restarts
+
+
+def delete_runs(tracking_uri: str, experiment: str, filter_string: str) -> int:
+    """Soft-delete an experiment's runs that match `filter_string`; how many there were."""
+    client = connect(tracking_uri)
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None:
+        return 0
+    found = client.search_runs([exp.experiment_id], filter_string=filter_string)
+    for r in found:
+        client.delete_run(r.info.run_id)
+    return len(found)
