@@ -159,6 +159,8 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     origin = typing.get_origin(tp)
     if origin is Literal:
         allowed = typing.get_args(tp)
+        if isinstance(value, bool):  # YAML 1.1 reads a bare off/on/no/yes as a boolean
+            value = next((w for w in (("off", "no", "false"), ("on", "yes", "true"))[value] if w in allowed), value)
         if value not in allowed:
             raise ConfigError(f"{where} = {value!r} is not allowed: expected one of {list(allowed)}")
         return value

@@ -157,3 +157,10 @@ def test_bf16_auto_is_autocast_on_a_gpu_at_zero0_without_a_pipeline(overrides, a
     same = [o for o in overrides if not o.startswith("train.mixed_precision")]  # explicit autocast needs bf16
     fp32 = deepspeed_config(load_config(None, ["train.precision=fp32", *same]), 1)
     assert not fp32["torch_autocast"]["enabled"] and not fp32["bf16"]["enabled"]
+
+
+def test_a_bare_off_is_the_word_where_the_field_takes_words():
+    """YAML 1.1 reads `off` as false; a field whose choices are words takes the word."""
+    assert load_config(None, ["train.health.policy=off"]).train.health.policy == "off"
+    with pytest.raises(ConfigError, match=r"train.precision = False is not allowed"):
+        load_config(None, ["train.precision=off"])

@@ -34,3 +34,27 @@ def test_kiln_is_imported_from_platform_dir():
     import kiln
 
     assert Path(kiln.__file__).resolve() == REPO / "platform" / "kiln" / "__init__.py"
+
+
+def test_modules_stay_small_and_the_config_does_no_io():
+    """No module of the package over 500 lines, no function over 80; the config's modules
+    (the composition, its language and the sections' homes that are config only) under 400 and
+    free of I/O: the model's shape is read by preflight, never by the config."""
+    import ast
+
+    kiln = REPO / "platform" / "kiln"
+    too_long = [f"{p.relative_to(kiln)}: {n}" for p in kiln.rglob("*.py")
+                if (n := len(p.read_text().splitlines())) > 500]
+    assert too_long == []
+    functions = [f"{p.relative_to(kiln)}:{node.name}" for p in kiln.rglob("*.py")
+                 for node in ast.walk(ast.parse(p.read_text()))
+                 if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 80]
+    assert functions == []
+    io = {"open", "read_text", "read_bytes", "write_text", "write_bytes", "exists", "listdir", "local_copy",
+          "read_config", "pretrained_shape", "init_from_dir", "resolve", "urlopen"}
+    for name in ("config.py", "knobs.py", "topology.py", "model_config.py", "core/config.py", "data/config.py"):
+        source = (kiln / name).read_text()
+        assert len(source.splitlines()) <= 400, name
+        calls = {n.func.attr if isinstance(n.func, ast.Attribute) else getattr(n.func, "id", "")
+                 for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Call)}
+        assert calls & io == set(), (name, calls & io)

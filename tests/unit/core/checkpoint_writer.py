@@ -47,7 +47,7 @@ def main() -> None:
     loaded = {}
     for root in roots:
         directory, step = checkpoint.resolve_resume(root, world_size=1)
-        _, client = eng.load_checkpoint(directory, tag=checkpoint.TAG)
+        client = eng.load(directory)
         assert client["step"] == step, (client["step"], step)
         loaded[root] = step
     print(json.dumps(loaded), flush=True)
