@@ -236,8 +236,9 @@ def _plan_parser(sub) -> None:
                       help="recompute activations in backward (default: the config's)")
     plan.add_argument("--pipeline-stages", type=int, help="pipeline-parallel stages (ZeRO 0-1 only)")
     plan.add_argument("--micro-batches", type=int, help="micro-batches per step in a pipeline")
-    plan.add_argument("--optimizer", choices=Registered("kiln.core.optim", "OPTIMIZERS"),
-                      help="its state is what ZeRO shards (default: the config's)")
+    # A metavar, so that building the parser never lists (and imports) the registry; help lists it.
+    plan.add_argument("--optimizer", choices=Registered("kiln.core.optim", "OPTIMIZERS"), metavar="NAME",
+                      help="one of %(choices)s; its state is what ZeRO shards (default: the config's)")
     plan.add_argument("--cluster", help="a Ray launcher YAML (cluster/aws-gpu.yaml): also estimate tokens/s, "
                       "time to --target-tokens and cost on its GPU nodes")
     plan.add_argument("--nodes", type=int, help="GPU nodes to plan for (default: the node type's max_workers)")
