@@ -63,6 +63,7 @@ bench: $(DEMO_DATA)
 	$(BIN)/python -m bench.throughput
 	$(BIN)/python -m bench.throughput --launcher local --zero-stages 0
 	$(BIN)/python -m bench.step_ab
+	$(BIN)/python -m bench.tensor_parallel
 	$(BIN)/python -m bench.checkpoint_overhead
 	$(BIN)/python -m bench.startup_cpu
 	$(BIN)/python -m bench.background_cost

@@ -235,6 +235,7 @@ def _plan_parser(sub) -> None:
     plan.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction, default=None,
                       help="recompute activations in backward (default: the config's)")
     plan.add_argument("--pipeline-stages", type=int, help="pipeline-parallel stages (ZeRO 0-1 only)")
+    plan.add_argument("--tensor-parallel", type=int, help="ranks splitting each layer's matmuls (inside a node)")
     plan.add_argument("--micro-batches", type=int, help="micro-batches per step in a pipeline")
     # A metavar, so that building the parser never lists (and imports) the registry; help lists it.
     plan.add_argument("--optimizer", choices=Registered("kiln.core.optim", "OPTIMIZERS"), metavar="NAME",

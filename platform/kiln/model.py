@@ -207,9 +207,14 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
                 cache: KVCache | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
-        B, T, C = x.shape
+        B, T, _ = x.shape
         H, KV, hd = self.cfg.n_head, self.cfg.kv_heads, self.cfg.head_dim
-        q, k, v = self.qkv(x).split([H * hd, KV * hd, KV * hd], dim=2)
+        qkv = self.qkv(x)
+        # Tensor parallelism splits the projection by whole heads, so a rank holds 1/k of them:
+        # its share of q, k and v heads follows from the width it computed (k = 1: all of them).
+        shards = (H + 2 * KV) * hd // qkv.shape[-1]
+        H, KV = H // shards, KV // shards
+        q, k, v = qkv.split([H * hd, KV * hd, KV * hd], dim=2)
         # (B, T, heads * hd) -> (B, heads, T, hd)
         q, k, v = (t.view(B, T, -1, hd).transpose(1, 2) for t in (q, k, v))
         if self.cfg.arch == "llama":
@@ -225,7 +230,7 @@ class CausalSelfAttention(nn.Module):
             q, k, v, attn_mask=mask, is_causal=mask is None and T > 1, enable_gqa=KV != H,
             dropout_p=self.cfg.dropout if self.training else 0.0,
         )
-        return self.proj(y.transpose(1, 2).contiguous().view(B, T, C))
+        return self.proj(y.transpose(1, 2).contiguous().view(B, T, H * hd))
 
 
 class MLP(nn.Module):
@@ -383,6 +388,17 @@ def num_params(cfg: GPTConfig, non_embedding: bool = True) -> int:
     if not non_embedding and cfg.arch == "gpt":
         n += cfg.seq_len * d
     return n
+
+
+def split_params(cfg: GPTConfig) -> int:
+    """Weights of the blocks' four projections (qkv, attention out, MLP in and out, with their
+    column biases): what tensor parallelism divides over its ranks. Embeddings, norms, the head
+    and the output projections' biases stay whole on every rank."""
+    d, hd = cfg.d_model, cfg.head_dim
+    per_block = d * (cfg.n_head + 2 * cfg.kv_heads) * hd + d * d + (3 if cfg.arch == "llama" else 2) * d * cfg.hidden
+    if cfg.bias:
+        per_block += (cfg.n_head + 2 * cfg.kv_heads) * hd + cfg.hidden * (2 if cfg.arch == "llama" else 1)
+    return cfg.n_layer * per_block
 
 
 def largest_layer_params(cfg: GPTConfig) -> int:

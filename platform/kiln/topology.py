@@ -20,7 +20,7 @@ from kiln.knobs import check_ranges, knob, span
 @dataclass
 class ParallelConfig:
     num_workers: int = knob(2, *span(1, 100_000))
-    """Ray Train workers (ranks): pipeline stages x data-parallel replicas."""
+    """Ray Train workers (ranks): pipeline stages x tensor-parallel ranks x data-parallel replicas."""
     use_gpu: bool = False
     """One GPU per worker, NCCL backend. False: CPU workers with gloo."""
     cpus_per_worker: float = knob(1.0, *span(0, 1024, "a number", lo_open=True))
@@ -41,6 +41,16 @@ class ParallelConfig:
     pipeline_stages: int = knob(1, *span(1, 1024))
     """Pipeline-parallel stages (DeepSpeed PipelineModule). num_workers must be a multiple of it;
     data-parallel replicas = num_workers / pipeline_stages."""
+    tensor_parallel: int = knob(1, *span(1, 1024))
+    """Ranks that split each layer's matmuls (DeepSpeed AutoTP): q/k/v and the MLP's up (and
+    gate) projections column-wise, the output projections row-wise, so each rank holds 1/k of
+    those weights, their gradients and optimizer state, and every layer all-reduces its
+    activations twice forward and twice backward. Every rank of a group reads the same rows;
+    data-parallel replicas = num_workers / (pipeline_stages x tensor_parallel). Worth it inside
+    a node (NVLink), where those all-reduces are cheap; 1: off."""
+    tp_within_node: bool = True
+    """Refuse a tensor-parallel group that would span nodes: its per-layer all-reduces over a
+    network link cost more than the split saves. False allows it (for testing, or fast fabrics)."""
     micro_batches: int = knob(4, *span(1, 100_000))
     """Micro-batches per optimizer step through the pipeline. The idle bubble is (P-1)/(M+P-1) of
     the step, so more micro-batches waste less."""
@@ -76,7 +86,7 @@ class ParallelConfig:
         if problem:
             raise ConfigError(problem)
         refusal = deepspeed_refusal(self.zero_stage, self.offload_optimizer, self.offload_params,
-                                    self.pipeline_stages)
+                                    self.pipeline_stages, self.tensor_parallel)
         if refusal:
             raise ConfigError(refusal)
         if "nvme" in (self.offload_optimizer, self.offload_params) and not self.nvme_path:
@@ -98,12 +108,12 @@ class ParallelDims:
 
     world_size: int
     pipeline_stages: int = 1
-    tensor_parallel: int = 1  # ranks splitting one layer's matmuls: 1 until tensor parallelism lands
+    tensor_parallel: int = 1  # ranks splitting one layer's matmuls
 
     @classmethod
     def of(cls, p: ParallelConfig, world_size: int | None = None) -> ParallelDims:
         """The layout of `p` over `world_size` ranks (default: its `num_workers`)."""
-        return cls(world_size or p.num_workers, p.pipeline_stages)
+        return cls(world_size or p.num_workers, p.pipeline_stages, p.tensor_parallel)
 
     @property
     def data_parallel_size(self) -> int:
@@ -111,11 +121,14 @@ class ParallelDims:
         return self.world_size // (self.pipeline_stages * self.tensor_parallel)
 
     def coords(self, rank: int) -> Coords:
-        """Where `rank` sits. DeepSpeed's PipeDataParallelTopology orders its axes (pipe, data),
-        data varying fastest, so ranks 0..D-1 are stage 0 of replicas 0..D-1
-        (`kiln.parallel.pipeline.check_coords` checks this against the engine's own grid)."""
-        dp = self.data_parallel_size
-        return Coords(data_parallel_rank=rank % dp, pipeline_stage=rank // dp)
+        """Where `rank` sits. Axes in DeepSpeed's order (pipe, data, tensor), tensor varying
+        fastest: a tensor-parallel group is k consecutive ranks (DeepSpeed's (data, tensor) mesh
+        for AutoTP), which a launcher that numbers ranks node by node keeps on one node; with a
+        pipeline, ranks 0..D-1 are stage 0 of replicas 0..D-1 (PipeDataParallelTopology;
+        `kiln.parallel.pipeline.check_coords` checks this against the engine's own grid)."""
+        tp, dp = self.tensor_parallel, self.data_parallel_size
+        return Coords(data_parallel_rank=(rank // tp) % dp, pipeline_stage=rank // (tp * dp),
+                      tensor_parallel_rank=rank % tp)
 
     def most_layers_per_stage(self, n_layer: int) -> int:
         """Transformer blocks on the fullest pipeline stage (the planner's activation memory)."""
@@ -124,23 +137,56 @@ class ParallelDims:
     def problem(self, workers: str = "parallel.num_workers") -> str | None:
         """Why the ranks do not divide into this layout; None where they do."""
         if self.world_size % (self.pipeline_stages * self.tensor_parallel):
-            return (f"{workers} = {self.world_size} is not a multiple of parallel.pipeline_stages = "
-                    f"{self.pipeline_stages}: expected workers = stages x data-parallel replicas")
+            if self.tensor_parallel == 1:
+                return (f"{workers} = {self.world_size} is not a multiple of parallel.pipeline_stages = "
+                        f"{self.pipeline_stages}: expected workers = stages x data-parallel replicas")
+            return (f"{workers} = {self.world_size} is not a multiple of parallel.pipeline_stages x "
+                    f"parallel.tensor_parallel = {self.pipeline_stages} x {self.tensor_parallel}: expected "
+                    "workers = stages x tensor-parallel ranks x data-parallel replicas")
         return None
 
+    def model_problem(self, n_head: int, kv_heads: int, ffn_hidden: int) -> str | None:
+        """Why this model's layers do not split over the tensor-parallel ranks: each rank takes
+        whole attention heads (and whole key/value heads under GQA) and an equal share of the
+        MLP's hidden units. None where they split."""
+        k = self.tensor_parallel
+        for what, n in (("n_head", n_head), ("n_kv_head (key/value heads)", kv_heads), ("the MLP's hidden width", ffn_hidden)):
+            if n % k:
+                return (f"parallel.tensor_parallel = {k} does not divide model {what} = {n}: each "
+                        "tensor-parallel rank takes an equal share of whole heads and hidden units; "
+                        f"expected a divisor of {n}")
+        return None
+
+    def node_problem(self, ranks_per_node: int, tp_within_node: bool = True) -> str | None:
+        """Why a tensor-parallel group would span nodes when `ranks_per_node` ranks share each
+        node (consecutive ranks, as Ray Train and torchrun number them); None where it fits."""
+        if not tp_within_node or self.tensor_parallel == 1 or ranks_per_node % self.tensor_parallel == 0:
+            return None
+        return (f"parallel.tensor_parallel = {self.tensor_parallel} with {ranks_per_node} rank(s) per node: "
+                "a tensor-parallel group would span nodes, and its per-layer all-reduces would cross the "
+                f"network; expected a divisor of {ranks_per_node} (or parallel.tp_within_node = false)")
+
     def describe(self) -> str:
-        """The layout in words, for logs and the pre-launch summary."""
-        if self.pipeline_stages == 1:
-            return f"{self.data_parallel_size} data-parallel"
-        return f"{self.data_parallel_size} data-parallel x {self.pipeline_stages} pipeline stages"
+        """The layout in words, for logs and the pre-launch summary: data x pipeline x tensor."""
+        parts = [f"{self.data_parallel_size} data-parallel"]
+        if self.pipeline_stages > 1:
+            parts.append(f"{self.pipeline_stages} pipeline stages")
+        if self.tensor_parallel > 1:
+            parts.append(f"{self.tensor_parallel} tensor-parallel")
+        return " x ".join(parts)
 
 
 def deepspeed_refusal(zero_stage: int, offload_optimizer: str, offload_params: str, pipeline_stages: int,
+                      tensor_parallel: int = 1,
                       name: Callable[[str], str] = lambda f: f"parallel.{f}") -> str | None:
-    """Why DeepSpeed would reject (or silently mishandle) this ZeRO / offload / pipeline
-    combination, naming each setting through `name`; None where it is legal. The one statement of
-    these limits: `kiln train` validates with it, `kiln plan` checks its flags and lists only the
-    options it allows."""
+    """Why DeepSpeed would reject (or silently mishandle) this ZeRO / offload / pipeline /
+    tensor-parallel combination, naming each setting through `name`; None where it is legal. The
+    one statement of these limits: `kiln train` validates with it, `kiln plan` checks its flags
+    and lists only the options it allows."""
+    if tensor_parallel > 1:
+        refusal = _tensor_parallel_refusal(zero_stage, offload_optimizer, offload_params, pipeline_stages, name)
+        if refusal:
+            return refusal
     if pipeline_stages > 1 and zero_stage > 1:
         return (f"{name('zero_stage')} = {zero_stage} with {name('pipeline_stages')} = {pipeline_stages}: "
                 "DeepSpeed's pipeline engine supports ZeRO stage 0 or 1 only; expected 0 or 1")
@@ -153,4 +199,21 @@ def deepspeed_refusal(zero_stage: int, offload_optimizer: str, offload_params: s
     if offload_params != "none" and zero_stage != 3:
         return (f"{name('offload_params')} = {offload_params!r} needs {name('zero_stage')} = 3 (only stage 3 "
                 "partitions parameters)")
+    return None
+
+
+def _tensor_parallel_refusal(zero_stage: int, offload_optimizer: str, offload_params: str, pipeline_stages: int,
+                             name: Callable[[str], str]) -> str | None:
+    """AutoTP's limits as Kiln serves them (DeepSpeed 0.19, measured on CPU/gloo)."""
+    tp = name("tensor_parallel")
+    if pipeline_stages > 1:
+        return (f"{tp} > 1 with {name('pipeline_stages')} = {pipeline_stages}: DeepSpeed's pipeline engine "
+                "does not apply AutoTP; expected one of them to be 1")
+    if zero_stage == 3:
+        return (f"{tp} > 1 with {name('zero_stage')} = 3: a tensor-parallel ZeRO-3 checkpoint cannot be "
+                "consolidated for export yet; expected zero_stage 0, 1 or 2 (tensor parallelism already "
+                "divides the weights)")
+    if offload_optimizer != "none" or offload_params != "none":
+        return (f"{tp} > 1 with {name('offload_*')}: Kiln does not run AutoTP with ZeRO-Offload (an untested "
+                "combination); expected offload 'none'")
     return None

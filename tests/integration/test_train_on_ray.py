@@ -143,29 +143,7 @@ def test_a_worker_killed_mid_run_resumes_exactly(zero2, ray_cluster, s3_server, 
 
     address, _, _ = ray_cluster
     cfg = _zero2_config(s3_dataset, s3_server, tmp_path, "killed", "train.max_failures=1")
-    box: dict = {}
-
-    def run():
-        try:
-            box["summary"] = train(cfg, address=address)
-        except BaseException as e:  # noqa: BLE001 - re-raised by the test thread
-            box["error"] = e
-
-    before = {p.pid for p in _train_workers()}  # none should be left from other runs; ignore any
-    thread = threading.Thread(target=run)
-    thread.start()
-    snapshot = tmp_path / "runs" / "killed" / "checkpoint_manager_snapshot.json"
-    deadline = time.time() + 600
-    while not (snapshot.exists() and "checkpoint_" in snapshot.read_text()):
-        assert thread.is_alive(), box
-        assert time.time() < deadline, "Ray Train registered no checkpoint"
-        time.sleep(0.2)
-    victims = [p for p in _train_workers() if p.pid not in before]
-    assert len(victims) == 2, victims
-    victims[-1].send_signal(signal.SIGKILL)
-    thread.join(timeout=900)
-    assert "error" not in box, box.get("error")
-    summary = box["summary"]
+    summary = _run_killing_one_worker(cfg, address, tmp_path / "runs" / "killed")
 
     client = MlflowClient(zero2.db)
     killed = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
@@ -180,6 +158,59 @@ def test_a_worker_killed_mid_run_resumes_exactly(zero2, ray_cluster, s3_server, 
         assert abs(m.value - want[m.step]) <= 1e-6 * abs(want[m.step]), (m.step, m.value, want[m.step])
     a, b = checkpoint_tensors(zero2.summary.checkpoint), checkpoint_tensors(summary.checkpoint)
     assert a.keys() == b.keys() and any("optim_states" in k for k in a), sorted(a)[:10]
+    differ = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not differ, differ[:10]
+
+
+def _run_killing_one_worker(cfg, address: str, run_dir: Path):
+    """Train `cfg`, SIGKILLing one training worker once Ray Train has registered a checkpoint;
+    the run's summary after the group restarted and finished."""
+    box: dict = {}
+
+    def run():
+        try:
+            box["summary"] = train(cfg, address=address)
+        except BaseException as e:  # noqa: BLE001 - re-raised by the test thread
+            box["error"] = e
+
+    before = {p.pid for p in _train_workers()}  # none should be left from other runs; ignore any
+    thread = threading.Thread(target=run)
+    thread.start()
+    snapshot = run_dir / "checkpoint_manager_snapshot.json"
+    deadline = time.time() + 600
+    while not (snapshot.exists() and "checkpoint_" in snapshot.read_text()):
+        assert thread.is_alive(), box
+        assert time.time() < deadline, "Ray Train registered no checkpoint"
+        time.sleep(0.2)
+    victims = [p for p in _train_workers() if p.pid not in before]
+    assert len(victims) == cfg.parallel.num_workers, victims
+    victims[-1].send_signal(signal.SIGKILL)
+    thread.join(timeout=900)
+    assert "error" not in box, box.get("error")
+    return box["summary"]
+
+
+def test_a_tensor_parallel_run_killed_mid_run_resumes_exactly(ray_cluster, s3_server, s3_dataset, checkpoint_tensors,
+                                                              tmp_path):
+    """TP=2 on 2 Ray workers (one replica; both read the same rows): a worker SIGKILLed after the
+    step-10 checkpoint, the group restarts from it, and the run ends with the uninterrupted
+    run's loss at every step and bitwise its weights and optimizer slices, rank by rank."""
+    import torch
+
+    address, _, _ = ray_cluster
+    tp = ["parallel.tensor_parallel=2", "parallel.zero_stage=1", "train.max_steps=20", "train.checkpoint_every=10",
+          "train.eval_every=10", "train.profile.start_step=0", "train.health.inject=", "train.max_failures=1"]
+    whole = train(_zero2_config(s3_dataset, s3_server, tmp_path, "tp-whole", *tp), address=address)
+    killed = _run_killing_one_worker(_zero2_config(s3_dataset, s3_server, tmp_path, "tp-killed", *tp), address,
+                                     tmp_path / "runs" / "tp-killed")
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    assert client.get_run(killed.run_id).data.tags["kiln.restarts"] == "1"
+    want = {m.step: m.value for m in client.get_metric_history(whole.run_id, "loss/train")}
+    got = {m.step: m.value for m in client.get_metric_history(killed.run_id, "loss/train")}
+    assert sorted(got) == list(range(1, 21)) and got == pytest.approx(want, rel=1e-6)
+    assert client.get_metric_history(whole.run_id, "time/tensor_parallel_comm_s")[-1].value > 0
+    a, b = checkpoint_tensors(whole.checkpoint), checkpoint_tensors(killed.checkpoint)
+    assert a.keys() == b.keys() and any("mp_rank_01" in k for k in a), sorted(a)[:10]
     differ = [k for k in a if not torch.equal(a[k], b[k])]
     assert not differ, differ[:10]
 

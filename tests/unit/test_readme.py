@@ -86,3 +86,24 @@ def test_contents_and_links_land():
     assert files and not missing, missing
     # The newcomer's first step after `make`: how `kiln` gets on the PATH.
     assert README.index("source .venv/bin/activate") < README.index("## Preparing data")
+
+
+def test_the_planner_output_the_readme_shows_is_what_kiln_plan_prints(capsys):
+    """Each `$ kiln plan ...` line of a text block runs as shown; every line under it (up to the
+    next `$`, `...` marking a cut) is a line of what it prints."""
+    import shlex
+
+    from kiln.cli import main
+
+    checked = 0
+    for block in re.findall(r"```text\n(.*?)```", README, re.S):
+        for chunk in re.split(r"^\$ ", block, flags=re.M)[1:]:
+            command, *shown = chunk.rstrip("\n").split("\n")
+            if not command.startswith("kiln plan"):
+                continue
+            assert main(shlex.split(command)[1:]) in (0, None), command
+            printed = set(capsys.readouterr().out.splitlines())
+            missing = [line for line in shown if line and line != "..." and line not in printed]
+            assert not missing, (command, missing)
+            checked += 1
+    assert checked >= 5

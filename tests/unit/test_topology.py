@@ -47,3 +47,48 @@ def test_the_data_parallel_formula_is_written_once():
                     "world.world_size // p.pipeline_stages", "n // (p.pipeline_stages * tp)"):
         assert FORMULA.search(spelled), spelled
     assert (KILN / "topology.py").read_text().count("self.world_size // (self.pipeline_stages * self.tensor_parallel)") == 1
+
+
+def test_tensor_parallel_groups_are_consecutive_ranks_inside_replicas():
+    dims = ParallelDims(world_size=8, tensor_parallel=2)
+    assert dims.data_parallel_size == 4
+    # DeepSpeed's (data, tensor) mesh: ranks 0, 1 are replica 0's two tensor-parallel ranks.
+    assert [(c.data_parallel_rank, c.tensor_parallel_rank) for c in map(dims.coords, range(4))] == [
+        (0, 0), (0, 1), (1, 0), (1, 1)]
+    assert dims.describe() == "4 data-parallel x 2 tensor-parallel"
+    assert ParallelDims.of(ParallelConfig(num_workers=4, tensor_parallel=2, zero_stage=1)).data_parallel_size == 2
+
+
+def test_tensor_parallel_splits_only_whole_heads_inside_a_node():
+    dims = ParallelDims(world_size=8, tensor_parallel=4)
+    assert dims.model_problem(n_head=32, kv_heads=8, ffn_hidden=11008) is None
+    assert "does not divide model n_head = 6" in dims.model_problem(6, 6, 512)
+    assert "does not divide model n_kv_head (key/value heads) = 2" in dims.model_problem(8, 2, 512)
+    assert dims.node_problem(ranks_per_node=8) is None
+    assert "would span nodes" in dims.node_problem(ranks_per_node=2)
+    assert dims.node_problem(ranks_per_node=2, tp_within_node=False) is None
+    assert ParallelDims(3, tensor_parallel=2).problem().startswith("parallel.num_workers = 3 is not a multiple of "
+                                                                   "parallel.pipeline_stages x parallel.tensor_parallel")
+
+
+@pytest.mark.parametrize("sets,needle", [
+    (["parallel.pipeline_stages=2", "parallel.zero_stage=1"], "pipeline engine does not apply AutoTP"),
+    (["parallel.zero_stage=3"], "zero_stage = 3"),
+    (["parallel.zero_stage=2", "parallel.offload_optimizer=cpu"], "ZeRO-Offload"),
+])
+def test_tensor_parallel_with_what_kiln_cannot_serve_is_refused(sets, needle):
+    with pytest.raises(ConfigError, match=needle):
+        load_config(None, ["parallel.num_workers=4", "parallel.tensor_parallel=2", *sets])
+
+
+def test_a_cluster_whose_nodes_cannot_hold_a_tensor_parallel_group_is_refused_before_launch():
+    from kiln.launch.on_ray import check_tensor_parallel_nodes
+
+    cfg = load_config(None, ["parallel.num_workers=4", "parallel.tensor_parallel=4", "parallel.zero_stage=1"])
+    two_cpus = [{"Alive": True, "Resources": {"CPU": 2.0}}, {"Alive": True, "Resources": {"CPU": 2.0}}]
+    with pytest.raises(ConfigError, match=r"tensor_parallel = 4 with 2 rank\(s\) per node.*holds 2 worker"):
+        check_tensor_parallel_nodes(cfg, two_cpus)
+    check_tensor_parallel_nodes(cfg, [*two_cpus, {"Alive": True, "Resources": {"CPU": 4.0}}])  # one node fits
+    loose = load_config(None, ["parallel.num_workers=4", "parallel.tensor_parallel=4", "parallel.zero_stage=1",
+                               "parallel.tp_within_node=false"])
+    check_tensor_parallel_nodes(loose, two_cpus)

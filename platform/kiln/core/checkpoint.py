@@ -60,7 +60,8 @@ def model_card(cfg: RunConfig, mcfg: GPTConfig) -> dict:
     d = cfg.data
     return redact_tree({
         "format": 1, "gpt": asdict(mcfg),
-        "parallel": {"zero_stage": cfg.parallel.zero_stage, "pipeline_stages": cfg.parallel.pipeline_stages},
+        "parallel": {"zero_stage": cfg.parallel.zero_stage, "pipeline_stages": cfg.parallel.pipeline_stages,
+                     "tensor_parallel": cfg.parallel.tensor_parallel},
         "data": {"path": d.path, "s3_endpoint": d.s3_endpoint, "s3_region": d.s3_region},
         "precision": precision_record(cfg),
     })
@@ -233,11 +234,13 @@ def newest_reported(root: str) -> str | None:
     return max(found)[1] if found else None
 
 
-def resolve_resume(path: str, world_size: int, precision: dict | None = None) -> tuple[str, int]:
+def resolve_resume(path: str, world_size: int, precision: dict | None = None,
+                   tensor_parallel: int | None = None) -> tuple[str, int]:
     """(checkpoint directory, its step) for train.resume_from: a checkpoint directory, or a run's
     directory (the local launcher's `step_N`s, or Ray Train's `checkpoint_<time>`s) whose newest
     complete checkpoint is taken. Refuses anything incomplete, written by another number of
-    ranks, or (given this run's `precision_record`) in another precision layout."""
+    ranks, or (given this run's `precision_record` and tensor-parallel size) in another
+    precision layout or split over another number of tensor-parallel ranks."""
     if not os.path.isdir(path):
         raise ConfigError(f"train.resume_from = {path!r}: no such directory")
     directory = path if (os.path.exists(os.path.join(path, MARKER.format(rank=0)))
@@ -255,7 +258,21 @@ def resolve_resume(path: str, world_size: int, precision: dict | None = None) ->
                           "number of ranks")
     if precision is not None:
         _check_precision(directory, precision)
+    if tensor_parallel is not None:
+        _check_tensor_parallel(directory, tensor_parallel)
     return directory, int(marker["step"])
+
+
+def _check_tensor_parallel(directory: str, want: int) -> None:
+    """Refuse a resume at another tensor-parallel size: each rank's file holds its own slices of
+    the weights and optimizer state, cut for the size that wrote them. Cards from before tensor
+    parallelism say nothing: they were written unsplit."""
+    had = ((_read_marker(os.path.join(directory, CARD)) or {}).get("parallel") or {}).get("tensor_parallel", 1)
+    if had != want:
+        raise ConfigError(f"train.resume_from = {directory!r} was written with parallel.tensor_parallel = {had}; this "
+                          f"run has {want}, and each rank's checkpoint file holds its own 1/{had} slices of the "
+                          f"weights and optimizer state: set parallel.tensor_parallel = {had} to resume it (or "
+                          "`kiln export` it and start a new run with model.init_from)")
 
 
 def _read_marker(path: str) -> dict | None:
@@ -293,7 +310,9 @@ class CheckpointPolicy:
         self._last_save = time.monotonic()
         if not self.t.resume_from:
             return 0, 0
-        resume_dir, _ = resolve_resume(self.t.resume_from, self.world_size, (self.card or {}).get("precision"))
+        card = self.card or {}
+        resume_dir, _ = resolve_resume(self.t.resume_from, self.world_size, card.get("precision"),
+                                       (card.get("parallel") or {}).get("tensor_parallel"))
         client = engine.load(resume_dir)
         done = int(client["step"])
         # The data position: micro-batches drawn so far, the ones the health guard left out

@@ -54,6 +54,14 @@ class Engine(Protocol):
     def overflow(self) -> tuple[int, float]:
         """fp16 dynamic loss scaling: (steps skipped on overflow so far, the loss scale now)."""
 
+    def time_comm(self, on: bool) -> None:
+        """Whether to time the collectives the engine measures itself in the coming step (only
+        steps whose metrics are read are timed, as with the phase timer)."""
+
+    def comm_time(self) -> dict[str, float]:
+        """Seconds of the timed step spent in those collectives (`time/*_comm_s`, part of the
+        forward and backward times); {} where the engine times none."""
+
     def memory(self) -> dict[str, float]:
         """Bytes this rank holds in parameters, fp32 master copies and optimizer state,
         measured from the tensors themselves (`memory/*_bytes`)."""

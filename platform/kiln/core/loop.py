@@ -122,6 +122,7 @@ class _Training:
             self.meter.begin()
             lr = self.scheduler.get_last_lr()[0]
             self.timer.on = read = _reads_metrics(step, self.cfg, self.meter, self.policy)
+            self.engine.time_comm(read)
             try:
                 result = train_step(self.engine, self.batches, self.cfg.micro_batches_per_step, self.guard,
                                     self.gate, self.timer, step)
@@ -158,7 +159,8 @@ class _Training:
         # rank takes the same save decision.
         loss_train, wait, since_save = mean_over_ranks(
             [result.loss.item(), result.data_wait_s, self.policy.seconds_since_save()], device)
-        metrics = meter.metrics(step, step_s, loss_train, lr, self.timer.read(), wait, self.engine, self.world.rank)
+        phases = self.timer.read() | self.engine.comm_time()
+        metrics = meter.metrics(step, step_s, loss_train, lr, phases, wait, self.engine, self.world.rank)
         if not math.isfinite(loss_train):
             log.warning("step %d: non-finite training loss %s", step, loss_train)
         save = self.policy.wants_save(step, since_save)
@@ -208,7 +210,7 @@ def _reads_metrics(step: int, cfg: RunConfig, meter: StepMeter, policy: Checkpoi
 def _log_start(cfg: RunConfig, mcfg: GPTConfig, dims: ParallelDims, tokens_per_step: int) -> None:
     console.info("training %s (%.2fM params) for %d steps, %d tokens/step on %d worker(s)%s",
                  cfg.model.display_name, num_params(mcfg, non_embedding=False) / 1e6, cfg.train.max_steps,
-                 tokens_per_step, dims.world_size, f" ({dims.describe()})" if dims.pipeline_stages > 1 else "")
+                 tokens_per_step, dims.world_size, f" ({dims.describe()})" if dims.data_parallel_size > 1 else "")
 
 
 def _timed_eval(meter: StepMeter, engine: Engine, source: BatchSource, max_batches: int, device: torch.device,

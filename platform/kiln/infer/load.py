@@ -82,7 +82,7 @@ def load_model(spec: str) -> LoadedModel:
     card = _card(ckpt)
     cfg = card["gpt"]
     try:
-        state = consolidate(ckpt, cfg, card["parallel"]["pipeline_stages"])
+        state = consolidate(ckpt, cfg, card["parallel"]["pipeline_stages"], card["parallel"].get("tensor_parallel", 1))
     except (OSError, EOFError, RuntimeError, ValueError, KeyError, pickle.UnpicklingError) as e:
         raise KilnError(f"{ckpt}: its shards cannot be read (truncated or not DeepSpeed's): "
                         f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
@@ -107,6 +107,7 @@ def checkpoint_of(path: Path) -> str:
 class _Parallel(TypedDict):
     zero_stage: int
     pipeline_stages: int
+    tensor_parallel: NotRequired[int]  # cards from before tensor parallelism: 1
 
 
 class _Data(TypedDict):
@@ -142,15 +143,18 @@ def _card(ckpt: str) -> dict:
     problem = shape_problem(card["gpt"])
     if problem:
         raise ConfigError(f"{path}: gpt: {problem}")
-    if card["parallel"]["pipeline_stages"] < 1:
-        raise ConfigError(f"{path}: parallel.pipeline_stages: expected a positive integer")
+    for field in ("pipeline_stages", "tensor_parallel"):
+        if card["parallel"].get(field, 1) < 1:
+            raise ConfigError(f"{path}: parallel.{field}: expected a positive integer")
     return card
 
 
-def consolidate(ckpt: str, cfg: GPTConfig, pipeline_stages: int) -> dict[str, torch.Tensor]:
+def consolidate(ckpt: str, cfg: GPTConfig, pipeline_stages: int, tensor_parallel: int = 1) -> dict[str, torch.Tensor]:
     """The whole model's fp32 state dict from a checkpoint's shards."""
     state_dir = os.path.join(ckpt, TAG)
-    if pipeline_stages > 1:
+    if tensor_parallel > 1:
+        state = _tensor_parallel_weights(state_dir, cfg, tensor_parallel)
+    elif pipeline_stages > 1:
         state = _pipeline_layers(state_dir, cfg)
     elif is_zero_sharded(state_dir):
         name_deepspeed_accelerator(torch.cuda.is_available())  # merging is host work where no GPU is
@@ -162,6 +166,21 @@ def consolidate(ckpt: str, cfg: GPTConfig, pipeline_stages: int) -> dict[str, to
     if cfg.tie_embeddings:
         state["lm_head.weight"] = state["wte.weight"]
     return state
+
+
+def _tensor_parallel_weights(state_dir: str, cfg: GPTConfig, k: int) -> dict[str, torch.Tensor]:
+    """The k tensor-parallel ranks' module weights (ZeRO 0-2 keep them whole per rank, in the
+    training precision), merged (`kiln.parallel.tensor_parallel.merge_shards`)."""
+    from kiln.parallel.tensor_parallel import merge_shards
+
+    shards = []
+    for rank in range(k):
+        path = os.path.join(state_dir, f"mp_rank_{rank:02d}_model_states.pt")
+        if not os.path.exists(path):
+            raise ConfigError(f"{state_dir}: mp_rank_{rank:02d}_model_states.pt is missing (tensor-parallel rank "
+                              f"{rank} of {k})")
+        shards.append(torch.load(path, map_location="cpu", weights_only=False)["module"])
+    return merge_shards(shards, cfg)
 
 
 def _pipeline_layers(state_dir: str, cfg: GPTConfig) -> dict[str, torch.Tensor]:

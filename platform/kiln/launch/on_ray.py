@@ -20,7 +20,7 @@ import ray
 
 from kiln.clock import startup_mark
 from kiln.config import RunConfig
-from kiln.errors import KilnError, user_error_in
+from kiln.errors import ConfigError, KilnError, user_error_in
 from kiln.launch.preflight import preflight
 from kiln.launch.summary import Summary
 from kiln.ray.address import check_ray_address
@@ -51,6 +51,7 @@ def train(cfg: RunConfig, address: str | None = None, started: float | None = No
     marks |= startup_mark("preflight")
     run = _open_run_while_ray_starts(cfg, checked.datasets, tracking_uri, address, verbose)
     marks |= startup_mark("ray")  # the later of the two: the run opened meanwhile
+    check_tensor_parallel_nodes(cfg, ray.nodes())
     resources = ray.cluster_resources()
     run.set_tags({"kiln.num_nodes": len([n for n in ray.nodes() if n["Alive"]]),
                   "kiln.cluster_cpus": resources.get("CPU", 0), "kiln.cluster_gpus": resources.get("GPU", 0)})
@@ -177,6 +178,21 @@ def connect_ray(cfg: RunConfig, address: str | None = None, verbose: bool = True
                        log_to_driver=True, **ray_logging)
     log.info("embedded Ray started: %d CPUs, dashboard at http://%s", ray.cluster_resources().get("CPU", 0),
              context.dashboard_url)
+
+
+def check_tensor_parallel_nodes(cfg: RunConfig, nodes: list[dict]) -> None:
+    """Before any worker starts: refuse a tensor-parallel group that no node of the cluster can
+    hold whole (`parallel.tp_within_node`). Each worker then checks its own node's share of
+    ranks (`kiln.parallel.engine.build_engine`), as Ray placed them."""
+    p = cfg.parallel
+    if p.tensor_parallel == 1 or not p.tp_within_node:
+        return
+    per_worker = ("GPU", 1.0) if p.use_gpu else ("CPU", p.cpus_per_worker)
+    most = max((int(n["Resources"].get(per_worker[0], 0) // per_worker[1]) for n in nodes if n.get("Alive")),
+               default=0)
+    if most < p.tensor_parallel:
+        raise ConfigError(cfg.dims.node_problem(most, True) + f" (the largest node of the cluster holds {most} "
+                          f"worker(s) of {per_worker[1]:g} {per_worker[0]})")
 
 
 def warn_if_no_cpu_left_for_data(cfg: RunConfig) -> None:

@@ -66,8 +66,7 @@ class Checked:
             ("model", f"{c.model.display_name}: {mcfg.n_layer} layers x d_model {mcfg.d_model}, "
                       f"{num_params(mcfg, non_embedding=False) / 1e6:.2f}M params, vocab {mcfg.vocab_size}, "
                       f"{'GPT-2' if mcfg.arch == 'gpt' else 'Llama'} architecture"),
-            ("parallel", f"{p.num_workers} worker(s) ({c.dims.data_parallel_size} data-parallel x "
-                         f"{p.pipeline_stages} stage(s)), ZeRO-{p.zero_stage}, offload {p.offload_optimizer}/{p.offload_params}, "
+            ("parallel", f"{p.num_workers} worker(s) ({c.dims.describe()}), ZeRO-{p.zero_stage}, offload {p.offload_optimizer}/{p.offload_params}, "
                          f"{t.precision}{precision_flavour(c)}, {'GPU' if p.use_gpu else 'CPU'}"),
             ("steps", f"{t.max_steps} x {c.tokens_per_step():,} tokens (micro-batch {t.micro_batch_size} x "
                       f"{c.micro_batches_per_step} per replica), {c.optim.name} lr {c.optim.lr:g}, {c.schedule.name}"),
@@ -90,6 +89,9 @@ def preflight(cfg: RunConfig, remote_cluster: bool = False, storage_field: str =
     pretrained = check_init_from(cfg)  # the weights' own problems first: the data's fit to them is next
     cfg, datasets = resolve_against_data(cfg, pretrained)
     model = cfg.model.shape(pretrained)
+    problem = cfg.dims.model_problem(model.n_head, model.kv_heads, model.hidden)
+    if problem:
+        raise ConfigError(problem)
     cfg = check_resume(cfg, world_size or cfg.parallel.num_workers, remote_cluster)
     check_precision(cfg)
     cfg = with_run_name(cfg)
@@ -142,7 +144,7 @@ def check_resume(cfg: RunConfig, world_size: int, remote_cluster: bool) -> RunCo
         return cfg
     path = absolute(cfg.train.resume_from)
     if not remote_cluster or os.path.exists(path):  # on a cluster's shared disk it may be visible here too
-        resolve_resume(path, world_size, precision_record(cfg))
+        resolve_resume(path, world_size, precision_record(cfg), cfg.parallel.tensor_parallel)
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, resume_from=path))
 
 

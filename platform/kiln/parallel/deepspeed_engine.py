@@ -13,13 +13,15 @@ from collections.abc import Iterator
 import torch
 
 from kiln.core.checkpoint import TAG
+from kiln.parallel.comm_timer import METRIC as COMM_METRIC
+from kiln.parallel.comm_timer import CollectiveTimer
 
 
 class DeepSpeedEngine:
     """A DeepSpeedEngine or PipelineEngine, as the loop's `Engine`."""
 
-    def __init__(self, ds, pipeline: bool):
-        self.ds, self.pipeline = ds, pipeline
+    def __init__(self, ds, pipeline: bool, comm_timer: CollectiveTimer | None = None):
+        self.ds, self.pipeline, self.comm_timer = ds, pipeline, comm_timer
 
     def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         _, loss = self.ds(inputs, targets)
@@ -55,6 +57,13 @@ class DeepSpeedEngine:
     def overflow(self) -> tuple[int, float]:
         return (int(getattr(self.ds, "skipped_steps", 0)),
                 float(getattr(self.ds.optimizer, "cur_scale", 0.0) or 0.0))
+
+    def time_comm(self, on: bool) -> None:
+        if self.comm_timer is not None:
+            self.comm_timer.on = on
+
+    def comm_time(self) -> dict[str, float]:
+        return {} if self.comm_timer is None else {COMM_METRIC: self.comm_timer.read()}
 
     def memory(self) -> dict[str, float]:
         return engine_memory(self.ds)

@@ -28,9 +28,11 @@ from kiln.core.process import WorldInfo, prepare_process
 from kiln.errors import ConfigError
 from kiln.hf_checkpoint import init_from_dir
 from kiln.model import GPT, GPTConfig
+from kiln.parallel.comm_timer import CollectiveTimer
 from kiln.parallel.deepspeed_engine import DeepSpeedEngine
 from kiln.parallel.ops import init_distributed
 from kiln.parallel.pipeline import check_coords, to_pipeline
+from kiln.parallel.tensor_parallel import partition_config
 from kiln.redact import redact_tree
 from kiln.topology import ParallelDims
 
@@ -54,15 +56,17 @@ def _offload(device: str, cfg: RunConfig) -> dict[str, Any]:
     return out
 
 
-def deepspeed_config(cfg: RunConfig, data_parallel_size: int, d_model: int = 0) -> dict[str, Any]:
+def deepspeed_config(cfg: RunConfig, data_parallel_size: int, mcfg: GPTConfig | None = None) -> dict[str, Any]:
     """The DeepSpeed config of a run: Kiln's own (`kiln_deepspeed_config`), with
     `parallel.deepspeed` merged over it."""
-    return deep_merge(kiln_deepspeed_config(cfg, data_parallel_size, d_model), cfg.parallel.deepspeed)
+    return deep_merge(kiln_deepspeed_config(cfg, data_parallel_size, mcfg), cfg.parallel.deepspeed)
 
 
-def kiln_deepspeed_config(cfg: RunConfig, data_parallel_size: int, d_model: int = 0) -> dict[str, Any]:
-    """What Kiln's own fields say DeepSpeed should do."""
+def kiln_deepspeed_config(cfg: RunConfig, data_parallel_size: int, mcfg: GPTConfig | None = None) -> dict[str, Any]:
+    """What Kiln's own fields say DeepSpeed should do (`mcfg`: the model's shape, which ZeRO-3's
+    persistence threshold and tensor parallelism's partition specs read)."""
     t, p = cfg.train, cfg.parallel
+    d_model = mcfg.d_model if mcfg else 0
     zero: dict[str, Any] = {"stage": p.zero_stage}
     if p.zero_stage >= 2:
         # Contiguous gradient buffers avoid fragmentation; overlapping the reduce with backward
@@ -97,6 +101,10 @@ def kiln_deepspeed_config(cfg: RunConfig, data_parallel_size: int, d_model: int 
         "steps_per_print": 1 << 30,  # Kiln does its own logging
         "wall_clock_breakdown": False,
     }
+    if p.tensor_parallel > 1:
+        ds["tensor_parallel"] = {"autotp_size": p.tensor_parallel}
+        if mcfg is not None:
+            ds["tensor_parallel"]["partition_config"] = partition_config(mcfg)
     return ds
 
 
@@ -111,6 +119,7 @@ OWNED = {
     "zero_optimization.offload_param.device": "parallel.offload_params",
     "bf16.enabled": "train.precision", "fp16.enabled": "train.precision",
     "torch_autocast.enabled": "train.mixed_precision",
+    "tensor_parallel.autotp_size": "parallel.tensor_parallel",
 }
 REFUSED = {"optimizer": "optim", "scheduler": "schedule"}  # Kiln builds these itself
 
@@ -121,6 +130,7 @@ def check_passthrough(cfg: RunConfig) -> None:
     from kiln.errors import ConfigError
 
     ours = _leaves(kiln_deepspeed_config(cfg, cfg.data_parallel_size))
+    ours.setdefault("tensor_parallel.autotp_size", cfg.parallel.tensor_parallel)  # 1 writes no section
     for key, value in _leaves(cfg.parallel.deepspeed).items():
         top = key.split(".")[0]
         if top in REFUSED:
@@ -278,13 +288,20 @@ def build_engine(cfg: RunConfig, mcfg: GPTConfig, world: WorldInfo) -> tuple[Dee
     prepare_process(cfg.parallel, cfg.train.seed, world)
     gate = StepGate()  # the health guard's way to withhold a bad step from the optimizer
     dims = ParallelDims.of(cfg.parallel, world.world_size)
+    problem = dims.node_problem(world.local_world_size, cfg.parallel.tp_within_node)
+    if problem:
+        raise ConfigError(problem)
     engine, scheduler = initialize(
         cfg, mcfg, dims.data_parallel_size, device=world.device,
         scheduler_fn=lambda opt: build_scheduler(gate_optimizer(opt, gate), cfg.schedule, cfg.train.max_steps, gate),
     )
     if dims.pipeline_stages > 1:
         check_coords(engine, world.rank, dims)
-    return DeepSpeedEngine(engine, pipeline=dims.pipeline_stages > 1), scheduler
+    timer = None
+    if dims.tensor_parallel > 1:
+        timer = CollectiveTimer(engine.mpu.get_tensor_model_parallel_group(), world.device.type == "cuda")
+        timer.install()
+    return DeepSpeedEngine(engine, pipeline=dims.pipeline_stages > 1, comm_timer=timer), scheduler
 
 
 def initialize(cfg: RunConfig, mcfg: GPTConfig, data_parallel_size: int, device: torch.device, scheduler_fn):
@@ -293,7 +310,7 @@ def initialize(cfg: RunConfig, mcfg: GPTConfig, data_parallel_size: int, device:
     init_distributed(on_cuda)  # a PipelineModule needs the comm layer before deepspeed.initialize
     import deepspeed
 
-    ds_config = deepspeed_config(cfg, data_parallel_size, mcfg.d_model)
+    ds_config = deepspeed_config(cfg, data_parallel_size, mcfg)
     if cfg.parallel.pipeline_stages > 1:
         model = to_pipeline(build_model(cfg, mcfg, ds_config, torch.device("cpu")), cfg.parallel,
                             mcfg.activation_checkpointing)
@@ -306,13 +323,26 @@ def initialize(cfg: RunConfig, mcfg: GPTConfig, data_parallel_size: int, device:
     optimizer = build_optimizer_for(model, cfg, on_cuda)
     scheduler = scheduler_fn(optimizer)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
-                                           config=ds_config)
+                                           config=ds_config, mpu=tensor_parallel_groups(cfg.parallel.tensor_parallel))
     # DeepSpeed has parsed its config by now, and keeps the raw dict only to save it into every
     # checkpoint (`ds_config`): masked, a secret in the passthrough never reaches a checkpoint.
     engine.config = redact_tree(engine.config)
     install_fp32_clipping(engine)
     skip_lone_allreduce(engine, cfg)
     return engine, scheduler
+
+
+def tensor_parallel_groups(k: int):
+    """None without tensor parallelism; else DeepSpeed's groups module with its (data, tensor)
+    mesh made, passed to `deepspeed.initialize` as the mpu. That is what `tp_model_init` does
+    inside DeepSpeed; passing it also makes DeepSpeed's config count the data-parallel ranks
+    (world / k), not the world, in `train_batch_size`."""
+    if k == 1:
+        return None
+    from deepspeed.utils import groups
+
+    groups._init_tp_mesh_device(tensor_model_parallel_size=k)
+    return groups
 
 
 def skip_lone_allreduce(engine, cfg: RunConfig) -> None:
@@ -345,12 +375,18 @@ def install_fp32_clipping(engine) -> None:
     """
     import types
 
-    group = engine.grid.get_pipe_parallel_group() if hasattr(engine, "grid") else None
+    group, split_only = None, False
+    if hasattr(engine, "grid"):  # a pipeline: each stage's own weights, summed over the stages
+        group = engine.grid.get_pipe_parallel_group()
+    elif engine.autotp_size() > 1:  # tensor parallel: the split weights summed, the whole ones once
+        group, split_only = engine.mpu.get_tensor_model_parallel_group(), True
 
     def clip_fp32_gradients(self):
         params = [p for p in self.module.parameters() if p.grad is not None]
-        counted = [p.grad for p in params if not getattr(p, "ds_pipe_replicated", False)]
-        norm = global_grad_norm(counted, group, params[0].grad.device if params else torch.device("cpu"))
+        counted = [p for p in params if not getattr(p, "ds_pipe_replicated", False)]
+        whole = [p.grad for p in counted if split_only and not getattr(p, "tensor_model_parallel", False)]
+        summed = [p.grad for p in counted if not split_only or getattr(p, "tensor_model_parallel", False)]
+        norm = global_grad_norm(summed, group, params[0].grad.device if params else torch.device("cpu"), whole)
         torch.nn.utils.clip_grads_with_norm_(params, self.gradient_clipping(), norm)
         self._global_grad_norm = norm  # a device tensor; `get_global_grad_norm` hands it over
         return norm
@@ -358,16 +394,21 @@ def install_fp32_clipping(engine) -> None:
     engine.clip_fp32_gradients = types.MethodType(clip_fp32_gradients, engine)
 
 
-def global_grad_norm(grads: list[torch.Tensor], group, device: torch.device) -> torch.Tensor:
-    """The L2 norm of `grads` summed over `group`'s ranks (None: this rank's alone), on the device."""
-    if not grads:
-        local = torch.zeros((), dtype=torch.float32, device=device)
-    else:
-        local = torch.nn.utils.get_total_norm(grads, 2.0).float()
+def global_grad_norm(grads: list[torch.Tensor], group, device: torch.device,
+                     whole: list[torch.Tensor] = ()) -> torch.Tensor:
+    """The L2 norm of `grads` summed over `group`'s ranks (None: this rank's alone) together with
+    `whole`, gradients every rank of the group holds alike (counted once), on the device."""
+    local = _norm(grads, device)
     if group is None:  # gradients are averaged over data-parallel replicas already
         return local
     import torch.distributed as dist
 
     sq = local.square()
     dist.all_reduce(sq, group=group)
-    return sq.sqrt()
+    return (sq + _norm(list(whole), device).square()).sqrt()
+
+
+def _norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    if not grads:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    return torch.nn.utils.get_total_norm(grads, 2.0).float()

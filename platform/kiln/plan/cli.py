@@ -44,20 +44,21 @@ def plan_from_args(args: argparse.Namespace) -> str:
         "world_size": args.world_size, "device_memory_gib": args.device_memory_gib,
         "micro_batch": args.micro_batch, "precision": args.precision, "zero_stage": args.zero_stage,
         "activation_checkpointing": args.activation_checkpointing, "pipeline_stages": args.pipeline_stages,
-        "micro_batches": args.micro_batches, "optimizer": args.optimizer,
+        "micro_batches": args.micro_batches, "optimizer": args.optimizer, "tensor_parallel": args.tensor_parallel,
     }
     if args.offload:
         changes["offload_optimizer"], changes["offload_params"] = offload[args.offload]
     base = dataclasses.replace(base, **{k: v for k, v in changes.items() if v is not None})
     _check(base)
+    per_node = cluster.node.devices if cluster else 8  # the usual 8-GPU node
     if cluster is None:
-        return format_table(base)
+        return format_table(base, per_node)
     from kiln.plan.throughput import format_estimate
 
     if base.world_size > cluster.world_size:
         raise ConfigError(f"--world-size {base.world_size} is more than the {cluster.world_size} devices of "
                           f"{cluster.source}")
-    return format_table(base) + "\n\n" + format_estimate(base, cluster, args.mfu, args.target_tokens,
+    return format_table(base, per_node) + "\n\n" + format_estimate(base, cluster, args.mfu, args.target_tokens,
                                                          args.usd_per_hour, cfg.train.grad_accum_steps)
 
 
@@ -75,7 +76,8 @@ def _with_data_shapes(cfg: RunConfig) -> RunConfig:
 # Flags that set a run-config field take that field's range (kiln.config); the rest their own.
 _FIELD_OF_FLAG = {"seq_len": "model.seq_len", "vocab_size": "model.vocab_size", "world_size": "parallel.num_workers",
                   "micro_batch": "train.micro_batch_size", "pipeline_stages": "parallel.pipeline_stages",
-                  "micro_batches": "parallel.micro_batches", "device_memory_gib": "parallel.device_memory_gib"}
+                  "micro_batches": "parallel.micro_batches", "device_memory_gib": "parallel.device_memory_gib",
+                  "tensor_parallel": "parallel.tensor_parallel"}
 _OWN_RANGE = {"nodes": span(1, 100_000), "target_tokens": span(0, 1e18, "a number", lo_open=True),
               "usd_per_hour": span(0, 1e9, "a number", lo_open=True), "mfu": span(0, 1, "a fraction", lo_open=True)}
 
@@ -92,16 +94,20 @@ def _check_flags(args: argparse.Namespace) -> None:
 
 
 def _check(p: PlanInput) -> None:
-    for name in ("world_size", "micro_batch", "pipeline_stages", "micro_batches"):
+    for name in ("world_size", "micro_batch", "pipeline_stages", "micro_batches", "tensor_parallel"):
         if getattr(p, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} = {getattr(p, name)}: expected an integer >= 1")
     if p.device_memory_gib <= 0:
         raise ConfigError(f"--device-memory-gib = {p.device_memory_gib}: expected a number > 0")
-    if p.world_size % p.pipeline_stages:
-        raise ConfigError(f"--world-size {p.world_size} is not a multiple of --pipeline-stages {p.pipeline_stages}")
-    refusal = deepspeed_refusal(p.zero_stage, p.offload_optimizer, p.offload_params, p.pipeline_stages, _flag)
+    if p.world_size % (p.pipeline_stages * p.tensor_parallel):
+        raise ConfigError(f"--world-size {p.world_size} is not a multiple of --pipeline-stages x --tensor-parallel "
+                          f"= {p.pipeline_stages} x {p.tensor_parallel}")
+    m = p.model
+    refusal = (p.dims.model_problem(m.n_head, m.kv_heads, m.hidden)
+               or deepspeed_refusal(p.zero_stage, p.offload_optimizer, p.offload_params, p.pipeline_stages,
+                                    p.tensor_parallel, _flag))
     if refusal:
-        raise ConfigError(refusal)
+        raise ConfigError(refusal.replace("parallel.tensor_parallel", "--tensor-parallel"))
 
 
 def _flag(setting: str) -> str:

@@ -40,6 +40,13 @@ LayerNorms' inputs, each block's input) stay fp32: those count 4 bytes, the rest
 
 A pipeline stage holds 1/P of the layers, and its first stage holds up to min(P, M) micro-batches
 in flight under DeepSpeed's 1F1B schedule.
+
+Tensor parallelism over t ranks (Megatron-LM, Shoeybi et al. 2019) divides the blocks'
+projections (`kiln.model.split_params`) and so their gradients and optimizer state by t; ZeRO
+then shards over the N = world / (P x t) data-parallel replicas. Of a block's activations the
+ones inside the split (q k v, attention out, proj in, GELU in, proj in: 13 of 15 e-byte terms)
+divide by t; the norms' inputs and the projections' inputs stay whole (no sequence parallelism;
+Korthikanti et al. 2022, table 2).
 """
 
 from __future__ import annotations
@@ -50,7 +57,7 @@ from dataclasses import dataclass
 
 from kiln.config import bf16_autocast
 from kiln.core.optim import OPTIMIZERS
-from kiln.model import GPTConfig, largest_layer_params, num_params
+from kiln.model import GPTConfig, largest_layer_params, num_params, split_params
 from kiln.topology import ParallelDims, deepspeed_refusal
 from kiln.ui import table
 
@@ -59,15 +66,18 @@ GIB = 1 << 30
 # Rough relative step cost of each memory technique, to rank options that fit ("cheapest
 # first"). Orderings, not predictions: recomputation adds one forward (~1/3 of a step);
 # ZeRO-3 moves 1.5x the data-parallel traffic (ZeRO paper, section 7); offload puts the
-# optimizer step on the CPU behind PCIe (ZeRO-Offload reports 1.1-2x on GPT-2).
-COST = {"zero3": 1.15, "checkpointing": 1.33, "offload_optimizer": 1.5, "offload_params": 2.5}
+# optimizer step on the CPU behind PCIe (ZeRO-Offload reports 1.1-2x on GPT-2); each doubling of
+# tensor parallelism inside a node x1.1 (Megatron-LM keeps 77% of linear scaling at 8-way over
+# NVLink, 1/0.77 = 1.1^3: Shoeybi et al. 2019, figure 1).
+COST = {"zero3": 1.15, "checkpointing": 1.33, "offload_optimizer": 1.5, "offload_params": 2.5,
+        "tensor_parallel_doubling": 1.1}
 
 
 @dataclass(frozen=True)
 class PlanInput:
     model: GPTConfig
     world_size: int = 1
-    """Devices in the run (data-parallel x pipeline)."""
+    """Devices in the run (data-parallel x pipeline x tensor-parallel)."""
     device_memory_gib: float = 80.0
     micro_batch: int = 1
     zero_stage: int = 0
@@ -78,6 +88,8 @@ class PlanInput:
     pipeline_stages: int = 1
     micro_batches: int = 1
     """Micro-batches per step in the pipeline (in flight on the first stage, up to P)."""
+    tensor_parallel: int = 1
+    """Ranks splitting each block's matmuls (parallel.tensor_parallel)."""
     optimizer: str = "adamw"
     mixed_precision: str = "weights"
     """train.mixed_precision; `plan_input` passes the run's (whose default is `auto`)."""
@@ -85,7 +97,7 @@ class PlanInput:
 
     @property
     def dims(self) -> ParallelDims:
-        return ParallelDims(self.world_size, self.pipeline_stages)
+        return ParallelDims(self.world_size, self.pipeline_stages, self.tensor_parallel)
 
     @property
     def data_parallel(self) -> int:
@@ -134,7 +146,9 @@ def state_bytes(p: PlanInput) -> int:
 def estimate(p: PlanInput) -> Estimate:
     m, e = p.model, state_bytes(p)
     n, P = max(1, p.data_parallel), p.pipeline_stages
-    psi = num_params(m, non_embedding=False) // P  # one stage's share (embedding split is approximate)
+    t = p.tensor_parallel
+    # one stage's share (the embedding split is approximate), the blocks' projections split t ways
+    psi = (num_params(m, non_embedding=False) - split_params(m) * (t - 1) // t) // P
     s = p.zero_stage
     k = OPTIMIZERS[p.optimizer].states  # optimizer state tensors per parameter (fp32 each)
 
@@ -145,7 +159,7 @@ def estimate(p: PlanInput) -> Estimate:
     master = 4 * psi / shard if (mixed or s >= 1) else 0
     fp32_grads = 4 * psi / shard if (mixed or s >= 1) else 0
     states = 4 * k * psi / shard
-    gathered = 2 * e * largest_layer_params(m) if s == 3 else 0
+    gathered = 2 * e * largest_layer_params(m) // t if s == 3 else 0
     if s == 3:  # the 16-bit gradients are reduce-scattered straight into fp32 partitions
         grads = 0
 
@@ -171,7 +185,10 @@ def activation_bytes(p: PlanInput) -> int:
     r = state_bytes(p)  # the residual stream: fp32 under autocast (its adds and LayerNorms run in fp32)
     b, s, h, V = p.micro_batch, m.seq_len, m.d_model, m.vocab_size
     layers = p.dims.most_layers_per_stage(m.n_layer)
-    block = (15 * e + 2 * r) * b * s * h  # ln_1 and ln_2 inputs are the residual stream
+    t = p.tensor_parallel
+    # ln_1 and ln_2 inputs are the residual stream; the projections' inputs stay whole under tensor
+    # parallelism, the 13 other terms are split
+    block = (2 * e + 13 * e / t + 2 * r) * b * s * h
     # Checkpointed: each block keeps only its input, and one block is live while recomputed.
     per_mb = layers * b * s * h * r + block if p.activation_checkpointing else layers * block
     per_mb += b * s * h * r  # embedding output
@@ -187,7 +204,7 @@ class Option:
 
     @property
     def cost(self) -> float:
-        c = 1.0
+        c = COST["tensor_parallel_doubling"] ** (self.plan.tensor_parallel.bit_length() - 1)
         if self.plan.zero_stage == 3:
             c *= COST["zero3"]
         if self.plan.activation_checkpointing:
@@ -200,7 +217,8 @@ class Option:
 
     def describe(self) -> str:
         p = self.plan
-        parts = [f"zero_stage={p.zero_stage}"]
+        parts = [f"tensor_parallel={p.tensor_parallel}"] if p.tensor_parallel > 1 else []
+        parts.append(f"zero_stage={p.zero_stage}")
         if p.offload_optimizer != "none":
             parts.append(f"offload_optimizer={p.offload_optimizer}")
         if p.offload_params != "none":
@@ -216,7 +234,7 @@ def options(base: PlanInput) -> list[Option]:
     out = []
     offloads = (("none", "none"), ("cpu", "none"), ("cpu", "cpu"))
     for stage, ckpt, (opt_off, par_off) in itertools.product((0, 1, 2, 3), (False, True), offloads):
-        if deepspeed_refusal(stage, opt_off, par_off, base.pipeline_stages) is None:
+        if deepspeed_refusal(stage, opt_off, par_off, base.pipeline_stages, base.tensor_parallel) is None:
             p = dataclasses.replace(base, zero_stage=stage, activation_checkpointing=ckpt,
                                     offload_optimizer=opt_off, offload_params=par_off)
             out.append(Option(p, estimate(p)))
@@ -237,12 +255,46 @@ def human(n: float) -> str:
     return f"{n / GIB:.2f} GiB" if abs(n) >= GIB / 4 else f"{n / (1 << 20):.1f} MiB"
 
 
-def format_table(base: PlanInput) -> str:
+def tensor_parallel_sizes(base: PlanInput, per_node: int) -> list[int]:
+    """Tensor-parallel sizes worth a row: powers of two up to the devices of one node (its
+    all-reduces need NVLink) that divide the world and the model's heads and hidden units, in a
+    layout DeepSpeed serves (no pipeline)."""
+    m, out, t = base.model, [], 1
+    while t <= per_node:
+        dims = ParallelDims(base.world_size, base.pipeline_stages, t)
+        if (dims.problem() is None and dims.model_problem(m.n_head, m.kv_heads, m.hidden) is None
+                and deepspeed_refusal(0, "none", "none", base.pipeline_stages, t) is None):
+            out.append(t)
+        t *= 2
+    return out
+
+
+def tensor_parallel_lines(base: PlanInput, per_node: int) -> list[str]:
+    """One line per tensor-parallel size: the cheapest option that fits at it."""
+    lines = [f"tensor parallelism inside a node ({per_node} devices per node), cheapest option that fits:"]
+    for t in tensor_parallel_sizes(base, per_node):
+        best = first_fit(dataclasses.replace(base, tensor_parallel=t))
+        shown = (f"{best.describe().replace(f'tensor_parallel={t}, ', '')} -> {gib(best.estimate.total)} GiB, "
+                 f"cost {best.cost:.2f}" if best else "nothing fits")
+        lines.append(f"  tensor_parallel={t} ({ParallelDims(base.world_size, base.pipeline_stages, t).describe()}): "
+                     f"{shown}")
+    return lines if len(lines) > 2 else []
+
+
+def first_fit_any(base: PlanInput, per_node: int) -> Option | None:
+    """The cheapest option that fits at any tensor-parallel size inside a node (the base's own
+    included); equal costs go to less splitting, then less memory."""
+    sizes = sorted({base.tensor_parallel, *tensor_parallel_sizes(base, per_node)})
+    fits = [o for t in sizes if (o := first_fit(dataclasses.replace(base, tensor_parallel=t)))]
+    return min(fits, key=lambda o: (round(o.cost, 6), o.plan.tensor_parallel, o.estimate.total), default=None)
+
+
+def format_table(base: PlanInput, per_node: int = 8) -> str:
     """The planner's table: every option, the chosen one marked, the cheapest that fits named."""
     m = base.model
     head = (f"model {m.n_layer} layers x d_model {m.d_model}, {num_params(m, non_embedding=False) / 1e9:.3g}B params; "
             f"{base.world_size} devices x {base.device_memory_gib:g} GiB "
-            f"({base.data_parallel} data-parallel x {base.pipeline_stages} pipeline); micro-batch "
+            f"({base.dims.describe()}); micro-batch "
             f"{base.micro_batch} x seq {m.seq_len}; {base.precision}; {base.optimizer}")
     cols = ("", "zero", "offload", "ckpt", "params", "grads", "master+fp32g", "optim", "gathered",
             "activ", "total GiB", "host GiB", "fits", "cost")
@@ -260,15 +312,17 @@ def format_table(base: PlanInput) -> str:
                      gib(est.gathered), gib(est.activations), gib(est.total), gib(est.host),
                      "yes" if est.fits else "NO", f"{o.cost:.2f}"))
     lines = [head, "", table.format_table(cols, rows, right=True, rule=False)]
-    best = first_fit(base)
+    best = first_fit_any(base, per_node)
     lines.append("")
     lines.append(f"your configuration (*): {gib(chosen.total)} GiB per device, "
                  f"{'fits' if chosen.fits else 'does NOT fit'} in {base.device_memory_gib:g} GiB")
     if best:
         lines.append(f"recommended (cheapest that fits): {best.describe()} -> {gib(best.estimate.total)} GiB")
     else:
-        lines.append("nothing fits: lower the micro-batch, add devices or pipeline stages")
-    lines.append("cost: rough relative step time (checkpointing x1.33, ZeRO-3 x1.15, offload x1.5 / x2.5)")
+        lines.append("nothing fits: lower the micro-batch, add devices, pipeline stages or tensor parallelism")
+    lines += tensor_parallel_lines(base, per_node)
+    lines.append("cost: rough relative step time (checkpointing x1.33, ZeRO-3 x1.15, offload x1.5 / x2.5, "
+                 "tensor parallelism x1.1 per doubling)")
     return "\n".join(lines)
 
 
@@ -281,6 +335,7 @@ def plan_input(cfg, mcfg: GPTConfig, device_memory_gib: float) -> PlanInput:
         micro_batch=t.micro_batch_size, zero_stage=p.zero_stage, offload_optimizer=p.offload_optimizer,
         offload_params=p.offload_params, activation_checkpointing=mcfg.activation_checkpointing,
         precision=t.precision, pipeline_stages=p.pipeline_stages, micro_batches=p.micro_batches,
+        tensor_parallel=p.tensor_parallel,
         optimizer=cfg.optim.name, mixed_precision=t.mixed_precision, use_gpu=p.use_gpu,
     )
 

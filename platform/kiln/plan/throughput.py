@@ -17,6 +17,11 @@ Formulas and sources:
   node's network bandwidth shared by its devices (NCCL's bus-bandwidth model).
 - Overlap: DeepSpeed's overlap_comm reduces buckets while the backward runs, so communication
   hides up to the backward time (2/3 of compute); ZeRO-3's forward gathers do not hide here.
+- Tensor parallelism over t ranks (Megatron-LM, Shoeybi et al. 2019): each device computes 1/t of
+  the flops, and every block all-reduces its b·s·h activations twice in the forward and twice
+  in the backward (three times forward under activation checkpointing, which reruns it), a ring
+  all-reduce sending 2(t-1)/t of them, over NVLink (inside a node). Those all-reduces sit on the
+  critical path, so none of it hides. Data-parallel gradients are then Ψ/t per device.
 - Pipeline bubble (GPipe/1F1B): the step takes (m + P - 1)/m of its ideal time for m
   micro-batches (Huang et al. 2019; Narayanan et al. 2021).
 - Token budget: 20 tokens per parameter by default, the compute-optimal ratio of Hoffmann et al.
@@ -30,7 +35,7 @@ from pathlib import Path
 
 from kiln.devices import DEVICES
 from kiln.errors import ConfigError
-from kiln.model import GPTConfig, flops_per_token, num_params
+from kiln.model import GPTConfig, flops_per_token, num_params, split_params
 from kiln.plan.memory import PlanInput, state_bytes
 from kiln.schemas import Launcher, type_problems
 from kiln.yamlfile import read_mapping
@@ -103,6 +108,8 @@ class Throughput:
     comm_s: float
     exposed_comm_s: float
     bubble_s: float
+    tp_comm_s: float = 0.0
+    """The tensor-parallel all-reduces of one step (part of comm_s, all of it exposed)."""
 
     @property
     def step_s(self) -> float:
@@ -117,19 +124,20 @@ def throughput(p: PlanInput, cluster: Cluster, mfu: float = 0.40, grad_accum: in
     """One optimizer step of `p` on `cluster`, in seconds; see the module docstring."""
     m: GPTConfig = p.model
     dev = DEVICES[cluster.node.device]
-    dp, pp = p.data_parallel, p.pipeline_stages
+    dp, pp, tp = p.data_parallel, p.pipeline_stages, p.tensor_parallel
     micro_steps = p.micro_batches if pp > 1 else grad_accum
     tokens_per_device = p.micro_batch * m.seq_len * micro_steps  # per data-parallel replica's stage
-    flops = flops_per_token(m) * tokens_per_device / pp
+    flops = flops_per_token(m) * tokens_per_device / pp / tp
     if p.activation_checkpointing:
         flops *= 4 / 3
     compute = flops / (dev.peak_tflops * 1e12 * mfu)
+    tp_comm = tensor_parallel_bytes(p) * micro_steps / (dev.intra_node_gbps * 1e9)
 
-    grad_bytes = num_params(m, non_embedding=False) / pp * state_bytes(p)
+    grad_bytes = (num_params(m, non_embedding=False) - split_params(m) * (tp - 1) / tp) / pp * state_bytes(p)
     volume = (3 if p.zero_stage == 3 else 2) * (dp - 1) / dp * grad_bytes if dp > 1 else 0.0
     # A ring spanning nodes moves at the slower of NVLink and the node's network share per device.
     bw = dev.intra_node_gbps * 1e9
-    if dp * pp > cluster.node.devices:
+    if dp * pp * tp > cluster.node.devices:
         bw = min(bw, cluster.node.network_gbps / 8 * 1e9 / cluster.node.devices)
     comm = volume / bw
     hideable = 2 / 3 * compute  # the backward share of compute
@@ -138,7 +146,21 @@ def throughput(p: PlanInput, cluster: Cluster, mfu: float = 0.40, grad_accum: in
     else:
         exposed = max(0.0, comm - hideable)
     bubble = compute * (pp - 1) / micro_steps if pp > 1 else 0.0
-    return Throughput(p.micro_batch * m.seq_len * micro_steps * dp, compute, comm, exposed, bubble)
+    return Throughput(p.micro_batch * m.seq_len * micro_steps * dp, compute, comm + tp_comm, exposed + tp_comm,
+                      bubble, tp_comm)
+
+
+def tensor_parallel_bytes(p: PlanInput) -> float:
+    """Bytes one device sends in the tensor-parallel all-reduces of one micro-batch: per block on
+    its stage, 2 forward (3 when checkpointing reruns it) + 2 backward all-reduces of b·s·h
+    activations, a ring sending 2(t-1)/t of each. 0 without tensor parallelism."""
+    t = p.tensor_parallel
+    if t == 1:
+        return 0.0
+    m = p.model
+    per_all_reduce = p.micro_batch * m.seq_len * m.d_model * state_bytes(p) * 2 * (t - 1) / t
+    count = (3 if p.activation_checkpointing else 2) + 2
+    return p.dims.most_layers_per_stage(m.n_layer) * count * per_all_reduce
 
 
 def duration(seconds: float) -> str:
@@ -162,7 +184,9 @@ def format_estimate(p: PlanInput, cluster: Cluster, mfu: float, target_tokens: f
         f"({dev.peak_tflops:g} TFLOP/s peak at {mfu:.0%} MFU), {cluster.node.network_gbps:g} Gb/s per node",
         f"  step: {t.tokens_per_step:,} tokens in {t.step_s * 1e3:.1f} ms = compute {t.compute_s * 1e3:.1f} ms"
         f" + exposed comm {t.exposed_comm_s * 1e3:.1f} ms (of {t.comm_s * 1e3:.1f} ms"
-        f"{', ZeRO-3 3Ψ' if p.zero_stage == 3 else ', 2Ψ'}) + pipeline bubble {t.bubble_s * 1e3:.1f} ms",
+        f"{', ZeRO-3 3Ψ' if p.zero_stage == 3 else ', 2Ψ'}"
+        f"{f', tensor-parallel all-reduces {t.tp_comm_s * 1e3:.1f} ms' if p.tensor_parallel > 1 else ''})"
+        f" + pipeline bubble {t.bubble_s * 1e3:.1f} ms",
         f"  tokens/s: {t.tokens_per_s:,.0f} ({t.tokens_per_s / p.world_size:,.0f} per device)",
         f"  {target:.3g} tokens{' (20 per parameter, Chinchilla)' if not target_tokens else ''}: "
         f"{duration(seconds)}, ${price * seconds / 3600:,.0f} at ${price:,.2f}/h",

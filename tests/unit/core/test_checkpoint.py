@@ -126,3 +126,16 @@ def test_resume_across_precision_layouts_is_refused_naming_both(tmp_path, card):
         checkpoint.resolve_resume(str(d), 1, WEIGHTS if card == "autocast" else AUTOCAST)
     assert f"written with train.precision = 'bf16' as {card}; this run has" in str(e.value)
     assert "train.mixed_precision" in str(e.value)
+
+
+def test_resume_at_another_tensor_parallel_size_is_refused_naming_both(tmp_path):
+    """Each rank's file holds its own slices, cut for the size that wrote them; a card from
+    before tensor parallelism was written unsplit (1)."""
+    d = _fake(tmp_path, 10, world=2)
+    assert checkpoint.resolve_resume(str(d), 2, None, 1)[1] == 10  # no card: unsplit
+    (d / checkpoint.CARD).write_text(json.dumps({"parallel": {"zero_stage": 1, "pipeline_stages": 1,
+                                                              "tensor_parallel": 2}}))
+    assert checkpoint.resolve_resume(str(d), 2, None, 2)[1] == 10
+    with pytest.raises(ConfigError, match=r"written with parallel.tensor_parallel = 2; this run has 1.*"
+                                          r"set parallel.tensor_parallel = 2"):
+        checkpoint.resolve_resume(str(d), 2, None, 1)

@@ -65,6 +65,12 @@ class PlainEngine:
     def overflow(self):
         return 0, 0.0
 
+    def time_comm(self, on):
+        pass
+
+    def comm_time(self):
+        return {}
+
     def memory(self):
         return {"memory/params_bytes": float(sum(p.numel() * p.element_size() for p in self.model.parameters()))}
 

@@ -121,11 +121,13 @@ def test_dry_run_prints_the_resolved_plan_and_starts_nothing(byte_dataset, tmp_p
     import sys
 
     kiln = [str(Path(sys.executable).parent / "kiln"), "train", "--dry-run", "--config", str(REPO / "jobs/configs/debug.yaml")]
-    out = subprocess.run([*kiln, "--set", f"data.path={byte_dataset}"], cwd=tmp_path, capture_output=True,
-                         text=True, timeout=120)
+    out = subprocess.run([*kiln, "--set", f"data.path={byte_dataset}", "--set", "parallel.num_workers=4",
+                          "--set", "parallel.tensor_parallel=2"], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "every pre-launch check passed; nothing was started" in out.stdout
     for line in ("  data         " + str(byte_dataset), "  model        debug: 2 layers", "ZeRO-2",
+                 "  parallel     4 worker(s) (2 data-parallel x 2 tensor-parallel)",
                  "  memory       ", "  checkpoints  " + str(tmp_path / "runs"), "  MLflow       sqlite:///"):
         assert line in out.stdout, out.stdout
     assert list(tmp_path.iterdir()) == []  # no mlflow.db, no runs/, no Ray session here

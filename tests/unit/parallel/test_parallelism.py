@@ -59,6 +59,20 @@ TWO_RANKS = [
     {"name": "llama-pp2", "set": ["model.flavour=llama-debug", "parallel.zero_stage=0", "parallel.pipeline_stages=2",
                                   "parallel.micro_batches=2"]},
 ]
+# Tensor parallelism (DeepSpeed AutoTP) in a process group of its own: its (data, tensor) mesh is
+# process-global in DeepSpeed, like a pipeline's topology. 2 ranks x TP=2 is one replica, so 2
+# micro-batches of 4 make the reference's 8 sequences per step, read in the same order.
+TP = ["parallel.tensor_parallel=2", "train.grad_accum_steps=2"]
+TENSOR_PARALLEL = [
+    {"name": "tp2-zero0", "set": [*TP, "parallel.zero_stage=0", "train.checkpoint_every=10"]},
+    {"name": "tp2-zero1", "set": [*TP, "parallel.zero_stage=1"]},
+    {"name": "tp2-zero2", "set": [*TP, "parallel.zero_stage=2"]},
+    {"name": "tp2-resumed", "set": [*TP, "parallel.zero_stage=0", "train.resume_from={root}/tp2-zero0/step_00000010"]},
+    {"name": "llama-tp2-zero0", "set": [*TP, "model.flavour=llama-debug", "parallel.zero_stage=0"]},
+    {"name": "llama-tp2-zero1", "set": [*TP, "model.flavour=llama-debug", "parallel.zero_stage=1"]},
+]
+# 4 ranks = 2 replicas x TP=2: each replica one micro-batch of 4, 8 sequences per step again.
+DP_TP = [{"name": "dp2-tp2", "set": ["parallel.tensor_parallel=2", "parallel.zero_stage=1"]}]
 # 4 ranks = 2 data-parallel replicas x 2 stages, on 2 cores: oversubscribed on purpose. Layers
 # split uniformly here (the runs above balance parameters, the default), over 4 blocks so that
 # each stage gets some: [embedding, 3 blocks | 1 block, norm, head].
@@ -90,6 +104,7 @@ def tmp(tmp_path_factory) -> Path:
 def runs(byte_dataset, tmp) -> dict:
     results = _harness(tmp, "reference", REFERENCE, 1, byte_dataset, timeout=300)
     results |= _harness(tmp, "two", TWO_RANKS, 2, byte_dataset, timeout=900)
+    results |= _harness(tmp, "tp", TENSOR_PARALLEL, 2, byte_dataset, timeout=600)
     return results
 
 
@@ -167,7 +182,8 @@ def test_the_llama_family_trains_alike_under_zero_pipeline_and_recompute(runs):
 
 @pytest.mark.parametrize("name,replicas", [("zero0", 2), ("zero1", 2), ("zero2", 2), ("zero3", 2),
                                            ("zero3-offload", 2), ("pp2", 1), ("llama-zero2-ckpt", 2),
-                                           ("llama-zero3", 2), ("llama-pp2", 1)])
+                                           ("llama-zero3", 2), ("llama-pp2", 1), ("tp2-zero0", 1),
+                                           ("tp2-zero2", 1), ("llama-tp2-zero1", 1)])
 def test_a_checkpoint_consolidates_to_the_model_that_was_evaluated(runs, tmp, byte_dataset, name, replicas):
     """`kiln export`'s reader merges every sharding (ZeRO partitions, pipeline layer files) into
     the whole model: its validation loss on the run's own eval batches is the one the run logged."""
@@ -189,3 +205,53 @@ def test_a_checkpoint_consolidates_to_the_model_that_was_evaluated(runs, tmp, by
                 losses.append(model(batch[:, :-1], batch[:, 1:])[1].item())
     logged = runs[name]["final"]["loss/val"]
     assert abs(sum(losses) / len(losses) - logged) <= 1e-5 * logged
+
+
+@pytest.mark.parametrize("name", ["tp2-zero0", "tp2-zero1", "tp2-zero2", "llama-tp2-zero0", "llama-tp2-zero1"])
+def test_tensor_parallel_matches_one_rank(runs, name):
+    """TP=2 over 2 ranks: the same losses as one rank (the llama family: as its data-parallel run),
+    20 fp32 steps with gradient clipping at 1.0 (Kiln's default), within 1e-4."""
+    ref = runs["llama-zero2-ckpt" if name.startswith("llama") else "reference"]["loss"]
+    run = runs[name]["loss"]
+    assert len(run) == STEPS
+    assert _max_rel(run, ref) <= 1e-4, (run, ref)
+    assert sum(run[-5:]) < sum(run[:5]) - 2.5  # and it learns
+
+
+def test_tensor_parallel_holds_half_the_split_weights_and_resumes_exactly(runs):
+    """Each rank holds 1/2 of the blocks' projections (and their optimizer state) and all of the
+    embeddings and norms, as the planner says; a resume from step 10 continues exactly."""
+    from kiln.model import config_for, split_params
+
+    whole = runs["zero0"]["final"]["memory/params_bytes"]  # fp32, every weight on every rank
+    split = 4 * split_params(config_for("debug"))  # the projections' shapes need no vocab or seq_len
+    assert runs["tp2-zero0"]["final"]["memory/params_bytes"] == whole - split / 2
+    for name in ("tp2-zero0", "tp2-zero1"):
+        planned, final = runs[name]["planned"], runs[name]["final"]
+        assert final["memory/params_bytes"] == pytest.approx(planned["params"], rel=0.10), name
+        assert final["memory/optimizer_state_bytes"] == pytest.approx(planned["optimizer_states"], rel=0.10), name
+    full, resumed = runs["tp2-zero0"], runs["tp2-resumed"]
+    assert resumed["steps"] == list(range(11, STEPS + 1))
+    assert _max_rel(resumed["loss"], full["loss"][10:]) <= 1e-6
+
+
+def test_two_replicas_by_two_tensor_parallel_ranks(runs, byte_dataset, tmp_path):
+    """4 ranks on 2 cores (oversubscribed): DP=2 x TP=2 matches the one-rank reference."""
+    run = _harness(tmp_path, "dp-tp", DP_TP, 4, byte_dataset, timeout=600)["dp2-tp2"]
+    assert _max_rel(run["loss"], runs["reference"]["loss"]) <= 1e-4, run["loss"]
+
+
+def test_a_tensor_parallel_export_loads_in_transformers_with_kilns_logits(runs, tmp, tmp_path):
+    """`kiln export` of a TP=2 checkpoint (llama, GQA: q, k and v split by whole heads) is one
+    Hugging Face model whose logits are the consolidated Kiln model's."""
+    transformers = pytest.importorskip("transformers")
+    from kiln.infer.commands import export
+
+    loaded, _ = export(str(tmp / "ckpt" / "llama-tp2-zero1"), str(tmp_path / "hf"))
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    ours = loaded.build()
+    x = torch.randint(0, loaded.vocab_size, (2, 48))
+    with torch.no_grad():
+        a, b = theirs(x).logits, ours(x)
+    n = min(a.shape[-1], b.shape[-1])  # the export may drop the padding rows of the vocabulary
+    assert n >= loaded.vocab_size and (a[..., :n] - b[..., :n]).abs().max().item() <= 1e-5

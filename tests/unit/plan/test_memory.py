@@ -1,5 +1,7 @@
 """The memory planner: DeepSpeed's own estimators agree, and it plans clusters nobody here has."""
 
+import dataclasses
+
 import pytest
 
 from kiln.errors import ConfigError
@@ -65,7 +67,7 @@ def test_plans_a_13b_model_on_64_h100s_without_hardware():
     assert all(not o.estimate.fits or o.cost >= best.cost for o in ranked)
     table = format_table(base)
     assert "recommended (cheapest that fits)" in table and "12.9B params" in table
-    assert len([line for line in table.splitlines() if line.rstrip().endswith(("1.00", "1.15", "1.33", "1.50",
+    assert len([line for line in table.splitlines() if "tensor_parallel=" not in line and line.rstrip().endswith(("1.00", "1.15", "1.33", "1.50",
                                                                               "1.53", "1.72", "2.00", "2.29",
                                                                               "4.31", "5.74"))]) == len(ranked)
 
@@ -112,3 +114,21 @@ def test_autocast_keeps_fp32_states_and_residual_stream():
     for zero, want in ((0, True), (2, False)):
         cfg = load_config(None, ["parallel.use_gpu=true", "train.precision=bf16", f"parallel.zero_stage={zero}"])
         assert plan_input(cfg, m, 80).autocast is want
+
+
+def test_tensor_parallel_divides_the_split_weights_and_most_activations():
+    from kiln.model import split_params
+
+    m = config_for("llama-7b", vocab_size=32000)
+    one = estimate(PlanInput(model=m, world_size=2, micro_batch=1, precision="bf16"))
+    two = estimate(PlanInput(model=m, world_size=2, micro_batch=1, precision="bf16", tensor_parallel=2))
+    assert one.params - two.params == 2 * (split_params(m) // 2)  # bf16: 2 bytes per split weight halved away
+    assert 0.5 * one.activations < two.activations < 0.75 * one.activations  # norms and inputs stay whole
+    base = PlanInput(model=m, world_size=8, micro_batch=1, precision="bf16", device_memory_gib=24,
+                     activation_checkpointing=True)
+    table = format_table(base)
+    assert "tensor_parallel=4 (2 data-parallel x 4 tensor-parallel)" in table
+    # At 40 GiB ZeRO-3 fits without checkpointing (cost 1.15), and so does TP=2 at ZeRO-2 (1.10):
+    # the planner recommends splitting inside the node.
+    roomy = format_table(dataclasses.replace(base, device_memory_gib=40))
+    assert "recommended (cheapest that fits): tensor_parallel=2, zero_stage=2" in roomy, roomy

@@ -72,3 +72,14 @@ def test_kiln_plan_cluster_prints_throughput_time_and_cost():
     out = proc.stdout
     assert "64 x A100-40GB" in out and "tokens/s:" in out
     assert "1e+09 tokens" in out and "at $100.00/h" in out
+
+
+def test_tensor_parallel_divides_compute_and_adds_four_exposed_all_reduces_per_block():
+    c = Cluster(P5, 1, "x")
+    dp8, tp2 = throughput(plan(world_size=8, zero_stage=1), c), throughput(plan(world_size=8, zero_stage=1,
+                                                                              tensor_parallel=2), c)
+    assert tp2.compute_s == pytest.approx(dp8.compute_s / 2)
+    activation = 8 * 2048 * M.d_model * 2  # b x s x h in bf16
+    assert tp2.tp_comm_s == pytest.approx(M.n_layer * 4 * activation * 2 * 1 / 2 / 450e9)
+    assert tp2.exposed_comm_s >= tp2.tp_comm_s and dp8.tp_comm_s == 0
+    assert tp2.tokens_per_step == dp8.tokens_per_step / 2  # 4 replicas, not 8
