@@ -18,7 +18,7 @@ Formulas and sources:
 - Overlap: DeepSpeed's overlap_comm reduces buckets while the backward runs, so communication
   hides up to the backward time (2/3 of compute); ZeRO-3's forward gathers do not hide here.
 - Tensor parallelism over t ranks (Megatron-LM, Shoeybi et al. 2019): each device computes 1/t of
-  the flops, and every block all-reduces its b·s·h activations twice in the forward and twice
+  the blocks' flops (the output head, left whole, runs on every rank), and every block all-reduces its b·s·h activations twice in the forward and twice
   in the backward (three times forward under activation checkpointing, which reruns it), a ring
   all-reduce sending 2(t-1)/t of them, over NVLink (inside a node). Those all-reduces sit on the
   critical path, so none of it hides. Data-parallel gradients are then Ψ/t per device.
@@ -127,7 +127,8 @@ def throughput(p: PlanInput, cluster: Cluster, mfu: float = 0.40, grad_accum: in
     dp, pp, tp = p.data_parallel, p.pipeline_stages, p.tensor_parallel
     micro_steps = p.micro_batches if pp > 1 else grad_accum
     tokens_per_device = p.micro_batch * m.seq_len * micro_steps  # per data-parallel replica's stage
-    flops = flops_per_token(m) * tokens_per_device / pp / tp
+    head = 6 * m.vocab_size * m.d_model  # the output head's matmul: whole on every tensor-parallel rank
+    flops = ((flops_per_token(m) - head) / tp + head) * tokens_per_device / pp
     if p.activation_checkpointing:
         flops *= 4 / 3
     compute = flops / (dev.peak_tflops * 1e12 * mfu)
