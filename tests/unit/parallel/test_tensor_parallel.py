@@ -10,8 +10,9 @@ from kiln.parallel.tensor_parallel import merge_shards, partition_config, shard_
 
 
 @pytest.mark.parametrize("flavour", ["debug", "llama-debug"])
-def test_shards_merge_back_to_the_whole_model(flavour):
-    cfg = config_for(flavour, vocab_size=64, seq_len=16)
+@pytest.mark.parametrize("bias", [False, True])  # GPT-2 checkpoints have biases: q/k/v's split, proj's whole
+def test_shards_merge_back_to_the_whole_model(flavour, bias):
+    cfg = config_for(flavour, vocab_size=64, seq_len=16, bias=bias)
     state = GPT(cfg).state_dict()
     shards = [shard_of(state, cfg, r, 2) for r in range(2)]
     qkv = "blocks.0.attn.qkv.weight"
