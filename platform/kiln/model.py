@@ -377,14 +377,11 @@ def num_params(cfg: GPTConfig, non_embedding: bool = True) -> int:
     """Parameter count from shapes alone, so planners need not build the model. Non-embedding
     leaves out the learned position table only: the token embedding is also the output
     projection's matmul (or an untied head is counted beside it)."""
-    d, L, hd = cfg.d_model, cfg.n_layer, cfg.head_dim
-    qkv = d * (cfg.n_head + 2 * cfg.kv_heads) * hd
-    mlp = (3 if cfg.arch == "llama" else 2) * d * cfg.hidden
+    d = cfg.d_model
     norm_size = d * (2 if cfg.bias and cfg.arch == "gpt" else 1)
-    per_block = qkv + d * d + mlp + 2 * norm_size
-    if cfg.bias:
-        per_block += (cfg.n_head + 2 * cfg.kv_heads) * hd + d + cfg.hidden * (2 if cfg.arch == "llama" else 1) + d
-    n = L * per_block + norm_size + cfg.vocab_size * d * (1 if cfg.tie_embeddings else 2)
+    # the projections, their two norms, and the output projections' biases
+    per_block = _projection_params(cfg) + 2 * norm_size + (2 * d if cfg.bias else 0)
+    n = cfg.n_layer * per_block + norm_size + cfg.vocab_size * d * (1 if cfg.tie_embeddings else 2)
     if not non_embedding and cfg.arch == "gpt":
         n += cfg.seq_len * d
     return n
@@ -394,11 +391,16 @@ def split_params(cfg: GPTConfig) -> int:
     """Weights of the blocks' four projections (qkv, attention out, MLP in and out, with their
     column biases): what tensor parallelism divides over its ranks. Embeddings, norms, the head
     and the output projections' biases stay whole on every rank."""
-    d, hd = cfg.d_model, cfg.head_dim
-    per_block = d * (cfg.n_head + 2 * cfg.kv_heads) * hd + d * d + (3 if cfg.arch == "llama" else 2) * d * cfg.hidden
-    if cfg.bias:
-        per_block += (cfg.n_head + 2 * cfg.kv_heads) * hd + cfg.hidden * (2 if cfg.arch == "llama" else 1)
-    return cfg.n_layer * per_block
+    return cfg.n_layer * _projection_params(cfg)
+
+
+def _projection_params(cfg: GPTConfig) -> int:
+    """One block's qkv, attention-out, MLP-in and MLP-out weights, and the biases of qkv and
+    MLP-in (the output projections' biases are counted with the norms)."""
+    d, qkv_out = cfg.d_model, (cfg.n_head + 2 * cfg.kv_heads) * cfg.head_dim
+    mlp_in = (2 if cfg.arch == "llama" else 1) * cfg.hidden
+    weights = d * qkv_out + d * d + d * mlp_in + cfg.hidden * d
+    return weights + (qkv_out + mlp_in if cfg.bias else 0)
 
 
 def largest_layer_params(cfg: GPTConfig) -> int:

@@ -17,6 +17,11 @@ from kiln.errors import ConfigError
 from kiln.knobs import check_ranges, knob, span
 
 
+def _field(setting: str) -> str:
+    """How a run config names a parallel setting (`kiln plan` names its flags instead)."""
+    return f"parallel.{setting}"
+
+
 @dataclass
 class ParallelConfig:
     num_workers: int = knob(2, *span(1, 100_000))
@@ -134,33 +139,37 @@ class ParallelDims:
         """Transformer blocks on the fullest pipeline stage (the planner's activation memory)."""
         return -(-n_layer // self.pipeline_stages)
 
-    def problem(self, workers: str = "parallel.num_workers") -> str | None:
-        """Why the ranks do not divide into this layout; None where they do."""
+    def problem(self, workers: str = "parallel.num_workers", name: Callable[[str], str] = _field) -> str | None:
+        """Why the ranks do not divide into this layout, naming the settings through `workers`
+        and `name` (as `deepspeed_refusal` does); None where they do."""
         if self.world_size % (self.pipeline_stages * self.tensor_parallel):
             if self.tensor_parallel == 1:
-                return (f"{workers} = {self.world_size} is not a multiple of parallel.pipeline_stages = "
+                return (f"{workers} = {self.world_size} is not a multiple of {name('pipeline_stages')} = "
                         f"{self.pipeline_stages}: expected workers = stages x data-parallel replicas")
-            return (f"{workers} = {self.world_size} is not a multiple of parallel.pipeline_stages x "
-                    f"parallel.tensor_parallel = {self.pipeline_stages} x {self.tensor_parallel}: expected "
+            return (f"{workers} = {self.world_size} is not a multiple of {name('pipeline_stages')} x "
+                    f"{name('tensor_parallel')} = {self.pipeline_stages} x {self.tensor_parallel}: expected "
                     "workers = stages x tensor-parallel ranks x data-parallel replicas")
         return None
 
-    def model_problem(self, n_head: int, kv_heads: int, ffn_hidden: int) -> str | None:
+    def model_problem(self, n_head: int, kv_heads: int, ffn_hidden: int,
+                      name: Callable[[str], str] = _field) -> str | None:
         """Why this model's layers do not split over the tensor-parallel ranks: each rank takes
         whole attention heads (and whole key/value heads under GQA) and an equal share of the
         MLP's hidden units. None where they split."""
         k = self.tensor_parallel
         for what, n in (("n_head", n_head), ("n_kv_head (key/value heads)", kv_heads), ("the MLP's hidden width", ffn_hidden)):
             if n % k:
-                return (f"parallel.tensor_parallel = {k} does not divide model {what} = {n}: each "
+                return (f"{name('tensor_parallel')} = {k} does not divide model {what} = {n}: each "
                         "tensor-parallel rank takes an equal share of whole heads and hidden units; "
                         f"expected a divisor of {n}")
         return None
 
     def node_problem(self, ranks_per_node: int, tp_within_node: bool = True) -> str | None:
         """Why a tensor-parallel group would span nodes when `ranks_per_node` ranks share each
-        node (consecutive ranks, as Ray Train and torchrun number them); None where it fits."""
-        if not tp_within_node or self.tensor_parallel == 1 or ranks_per_node % self.tensor_parallel == 0:
+        node (consecutive ranks, as Ray Train and torchrun number them); None where it fits. A node
+        that holds no rank holds no group either."""
+        k = self.tensor_parallel
+        if not tp_within_node or k == 1 or (ranks_per_node >= k and ranks_per_node % k == 0):
             return None
         return (f"parallel.tensor_parallel = {self.tensor_parallel} with {ranks_per_node} rank(s) per node: "
                 "a tensor-parallel group would span nodes, and its per-layer all-reduces would cross the "
@@ -177,8 +186,7 @@ class ParallelDims:
 
 
 def deepspeed_refusal(zero_stage: int, offload_optimizer: str, offload_params: str, pipeline_stages: int,
-                      tensor_parallel: int = 1,
-                      name: Callable[[str], str] = lambda f: f"parallel.{f}") -> str | None:
+                      tensor_parallel: int = 1, name: Callable[[str], str] = _field) -> str | None:
     """Why DeepSpeed would reject (or silently mishandle) this ZeRO / offload / pipeline /
     tensor-parallel combination, naming each setting through `name`; None where it is legal. The
     one statement of these limits: `kiln train` validates with it, `kiln plan` checks its flags

@@ -92,3 +92,8 @@ def test_a_cluster_whose_nodes_cannot_hold_a_tensor_parallel_group_is_refused_be
     loose = load_config(None, ["parallel.num_workers=4", "parallel.tensor_parallel=4", "parallel.zero_stage=1",
                                "parallel.tp_within_node=false"])
     check_tensor_parallel_nodes(loose, two_cpus)
+    # GPU workers on nodes without GPUs: no node holds any rank, let alone a group
+    on_gpus = load_config(None, ["parallel.num_workers=2", "parallel.tensor_parallel=2", "parallel.zero_stage=1",
+                                 "parallel.use_gpu=true"])
+    with pytest.raises(ConfigError, match=r"tensor_parallel = 2 with 0 rank\(s\) per node.*holds 0 worker"):
+        check_tensor_parallel_nodes(on_gpus, two_cpus)

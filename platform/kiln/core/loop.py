@@ -210,7 +210,7 @@ def _reads_metrics(step: int, cfg: RunConfig, meter: StepMeter, policy: Checkpoi
 def _log_start(cfg: RunConfig, mcfg: GPTConfig, dims: ParallelDims, tokens_per_step: int) -> None:
     console.info("training %s (%.2fM params) for %d steps, %d tokens/step on %d worker(s)%s",
                  cfg.model.display_name, num_params(mcfg, non_embedding=False) / 1e6, cfg.train.max_steps,
-                 tokens_per_step, dims.world_size, f" ({dims.describe()})" if dims.data_parallel_size > 1 else "")
+                 tokens_per_step, dims.world_size, f" ({dims.describe()})" if dims.data_parallel_size < dims.world_size else "")
 
 
 def _timed_eval(meter: StepMeter, engine: Engine, source: BatchSource, max_batches: int, device: torch.device,

@@ -51,9 +51,10 @@ def train(cfg: RunConfig, address: str | None = None, started: float | None = No
     marks |= startup_mark("preflight")
     run = _open_run_while_ray_starts(cfg, checked.datasets, tracking_uri, address, verbose)
     marks |= startup_mark("ray")  # the later of the two: the run opened meanwhile
-    check_tensor_parallel_nodes(cfg, ray.nodes())
+    nodes = ray.nodes()
+    check_tensor_parallel_nodes(cfg, nodes)
     resources = ray.cluster_resources()
-    run.set_tags({"kiln.num_nodes": len([n for n in ray.nodes() if n["Alive"]]),
+    run.set_tags({"kiln.num_nodes": len([n for n in nodes if n["Alive"]]),
                   "kiln.cluster_cpus": resources.get("CPU", 0), "kiln.cluster_gpus": resources.get("GPU", 0)})
     marks |= startup_mark("mlflow")
     worker_log = os.path.join(cfg.local_run_dir(), "workers.log")

@@ -2,7 +2,7 @@
 
 DeepSpeed's AutoTP does the splitting and the collectives (`tensor_parallel.autotp_size` with a
 `partition_config`); this module only states Kiln's layout to it, and undoes that layout when a
-checkpoint is exported. Both read `SPLITS`, so the two cannot disagree:
+checkpoint is exported. Both read `splits(cfg)`, so the two cannot disagree:
 
 - `attn.qkv`: column-parallel, as three sub-matrices (q, k, v) each split by whole heads, so a
   rank holds [q_r; k_r; v_r] and the model (`kiln.model.CausalSelfAttention`) reads its share of

@@ -99,15 +99,12 @@ def _check(p: PlanInput) -> None:
             raise ConfigError(f"--{name.replace('_', '-')} = {getattr(p, name)}: expected an integer >= 1")
     if p.device_memory_gib <= 0:
         raise ConfigError(f"--device-memory-gib = {p.device_memory_gib}: expected a number > 0")
-    if p.world_size % (p.pipeline_stages * p.tensor_parallel):
-        raise ConfigError(f"--world-size {p.world_size} is not a multiple of --pipeline-stages x --tensor-parallel "
-                          f"= {p.pipeline_stages} x {p.tensor_parallel}")
     m = p.model
-    refusal = (p.dims.model_problem(m.n_head, m.kv_heads, m.hidden)
+    refusal = (p.dims.problem("--world-size", _flag) or p.dims.model_problem(m.n_head, m.kv_heads, m.hidden, _flag)
                or deepspeed_refusal(p.zero_stage, p.offload_optimizer, p.offload_params, p.pipeline_stages,
                                     p.tensor_parallel, _flag))
     if refusal:
-        raise ConfigError(refusal.replace("parallel.tensor_parallel", "--tensor-parallel"))
+        raise ConfigError(refusal)
 
 
 def _flag(setting: str) -> str:

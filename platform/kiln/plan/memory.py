@@ -146,9 +146,7 @@ def state_bytes(p: PlanInput) -> int:
 def estimate(p: PlanInput) -> Estimate:
     m, e = p.model, state_bytes(p)
     n, P = max(1, p.data_parallel), p.pipeline_stages
-    t = p.tensor_parallel
-    # one stage's share (the embedding split is approximate), the blocks' projections split t ways
-    psi = (num_params(m, non_embedding=False) - split_params(m) * (t - 1) // t) // P
+    psi = params_per_rank(m, p.tensor_parallel) // P  # one stage's share (the embedding split is approximate)
     s = p.zero_stage
     k = OPTIMIZERS[p.optimizer].states  # optimizer state tensors per parameter (fp32 each)
 
@@ -159,7 +157,7 @@ def estimate(p: PlanInput) -> Estimate:
     master = 4 * psi / shard if (mixed or s >= 1) else 0
     fp32_grads = 4 * psi / shard if (mixed or s >= 1) else 0
     states = 4 * k * psi / shard
-    gathered = 2 * e * largest_layer_params(m) // t if s == 3 else 0
+    gathered = 2 * e * largest_layer_params(m) // p.tensor_parallel if s == 3 else 0
     if s == 3:  # the 16-bit gradients are reduce-scattered straight into fp32 partitions
         grads = 0
 
@@ -178,6 +176,12 @@ def estimate(p: PlanInput) -> Estimate:
         gathered=int(gathered), activations=activation_bytes(p), host=int(host),
         device_memory=int(p.device_memory_gib * GIB),
     )
+
+
+def params_per_rank(m: GPTConfig, tensor_parallel: int) -> int:
+    """The model's parameters one tensor-parallel rank holds: the blocks' projections split
+    `tensor_parallel` ways, the rest whole."""
+    return num_params(m, non_embedding=False) - split_params(m) * (tensor_parallel - 1) // tensor_parallel
 
 
 def activation_bytes(p: PlanInput) -> int:

@@ -35,8 +35,8 @@ from pathlib import Path
 
 from kiln.devices import DEVICES
 from kiln.errors import ConfigError
-from kiln.model import GPTConfig, flops_per_token, num_params, split_params
-from kiln.plan.memory import PlanInput, state_bytes
+from kiln.model import GPTConfig, flops_per_token, num_params
+from kiln.plan.memory import PlanInput, params_per_rank, state_bytes
 from kiln.schemas import Launcher, type_problems
 from kiln.yamlfile import read_mapping
 
@@ -134,7 +134,7 @@ def throughput(p: PlanInput, cluster: Cluster, mfu: float = 0.40, grad_accum: in
     compute = flops / (dev.peak_tflops * 1e12 * mfu)
     tp_comm = tensor_parallel_bytes(p) * micro_steps / (dev.intra_node_gbps * 1e9)
 
-    grad_bytes = (num_params(m, non_embedding=False) - split_params(m) * (tp - 1) / tp) / pp * state_bytes(p)
+    grad_bytes = params_per_rank(m, tp) / pp * state_bytes(p)
     volume = (3 if p.zero_stage == 3 else 2) * (dp - 1) / dp * grad_bytes if dp > 1 else 0.0
     # A ring spanning nodes moves at the slower of NVLink and the node's network share per device.
     bw = dev.intra_node_gbps * 1e9
