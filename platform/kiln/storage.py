@@ -7,6 +7,7 @@ and are never passed through Kiln's config, so they cannot leak into logged para
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import posixpath
@@ -48,6 +49,44 @@ def absolute(path: str) -> str:
     """A local path made absolute (Ray workers and Tune trials run in other directories); a URL
     as it is."""
     return path if is_url(path) else os.path.abspath(path)
+
+
+# Set by Ray's job supervisor for the driver of a `ray job submit` job: its JobConfig, runtime env
+# included. A job with a working_dir runs in Ray's copy of it under the session's temp dir,
+# which Ray deletes with the session.
+RAY_JOB_CONFIG_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"
+
+
+def job_working_copy() -> bool:
+    """Whether this process is a Ray job's driver running in Ray's temporary copy of its
+    working_dir: a relative path written there is lost when the Ray session ends."""
+    raw = os.environ.get(RAY_JOB_CONFIG_ENV)
+    if not raw:
+        return False
+    try:
+        return bool((json.loads(raw).get("runtime_env") or {}).get("working_dir"))
+    except (ValueError, AttributeError):
+        return False
+
+
+def durable_home() -> str:
+    """Where a submitted job keeps what it writes to relative paths: $KILN_HOME, else ~/kiln on
+    the node that runs the job's driver (the head, for `ray job submit`)."""
+    return os.path.abspath(os.path.expanduser(os.environ.get("KILN_HOME") or "~/kiln"))
+
+
+def durable(path: str, field: str, env: str = "") -> str:
+    """An output path (`field` names its setting) that outlives the process: as it is, except a
+    relative local path in a submitted job's temporary working copy, which goes under
+    `durable_home()` instead, saying so (`env`: a variable that also sets it). Written once here for every output a job has
+    (checkpoints, the default MLflow store, exports, prepared data)."""
+    if is_url(path) or os.path.isabs(os.path.expanduser(path)) or not job_working_copy():
+        return path
+    moved = os.path.join(durable_home(), path)
+    log.warning("%s = %r is relative, and this job runs in Ray's temporary copy of its working dir, which "
+                "Ray deletes with the session: writing to %s instead (set %s%s to an absolute or s3:// path, "
+                "or KILN_HOME, to choose)", field, path, moved, field, f" or ${env}" if env else "")
+    return moved
 
 
 def write_private(path: str | os.PathLike, text: str, kind: str | None = None) -> None:

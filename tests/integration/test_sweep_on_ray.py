@@ -1,4 +1,4 @@
-"""A Ray Tune sweep on the shared Ray cluster: 6 trials, each a 2-worker Ray Train + DeepSpeed
+"""A Ray Tune sweep on the shared Ray cluster: 4 trials, each a 2-worker Ray Train + DeepSpeed
 run on 2 cores (logical CPUs oversubscribed), ASHA stopping the laggards, every trial a child
 run in a real MLflow store, and `kiln runs compare` ranking them. Midway the driver gets Ctrl-C
 and the sweep is resumed with `kiln sweep --resume`: one run per trial all the same. The driver
@@ -23,8 +23,8 @@ KILN = str(Path(sys.executable).parent / "kiln")
 MAX_STEPS = 20
 
 
-@pytest.mark.timeout(1800)  # 6 Ray Train runs plus a restart, on 2 cores
-def test_asha_sweep_six_trials_parent_and_children_in_mlflow(ray_cluster, byte_dataset, tmp_path):
+@pytest.mark.timeout(1800)  # 4 Ray Train runs plus a restart, on 2 cores
+def test_asha_sweep_four_trials_parent_and_children_in_mlflow(ray_cluster, byte_dataset, tmp_path):
     address, _, env = ray_cluster
     env = env | ENV_SECRETS
     db = f"sqlite:///{tmp_path}/mlflow.db"
@@ -38,8 +38,8 @@ def test_asha_sweep_six_trials_parent_and_children_in_mlflow(ray_cluster, byte_d
         },
         # adamw/cosine first (the grid's first point): later trials have a bar to clear; SGD at
         # lr 0.01 trails everything, so ASHA has something to stop.
-        "space": {"optim.name": {"grid": ["adamw", "rmsprop", "sgd"]}, "schedule.name": {"grid": ["cosine", "constant"]}},
-        "conditional": {"optim.name=sgd": {"optim.lr": 0.01}, "optim.name=rmsprop": {"optim.lr": 1e-3}},
+        "space": {"optim.name": {"grid": ["adamw", "sgd"]}, "schedule.name": {"grid": ["cosine", "constant"]}},
+        "conditional": {"optim.name=sgd": {"optim.lr": 0.01}},
         "search": "grid",
         "scheduler": {"name": "asha", "grace_period": 5, "reduction_factor": 2},
         # Two trials at a time, 2 workers each at half a logical CPU: 4 workers on 2 cores.
@@ -68,13 +68,13 @@ def test_asha_sweep_six_trials_parent_and_children_in_mlflow(ray_cluster, byte_d
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     summary = json.loads(out.read_text())
     trials = summary["trials"]
-    assert len(trials) == 6 and all(t["status"] != "error" for t in trials), trials
+    assert len(trials) == 4 and all(t["status"] != "error" for t in trials), trials
 
     # ASHA stopped at least one trial before its last step, and at least one ran to the end.
     stopped = [t for t in trials if t["status"] == "stopped early"]
     assert stopped and all(t["steps"] < MAX_STEPS for t in stopped), trials
     assert any(t["steps"] == MAX_STEPS for t in trials)
-    assert summary["trial_steps_run"] == sum(t["steps"] for t in trials) < 6 * MAX_STEPS
+    assert summary["trial_steps_run"] == sum(t["steps"] for t in trials) < 4 * MAX_STEPS
 
     # MLflow: one parent, one child per trial, each with its params and per-step history.
     client = MlflowClient(db)
@@ -85,7 +85,7 @@ def test_asha_sweep_six_trials_parent_and_children_in_mlflow(ray_cluster, byte_d
     parent = parents[0]
     assert parent.info.run_id == summary["parent_run_id"] and parent.info.status == "FINISHED"
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
-    assert len(children) == 6 == len(runs) - 1  # a restarted trial replaced its first attempt
+    assert len(children) == 4 == len(runs) - 1  # a restarted trial replaced its first attempt
     assert any(c.data.tags["kiln.sweep.attempt"] == "2" for c in children)
     by_trial = {c.data.tags["kiln.sweep.trial_id"]: c for c in children}
     assert set(by_trial) == {t["trial_id"] for t in trials}

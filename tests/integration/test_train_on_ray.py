@@ -1,23 +1,29 @@
 """A 2-worker DeepSpeed ZeRO-2 run on a real Ray cluster, reading Parquet from loopback S3,
 logging to a real MLflow store. One run proves several things, to keep the suite short."""
 
+import glob
 import io
 import json
 import math
+import os
 import signal
 import subprocess
 import sys
-import threading
+import tempfile
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
+import pyarrow.fs as pafs
 import pytest
 from mlflow.tracking import MlflowClient
 
 from kiln.config import load_config
+from kiln.errors import ConfigError
 from kiln.launch.on_ray import train
+from kiln.storage import resolve
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).parent))
@@ -34,7 +40,11 @@ class FakeTerminal(io.StringIO):
 
 
 def _zero2_config(s3_dataset: str, s3_server: str, tmp: Path, run_name: str, *more: str):
-    return load_config(REPO / "jobs/configs/debug.yaml", [
+    return load_config(REPO / "jobs/configs/debug.yaml", _zero2_overrides(s3_dataset, s3_server, tmp, run_name, *more))
+
+
+def _zero2_overrides(s3_dataset: str, s3_server: str, tmp: Path, run_name: str, *more: str) -> list[str]:
+    return [
         f"data.path={s3_dataset}", f"data.s3_endpoint={s3_server}",
         "train.max_steps=40", "train.eval_every=20", "schedule.warmup_steps=5", "train.micro_batch_size=8",
         f"logging.tracking_uri=sqlite:///{tmp}/mlflow.db", "logging.experiment=integration",
@@ -45,7 +55,7 @@ def _zero2_config(s3_dataset: str, s3_server: str, tmp: Path, run_name: str, *mo
         "train.health.policy=skip", "train.health.inject=nan@15",
         # dropout: a resumed run must restore each rank's RNG to match the uninterrupted one
         "model.dropout=0.1", *more,
-    ])
+    ]
 
 
 @dataclass
@@ -60,8 +70,7 @@ class Zero2Run:
 
 @pytest.fixture(scope="module")
 def zero2(ray_cluster, s3_server, s3_dataset, prometheus, tmp_path_factory) -> Zero2Run:
-    """One uninterrupted 2-worker ZeRO-2 run, checked by the next test and the baseline of the
-    worker-kill test."""
+    """One uninterrupted 2-worker ZeRO-2 run, checked by the next test."""
     address, _, _ = ray_cluster
     tmp = tmp_path_factory.mktemp("zero2")
     cfg = _zero2_config(s3_dataset, s3_server, tmp, "zero2-s3")
@@ -132,87 +141,86 @@ def test_zero2_two_workers_from_s3_to_mlflow(zero2, prometheus, s3_dataset):
     assert "unigram entropy" in text and "bits/token" in text and summary.run_id in text
 
 
-def test_a_worker_killed_mid_run_resumes_exactly(zero2, ray_cluster, s3_server, s3_dataset, checkpoint_tensors,
-                                                 tmp_path):
-    """The zero2 run again, with train.max_failures=1. Once Ray Train has registered the step-20
-    checkpoint, one training worker is SIGKILLed. The group restarts from that checkpoint, every
-    rank resumes at its exact data position and RNG state, and the run completes with the
-    uninterrupted run's loss at every step and bitwise its final weights, optimizer shards and
-    RNG states. MLflow shows one run, tagged with the restart."""
+def test_a_tensor_parallel_run_survives_a_dead_worker_and_a_dead_driver(ray_cluster, s3_server, s3_dataset,
+                                                                         checkpoint_tensors, tmp_path):
+    """TP=2 on 2 Ray workers (one replica; both read the same rows), with dropout, checkpoints on
+    S3. `kiln train` is submitted; after the step-10 checkpoint one worker is SIGKILLed and Ray
+    Train restarts the group from it; after the step-20 checkpoint the driver itself is
+    SIGKILLed, and the same command is submitted again under the run's name. It resumes from
+    step 20 into the same MLflow run, and ends with the uninterrupted run's loss at every step
+    (each logged once) and bitwise its weights and optimizer slices, rank by rank. No worker's
+    local checkpoint copy is left behind, and a third submission, with nothing left to train,
+    is refused. (Data-parallel ZeRO-2 resumes after a dead node in test_two_nodes; bitwise,
+    without Ray, in tests/unit/launch/test_local.py.)"""
     import torch
 
-    address, _, _ = ray_cluster
-    cfg = _zero2_config(s3_dataset, s3_server, tmp_path, "killed", "train.max_failures=1")
-    summary = _run_killing_one_worker(cfg, address, tmp_path / "runs" / "killed")
-
-    client = MlflowClient(zero2.db)
-    killed = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
-    runs = killed.search_runs([killed.get_experiment_by_name("integration").experiment_id])
-    assert [r.info.run_id for r in runs] == [summary.run_id]  # one run, not two
-    tags = runs[0].data.tags
-    assert tags["kiln.restarts"] == "1" and "checkpoint_" in tags["kiln.restart.1"], tags
-    want = {m.step: m.value for m in client.get_metric_history(zero2.summary.run_id, "loss/train")}
-    got = killed.get_metric_history(summary.run_id, "loss/train")
-    assert sorted(m.step for m in got) == list(range(1, 41))  # each step once, none twice after the restart
-    for m in got:
-        assert abs(m.value - want[m.step]) <= 1e-6 * abs(want[m.step]), (m.step, m.value, want[m.step])
-    a, b = checkpoint_tensors(zero2.summary.checkpoint), checkpoint_tensors(summary.checkpoint)
-    assert a.keys() == b.keys() and any("optim_states" in k for k in a), sorted(a)[:10]
-    differ = [k for k in a if not torch.equal(a[k], b[k])]
-    assert not differ, differ[:10]
-
-
-def _run_killing_one_worker(cfg, address: str, run_dir: Path):
-    """Train `cfg`, SIGKILLing one training worker once Ray Train has registered a checkpoint;
-    the run's summary after the group restarted and finished."""
-    box: dict = {}
-
-    def run():
-        try:
-            box["summary"] = train(cfg, address=address)
-        except BaseException as e:  # noqa: BLE001 - re-raised by the test thread
-            box["error"] = e
-
-    before = {p.pid for p in _train_workers()}  # none should be left from other runs; ignore any
-    thread = threading.Thread(target=run)
-    thread.start()
-    snapshot = run_dir / "checkpoint_manager_snapshot.json"
-    deadline = time.time() + 600
-    while not (snapshot.exists() and "checkpoint_" in snapshot.read_text()):
-        assert thread.is_alive(), box
-        assert time.time() < deadline, "Ray Train registered no checkpoint"
-        time.sleep(0.2)
-    victims = [p for p in _train_workers() if p.pid not in before]
-    assert len(victims) == cfg.parallel.num_workers, victims
-    victims[-1].send_signal(signal.SIGKILL)
-    thread.join(timeout=900)
-    assert "error" not in box, box.get("error")
-    return box["summary"]
-
-
-def test_a_tensor_parallel_run_killed_mid_run_resumes_exactly(ray_cluster, s3_server, s3_dataset, checkpoint_tensors,
-                                                              tmp_path):
-    """TP=2 on 2 Ray workers (one replica; both read the same rows): a worker SIGKILLed after the
-    step-10 checkpoint, the group restarts from it, and the run ends with the uninterrupted
-    run's loss at every step and bitwise its weights and optimizer slices, rank by rank."""
-    import torch
-
-    address, _, _ = ray_cluster
-    tp = ["parallel.tensor_parallel=2", "parallel.zero_stage=1", "train.max_steps=20", "train.checkpoint_every=10",
+    address, _, env = ray_cluster
+    tp = ["parallel.tensor_parallel=2", "parallel.zero_stage=1", "train.max_steps=30", "train.checkpoint_every=10",
           "train.eval_every=10", "train.profile.start_step=0", "train.health.inject=", "train.max_failures=1"]
     whole = train(_zero2_config(s3_dataset, s3_server, tmp_path, "tp-whole", *tp), address=address)
-    killed = _run_killing_one_worker(_zero2_config(s3_dataset, s3_server, tmp_path, "tp-killed", *tp), address,
-                                     tmp_path / "runs" / "tp-killed")
+    storage = f"s3://kiln-test/resume-{uuid.uuid4().hex[:8]}"
+    named = _zero2_overrides(s3_dataset, s3_server, tmp_path, "tp-named", *tp, f"train.storage_path={storage}")
+    copies = set(glob.glob(os.path.join(tempfile.gettempdir(), "kiln-ckpt-*")))  # workers' local checkpoints
+    before = {p.pid for p in _train_workers()}
+    with (tmp_path / "first.log").open("w") as out:
+        first = subprocess.Popen([KILN, "train", "--config", str(REPO / "jobs/configs/debug.yaml"), "--address", address,
+                                  *[a for o in named for a in ("--set", o)]],
+                                 env=env, stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path)
+        try:
+            snapshot = resolve(f"{storage}/tp-named/checkpoint_manager_snapshot.json", s3_server)
+            _wait_for_checkpoint(snapshot, 10, first)
+            victims = [p for p in _train_workers() if p.pid not in before]
+            assert len(victims) == 2, victims
+            victims[-1].send_signal(signal.SIGKILL)  # Ray Train restarts the group from step 10
+            _wait_for_checkpoint(snapshot, 20, first)
+            first.send_signal(signal.SIGKILL)  # the driver dies: its job, controller and workers end
+            first.wait(timeout=60)
+            psutil.wait_procs([p for p in _train_workers() if p.pid not in before], timeout=120)
+        finally:
+            if first.poll() is None:
+                first.kill()
+    resumed = train(load_config(REPO / "jobs/configs/debug.yaml", named), address=address)
+    assert set(glob.glob(os.path.join(tempfile.gettempdir(), "kiln-ckpt-*"))) <= copies
+
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
-    assert client.get_run(killed.run_id).data.tags["kiln.restarts"] == "1"
+    runs = client.search_runs([client.get_experiment_by_name("integration").experiment_id])
+    assert sorted(r.info.run_id for r in runs) == sorted([whole.run_id, resumed.run_id])  # one run each
+    tags = client.get_run(resumed.run_id).data.tags
+    assert tags["kiln.restarts"] == "1" and tags["kiln.resumes"] == "1", tags
+    assert "checkpoint_" in tags["kiln.restart.1"] and "checkpoint_" in tags["kiln.resume.1"], tags
+    assert client.get_run(resumed.run_id).info.status == "FINISHED"
     want = {m.step: m.value for m in client.get_metric_history(whole.run_id, "loss/train")}
-    got = {m.step: m.value for m in client.get_metric_history(killed.run_id, "loss/train")}
-    assert sorted(got) == list(range(1, 21)) and got == pytest.approx(want, rel=1e-6)
+    got = [(m.step, m.value) for m in client.get_metric_history(resumed.run_id, "loss/train")]
+    assert sorted(step for step, _ in got) == list(range(1, 31))  # each step once over three worker groups
+    assert dict(got) == pytest.approx(want, rel=1e-6)
     assert client.get_metric_history(whole.run_id, "time/tensor_parallel_comm_s")[-1].value > 0
-    a, b = checkpoint_tensors(whole.checkpoint), checkpoint_tensors(killed.checkpoint)
+    final = resolve(resumed.checkpoint, s3_server)
+    pafs.copy_files(final.path, str(tmp_path / "final"), source_filesystem=final.fs)
+    a, b = checkpoint_tensors(whole.checkpoint), checkpoint_tensors(tmp_path / "final")
     assert a.keys() == b.keys() and any("mp_rank_01" in k for k in a), sorted(a)[:10]
     differ = [k for k in a if not torch.equal(a[k], b[k])]
     assert not differ, differ[:10]
+
+    with pytest.raises(ConfigError, match=r"logging.run_name = 'tp-named': that run already trained to step 30 "
+                                          r"\(train.max_steps = 30\)"):
+        train(load_config(REPO / "jobs/configs/debug.yaml", named), address=address)
+    with pytest.raises(ConfigError, match=r"'tp-named' has checkpoints in s3://kiln-test/resume-\w+/tp-named "
+                                          r"already, .*train.resume_from starts a new run"):
+        train(load_config(REPO / "jobs/configs/debug.yaml", [*named, "train.max_steps=40",
+                                                              f"train.resume_from={whole.checkpoint}"]), address=address)
+
+
+def _wait_for_checkpoint(snapshot, step: int, driver: subprocess.Popen) -> None:
+    """Until Ray Train has registered a checkpoint of `step` or later in storage."""
+    deadline = time.time() + 600
+    while True:
+        if snapshot.exists():
+            latest = json.loads(snapshot.read_bytes()).get("latest_checkpoint_result") or {}
+            if latest.get("metrics", {}).get("step", 0) >= step:
+                return
+        assert driver.poll() is None, f"the driver ended with {driver.returncode} before step {step}"
+        assert time.time() < deadline, f"Ray Train registered no checkpoint of step {step}"
+        time.sleep(0.3)
 
 
 def _train_workers() -> list[psutil.Process]:

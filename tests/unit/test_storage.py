@@ -84,3 +84,27 @@ def test_private_files_are_owner_only_and_whole(tmp_path):
     write_private(path, "{}")  # replaced whole
     assert path.read_text() == "{}" and stat.S_IMODE(os.stat(path).st_mode) == 0o600
     assert [p.name for p in tmp_path.iterdir()] == ["state.json"]
+
+
+def test_a_jobs_relative_outputs_go_to_a_durable_home_and_nothing_else_moves(monkeypatch, tmp_path, caplog):
+    """In a Ray job's temporary working copy (Ray's job supervisor sets its JobConfig, runtime
+    env included), a relative output path goes under $KILN_HOME; an absolute or s3:// one, or
+    any path outside a job or in a job without a working dir, stays as given."""
+    import json
+
+    from kiln.storage import RAY_JOB_CONFIG_ENV, durable
+
+    monkeypatch.setenv("KILN_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv(RAY_JOB_CONFIG_ENV, raising=False)
+    assert durable("runs", "train.storage_path") == "runs"  # not a job: the cwd is the user's
+    monkeypatch.setenv(RAY_JOB_CONFIG_ENV, json.dumps({"runtime_env": {"py_modules": ["gcs://x.zip"]}}))
+    assert durable("runs", "train.storage_path") == "runs"  # a job run where it was submitted from
+    monkeypatch.setenv(RAY_JOB_CONFIG_ENV, json.dumps({"runtime_env": {"working_dir": "gcs://_ray_pkg_1.zip"}}))
+    with caplog.at_level(logging.WARNING, logger="kiln.storage"):
+        assert durable("runs", "train.storage_path", "KILN_STORAGE_PATH") == str(tmp_path / "home" / "runs")
+    assert "train.storage_path = 'runs' is relative" in caplog.text and "$KILN_STORAGE_PATH" in caplog.text
+    for kept in ("/abs/runs", "s3://bucket/runs", "~/runs"):
+        assert durable(kept, "train.storage_path") == kept
+    monkeypatch.delenv("KILN_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "user"))
+    assert durable("mlflow.db", "logging.tracking_uri") == str(tmp_path / "user" / "kiln" / "mlflow.db")

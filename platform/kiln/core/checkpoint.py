@@ -36,6 +36,7 @@ from kiln.errors import ConfigError
 
 if TYPE_CHECKING:  # the config composes this module's sections: a type here, never an import
     from kiln.config import RunConfig
+    from kiln.core.sinks import Restored
     from kiln.model import GPTConfig
 
 log = logging.getLogger(__name__)
@@ -304,24 +305,29 @@ class CheckpointPolicy:
         """What a rollback reloads: a directory, or under Ray a function that downloads one."""
         self._last_save = time.monotonic()
 
-    def resume(self, engine: Engine, micro_batches: int) -> tuple[int, int]:
-        """Load `train.resume_from` into the engine: (steps done, micro-batches consumed). The
-        clock for time-based saves starts here."""
+    def resume(self, engine: Engine, micro_batches: int, restored: Restored | None = None) -> tuple[int, int]:
+        """Load `restored` (a restarted run's checkpoint, kept in storage), else
+        `train.resume_from`, into the engine: (steps done, micro-batches consumed). A restored
+        checkpoint's local copy is removed once loaded. The clock for time-based saves starts here."""
         self._last_save = time.monotonic()
-        if not self.t.resume_from:
+        if restored is None and not self.t.resume_from:
             return 0, 0
         card = self.card or {}
-        resume_dir, _ = resolve_resume(self.t.resume_from, self.world_size, card.get("precision"),
-                                       (card.get("parallel") or {}).get("tensor_parallel"))
-        client = engine.load(resume_dir)
+        resume_dir, _ = resolve_resume(restored() if restored is not None else self.t.resume_from, self.world_size,
+                                       card.get("precision"), (card.get("parallel") or {}).get("tensor_parallel"))
+        try:
+            client = engine.load(resume_dir)
+            restore_rng(resume_dir, self.rank)
+        finally:
+            if restored is not None:
+                restored.release()
         done = int(client["step"])
         # The data position: micro-batches drawn so far, the ones the health guard left out
         # included (older checkpoints lack it: steps x micro-batches).
         consumed = int(client.get("batches_consumed", done * micro_batches))
-        restore_rng(resume_dir, self.rank)
         if self.rank == 0:
-            log.info("resumed from %s at step %d (micro-batch %d of the data)", resume_dir, done, consumed)
-        self.last_good = resume_dir
+            log.info("resumed from %s at step %d (micro-batch %d of the data)", restored or resume_dir, done, consumed)
+        self.last_good = restored or resume_dir
         return done, consumed
 
     def seconds_since_save(self) -> float:

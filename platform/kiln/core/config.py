@@ -70,7 +70,8 @@ class TrainConfig:
     """Where Ray Train keeps checkpoints and results: a local dir, or s3://bucket/prefix (through
     data.s3_endpoint and data.s3_region). On a multi-node cluster it must be shared storage, so a
     worker restarted on another node finds the checkpoint. Empty: $KILN_STORAGE_PATH (the files
-    in cluster/ set it to the cluster's bucket), else ./runs."""
+    in cluster/ set it to the cluster's bucket), else ./runs. A relative path in a submitted
+    job, which runs in Ray's temporary copy of its working dir, goes under $KILN_HOME (~/kiln)."""
     peak_flops: float = knob(0.0, *span(0, 1e21, "a number", note="0: measure or look up"))
     """Per-device peak FLOP/s for MFU. 0: looked up for known GPUs, measured on CPU."""
     resume_from: str = ""
@@ -104,9 +105,11 @@ class LoggingConfig:
     run_name: str = knob("", lambda v: v == "" or (bool(RUN_NAME.fullmatch(v)) and v.strip(".") != ""),
                          "letters, digits, '.', '_' and '-', not starting with '.' (it names the run's directory)")
     """MLflow run name, and the name of the run's directory under train.storage_path; empty:
-    generated from the flavour and a timestamp."""
+    generated from the flavour and a timestamp. On Ray, a run submitted again under a name
+    whose directory holds a checkpoint resumes from it, into the same MLflow run."""
     tracking_uri: str = ""
-    """MLflow tracking URI. Empty: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the cwd."""
+    """MLflow tracking URI. Empty: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the cwd (in
+    a submitted job, under $KILN_HOME, default ~/kiln)."""
     log_every: int = knob(1, *span(1, MAX_STEPS))
     """Log per-step metrics every this many steps (buffered, sent in batches)."""
     progress_every: int = knob(10, *span(1, MAX_STEPS))

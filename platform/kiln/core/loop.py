@@ -96,7 +96,7 @@ class _Training:
             cfg, world, engine, scheduler, source, sinks)
         self.progress: ProgressSink = sinks.progress or LogLines(cfg.logging.progress_every)  # rank 0's view
         self.policy = CheckpointPolicy(t, checkpoint_root, world.rank, world.world_size, model_card(cfg, mcfg))
-        self.done, consumed = self.policy.resume(engine, cfg.micro_batches_per_step)
+        self.done, consumed = self.policy.resume(engine, cfg.micro_batches_per_step, sinks.restored)
         # Start reading now so the pipeline's start-up overlaps the first step; skip what the
         # resumed steps consumed.
         source.prefetch()

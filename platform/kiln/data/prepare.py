@@ -58,7 +58,7 @@ from kiln.data.tokenizer import (
 )
 from kiln.errors import ConfigError, DataError
 from kiln.guard import delete_stored
-from kiln.storage import Location, resolve
+from kiln.storage import Location, durable, resolve
 
 log = logging.getLogger(__name__)
 
@@ -213,6 +213,7 @@ def prepare(cfg: PrepareConfig | None = None, /, *, executor: Executor | None = 
     gives Ray's); by default they run in this process."""
     cfg = cfg if cfg is not None else config_from(fields)
     validate_config(cfg)
+    cfg = dataclasses.replace(cfg, output=durable(cfg.output, "--output"))
     out = resolve(cfg.output, cfg.s3_endpoint)
     # The output is checked before the inputs are listed, which can take minutes: a read-only
     # or mistyped --output, or an unreachable S3 endpoint, fails in a second. The listing's

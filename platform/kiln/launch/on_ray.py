@@ -22,13 +22,14 @@ from kiln.clock import startup_mark
 from kiln.config import RunConfig
 from kiln.errors import ConfigError, KilnError, user_error_in
 from kiln.launch.preflight import preflight
+from kiln.launch.resume import StoredRun, check_resumable, record_run, same_mlflow_run, stored_run
 from kiln.launch.summary import Summary
 from kiln.ray.address import check_ray_address
 from kiln.ray.console import WorkerLogRouter
 from kiln.ray.progress import BoardWatcher, ProgressBoard
 from kiln.ray.trainer import build_trainer
 from kiln.storage import is_url
-from kiln.tracking.mlflow_run import Run, open_run
+from kiln.tracking.mlflow_run import Run, open_run, reopen_run
 from kiln.ui.progress import DriverBar, TerminalBar, is_terminal
 
 log = logging.getLogger(__name__)
@@ -48,11 +49,17 @@ def train(cfg: RunConfig, address: str | None = None, started: float | None = No
     marks = startup_mark("command", started)
     checked = preflight(cfg, remote_cluster=bool(address))
     cfg, manifest, tracking_uri = checked.cfg, checked.manifest, checked.tracking_uri
+    stored = stored_run(cfg)
+    if stored is not None:
+        check_resumable(cfg, stored)
+        log.info("resuming run %r from its checkpoint at step %d (%s)", cfg.logging.run_name, stored.step,
+                 stored.checkpoint)
     marks |= startup_mark("preflight")
-    run = _open_run_while_ray_starts(cfg, checked.datasets, tracking_uri, address, verbose)
+    run = _open_run_while_ray_starts(cfg, checked.datasets, tracking_uri, address, verbose, stored)
     marks |= startup_mark("ray")  # the later of the two: the run opened meanwhile
     nodes = ray.nodes()
     check_tensor_parallel_nodes(cfg, nodes)
+    cfg = reads_that_fit(cfg)
     resources = ray.cluster_resources()
     run.set_tags({"kiln.num_nodes": len([n for n in nodes if n["Alive"]]),
                   "kiln.cluster_cpus": resources.get("CPU", 0), "kiln.cluster_gpus": resources.get("GPU", 0)})
@@ -63,7 +70,7 @@ def train(cfg: RunConfig, address: str | None = None, started: float | None = No
         bar = bar or (TerminalBar(stream) if is_terminal(stream) else None)
         board = ProgressBoard.remote() if bar is not None else None
         trainer = build_trainer(cfg, checked.model, cfg.logging.run_name, tracking_uri, run.run_id,
-                                progress_board=board)
+                                progress_board=board, resumed_from=stored.checkpoint if stored else None)
         with WorkerLogRouter(worker_log, bar.print_above if bar else None, verbose), \
                 BoardWatcher(board, bar) if bar is not None else contextlib.nullcontext():
             marks |= startup_mark("fit")
@@ -130,15 +137,23 @@ def _fit(trainer, run_name: str, worker_log: str):
 
 
 def _open_run_while_ray_starts(cfg: RunConfig, datasets, tracking_uri: str, address: str | None,
-                               verbose: bool = False) -> Run:
+                               verbose: bool = False, stored: StoredRun | None = None) -> Run:
     """Open the MLflow run on a thread while Ray starts (or connects): the two take seconds each
     and need nothing from each other. A cluster address that does not answer is refused first,
     so that mistake still leaves nothing behind; if Ray then fails to start, the run that opened
-    meanwhile ends FAILED."""
+    meanwhile ends FAILED. A `stored` run reopens its MLflow run where it can."""
     if address:  # train() has resolved it from $RAY_ADDRESS already
         check_ray_address(address)
+    run_id = same_mlflow_run(stored, tracking_uri)
+
+    def opened() -> Run:
+        run = (reopen_run(cfg, tracking_uri, run_id, stored.checkpoint) if run_id and stored
+               else open_run(cfg, datasets, tracking_uri, {}))
+        record_run(cfg, run.run_id, tracking_uri)
+        return run
+
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kiln-open-run") as pool:
-        opening = pool.submit(open_run, cfg, datasets, tracking_uri, {})
+        opening = pool.submit(opened)
         try:
             connect_ray(cfg, address, verbose)
         except BaseException:
@@ -166,7 +181,6 @@ def connect_ray(cfg: RunConfig, address: str | None = None, verbose: bool = True
                 f"could not join the Ray cluster at {address}: {e}. A cluster started with `ray start "
                 "--head` uses token auth: set RAY_AUTH_MODE=token (its token is in ~/.ray/auth_token)") from None
         reclaim_orphaned_placement_groups()
-        warn_if_no_cpu_left_for_data(cfg)
         return
     # Embedded local Ray. Logical CPUs: one per worker as configured, plus two for Ray Data's
     # read tasks, so data never waits behind training workers for a CPU slot.
@@ -196,19 +210,24 @@ def check_tensor_parallel_nodes(cfg: RunConfig, nodes: list[dict]) -> None:
                           f"worker(s) of {per_worker[1]:g} {per_worker[0]})")
 
 
-def warn_if_no_cpu_left_for_data(cfg: RunConfig) -> None:
-    """Ray Data's read tasks need `data.read_task_cpus` the training workers do not hold. On a
-    cluster whose CPUs the workers take up, the run waits forever for its first batch (an
-    autoscaling cluster may still add a node, so this warns rather than refuses)."""
+def reads_that_fit(cfg: RunConfig) -> RunConfig:
+    """`cfg` with Ray Data's read tasks fitted to the cluster it joined. A read task reserves
+    `data.read_task_cpus` that the training workers do not hold; on a cluster whose CPUs the
+    workers take up, that reservation is never granted and the run waits for its first batch
+    without end (a fixed cluster never grows, and an autoscaler adds nodes for the workers'
+    group, not for reads). There the reads run with 0 CPUs reserved, beside the workers, and
+    this says so."""
     need = cfg.data.read_task_cpus
     workers = cfg.parallel.num_workers * cfg.parallel.cpus_per_worker
     cpus = ray.cluster_resources().get("CPU", 0.0)
-    if need and cpus - workers < need:
-        log.warning("the cluster has %g CPU(s) and the %d training workers take %g: less than the %g that "
-                    "a Ray Data read task reserves is left, so the run will wait for its first batch until "
-                    "the cluster grows. Lower parallel.cpus_per_worker or data.read_task_cpus (0 is "
-                    "allowed), or add CPUs (ray start --num-cpus)",
-                    cpus, cfg.parallel.num_workers, workers, need)
+    if not need or cpus - workers >= need:
+        return cfg
+    log.warning("the cluster has %g CPU(s) and the %d training workers take %g, which leaves less than the "
+                "%g a Ray Data read task reserves (data.read_task_cpus): reading with 0 CPUs reserved, "
+                "beside the workers (add CPUs, or lower parallel.cpus_per_worker, to read on CPUs of "
+                "its own; set data.read_task_cpus=0 to say so yourself)", cpus, cfg.parallel.num_workers,
+                workers, need)
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, read_task_cpus=0.0))
 
 
 def orphaned_placement_groups(groups: list, jobs: list) -> list[str]:

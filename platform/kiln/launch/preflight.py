@@ -28,7 +28,7 @@ from kiln.parallel.engine import check_offload_ops, check_passthrough
 from kiln.parallel.pipeline import check_partition
 from kiln.plan.memory import plan_input, refuse_if_too_big
 from kiln.redact import scrub
-from kiln.storage import absolute, is_url, resolve
+from kiln.storage import absolute, durable, is_url, resolve
 from kiln.tracking.server import check_store, resolve_tracking_uri
 
 log = logging.getLogger(__name__)
@@ -102,6 +102,9 @@ def preflight(cfg: RunConfig, remote_cluster: bool = False, storage_field: str =
     if cfg.logging.export_to:
         from kiln.infer.commands import check_target
 
+        cfg = dataclasses.replace(cfg, logging=dataclasses.replace(
+            cfg.logging, export_to=durable(cfg.logging.export_to, "logging.export_to")))
+
         check_target(cfg.logging.export_to, "logging.export_to =", overwrite=True,
                      inputs=(cfg.data.path, cfg.model.init_from, cfg.train.resume_from))
     return Checked(cfg, model, datasets, tracking_uri, memory)
@@ -132,7 +135,8 @@ def precision_flavour(cfg: RunConfig) -> str:
 def with_run_name(cfg: RunConfig) -> RunConfig:
     """Fill in what the driver decides once for all workers: the run name and where it is stored."""
     name = cfg.logging.run_name or f"{cfg.model.base_name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    storage = cfg.train.storage_path or os.environ.get("KILN_STORAGE_PATH") or "runs"
+    storage = durable(cfg.train.storage_path or os.environ.get("KILN_STORAGE_PATH") or "runs", "train.storage_path",
+                      "KILN_STORAGE_PATH")
     return dataclasses.replace(cfg, logging=dataclasses.replace(cfg.logging, run_name=name),
                                train=dataclasses.replace(cfg.train, storage_path=storage))
 

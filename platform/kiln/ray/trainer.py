@@ -8,11 +8,14 @@ only, and reports metrics and DeepSpeed checkpoints via `ray.train.report`.
 from __future__ import annotations
 
 import dataclasses
+import glob
 import logging
 import os
+import tempfile
 import warnings
 from typing import Any
 
+import psutil
 import ray
 import ray.train
 from ray.train import Checkpoint, CheckpointConfig, FailureConfig, ScalingConfig
@@ -37,6 +40,8 @@ from kiln.storage import absolute, resolve
 from kiln.tracking import client
 from kiln.tracking.mlflow_run import ArtifactLogger, MLflowLogger
 
+log = logging.getLogger(__name__)
+
 
 def _worker_entry(loop_config: dict[str, Any]) -> None:
     """Runs on every Ray Train worker."""
@@ -56,14 +61,11 @@ def _worker_entry(loop_config: dict[str, Any]) -> None:
                                          placement[world.rank])
     restored = ray.train.get_checkpoint()  # set when Ray Train restarts the group after a failure
     logger = _logger(cfg, world, loop_config, restarted=restored is not None)
-    local_ckpt_root = str(guard.temp_dir(None, "ckpt"))
-    if restored is not None:
-        # Every rank copies the whole checkpoint (all ranks' shards) and loads its own part.
-        resume_dir = os.path.join(local_ckpt_root, "restored")
-        restored.to_directory(resume_dir)
-        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, resume_from=resume_dir))
-        if world.rank == 0 and run_id:
-            _record_restart(loop_config["tracking_uri"], run_id, restored.path)
+    discard_orphaned_copies()
+    local_ckpt_root = str(guard.temp_dir(None, f"ckpt-{os.getpid()}"))
+    resumed = restored is not None and os.path.basename(restored.path.rstrip("/")) == loop_config.get("resumed_from")
+    if restored is not None and world.rank == 0 and run_id and not resumed:  # the driver recorded a resume
+        _record_restart(loop_config["tracking_uri"], run_id, restored.path)
     if world.rank == 0 and run_id:
         client.record_placement(loop_config["tracking_uri"], run_id, placement)
 
@@ -81,8 +83,12 @@ def _worker_entry(loop_config: dict[str, Any]) -> None:
                    device_limit_bytes(world.device))
     node_monitor = _node_system_metrics(world, placement, loop_config["tracking_uri"], run_id)
     try:
+        # Every rank downloads the whole restored checkpoint (all ranks' shards: a ZeRO load
+        # reads them) and loads its own part; the copy goes once loaded.
+        stored = StoredCheckpoint(restored, local_ckpt_root, world.world_size) if restored is not None else None
         run_worker(cfg, mcfg, world, lambda dp_rank, dp_size: _source(cfg, dp_rank, dp_size),
-                   Sinks(logger=logger, live=live, progress=progress, report=report), local_ckpt_root, startup)
+                   Sinks(logger=logger, live=live, progress=progress, report=report, restored=stored),
+                   local_ckpt_root, startup)
     finally:
         if node_monitor is not None:
             node_monitor.finish()
@@ -117,14 +123,29 @@ class StoredCheckpoint:
     def __call__(self) -> str:
         barrier(self.world_size)  # every rank's upload of it has returned
         target = os.path.join(self.root, "rollback", os.path.basename(self.checkpoint.path.rstrip("/")))
-        guard.discard(os.path.dirname(target))  # an earlier rollback's copy
+        self.release()  # an earlier rollback's copy
         os.makedirs(os.path.dirname(target))
         guard.mark(os.path.dirname(target), "temp")
         self.checkpoint.to_directory(target)
         return target
 
+    def release(self) -> None:
+        """Remove the local copy (the checkpoint stays in storage)."""
+        guard.discard(os.path.join(self.root, "rollback"))
+
     def __str__(self) -> str:
         return self.checkpoint.path
+
+
+def discard_orphaned_copies() -> None:
+    """Remove the local checkpoint directories (`kiln-ckpt-<pid>-*`) of workers on this node that
+    died without cleaning up: a worker killed by a failure or a resize never runs its `finally`,
+    and each left copy holds a whole checkpoint."""
+    for path in glob.glob(os.path.join(tempfile.gettempdir(), "kiln-ckpt-*-*")):
+        pid = os.path.basename(path).split("-")[2]
+        if pid.isdigit() and not psutil.pid_exists(int(pid)):
+            log.info("removing %s, left by a worker that died", path)
+            guard.discard(path)
 
 
 def _placement(world: WorldInfo) -> list[str]:
@@ -203,10 +224,11 @@ def _quiet_worker_logs() -> None:
 
 def build_trainer(cfg: RunConfig, mcfg: GPTConfig, run_name: str, tracking_uri: str, run_id: str | None,
                   callbacks: list | None = None, storage_path: str | None = None,
-                  progress_board=None) -> TorchTrainer:
+                  progress_board=None, resumed_from: str | None = None) -> TorchTrainer:
     """The TorchTrainer of one run. A sweep's trial adds Tune's report callback and keeps its
     checkpoints under the sweep's storage; `progress_board` (a `ProgressBoard` actor) is where
-    rank 0 posts each step for the driver's progress bar."""
+    rank 0 posts each step for the driver's progress bar; `resumed_from`: the checkpoint (its
+    directory's name) a run submitted again resumes from, which is not a restart."""
     p = cfg.parallel
     # Ray Train gives a worker group 60 s to start. Workers that each import torch and
     # DeepSpeed on a busy small node (concurrent sweep trials) can take longer; the controller
@@ -216,7 +238,7 @@ def build_trainer(cfg: RunConfig, mcfg: GPTConfig, run_name: str, tracking_uri: 
     return TorchTrainer(
         train_loop_per_worker=_worker_entry,
         train_loop_config={"config": cfg.to_dict(), "model": dataclasses.asdict(mcfg), "tracking_uri": tracking_uri, "mlflow_run_id": run_id,
-                           "progress_board": progress_board},
+                           "progress_board": progress_board, "resumed_from": resumed_from},
         scaling_config=ScalingConfig(
             num_workers=p.num_workers, use_gpu=p.use_gpu, resources_per_worker={"CPU": p.cpus_per_worker},
             placement_strategy=p.placement_strategy,

@@ -23,10 +23,10 @@ from typing import Any
 
 from kiln.errors import KilnError
 from kiln.guard import marked_json
-from kiln.launch.on_ray import connect_ray
+from kiln.launch.on_ray import connect_ray, reads_that_fit
 from kiln.launch.preflight import preflight
 from kiln.redact import redact_tree, redacted_paths
-from kiln.storage import absolute, write_private
+from kiln.storage import absolute, durable, write_private
 from kiln.sweep.config import STATE_FILE, Sweep, expected_trials, param_space
 from kiln.tracking.mlflow_run import Run, experiment_id
 from kiln.ui.progress import is_terminal
@@ -163,7 +163,7 @@ def _search_alg(sweep: Sweep):
 def run_sweep(sweep: Sweep, address: str | None = None, resume: bool = False) -> SweepSummary:
     """Start (or resume) the sweep on Ray Tune and wait for it; return the ranked trials."""
     cfg = sweep.config
-    storage = absolute(cfg.storage_path)
+    storage = absolute(durable(cfg.storage_path, "sweep.storage_path"))
     exp_dir = os.path.join(storage, cfg.name)
     train_storage = os.path.join(exp_dir, "train")
     base = dataclasses.replace(sweep.base_config, train=dataclasses.replace(
@@ -180,8 +180,10 @@ def run_sweep(sweep: Sweep, address: str | None = None, resume: bool = False) ->
                         f"`kiln sweep --resume {cfg.name}`, or give the sweep another name")
     # Ray first: a sweep that cannot reach it leaves no parent run and no state behind.
     concurrent_cpus = cfg.max_concurrent_trials * base.parallel.num_workers * base.parallel.cpus_per_worker
-    connect_ray(dataclasses.replace(base, parallel=dataclasses.replace(
-        base.parallel, num_workers=math.ceil(concurrent_cpus), cpus_per_worker=1.0)), address)
+    concurrent = dataclasses.replace(base, parallel=dataclasses.replace(
+        base.parallel, num_workers=math.ceil(concurrent_cpus), cpus_per_worker=1.0))
+    connect_ray(concurrent, address)
+    sweep.base_tree["data"]["read_task_cpus"] = reads_that_fit(concurrent).data.read_task_cpus
     parent = _resume_parent(sweep, uri, exp_dir) if resume else _start_parent(sweep, uri, exp_dir)
     ctx = {"sweep": sweep.to_dict(), "tracking_uri": uri, "parent_run_id": parent.run_id,
            "train_storage": train_storage}

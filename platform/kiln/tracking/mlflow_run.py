@@ -284,6 +284,24 @@ def open_run(cfg: RunConfig, datasets: list[Dataset], tracking_uri: str, cluster
     return run
 
 
+def reopen_run(cfg: RunConfig, tracking_uri: str, run_id: str, checkpoint: str) -> Run:
+    """The MLflow run of a named run that is submitted again, running again. Its params stay
+    the first submission's (MLflow keeps a param's first value); the config it resumes with is
+    logged beside them as `config.resume-<n>.yaml`, and the run is tagged `kiln.resumes` and
+    `kiln.resume.<n>` (the checkpoint it resumed from)."""
+    import yaml
+
+    run = Run(tracking_uri, cfg.logging.experiment, cfg.logging.run_name, run_id=run_id)
+    try:
+        n = int(run.client.get_run(run_id).data.tags.get("kiln.resumes", "0")) + 1
+        run.client.update_run(run_id, status="RUNNING")
+    except Exception as e:  # the store's own errors are many and unhelpful
+        raise KilnError(f"cannot reopen MLflow run {run_id} at {tracking_uri}: {e}") from None
+    run.set_tags({"kiln.resumes": n, f"kiln.resume.{n}": checkpoint})
+    run.log_text(yaml.safe_dump(redact_tree(cfg.to_dict()), sort_keys=False), f"config.resume-{n}.yaml")
+    return run
+
+
 def log_schedule_plot(run: Run, cfg: RunConfig) -> None:
     """The LR schedule this run will follow, as a PNG artifact (schedule/lr.png)."""
     from kiln.core.schedule import plot_schedule

@@ -9,7 +9,7 @@ from urllib.parse import urlparse
 
 from kiln.errors import ConfigError, KilnError
 from kiln.redact import scrub
-from kiln.storage import is_url, without_userinfo
+from kiln.storage import durable, is_url, without_userinfo
 
 
 def resolve_tracking_uri(configured: str = "") -> str:
@@ -17,9 +17,10 @@ def resolve_tracking_uri(configured: str = "") -> str:
     file paths are made absolute so Ray workers, whose cwd differs, write to the same store."""
     uri = configured or os.environ.get("MLFLOW_TRACKING_URI", "") or "sqlite:///mlflow.db"
     if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
-        return "sqlite:///" + os.path.abspath(uri[len("sqlite:///") :])
+        return "sqlite:///" + os.path.abspath(durable(uri[len("sqlite:///") :], "logging.tracking_uri",
+                                                       "MLFLOW_TRACKING_URI"))
     if not is_url(uri):
-        return "file://" + os.path.abspath(uri)
+        return "file://" + os.path.abspath(durable(uri, "logging.tracking_uri", "MLFLOW_TRACKING_URI"))
     return uri
 
 

@@ -1,0 +1,99 @@
+"""A named run submitted again resumes: from its newest checkpoint, into the same MLflow run.
+
+Ray Train restores a run that is built again with the same `RunConfig(name, storage_path)`
+from the checkpoint manager's snapshot it keeps in storage (`SNAPSHOT`), and hands every worker
+the newest checkpoint (`ray.train.get_checkpoint()`). So a job that is resubmitted, by a person,
+by a KubeRay RayJob's `backoffLimit` or after its driver died, under its `logging.run_name` and
+`train.storage_path`, continues where its last checkpoint left it. What Ray does not know is
+the MLflow run: Kiln keeps its id beside the checkpoints (`RECORD`), reopens that run, and rank
+0 logs only the steps MLflow does not hold yet. A run that already reached `train.max_steps` is
+refused rather than silently retrained or left as it is.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+
+from kiln.config import RunConfig
+from kiln.errors import ConfigError
+from kiln.redact import scrub
+from kiln.storage import Location, resolve, write_whole
+
+log = logging.getLogger(__name__)
+
+SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray Train's, in the run's directory
+RECORD = "kiln-run.json"  # Kiln's, beside it: the MLflow run this run logs to
+
+
+@dataclass(frozen=True)
+class StoredRun:
+    """What storage holds of a run of this name."""
+
+    directory: str
+    """The run's directory (local path or s3:// URI)."""
+    step: int
+    """The step of its newest complete checkpoint."""
+    checkpoint: str
+    """That checkpoint's directory name (`checkpoint_<time>`)."""
+    mlflow_run_id: str | None
+    tracking_uri: str | None
+
+
+def _run_dir(cfg: RunConfig) -> Location:
+    d = cfg.data
+    return resolve(cfg.train.storage_path, d.s3_endpoint, d.s3_region).join(cfg.logging.run_name)
+
+
+def stored_run(cfg: RunConfig) -> StoredRun | None:
+    """The run named `logging.run_name` under `train.storage_path`, if a checkpoint of it is
+    stored there; None for a new run."""
+    where = _run_dir(cfg)
+    snapshot = where.join(SNAPSHOT)
+    if not snapshot.exists():
+        return None
+    latest = json.loads(snapshot.read_bytes()).get("latest_checkpoint_result") or {}
+    if not latest.get("checkpoint_dir_name"):
+        return None  # the run died before its first checkpoint: it starts again from step 0
+    record = where.join(RECORD)
+    known = json.loads(record.read_bytes()) if record.exists() else {}
+    return StoredRun(where.uri, int(latest.get("metrics", {}).get("step", 0)), latest["checkpoint_dir_name"],
+                     known.get("mlflow_run_id"), known.get("tracking_uri"))
+
+
+def check_resumable(cfg: RunConfig, stored: StoredRun) -> None:
+    """A stored run goes on from its own checkpoint, and only to a later `train.max_steps`."""
+    if cfg.train.resume_from:
+        raise ConfigError(
+            f"logging.run_name = {cfg.logging.run_name!r} has checkpoints in {stored.directory} already, and a run "
+            "submitted again under its name resumes from them; train.resume_from starts a new run from another "
+            "checkpoint: give it another logging.run_name")
+    if stored.step >= cfg.train.max_steps:
+        raise ConfigError(
+            f"logging.run_name = {cfg.logging.run_name!r}: that run already trained to step {stored.step} "
+            f"(train.max_steps = {cfg.train.max_steps}) in {stored.directory}; give a larger train.max_steps "
+            "to train it on, or another logging.run_name for a new run")
+
+
+def same_mlflow_run(stored: StoredRun | None, tracking_uri: str) -> str | None:
+    """The MLflow run id a resumed run continues, when it was logged to this same store."""
+    if stored is None or not stored.mlflow_run_id:
+        return None
+    if stored.tracking_uri != scrub(tracking_uri):  # kept without credentials
+        log.warning("run %r was logged to MLflow at %s; this time the store is %s: its steps from %d on go to a "
+                    "new MLflow run", stored.directory, stored.tracking_uri, tracking_uri, stored.step + 1)
+        return None
+    return stored.mlflow_run_id
+
+
+def record_run(cfg: RunConfig, mlflow_run_id: str, tracking_uri: str) -> None:
+    """Keep the MLflow run's id beside the checkpoints, whole or not at all, so a resubmitted
+    job finds it."""
+    record = _run_dir(cfg).join(RECORD)
+    text = json.dumps({"mlflow_run_id": mlflow_run_id, "tracking_uri": scrub(tracking_uri)}, indent=2)
+    if record.is_s3:
+        record.write_bytes(text.encode())  # an S3 PUT is whole or nothing
+    else:
+        record.fs.create_dir(record.path.rsplit("/", 1)[0], recursive=True)
+        write_whole(record.path, text)
