@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from kiln.config import RunConfig
 from kiln.core.checkpoint import precision_record, resolve_resume
+from kiln.core.config import RUN_NAME
 from kiln.data.check import resolve_against_data
 from kiln.data.manifest import Manifest
 from kiln.data.mixture import Dataset
@@ -92,9 +93,9 @@ def preflight(cfg: RunConfig, remote_cluster: bool = False, storage_field: str =
     problem = cfg.dims.model_problem(model.n_head, model.kv_heads, model.hidden)
     if problem:
         raise ConfigError(problem)
+    cfg = with_run_name(cfg)  # first: train.resume_from may name a run under the storage path
     cfg = check_resume(cfg, world_size or cfg.parallel.num_workers, remote_cluster)
     check_precision(cfg)
-    cfg = with_run_name(cfg)
     memory = check_resources(cfg, model, remote_cluster)
     tracking_uri = resolve_tracking_uri(cfg.logging.tracking_uri)
     check_store(tracking_uri)
@@ -146,10 +147,26 @@ def check_resume(cfg: RunConfig, world_size: int, remote_cluster: bool) -> RunCo
     is this machine's, checked now: a complete checkpoint written by as many ranks."""
     if not cfg.train.resume_from:
         return cfg
-    path = absolute(cfg.train.resume_from)
+    path = absolute(run_named(cfg) or cfg.train.resume_from)
     if not remote_cluster or os.path.exists(path):  # on a cluster's shared disk it may be visible here too
         resolve_resume(path, world_size, precision_record(cfg), cfg.parallel.tensor_parallel)
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, resume_from=path))
+
+
+def run_named(cfg: RunConfig) -> str | None:
+    """The directory of the run that `train.resume_from` names by its name alone (not a path
+    that exists here): `train.storage_path/<name>`; None where it is a path."""
+    given, storage = cfg.train.resume_from, cfg.train.storage_path
+    if "/" in given or os.path.exists(given) or not RUN_NAME.fullmatch(given):
+        return None
+    if is_url(storage):
+        raise ConfigError(f"train.resume_from = {given!r}: a run on {storage} resumes when it is submitted again under "
+                          "its logging.run_name; train.resume_from takes a local checkpoint or run directory")
+    under = os.path.join(storage, given)
+    if not os.path.isdir(under):
+        raise ConfigError(f"train.resume_from = {given!r}: no such directory, and no run of that name under "
+                          f"train.storage_path = {storage!r}")
+    return under
 
 
 def check_precision(cfg: RunConfig) -> None:

@@ -94,6 +94,9 @@ def test_resume_from_is_made_absolute_and_checked_on_the_driver(byte_dataset, tm
     (tmp_path / "runs" / "old").mkdir(parents=True)
     with pytest.raises(KilnError, match=r"train.resume_from = '.*/runs/old': holds no complete Kiln checkpoint"):
         train(_run_config(byte_dataset, tmp_path, ["train.resume_from=runs/old"]))
+    # A bare run name is that run under train.storage_path (here {tmp}/runs, not the cwd).
+    with pytest.raises(KilnError, match=r"train.resume_from = '.*/runs/old': holds no complete Kiln checkpoint"):
+        train(_run_config(byte_dataset, tmp_path, ["train.resume_from=old"]))
     # With a cluster address, a path this machine sees (a shared disk) is checked all the same ...
     with pytest.raises(KilnError, match="holds no complete Kiln checkpoint"):
         preflight(_run_config(byte_dataset, tmp_path, ["train.resume_from=runs/old"]), remote_cluster=True)
