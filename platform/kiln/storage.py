@@ -21,7 +21,7 @@ from urllib.parse import urlparse
 import pyarrow.fs as pafs
 
 from kiln.errors import ConfigError, StorageError
-from kiln.guard import write_file
+from kiln.guard import move, write_file
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -76,10 +76,10 @@ def durable_home() -> str:
 
 
 def durable(path: str, field: str, env: str = "") -> str:
-    """An output path (`field` names its setting) that outlives the process: as it is, except a
-    relative local path in a submitted job's temporary working copy, which goes under
-    `durable_home()` instead, saying so (`env`: a variable that also sets it). Written once here for every output a job has
-    (checkpoints, the default MLflow store, exports, prepared data)."""
+    """An output path (`field` names its setting; `env`, a variable that also sets it) that
+    outlives the process: as it is, except a relative local path in a submitted job's temporary
+    working copy, which goes under `durable_home()` instead, saying so. The one place for every
+    output a job has (checkpoints, the default MLflow store, exports, prepared data)."""
     if is_url(path) or os.path.isabs(os.path.expanduser(path)) or not job_working_copy():
         return path
     moved = os.path.join(durable_home(), path)
@@ -87,6 +87,18 @@ def durable(path: str, field: str, env: str = "") -> str:
                 "Ray deletes with the session: writing to %s instead (set %s%s to an absolute or s3:// path, "
                 "or KILN_HOME, to choose)", field, path, moved, field, f" or ${env}" if env else "")
     return moved
+
+
+def write_once(loc: Location, data: bytes) -> None:
+    """Write a file whole or not at all: locally through a temp name and a rename (a kill
+    mid-write leaves no truncated file (a shard, a record) that a reader would take for done); an S3 put is atomic."""
+    if loc.is_s3:
+        loc.write_bytes(data)
+        return
+    folder, name = os.path.split(loc.path)
+    tmp = resolve(os.path.join(folder, f".{name}.tmp"))
+    tmp.write_bytes(data)
+    move(tmp.path, loc.path)
 
 
 def write_private(path: str | os.PathLike, text: str, kind: str | None = None) -> None:

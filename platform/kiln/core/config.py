@@ -76,8 +76,9 @@ class TrainConfig:
     """Per-device peak FLOP/s for MFU. 0: looked up for known GPUs, measured on CPU."""
     resume_from: str = ""
     """A checkpoint to start from: a run's directory (runs/<name>: its newest complete checkpoint;
-    or just <name>, a run under train.storage_path) or one checkpoint in it (Ray Train's checkpoint_<time>, the local launcher's step_N). Weights,
-    optimizer, LR schedule, step, RNG states; data continues after the batches already used."""
+    or just <name>, a run under train.storage_path) or one checkpoint in it (Ray Train's
+    checkpoint_<time>, the local launcher's step_N). Weights, optimizer, LR schedule, step, RNG
+    states; data continues after the batches already used."""
     max_failures: int = knob(0, *span(-1, 1_000_000, note="-1: no limit"))
     """Restarts Ray Train may make after a worker or its node dies (FailureConfig); each restart
     resumes from the newest reported checkpoint, losing only the steps since. -1: no limit.

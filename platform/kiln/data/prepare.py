@@ -48,7 +48,7 @@ from kiln.data.inputs import ReadOptions, ReadStats, read_unit
 from kiln.data.listing import UnitRef, Units, place, spill
 from kiln.data.manifest import FORMAT_VERSION, MANIFEST, SAMPLE_ID, TOKENIZER_FILE, TOKENS
 from kiln.data.prepare_config import PrepareConfig, config_from, validate_config
-from kiln.data.shards import UNITS_DIR, UnitJob, UnitWorker, row_group_rows, write_once
+from kiln.data.shards import UNITS_DIR, UnitJob, UnitWorker, row_group_rows
 from kiln.data.tokenizer import (
     BPETokenizer,
     ByteTokenizer,
@@ -58,7 +58,7 @@ from kiln.data.tokenizer import (
 )
 from kiln.errors import ConfigError, DataError
 from kiln.guard import delete_stored
-from kiln.storage import Location, durable, resolve
+from kiln.storage import Location, durable, resolve, write_once
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import os
 import time
 from dataclasses import asdict, dataclass
 
@@ -23,8 +22,7 @@ import pyarrow.parquet as pq
 
 from kiln.data.inputs import ReadOptions, ReadStats, Unit, read_unit
 from kiln.data.manifest import SAMPLE_ID, TOKENS
-from kiln.guard import move
-from kiln.storage import Location, resolve
+from kiln.storage import resolve, write_once
 
 UNIT_ID_BITS = 32  # a unit holds fewer than 2**32 rows; 2**31 units fit an int64 id
 ENCODE_BATCH = 256  # documents handed to the tokenizer at once: its threads share them
@@ -158,15 +156,3 @@ def shard_bytes(first_id: int, rows: np.ndarray, group_rows: int) -> bytes:
     buf = io.BytesIO()
     pq.write_table(table, buf, compression="zstd", row_group_size=group_rows)
     return buf.getvalue()
-
-
-def write_once(loc: Location, data: bytes) -> None:
-    """Write a file whole or not at all: locally through a temp name and a rename (a kill
-    mid-write leaves no truncated shard a resume would take for done); an S3 put is atomic."""
-    if loc.is_s3:
-        loc.write_bytes(data)
-        return
-    folder, name = os.path.split(loc.path)
-    tmp = resolve(os.path.join(folder, f".{name}.tmp"))
-    tmp.write_bytes(data)
-    move(tmp.path, loc.path)

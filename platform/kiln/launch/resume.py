@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from kiln.config import RunConfig
 from kiln.errors import ConfigError
 from kiln.redact import scrub
-from kiln.storage import Location, resolve, write_whole
+from kiln.storage import Location, resolve, write_once
 
 log = logging.getLogger(__name__)
 
@@ -92,8 +92,4 @@ def record_run(cfg: RunConfig, mlflow_run_id: str, tracking_uri: str) -> None:
     job finds it."""
     record = _run_dir(cfg).join(RECORD)
     text = json.dumps({"mlflow_run_id": mlflow_run_id, "tracking_uri": scrub(tracking_uri)}, indent=2)
-    if record.is_s3:
-        record.write_bytes(text.encode())  # an S3 PUT is whole or nothing
-    else:
-        record.fs.create_dir(record.path.rsplit("/", 1)[0], recursive=True)
-        write_whole(record.path, text)
+    write_once(record, text.encode())

@@ -67,11 +67,16 @@ def record_placement(tracking_uri: str, run_id: str, nodes: list[str]) -> None:
 def record_restart(tracking_uri: str, run_id: str, checkpoint: str) -> int:
     """The same MLflow run continues after a restart: count it and say where it resumed; the
     restart's number."""
-    client = connect(tracking_uri)
-    restarts = int(client.get_run(run_id).data.tags.get("kiln.restarts", "0")) + 1
-    client.set_tag(run_id, "kiln.restarts", str(restarts))
-    client.set_tag(run_id, f"kiln.restart.{restarts}", f"resumed from {checkpoint}")
-    return restarts
+    return count_event(connect(tracking_uri), run_id, "restart", f"resumed from {checkpoint}")
+
+
+def count_event(client, run_id: str, event: str, detail: str) -> int:
+    """Count one more `event` on a run (tag `kiln.<event>s`) and say what it was (tag
+    `kiln.<event>.<n>`); its number n."""
+    n = int(client.get_run(run_id).data.tags.get(f"kiln.{event}s", "0")) + 1
+    client.set_tag(run_id, f"kiln.{event}s", str(n))
+    client.set_tag(run_id, f"kiln.{event}.{n}", detail)
+    return n
 
 
 def delete_runs(tracking_uri: str, experiment: str, filter_string: str) -> int:

@@ -22,6 +22,7 @@ from kiln.data.mixture import Dataset
 from kiln.errors import KilnError
 from kiln.knobs import flatten
 from kiln.redact import redact, redact_tree, scrub
+from kiln.tracking.client import count_event
 from kiln.tracking.plots import PLOTTED, training_plots
 from kiln.tracking.sender import Journal, Sender
 from kiln.tracking.source import UNKNOWN, git_commit
@@ -274,9 +275,7 @@ def open_run(cfg: RunConfig, datasets: list[Dataset], tracking_uri: str, cluster
     })
     for d in datasets:
         run.log_dataset(d.manifest.location.uri, d.manifest.fingerprint)
-    import yaml
-
-    run.log_text(yaml.safe_dump(redact_tree(cfg.to_dict()), sort_keys=False), "config.yaml")
+    run.log_text(config_yaml(cfg), "config.yaml")
     for d in datasets:
         run.log_text(json.dumps(d.manifest.raw, indent=2),
                      "data/manifest.json" if len(datasets) == 1 else f"data/{d.name}/manifest.json")
@@ -289,17 +288,21 @@ def reopen_run(cfg: RunConfig, tracking_uri: str, run_id: str, checkpoint: str) 
     the first submission's (MLflow keeps a param's first value); the config it resumes with is
     logged beside them as `config.resume-<n>.yaml`, and the run is tagged `kiln.resumes` and
     `kiln.resume.<n>` (the checkpoint it resumed from)."""
-    import yaml
-
     run = Run(tracking_uri, cfg.logging.experiment, cfg.logging.run_name, run_id=run_id)
     try:
-        n = int(run.client.get_run(run_id).data.tags.get("kiln.resumes", "0")) + 1
         run.client.update_run(run_id, status="RUNNING")
+        n = count_event(run.client, run_id, "resume", checkpoint)
     except Exception as e:  # the store's own errors are many and unhelpful
         raise KilnError(f"cannot reopen MLflow run {run_id} at {tracking_uri}: {e}") from None
-    run.set_tags({"kiln.resumes": n, f"kiln.resume.{n}": checkpoint})
-    run.log_text(yaml.safe_dump(redact_tree(cfg.to_dict()), sort_keys=False), f"config.resume-{n}.yaml")
+    run.log_text(config_yaml(cfg), f"config.resume-{n}.yaml")
     return run
+
+
+def config_yaml(cfg: RunConfig) -> str:
+    """The run's config as YAML, secrets redacted: what a run logs as its config artifact."""
+    import yaml
+
+    return yaml.safe_dump(redact_tree(cfg.to_dict()), sort_keys=False)
 
 
 def log_schedule_plot(run: Run, cfg: RunConfig) -> None:
