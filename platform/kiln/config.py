@@ -33,6 +33,7 @@ from kiln.core.config import LoggingConfig, TrainConfig
 from kiln.core.health import HealthConfig  # noqa: F401  (a section, importable from here)
 from kiln.core.optim import OptimConfig
 from kiln.core.profiling import ProfileConfig  # noqa: F401  (a section, importable from here)
+from kiln.core.resize import elastic_batch_problem
 from kiln.core.schedule import ScheduleConfig
 from kiln.data.config import DataConfig, MixSource  # noqa: F401  (MixSource: a section's item)
 from kiln.errors import ConfigError
@@ -66,7 +67,7 @@ class RunConfig:
         self.parallel.check()
         self.optim.check()
         self.schedule.check()
-        self.train.check(self.parallel.pipeline_stages, self.parallel.num_workers)
+        self.train.check(self.parallel.pipeline_stages, self.parallel.min_workers)
         self.logging.check()
         _check_across(self)
         return self
@@ -133,6 +134,9 @@ def _check_across(cfg: RunConfig) -> None:
         raise ConfigError(f"train.compile = true with parallel.zero_stage = {p.zero_stage} and parallel.pipeline_stages "
                           f"= {p.pipeline_stages}: compile works with ZeRO 0-2 and no pipeline (ZeRO-3's "
                           "parameter gathering and the pipeline's schedule break the compiled graph)")
+    problem = elastic_batch_problem(cfg)
+    if problem:
+        raise ConfigError(problem)
 
 
 def bf16_autocast(precision: str, mixed_precision: str, use_gpu: bool, zero_stage: int, pipeline_stages: int) -> bool:

@@ -164,8 +164,11 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         if value not in allowed:
             raise ConfigError(f"{where} = {value!r} is not allowed: expected one of {list(allowed)}")
         return value
-    if origin in (typing.Union, types.UnionType):
+    if origin in (typing.Union, types.UnionType):  # Optional[X], or a scalar or a list (X | list[X])
         args = [a for a in typing.get_args(tp) if a is not type(None)]
+        lists = [a for a in args if typing.get_origin(a) is list]
+        if isinstance(value, list) and lists:
+            return _coerce(value, lists[0], where)
         return None if value is None else _coerce(value, args[0], where)
     if tp is bool:
         if isinstance(value, bool):

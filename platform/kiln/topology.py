@@ -22,10 +22,26 @@ def _field(setting: str) -> str:
     return f"parallel.{setting}"
 
 
+MAX_WORKERS = 100_000
+
+
+def _pair(workers: int | list[int]) -> list[int]:
+    """[min, max] of `parallel.num_workers` ([n] for a fixed run)."""
+    return list(workers) if isinstance(workers, list) else [workers]
+
+
 @dataclass
 class ParallelConfig:
-    num_workers: int = knob(2, *span(1, 100_000))
-    """Ray Train workers (ranks): pipeline stages x tensor-parallel ranks x data-parallel replicas."""
+    num_workers: int | list[int] = knob(2, lambda v: all(1 <= n <= MAX_WORKERS for n in _pair(v)),
+                                        f"an integer in [1, {MAX_WORKERS}], or [min, max] of them")
+    """Ray Train workers (ranks): pipeline stages x tensor-parallel ranks x data-parallel replicas.
+    [min, max] makes the run elastic: it starts with what the cluster fits (not below min), grows
+    when nodes join and shrinks when they die, each time resuming its newest checkpoint on the
+    new number of workers, with the global batch (at max) kept by gradient accumulation."""
+    resize_check_s: float = knob(60.0, *span(1, 86_400, "a number"))
+    """An elastic run looks this often for room to grow (Ray Train's
+    elastic_resize_monitor_interval_s); a dead worker is seen at once. Checkpoint at least as
+    often, or each resize repeats the steps since the last one."""
     use_gpu: bool = False
     """One GPU per worker, NCCL backend. False: CPU workers with gloo."""
     cpus_per_worker: float = knob(1.0, *span(0, 1024, "a number", lo_open=True))
@@ -83,10 +99,30 @@ class ParallelConfig:
     deepspeed: dict = field(default_factory=dict)
     """Raw DeepSpeed config merged over the generated one, for anything Kiln does not model."""
 
+    @property
+    def max_workers(self) -> int:
+        """The workers of a fixed run; an elastic run's most."""
+        return _pair(self.num_workers)[-1]
+
+    @property
+    def min_workers(self) -> int:
+        return _pair(self.num_workers)[0]
+
+    @property
+    def elastic(self) -> bool:
+        return self.min_workers != self.max_workers
+
     def check(self) -> None:
         """This section's own rules: ranges, a layout that divides the workers, and what
         DeepSpeed allows."""
+        if isinstance(self.num_workers, list) and (len(self.num_workers) != 2 or self.min_workers > self.max_workers):
+            raise ConfigError(f"parallel.num_workers = {self.num_workers}: expected [min, max] with min <= max "
+                              "(an elastic run), or one number")
         check_ranges(self, "parallel")
+        if self.elastic and (self.pipeline_stages > 1 or self.tensor_parallel > 1):
+            raise ConfigError(f"parallel.num_workers = {self.num_workers} (elastic) needs parallel.pipeline_stages = 1 "
+                              "and parallel.tensor_parallel = 1: a pipeline's or tensor-parallel ranks' checkpoint "
+                              "resumes only on as many replicas")
         problem = ParallelDims.of(self).problem()
         if problem:
             raise ConfigError(problem)
@@ -117,8 +153,8 @@ class ParallelDims:
 
     @classmethod
     def of(cls, p: ParallelConfig, world_size: int | None = None) -> ParallelDims:
-        """The layout of `p` over `world_size` ranks (default: its `num_workers`)."""
-        return cls(world_size or p.num_workers, p.pipeline_stages, p.tensor_parallel)
+        """The layout of `p` over `world_size` ranks (default: its workers, an elastic run's most)."""
+        return cls(world_size or p.max_workers, p.pipeline_stages, p.tensor_parallel)
 
     @property
     def data_parallel_size(self) -> int:

@@ -10,6 +10,7 @@ harness adds secrets to every case's environment too.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 # Planted in every case's environment, in the shapes `kiln.redact` knows.
@@ -251,6 +252,16 @@ OVERRIDES = [
     _cfg("config-mix-a-mapping", "data:\n  mix: {path: a, weight: 1}\n", "data.mix"),
 ]
 
+# A complete checkpoint of 2 ranks at 12 sequences a step (2 x 3 micro-batches x 2), as far as
+# preflight reads one: the markers, the card, the state directory.
+_CHECKPOINT_2x3x2 = {
+    **{f"ckpt/kiln_complete.rank{r}.json": json.dumps({"step": 10, "world_size": 2, "rank": r, "tag": "state"})
+       for r in (0, 1)},
+    "ckpt/state/mp_rank_00_model_states.pt": "x",
+    "ckpt/kiln_model.json": json.dumps({"parallel": {"zero_stage": 2, "pipeline_stages": 1, "tensor_parallel": 1},
+                                        "batch": {"micro_batch_size": 2, "micro_batches_per_step": 3}}),
+}
+
 LAUNCH = [
     _train("train-no-dataset", ["data.path=nowhere"], "nowhere", 1),
     _train("train-mix-missing-dataset", ["data.mix=[{{path: {ds}}}, {{path: nowhere, name: n}}]"], "nowhere", 1,
@@ -268,6 +279,9 @@ LAUNCH = [
            dataset=True),
     _train("train-resume-not-checkpoint", ["data.path={ds}", "train.resume_from=ckpt"], "train.resume_from", 2,
            dataset=True, files={"ckpt/notes.txt": "x"}),
+    _train("train-resume-batch-not-kept", ["data.path={ds}", "train.resume_from=ckpt", "train.micro_batch_size=2",
+                                           "parallel.num_workers=4"],
+           "which 4 replicas x train.micro_batch_size = 2 cannot divide", 2, dataset=True, files=_CHECKPOINT_2x3x2),
     _train("train-tracking-unreachable", ["data.path={ds}", f"logging.tracking_uri=http://me:{PW}@127.0.0.1:9"],
            "127.0.0.1:9", 1, dataset=True, secrets=(PW,)),
     _train("train-tracking-bad-scheme", ["data.path={ds}", f"logging.tracking_uri=htpp://me:{PW}@127.0.0.1:9"],

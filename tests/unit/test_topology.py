@@ -97,3 +97,35 @@ def test_a_cluster_whose_nodes_cannot_hold_a_tensor_parallel_group_is_refused_be
                                  "parallel.use_gpu=true"])
     with pytest.raises(ConfigError, match=r"tensor_parallel = 2 with 0 rank\(s\) per node.*holds 0 worker"):
         check_tensor_parallel_nodes(on_gpus, two_cpus)
+
+
+def test_an_elastic_run_names_its_range_and_keeps_the_batch_of_its_most_workers():
+    """[min, max] in YAML or `--set` makes a run elastic; the layout, the planner's memory
+    (its smallest group holds the most each) and Ray Train's scaling read min and max."""
+    cfg = load_config(None, ["parallel.num_workers=[1, 2]", "model.vocab_size=256", "model.seq_len=64"])
+    p = cfg.parallel
+    assert (p.num_workers, p.min_workers, p.max_workers, p.elastic) == ([1, 2], 1, 2, True)
+    assert cfg.dims.world_size == 2 and not load_config(None, ["parallel.num_workers=2"]).parallel.elastic
+    from kiln.plan.memory import plan_input
+
+    assert plan_input(cfg, cfg.model.shape(), 1.0).world_size == 1
+    from kiln.core.resize import sized_for
+
+    # 2 workers x 1 micro-batch at most: 1 worker runs 2 micro-batches a step, the same batch
+    assert sized_for(cfg, ParallelDims(1)).micro_batches_per_step == 2 and sized_for(cfg, ParallelDims(2)) is None
+
+
+@pytest.mark.parametrize("sets,needle", [
+    (["parallel.num_workers=[3, 2]"], "parallel.num_workers = [3, 2]: expected [min, max] with min <= max"),
+    (["parallel.num_workers=[1, 2, 3]"], "parallel.num_workers = [1, 2, 3]: expected [min, max]"),
+    (["parallel.num_workers=[0, 2]"], "parallel.num_workers = [0, 2] is out of range"),
+    (["parallel.num_workers=[2, 4]", "parallel.pipeline_stages=2"], "needs parallel.pipeline_stages = 1"),
+    (["parallel.num_workers=[1, 3]"], "which 2 workers cannot share evenly; set train.grad_accum_steps to a multiple of 2"),
+    (["parallel.num_workers=[2, 4]", "train.grad_accum_steps=2"], "a multiple of 3"),
+])
+def test_an_elastic_range_that_cannot_work_is_refused_in_one_line(sets, needle):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, sets)
+    assert needle in str(e.value)
+    if "share evenly" in needle:  # the batch may change instead, when the user says so
+        assert load_config(None, [*sets, "train.allow_batch_change=true"]).parallel.elastic

@@ -26,12 +26,14 @@ import os
 import re
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kiln import guard
 from kiln.core.collectives import barrier
 from kiln.core.config import TrainConfig
 from kiln.core.engine import Engine
+from kiln.core.resize import Regroup, Written, batch_card, regroup
 from kiln.errors import ConfigError
 
 if TYPE_CHECKING:  # the config composes this module's sections: a type here, never an import
@@ -60,12 +62,17 @@ def model_card(cfg: RunConfig, mcfg: GPTConfig) -> dict:
 
     d = cfg.data
     return redact_tree({
-        "format": 1, "gpt": asdict(mcfg),
-        "parallel": {"zero_stage": cfg.parallel.zero_stage, "pipeline_stages": cfg.parallel.pipeline_stages,
-                     "tensor_parallel": cfg.parallel.tensor_parallel},
+        "format": 1, "gpt": asdict(mcfg), **layout_card(cfg),
         "data": {"path": d.path, "s3_endpoint": d.s3_endpoint, "s3_region": d.s3_region},
-        "precision": precision_record(cfg),
     })
+
+
+def layout_card(cfg: RunConfig) -> dict:
+    """The part of the card a resume is judged by: how the state was sharded, its precision
+    layout and its batch."""
+    return {"parallel": {"zero_stage": cfg.parallel.zero_stage, "pipeline_stages": cfg.parallel.pipeline_stages,
+                         "tensor_parallel": cfg.parallel.tensor_parallel},
+            "precision": precision_record(cfg), "batch": batch_card(cfg)}
 
 
 def precision_record(cfg: RunConfig) -> dict:
@@ -235,13 +242,23 @@ def newest_reported(root: str) -> str | None:
     return max(found)[1] if found else None
 
 
-def resolve_resume(path: str, world_size: int, precision: dict | None = None,
-                   tensor_parallel: int | None = None) -> tuple[str, int]:
-    """(checkpoint directory, its step) for train.resume_from: a checkpoint directory, or a run's
-    directory (the local launcher's `step_N`s, or Ray Train's `checkpoint_<time>`s) whose newest
-    complete checkpoint is taken. Refuses anything incomplete, written by another number of
-    ranks, or (given this run's `precision_record` and tensor-parallel size) in another
-    precision layout or split over another number of tensor-parallel ranks."""
+@dataclass(frozen=True)
+class Resume:
+    """The checkpoint a run starts from, and how it continues it on its own layout."""
+
+    directory: str
+    step: int
+    regroup: Regroup | None
+    """Set where the checkpoint was written by another number of data-parallel replicas."""
+
+
+def resolve_resume(path: str, world_size: int, card: dict | None = None, allow_batch_change: bool = False) -> Resume:
+    """The checkpoint that train.resume_from names: a checkpoint directory, or a run's directory
+    (the local launcher's `step_N`s, or Ray Train's `checkpoint_<time>`s) whose newest complete
+    checkpoint is taken. `card`: this run's `layout_card` (None: a plain run, as many ranks,
+    precision unchecked). Refuses anything incomplete, in
+    another precision layout, or laid out in a way this run cannot continue
+    (`kiln.core.resize.regroup`)."""
     if not os.path.isdir(path):
         raise ConfigError(f"train.resume_from = {path!r}: no such directory")
     directory = path if (os.path.exists(os.path.join(path, MARKER.format(rank=0)))
@@ -253,27 +270,12 @@ def resolve_resume(path: str, world_size: int, precision: dict | None = None,
     if marker is None:
         raise ConfigError(f"train.resume_from = {directory!r} is incomplete: its writer died before every "
                           "rank's kiln_complete marker was written; pick an earlier checkpoint")
-    if int(marker["world_size"]) != world_size:
-        raise ConfigError(f"train.resume_from = {directory!r} was written by {marker['world_size']} ranks; "
-                          f"this run has {world_size}. DeepSpeed's ZeRO shards load only into the same "
-                          "number of ranks")
-    if precision is not None:
-        _check_precision(directory, precision)
-    if tensor_parallel is not None:
-        _check_tensor_parallel(directory, tensor_parallel)
-    return directory, int(marker["step"])
-
-
-def _check_tensor_parallel(directory: str, want: int) -> None:
-    """Refuse a resume at another tensor-parallel size: each rank's file holds its own slices of
-    the weights and optimizer state, cut for the size that wrote them. Cards from before tensor
-    parallelism say nothing: they were written unsplit."""
-    had = ((_read_marker(os.path.join(directory, CARD)) or {}).get("parallel") or {}).get("tensor_parallel", 1)
-    if had != want:
-        raise ConfigError(f"train.resume_from = {directory!r} was written with parallel.tensor_parallel = {had}; this "
-                          f"run has {want}, and each rank's checkpoint file holds its own 1/{had} slices of the "
-                          f"weights and optimizer state: set parallel.tensor_parallel = {had} to resume it (or "
-                          "`kiln export` it and start a new run with model.init_from)")
+    card = card or {}
+    if card.get("precision") is not None:
+        _check_precision(directory, card["precision"])
+    written = Written.of(marker, _read_marker(os.path.join(directory, CARD)) or {})
+    run = Written.of({"world_size": world_size}, card)
+    return Resume(directory, int(marker["step"]), regroup(directory, written, run, allow_batch_change))
 
 
 def _read_marker(path: str) -> dict | None:
@@ -291,6 +293,16 @@ def _write_synced(path: str, text: str) -> None:
         os.fsync(f.fileno())
 
 
+@dataclass(frozen=True)
+class Resumed:
+    """Where a resumed run stands: steps done, micro-batches each replica had consumed (as the
+    checkpoint counted them), and how it continues on another data-parallel size."""
+
+    done: int
+    consumed: int
+    regroup: Regroup | None = None
+
+
 class CheckpointPolicy:
     """When a run evaluates and saves, and what a save does: save, prune, remember for rollback.
 
@@ -305,30 +317,31 @@ class CheckpointPolicy:
         """What a rollback reloads: a directory, or under Ray a function that downloads one."""
         self._last_save = time.monotonic()
 
-    def resume(self, engine: Engine, micro_batches: int, restored: Restored | None = None) -> tuple[int, int]:
+    def resume(self, engine: Engine, restored: Restored | None = None) -> Resumed:
         """Load `restored` (a restarted run's checkpoint, kept in storage), else
-        `train.resume_from`, into the engine: (steps done, micro-batches consumed). A restored
-        checkpoint's local copy is removed once loaded. The clock for time-based saves starts here."""
+        `train.resume_from`, into the engine, for this run as its card describes it. A restored checkpoint's local copy is removed once loaded. The clock for
+        time-based saves starts here."""
         self._last_save = time.monotonic()
         if restored is None and not self.t.resume_from:
-            return 0, 0
+            return Resumed(0, 0)
         card = self.card or {}
-        resume_dir, _ = resolve_resume(restored() if restored is not None else self.t.resume_from, self.world_size,
-                                       card.get("precision"), (card.get("parallel") or {}).get("tensor_parallel"))
+        resume = resolve_resume(restored() if restored is not None else self.t.resume_from, self.world_size, card,
+                                self.t.allow_batch_change)
         try:
-            client = engine.load(resume_dir)
-            restore_rng(resume_dir, self.rank)
+            client = engine.load(resume.directory, reshard=resume.regroup is not None and resume.regroup.reshard)
+            restore_rng(resume.directory, self.rank)  # where this rank wrote one
         finally:
             if restored is not None:
                 restored.release()
         done = int(client["step"])
-        # The data position: micro-batches drawn so far, the ones the health guard left out
-        # included (older checkpoints lack it: steps x micro-batches).
-        consumed = int(client.get("batches_consumed", done * micro_batches))
+        # The data position: micro-batches this replica drew so far, the ones the health guard
+        # left out included (older checkpoints lack it: steps x micro-batches).
+        consumed = int(client.get("batches_consumed", done * (card.get("batch") or {}).get("micro_batches_per_step", 1)))
         if self.rank == 0:
-            log.info("resumed from %s at step %d (micro-batch %d of the data)", restored or resume_dir, done, consumed)
-        self.last_good = restored or resume_dir
-        return done, consumed
+            log.info("resumed from %s at step %d (micro-batch %d of the data)", restored or resume.directory, done,
+                     consumed)
+        self.last_good = restored or resume.directory
+        return Resumed(done, consumed, resume.regroup)
 
     def seconds_since_save(self) -> float:
         return time.monotonic() - self._last_save

@@ -78,10 +78,18 @@ class TrainConfig:
     """A checkpoint to start from: a run's directory (runs/<name>: its newest complete checkpoint;
     or just <name>, a run under train.storage_path) or one checkpoint in it (Ray Train's
     checkpoint_<time>, the local launcher's step_N). Weights, optimizer, LR schedule, step, RNG
-    states; data continues after the batches already used."""
+    states; data continues after the batches already used. Written by another number of
+    data-parallel workers, it is resharded and the global batch kept (train.allow_batch_change)."""
+    allow_batch_change: bool = False
+    """A resume on another number of data-parallel replicas keeps the global batch by changing
+    gradient accumulation; where the new replicas x micro-batch cannot divide it the resume is
+    refused, unless this is true: then the run goes on with the nearest batch they make and logs
+    the change. An elastic run (parallel.num_workers: [min, max]) needs it where some size in
+    between cannot share its batch at max evenly."""
     max_failures: int = knob(0, *span(-1, 1_000_000, note="-1: no limit"))
     """Restarts Ray Train may make after a worker or its node dies (FailureConfig); each restart
-    resumes from the newest reported checkpoint, losing only the steps since. -1: no limit.
+    resumes from the newest reported checkpoint, losing only the steps since. -1: no limit
+    (an elastic run's default: 0 there means no limit too, as a lost node is a failure).
     Set train.checkpoint_every (or _minutes) too, or a restart begins again from step 0."""
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     """A torch.profiler window (start_step, steps, ranks): Chrome trace and top operators into

@@ -45,8 +45,13 @@ class Engine(Protocol):
         """Every rank writes its shards of the model and optimizer state under `directory`,
         with `client_state` (the step, the data position)."""
 
-    def load(self, directory: str) -> dict:
-        """Restore what `save` wrote there; its `client_state`."""
+    def load(self, directory: str, reshard: bool = False) -> dict:
+        """Restore what `save` wrote there; its `client_state`. `reshard`: it was written by
+        another number of data-parallel ranks, whose optimizer partitions are cut anew."""
+
+    def set_micro_batches(self, n: int) -> None:
+        """Micro-batches per optimizer step from now on (a resume that keeps the global batch
+        on another number of replicas changes gradient accumulation)."""
 
     def grad_norm(self) -> torch.Tensor | float | None:
         """The last step's global gradient norm (None: not known)."""

@@ -32,6 +32,7 @@ from kiln.core.optim import StepGate
 from kiln.core.prefetch import DevicePrefetcher
 from kiln.core.process import WorldInfo
 from kiln.core.profiling import StepProfiler
+from kiln.core.resize import Regroup, sized_for, with_micro_batches
 from kiln.core.sinks import Fetch, MetricLogger, Sinks
 from kiln.core.step import PhaseTimer, StepResult, train_step
 from kiln.data.sources import BatchSource
@@ -96,13 +97,21 @@ class _Training:
             cfg, world, engine, scheduler, source, sinks)
         self.progress: ProgressSink = sinks.progress or LogLines(cfg.logging.progress_every)  # rank 0's view
         self.policy = CheckpointPolicy(t, checkpoint_root, world.rank, world.world_size, model_card(cfg, mcfg))
-        self.done, consumed = self.policy.resume(engine, cfg.micro_batches_per_step, sinks.restored)
+        resumed = self.policy.resume(engine, sinks.restored)
+        self.done, consumed = resumed.done, resumed.consumed
+        dims = ParallelDims.of(cfg.parallel, world.world_size)
+        if resumed.regroup is not None:  # written by another number of replicas: the same row, in this run's terms
+            written = resumed.regroup.written
+            consumed = source.rescaled_skip(consumed, written.dims.data_parallel_size, written.micro_batch_size)
+        regroup = resumed.regroup or sized_for(cfg, dims)  # (an elastic run below its most workers)
+        if regroup is not None:
+            cfg = self._regroup(regroup, mcfg, consumed)
+            t = cfg.train
         # Start reading now so the pipeline's start-up overlaps the first step; skip what the
         # resumed steps consumed.
         source.prefetch()
         self.prefetcher = DevicePrefetcher(source.train_batches(skip=consumed), device, cfg.data.prefetch_batches)
         self.batches = _Counted(self.prefetcher, consumed)
-        dims = ParallelDims.of(cfg.parallel, world.world_size)
         self.tokens_per_step = cfg.tokens_per_step(dims.data_parallel_size)
         self.meter = StepMeter(cfg, mcfg, world.world_size, device, self.tokens_per_step, self.done)
         if world.rank == 0:
@@ -113,6 +122,17 @@ class _Training:
         self.timer = PhaseTimer(device)
         self.startup = startup
         self.leaks = LeakWatch(self.meter.warmup_end)
+
+    def _regroup(self, regroup: Regroup, mcfg: GPTConfig, consumed: int) -> RunConfig:
+        """This run's config with the micro-batches per step `regroup` keeps the global batch
+        with, set on the engine too."""
+        cfg = with_micro_batches(self.cfg, regroup.micro_batches_per_step)
+        self.engine.set_micro_batches(regroup.micro_batches_per_step)
+        self.policy.card = model_card(cfg, mcfg)  # the next checkpoints record the batch this run keeps
+        if self.world.rank == 0:
+            log.info("%s; the data goes on at this replica's micro-batch %d", regroup.describe(), consumed)
+        self.cfg = cfg
+        return cfg
 
     def train(self) -> dict[str, float]:
         t, last, ckpt, step = self.cfg.train, {}, None, self.done

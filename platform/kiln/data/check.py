@@ -60,7 +60,7 @@ def resolve_against_data(cfg: RunConfig, pretrained: GPTConfig | None = None) ->
             where = loc.uri if len(datasets) == 1 else "the datasets of data.mix"
             raise ConfigError(
                 f"the {split} split of {where} has {rows} rows, fewer than one micro-batch on every "
-                f"worker ({cfg.parallel.num_workers} x {cfg.train.micro_batch_size}); lower "
+                f"worker ({cfg.parallel.max_workers} x {cfg.train.micro_batch_size}); lower "
                 "train.micro_batch_size or parallel.num_workers, or prepare more data"
             )
     return cfg, datasets

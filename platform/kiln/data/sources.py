@@ -54,6 +54,10 @@ class BatchSource(Protocol):
     def data_metrics(self, consumed: int) -> dict[str, float]:
         """The data's metrics after this replica's first `consumed` micro-batches."""
 
+    def rescaled_skip(self, consumed: int, replicas: int, micro_batch: int) -> int:
+        """This replica's micro-batches to skip to go on where `replicas` replicas of
+        `micro_batch` rows each had consumed `consumed` micro-batches apiece."""
+
 
 class OrderedSource:
     """The data order and resume logic; subclasses say how a list of shard slices is read
@@ -110,6 +114,22 @@ class OrderedSource:
         while skip >= (n := self.batches_in_epoch(epoch)):
             skip, epoch = skip - n, epoch + 1
         return epoch, skip
+
+    def rescaled_skip(self, consumed: int, replicas: int, micro_batch: int) -> int:
+        """See `BatchSource.rescaled_skip`. An epoch's rows are the same whatever the number of
+        replicas, so the position carries over as rows into an epoch: the next run goes on at
+        the first of its micro-batches not yet begun (rounded up: rows are never read twice;
+        where the global batch is kept, nothing is left out either). Only each epoch's
+        left-out tail depends on the number of replicas (`batches_per_epoch`)."""
+        epoch, rows = 0, consumed * replicas * micro_batch  # rows read by all replicas
+        while rows >= (n := batches_per_epoch(self.layout("train", epoch).rows, replicas, micro_batch)
+                       * replicas * micro_batch):
+            rows, epoch = rows - n, epoch + 1
+        step = self.dp_size * self.micro_batch  # rows per micro-batch of every replica together
+        into = -(-rows // step)
+        if into >= self.batches_in_epoch(epoch):
+            epoch, into = epoch + 1, 0
+        return sum(self.batches_in_epoch(e) for e in range(epoch)) + into
 
     def data_metrics(self, consumed: int) -> dict[str, float]:
         """The data metrics after `consumed` micro-batches of this replica: its bytes read so

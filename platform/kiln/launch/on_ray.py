@@ -184,7 +184,7 @@ def connect_ray(cfg: RunConfig, address: str | None = None, verbose: bool = True
         return
     # Embedded local Ray. Logical CPUs: one per worker as configured, plus two for Ray Data's
     # read tasks, so data never waits behind training workers for a CPU slot.
-    need = math.ceil(cfg.parallel.num_workers * cfg.parallel.cpus_per_worker) + 2
+    need = math.ceil(cfg.parallel.max_workers * cfg.parallel.cpus_per_worker) + 2
     log.info("starting an embedded local Ray (no cluster address given)")
     # The dashboard backs Ray's state API, which Ray Train's placement-group cleaner polls; it
     # binds to loopback only.
@@ -218,14 +218,14 @@ def reads_that_fit(cfg: RunConfig) -> RunConfig:
     group, not for reads). There the reads run with 0 CPUs reserved, beside the workers, and
     this says so."""
     need = cfg.data.read_task_cpus
-    workers = cfg.parallel.num_workers * cfg.parallel.cpus_per_worker
+    workers = cfg.parallel.max_workers * cfg.parallel.cpus_per_worker
     cpus = ray.cluster_resources().get("CPU", 0.0)
     if not need or cpus - workers >= need:
         return cfg
     log.warning("the cluster has %g CPU(s) and the %d training workers take %g, which leaves less than the "
                 "%g a Ray Data read task reserves (data.read_task_cpus): reading with 0 CPUs reserved, "
                 "beside the workers (add CPUs, or lower parallel.cpus_per_worker, to read on CPUs of "
-                "its own; set data.read_task_cpus=0 to say so yourself)", cpus, cfg.parallel.num_workers,
+                "its own; set data.read_task_cpus=0 to say so yourself)", cpus, cfg.parallel.max_workers,
                 workers, need)
     return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, read_task_cpus=0.0))
 

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 
 from kiln.config import RunConfig
-from kiln.core.checkpoint import precision_record, resolve_resume
+from kiln.core.checkpoint import layout_card, resolve_resume
 from kiln.core.config import RUN_NAME
 from kiln.data.check import resolve_against_data
 from kiln.data.manifest import Manifest
@@ -94,7 +94,7 @@ def preflight(cfg: RunConfig, remote_cluster: bool = False, storage_field: str =
     if problem:
         raise ConfigError(problem)
     cfg = with_run_name(cfg)  # first: train.resume_from may name a run under the storage path
-    cfg = check_resume(cfg, world_size or cfg.parallel.num_workers, remote_cluster)
+    cfg = check_resume(cfg, world_size or cfg.parallel.max_workers, remote_cluster)
     check_precision(cfg)
     memory = check_resources(cfg, model, remote_cluster)
     tracking_uri = resolve_tracking_uri(cfg.logging.tracking_uri)
@@ -144,12 +144,12 @@ def with_run_name(cfg: RunConfig) -> RunConfig:
 
 def check_resume(cfg: RunConfig, world_size: int, remote_cluster: bool) -> RunConfig:
     """`train.resume_from` made absolute (workers run in other directories) and, where its disk
-    is this machine's, checked now: a complete checkpoint written by as many ranks."""
+    is this machine's, checked now: a complete checkpoint this run's layout can continue."""
     if not cfg.train.resume_from:
         return cfg
     path = absolute(run_named(cfg) or cfg.train.resume_from)
     if not remote_cluster or os.path.exists(path):  # on a cluster's shared disk it may be visible here too
-        resolve_resume(path, world_size, precision_record(cfg), cfg.parallel.tensor_parallel)
+        resolve_resume(path, world_size, layout_card(cfg), cfg.train.allow_batch_change)
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, resume_from=path))
 
 
@@ -199,7 +199,7 @@ def device_memory(cfg: RunConfig, remote_cluster: bool) -> tuple[float, str] | N
             return None
         props = torch.cuda.get_device_properties(0)
         return props.total_memory / (1 << 30), props.name
-    return psutil.virtual_memory().total / (1 << 30) / p.num_workers, f"this machine's RAM / {p.num_workers} workers"
+    return psutil.virtual_memory().total / (1 << 30) / p.max_workers, f"this machine's RAM / {p.max_workers} workers"
 
 
 def check_resources(cfg: RunConfig, model: GPTConfig, remote_cluster: bool = False) -> str:

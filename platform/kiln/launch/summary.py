@@ -39,7 +39,7 @@ class Summary:
             experiment=cfg.logging.experiment, metrics=final,
             unigram_entropy_bits=float(manifest.raw["unigram_entropy_bits"]),
             seconds_to_first_step=final["time/first_step_unix"] - started,
-            checkpoint=checkpoint, num_workers=cfg.parallel.num_workers,
+            checkpoint=checkpoint, num_workers=cfg.parallel.max_workers,
         )
 
     def to_json(self) -> str:

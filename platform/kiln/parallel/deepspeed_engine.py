@@ -8,6 +8,7 @@ engine itself, for code in `kiln.parallel` and for tests that inspect it.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import torch
@@ -15,6 +16,7 @@ import torch
 from kiln.core.checkpoint import TAG
 from kiln.parallel.comm_timer import METRIC as COMM_METRIC
 from kiln.parallel.comm_timer import CollectiveTimer
+from kiln.parallel.zero_checkpoint import is_zero_sharded, universal_copy
 
 
 class DeepSpeedEngine:
@@ -47,9 +49,24 @@ class DeepSpeedEngine:
     def save(self, directory: str, client_state: dict) -> None:
         self.ds.save_checkpoint(directory, tag=TAG, client_state=client_state)
 
-    def load(self, directory: str) -> dict:
-        _, client = self.ds.load_checkpoint(directory, tag=TAG)
+    def load(self, directory: str, reshard: bool = False) -> dict:
+        if not (reshard and is_zero_sharded(os.path.join(directory, TAG))):
+            # Unsharded optimizer state (ZeRO-0 in fp32) is whole in every data-parallel
+            # rank's model file, so it loads at any number of them as it is.
+            _, client = self.ds.load_checkpoint(directory, tag=TAG)
+            return client
+        with universal_copy(directory, TAG) as (root, tag):
+            # DeepSpeed reads the switch at load time only; it is left as the config had it.
+            self.ds._config.load_universal_checkpoint = True
+            try:
+                _, client = self.ds.load_checkpoint(root, tag=tag)
+            finally:
+                self.ds._config.load_universal_checkpoint = False
+            _fix_universal_load(inner_optimizer(self.ds), os.path.join(root, tag))
         return client
+
+    def set_micro_batches(self, n: int) -> None:
+        self.ds.set_train_batch_size(n * self.ds.train_micro_batch_size_per_gpu() * self.ds.dp_world_size)
 
     def grad_norm(self) -> torch.Tensor | float | None:
         return self.ds.get_global_grad_norm()
@@ -71,6 +88,31 @@ class DeepSpeedEngine:
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def _fix_universal_load(opt: torch.optim.Optimizer, universal: str) -> None:
+    """Undo two faults of DeepSpeed 0.19's ZeRO-3 universal load (found by
+    tests/unit/parallel/test_reshard.py; both are no-ops after a ZeRO-1/2 load):
+
+    - it sets every param group's hyperparameters to the first group's, so the group Kiln
+      keeps free of weight decay (norms, biases) decays; each group gets its own back from
+      the converted optimizer state;
+    - it sets one `step` tensor into every sub-group's state, and torch's Adam adds 1 to it once
+      per sub-group per step, so from the second step on bias correction ran as if more steps
+      had passed; each state gets its own count.
+    """
+    saved = torch.load(os.path.join(universal, "zero", "optimizer_state.pt"), weights_only=False)
+    groups = saved.get("param_groups") or []
+    if len(groups) == len(opt.param_groups):
+        for group, was in zip(opt.param_groups, groups):
+            group.update({k: v for k, v in was.items() if k != "params"})
+    seen: set[int] = set()
+    for state in opt.state.values():
+        step = state.get("step")
+        if torch.is_tensor(step):
+            if id(step) in seen:
+                state["step"] = step.clone()
+            seen.add(id(state["step"]))
 
 
 def inner_optimizer(ds) -> torch.optim.Optimizer:

@@ -335,7 +335,7 @@ def plan_input(cfg, mcfg: GPTConfig, device_memory_gib: float) -> PlanInput:
     """The planner's view of a run config (`cfg` is a kiln.config.RunConfig)."""
     p, t = cfg.parallel, cfg.train
     return PlanInput(
-        model=mcfg, world_size=p.num_workers, device_memory_gib=device_memory_gib,
+        model=mcfg, world_size=p.min_workers, device_memory_gib=device_memory_gib,  # an elastic run's smallest group holds the most each
         micro_batch=t.micro_batch_size, zero_stage=p.zero_stage, offload_optimizer=p.offload_optimizer,
         offload_params=p.offload_params, activation_checkpointing=mcfg.activation_checkpointing,
         precision=t.precision, pipeline_stages=p.pipeline_stages, micro_batches=p.micro_batches,

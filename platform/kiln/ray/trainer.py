@@ -26,6 +26,7 @@ from kiln.clock import process_start, startup_mark
 from kiln.config import RunConfig, config_from_dict
 from kiln.core.checkpoint import CHECKPOINT
 from kiln.core.collectives import barrier
+from kiln.core.meter import WORKERS
 from kiln.core.process import WorldInfo
 from kiln.core.sinks import NullLogger, Sinks
 from kiln.data.mixture import run_datasets
@@ -65,7 +66,7 @@ def _worker_entry(loop_config: dict[str, Any]) -> None:
     local_ckpt_root = str(guard.temp_dir(None, f"ckpt-{os.getpid()}"))
     resumed = restored is not None and os.path.basename(restored.path.rstrip("/")) == loop_config.get("resumed_from")
     if restored is not None and world.rank == 0 and run_id and not resumed:  # the driver recorded a resume
-        _record_restart(loop_config["tracking_uri"], run_id, restored.path)
+        _record_restart(loop_config["tracking_uri"], run_id, restored.path, world.world_size)
     if world.rank == 0 and run_id:
         client.record_placement(loop_config["tracking_uri"], run_id, placement)
 
@@ -181,11 +182,9 @@ def node_label(node_id: str) -> str:
     return f"node-{node_id[:8]}"
 
 
-def _record_restart(tracking_uri: str, run_id: str, checkpoint: str) -> None:
-    """The same MLflow run continues after a restart; say so on it."""
-    restarts = client.record_restart(tracking_uri, run_id, checkpoint)
-    logging.getLogger("kiln.train").warning("restart %d after a worker failure: resuming from %s",
-                                            restarts, checkpoint)
+def _record_restart(tracking_uri: str, run_id: str, checkpoint: str, workers: int) -> None:
+    """The same MLflow run continues after a restart or a resize; say so on it."""
+    logging.getLogger("kiln.train").warning(client.record_restart(tracking_uri, run_id, checkpoint, workers, WORKERS))
 
 
 def _source(cfg: RunConfig, dp_rank: int, dp_size: int) -> RayDataSource:
@@ -240,17 +239,24 @@ def build_trainer(cfg: RunConfig, mcfg: GPTConfig, run_name: str, tracking_uri: 
         train_loop_config={"config": cfg.to_dict(), "model": dataclasses.asdict(mcfg), "tracking_uri": tracking_uri, "mlflow_run_id": run_id,
                            "progress_board": progress_board, "resumed_from": resumed_from},
         scaling_config=ScalingConfig(
-            num_workers=p.num_workers, use_gpu=p.use_gpu, resources_per_worker={"CPU": p.cpus_per_worker},
-            placement_strategy=p.placement_strategy,
+            num_workers=(p.min_workers, p.max_workers) if p.elastic else p.max_workers, use_gpu=p.use_gpu,
+            resources_per_worker={"CPU": p.cpus_per_worker}, placement_strategy=p.placement_strategy,
+            elastic_resize_monitor_interval_s=p.resize_check_s,
         ),
         torch_config=TorchConfig(backend="nccl" if p.use_gpu else "gloo"),
         run_config=ray.train.RunConfig(name=run_name, storage_path=storage, storage_filesystem=filesystem,
                                        callbacks=callbacks or [],
-                                       failure_config=FailureConfig(max_failures=cfg.train.max_failures),
+                                       failure_config=FailureConfig(max_failures=failures_allowed(cfg)),
                                        checkpoint_config=CheckpointConfig(
                                            num_to_keep=cfg.train.keep_checkpoints or None,
                                            **_checkpoint_score(cfg))),
     )
+
+
+def failures_allowed(cfg: RunConfig) -> int:
+    """Ray Train's max_failures: train.max_failures, except that an elastic run left at 0
+    restarts without limit (a node lost is a worker failure, and shrinking is the point)."""
+    return -1 if cfg.parallel.elastic and cfg.train.max_failures == 0 else cfg.train.max_failures
 
 
 def train_storage(storage: str, cfg: RunConfig):

@@ -179,7 +179,7 @@ def run_sweep(sweep: Sweep, address: str | None = None, resume: bool = False) ->
         raise KilnError(f"sweep {cfg.name!r} already exists at {exp_dir}: resume it with "
                         f"`kiln sweep --resume {cfg.name}`, or give the sweep another name")
     # Ray first: a sweep that cannot reach it leaves no parent run and no state behind.
-    concurrent_cpus = cfg.max_concurrent_trials * base.parallel.num_workers * base.parallel.cpus_per_worker
+    concurrent_cpus = cfg.max_concurrent_trials * base.parallel.max_workers * base.parallel.cpus_per_worker
     concurrent = dataclasses.replace(base, parallel=dataclasses.replace(
         base.parallel, num_workers=math.ceil(concurrent_cpus), cpus_per_worker=1.0))
     connect_ray(concurrent, address)

@@ -46,7 +46,8 @@ def main() -> None:
             print(f"saved {step}", flush=True)
     loaded = {}
     for root in roots:
-        directory, step = checkpoint.resolve_resume(root, world_size=1)
+        resume = checkpoint.resolve_resume(root, world_size=1)
+        directory, step = resume.directory, resume.step
         client = eng.load(directory)
         assert client["step"] == step, (client["step"], step)
         loaded[root] = step

@@ -1,4 +1,4 @@
-"""Which directories count as checkpoints: complete ones only, from the same world size."""
+"""Which directories count as checkpoints (complete ones only), and which layouts resume them."""
 
 from __future__ import annotations
 
@@ -42,7 +42,8 @@ def test_a_marker_from_another_step_does_not_complete_a_checkpoint(tmp_path):
 def test_resume_from_a_root_takes_the_newest_complete_step(tmp_path):
     _fake(tmp_path, 10, world=2)
     _fake(tmp_path, 20, world=2)
-    assert checkpoint.resolve_resume(str(tmp_path), world_size=2) == (str(tmp_path / "step_00000020"), 20)
+    assert checkpoint.resolve_resume(str(tmp_path), world_size=2) == checkpoint.Resume(
+        str(tmp_path / "step_00000020"), 20, None)
 
 
 def test_resume_from_a_ray_run_takes_its_complete_checkpoint_of_highest_step(tmp_path):
@@ -50,7 +51,8 @@ def test_resume_from_a_ray_run_takes_its_complete_checkpoint_of_highest_step(tmp
     for step, when in ((30, "2026-11-24_10-00-03.0"), (20, "2026-11-24_10-00-02.0"), (40, "2026-11-24_09-00-00.0")):
         _fake(tmp_path, step, world=2, markers=1 if step == 40 else None).rename(tmp_path / f"checkpoint_{when}")
     (tmp_path / "checkpoint_manager_snapshot.json").write_text("{}")
-    assert checkpoint.resolve_resume(str(tmp_path), world_size=2) == (str(tmp_path / "checkpoint_2026-11-24_10-00-03.0"), 30)
+    assert checkpoint.resolve_resume(str(tmp_path), world_size=2).directory == str(
+        tmp_path / "checkpoint_2026-11-24_10-00-03.0")
 
 
 def test_resume_from_an_incomplete_step_is_refused_by_name(tmp_path):
@@ -59,10 +61,54 @@ def test_resume_from_an_incomplete_step_is_refused_by_name(tmp_path):
         checkpoint.resolve_resume(str(d), world_size=2)
 
 
-def test_resume_into_another_world_size_is_refused(tmp_path):
+def _card(world: int = 1, micro: int = 4, accum: int = 1, stages: int = 1, tp: int = 1, **more) -> dict:
+    return {"parallel": {"zero_stage": 2, "pipeline_stages": stages, "tensor_parallel": tp},
+            "batch": {"micro_batch_size": micro, "micro_batches_per_step": accum}} | more
+
+
+def test_another_number_of_replicas_keeps_the_global_batch_through_accumulation(tmp_path):
+    """2 replicas x 3 micro-batches x 2 = 12 sequences a step: on 1 replica that is 6
+    micro-batches, on 3 it is 2 (or 1 of 4 sequences), on 6 it is 1. 4 replicas x 2 cannot
+    make 12: refused, unless train.allow_batch_change, which takes the nearest batch they make."""
     d = _fake(tmp_path, 10, world=2)
-    with pytest.raises(ConfigError, match=r"written by 2 ranks; this run has 4"):
-        checkpoint.resolve_resume(str(d), world_size=4)
+    (d / checkpoint.CARD).write_text(json.dumps(_card(micro=2, accum=3)))
+    assert checkpoint.resolve_resume(str(d), 2, _card(micro=2, accum=1)).regroup is None  # same size: as it is
+    same = checkpoint.resolve_resume(str(d), 2, _card(micro=3, accum=1)).regroup  # another micro-batch only
+    assert (same.micro_batches_per_step, same.batch_changed, same.reshard) == (2, False, False)
+    for world, micro, accum in ((1, 2, 6), (3, 2, 2), (3, 4, 1), (6, 2, 1)):
+        regroup = checkpoint.resolve_resume(str(d), world, _card(micro=micro, accum=7)).regroup
+        assert (regroup.data_parallel_size, regroup.micro_batches_per_step, regroup.batch_changed) == (world, accum, False)
+        assert regroup.reshard
+    with pytest.raises(ConfigError) as e:
+        checkpoint.resolve_resume(str(d), 4, _card(micro=2, accum=1))
+    assert ("trained on 12 sequences per step (2 replicas x 3 micro-batches x 2), which 4 replicas x "
+            "train.micro_batch_size = 2 cannot divide") in str(e.value) and "train.allow_batch_change" in str(e.value)
+    changed = checkpoint.resolve_resume(str(d), 4, _card(micro=2, accum=1), allow_batch_change=True).regroup
+    assert (changed.micro_batches_per_step, changed.batch_changed) == (2, True)  # 16 is nearer 12 than 8 (a tie)
+    assert "from 12 to 16 sequences per step" in changed.describe()
+    fewer = checkpoint.resolve_resume(str(d), 5, _card(micro=2, accum=1), allow_batch_change=True).regroup
+    assert (fewer.micro_batches_per_step, fewer.sequences(5)) == (1, 10)
+
+
+def test_a_resume_that_changes_the_pipeline_or_tensor_split_is_refused(tmp_path):
+    """Each rank's files hold its own stage's layers or its own slices; a pipeline or tensor-
+    parallel checkpoint resumes only on as many replicas; a checkpoint from before Kiln recorded
+    its batch resumes only on as many ranks. A card from before tensor parallelism was unsplit."""
+    d = _fake(tmp_path, 10, world=2)
+    assert checkpoint.resolve_resume(str(d), 2, _card()).step == 10  # no card: unsplit, as many ranks
+    with pytest.raises(ConfigError, match=r"before Kiln recorded a checkpoint's batch.*parallel.num_workers = 2"):
+        checkpoint.resolve_resume(str(d), 4, _card())
+    (d / checkpoint.CARD).write_text(json.dumps(_card(tp=2)))
+    assert checkpoint.resolve_resume(str(d), 2, _card(tp=2)).step == 10
+    with pytest.raises(ConfigError, match=r"parallel.tensor_parallel = 2; this run has 1 and 1.*set them as the"):
+        checkpoint.resolve_resume(str(d), 2, _card())
+    with pytest.raises(ConfigError, match=r"written by 1 data-parallel replicas; this run has 2.*"
+                                          r"parallel.num_workers = 2"):
+        checkpoint.resolve_resume(str(d), 4, _card(tp=2))
+    (d / checkpoint.CARD).write_text(json.dumps(_card(stages=2)))
+    with pytest.raises(ConfigError, match=r"parallel.pipeline_stages = 2 and parallel.tensor_parallel = 1; this run "
+                                          r"has 1 and 1"):
+        checkpoint.resolve_resume(str(d), 2, _card())
 
 
 def test_resume_from_nothing_usable_names_the_path(tmp_path):
@@ -115,27 +161,17 @@ def test_resume_across_precision_layouts_is_refused_naming_both(tmp_path, card):
     d = _fake(tmp_path, 10, world=1)
     if card != "none":
         (d / checkpoint.CARD).write_text(json.dumps({"precision": AUTOCAST if card == "autocast" else WEIGHTS}))
-    assert checkpoint.resolve_resume(str(d), 1, WEIGHTS if card == "weights" else AUTOCAST)[1] == 10
+    def resume(precision: dict) -> int:
+        return checkpoint.resolve_resume(str(d), 1, {"precision": precision}).step
+
+    assert resume(WEIGHTS if card == "weights" else AUTOCAST) == 10
     if card == "none":
-        assert checkpoint.resolve_resume(str(d), 1, WEIGHTS)[1] == 10
+        assert resume(WEIGHTS) == 10
         return
     fp32 = {"precision": "fp32", "bf16_autocast": False}  # fp32 weights, as autocast has them
     if card == "autocast":
-        assert checkpoint.resolve_resume(str(d), 1, fp32)[1] == 10
+        assert resume(fp32) == 10
     with pytest.raises(ConfigError) as e:
-        checkpoint.resolve_resume(str(d), 1, WEIGHTS if card == "autocast" else AUTOCAST)
+        resume(WEIGHTS if card == "autocast" else AUTOCAST)
     assert f"written with train.precision = 'bf16' as {card}; this run has" in str(e.value)
     assert "train.mixed_precision" in str(e.value)
-
-
-def test_resume_at_another_tensor_parallel_size_is_refused_naming_both(tmp_path):
-    """Each rank's file holds its own slices, cut for the size that wrote them; a card from
-    before tensor parallelism was written unsplit (1)."""
-    d = _fake(tmp_path, 10, world=2)
-    assert checkpoint.resolve_resume(str(d), 2, None, 1)[1] == 10  # no card: unsplit
-    (d / checkpoint.CARD).write_text(json.dumps({"parallel": {"zero_stage": 1, "pipeline_stages": 1,
-                                                              "tensor_parallel": 2}}))
-    assert checkpoint.resolve_resume(str(d), 2, None, 2)[1] == 10
-    with pytest.raises(ConfigError, match=r"written with parallel.tensor_parallel = 2; this run has 1.*"
-                                          r"set parallel.tensor_parallel = 2"):
-        checkpoint.resolve_resume(str(d), 2, None, 1)

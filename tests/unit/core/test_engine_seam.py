@@ -52,12 +52,15 @@ class PlainEngine:
         torch.save({"model": self.model.state_dict(), "opt": self.opt.state_dict(), "sched": self.sched.state_dict(),
                     "client": client_state}, os.path.join(directory, checkpoint.TAG, "plain.pt"))
 
-    def load(self, directory):
+    def load(self, directory, reshard=False):  # one process: nothing is partitioned, nothing to re-cut
         state = torch.load(os.path.join(directory, checkpoint.TAG, "plain.pt"), weights_only=False)
         self.model.load_state_dict(state["model"])
         self.opt.load_state_dict(state["opt"])
         self.sched.load_state_dict(state["sched"])
         return state["client"]
+
+    def set_micro_batches(self, n):
+        raise AssertionError("one process never regroups")
 
     def grad_norm(self):
         return None

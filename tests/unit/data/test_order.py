@@ -116,3 +116,28 @@ def test_a_resumed_source_sees_every_sample_once_across_an_epoch_boundary(byte_d
     replica0 = ParquetSource(manifest, 0, 2, 8)
     replica0.skip = 0
     assert not {i for b in ids(replica0, per_epoch) for i in b} & set(epoch)  # replicas read different samples
+
+
+@pytest.mark.parametrize("before,after", [(2, 3), (2, 1), (1, 2), (3, 2)])
+def test_a_resume_on_another_number_of_replicas_goes_on_at_the_same_row(byte_dataset, before, after):
+    """`before` replicas read k micro-batches each, then `after` replicas go on from
+    `rescaled_skip`: they start at the first row of the epoch not yet read, or, where
+    `after` replicas' micro-batches do not end there, at the next row they do (never a row
+    twice, fewer than one micro-batch per replica left out); at and after an epoch's end too."""
+    manifest = load_manifest(resolve(str(byte_dataset)))
+    rows = [i for (e, _), first in zip(manifest.shards("train"), manifest.first_ids("train"))
+            for i in range(first, first + e["rows"])]  # an epoch's rows in order (one dataset)
+    micro = 4
+    per_epoch = batches_per_epoch(len(rows), before, micro)
+    for k in (6, 7, per_epoch - 1, per_epoch, per_epoch + 3):
+        _, read = divmod(k * before * micro, per_epoch * before * micro)  # rows read of that epoch
+        skips = [ParquetSource(manifest, r, after, micro).rescaled_skip(k, before, micro) for r in range(after)]
+        assert len(set(skips)) == 1  # every replica skips alike
+        sources = [ParquetSource(manifest, r, after, micro) for r in range(after)]
+        first = [next(iter(s.train_samples(skip=skips[0])))[0].tolist() for s in sources]
+        start = rows.index(first[0][0])
+        assert [i for b in first for i in b] == rows[start:start + after * micro]  # consecutive rows, replica by replica
+        if read + after * micro > batches_per_epoch(len(rows), after, micro) * after * micro:
+            assert start == 0  # the epoch's tail for `after` replicas: the next epoch begins
+        else:
+            assert 0 <= start - read < after * micro and (start - read == 0) == (read % (after * micro) == 0), k

@@ -1,10 +1,12 @@
 """Run several parallel configurations in one process group; rank 0 writes what each did.
 
-Started by tests/unit/core/test_parallelism.py as one process, or under torchrun with N ranks:
+Started by the tests beside it (`launch`) as one process, or under torchrun with N ranks:
 
     torchrun --nproc-per-node 2 tests/unit/parallel/parallel_harness.py OUT.json DATA ROOT SPECS.json
 
-SPECS.json is a list of {"name": ..., "set": ["a.b=c", ...], "dtypes": bool}. Every run uses the
+SPECS.json is a list of {"name": ..., "set": ["a.b=c", ...], "dtypes": bool, "state": bool}
+("state": resume `train.resume_from` only, and write the engine's whole fp32 weights and
+optimizer state, gathered, to ROOT/<name>.pt). Every run uses the
 debug flavour in fp32 (unless set), fixed seeds and the same data order, through the same
 `train_loop` that Ray Train and the local launcher call. One process group serves all runs, so
 the costly start-up (torch, DeepSpeed, gloo) is paid once.
@@ -21,6 +23,7 @@ from pathlib import Path
 import torch
 
 from kiln.config import load_config
+from kiln.core.checkpoint import CheckpointPolicy, model_card
 from kiln.core.loop import train_loop
 from kiln.core.sinks import Sinks
 from kiln.data.check import resolve_against_data
@@ -66,6 +69,13 @@ def run_one(spec: dict, data: str, root: str, world) -> dict:
     source = ParquetSource(cfg_manifest(cfg), dims.coords(world.rank).data_parallel_rank, dims.data_parallel_size,
                            cfg.train.micro_batch_size)
     out: dict = {}
+    if spec.get("state"):
+        engine, _ = build_engine(cfg, mcfg, world)
+        CheckpointPolicy(cfg.train, None, world.rank, world.world_size, model_card(cfg, mcfg)).resume(engine)
+        full = gathered_state(engine.ds)
+        if world.rank == 0:
+            torch.save(full, os.path.join(root, spec["name"] + ".pt"))
+        return {"state": sorted(full)}
     if spec.get("dtypes"):  # one step, then what dtypes the engine keeps
         engine, _ = build_engine(cfg, mcfg, world)
         batch = next(source.train_batches())
@@ -75,13 +85,58 @@ def run_one(spec: dict, data: str, root: str, world) -> dict:
         return {"dtypes": {k: sorted(v) for k, v in state_dtypes(engine.ds).items()}}
     capture = Capture()
     engine, scheduler = build_engine(cfg, mcfg, world)
+    source = RecordingSource(source)
     final = train_loop(cfg, mcfg, world, engine, scheduler, source, Sinks(logger=capture), os.path.join(root, spec["name"]))
+    out["ids"] = all_ranks(source.ids)  # every rank's micro-batches' sample ids, in the order read
     out["loss"] = [capture.history[s]["loss/train"] for s in sorted(capture.history)]
     out["steps"] = sorted(capture.history)
     out["final"] = final
     est = estimate(plan_input(cfg, mcfg, 1.0))
     out["planned"] = {"params": est.params, "optimizer_states": est.optimizer_states}
     return out
+
+
+class RecordingSource:
+    """A source that keeps the sample ids of each micro-batch it hands out (read-ahead too)."""
+
+    def __init__(self, inner):
+        self.inner, self.ids = inner, []
+
+    def train_batches(self, skip: int = 0):
+        for ids, tokens in self.inner.train_samples(skip):
+            self.ids.append(ids.tolist())
+            yield tokens
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def all_ranks(obj) -> list:
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def gathered_state(engine) -> dict[str, torch.Tensor]:
+    """Every parameter's fp32 master weight and optimizer state, whole (DeepSpeed's
+    `safe_get_full_*`, a collective under ZeRO-3), by `<name>/<state>`."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    # ZeRO-1/2 link a parameter to its optimizer state at the first step; a gather right after a
+    # load (no step yet) has it linked first (DeepSpeed's own step does the same).
+    getattr(engine.optimizer, "_lazy_init_hp_params_optimizer_state", lambda: None)()
+    full = {}
+    for name, p in engine.module.named_parameters():
+        full[f"{name}/fp32"] = safe_get_full_fp32_param(p).clone()
+        for key in ("exp_avg", "exp_avg_sq"):
+            value = safe_get_full_optimizer_state(p, key)
+            if value is not None:
+                full[f"{name}/{key}"] = value.clone()
+    return full
 
 
 def state_dtypes(engine) -> dict[str, set[str]]:
@@ -100,6 +155,27 @@ def cfg_manifest(cfg):
     from kiln.storage import resolve
 
     return load_manifest(resolve(cfg.data.path))
+
+
+def launch(tmp: Path, name: str, specs: list, ranks: int, data: Path, timeout: int) -> dict:
+    """Run `specs` in one process group of `ranks` ranks (torchrun; one plain process for 1),
+    checkpoints under tmp/ckpt ("{root}" in a spec's settings); what each did, by name."""
+    import subprocess
+
+    from kiln.launch.local import free_port
+
+    root = tmp / "ckpt"
+    specs = json.loads(json.dumps(specs).replace("{root}", str(root)))
+    (tmp / f"{name}.json").write_text(json.dumps(specs))
+    out = tmp / f"{name}.out.json"
+    launcher = [sys.executable]
+    if ranks > 1:
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
+                    "--master-port", str(free_port())]
+    proc = subprocess.run([*launcher, __file__, str(out), str(data), str(root), str(tmp / f"{name}.json")],
+                          capture_output=True, text=True, timeout=timeout, cwd=tmp)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out.read_text())
 
 
 def main(out_path: str, data: str, root: str, specs_path: str) -> int:

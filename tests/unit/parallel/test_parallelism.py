@@ -6,17 +6,15 @@ All configurations run in one torchrun process group (tests/unit/parallel/parall
 torch, DeepSpeed and gloo start once; the single-worker reference runs in its own process.
 """
 
-import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from kiln.launch.local import free_port
+sys.path.insert(0, str(Path(__file__).parent))
+from parallel_harness import launch as _harness  # noqa: E402
 
-HARNESS = Path(__file__).with_name("parallel_harness.py")
 STEPS = 20
 
 # Every optimizer under every ZeRO stage, 8 steps each (lr per optimizer: what trains the debug GPT).
@@ -78,21 +76,6 @@ DP_TP = [{"name": "dp2-tp2", "set": ["parallel.tensor_parallel=2", "parallel.zer
 # each stage gets some: [embedding, 3 blocks | 1 block, norm, head].
 HYBRID = [{"name": "pp2-dp2", "set": ["parallel.zero_stage=1", "parallel.pipeline_stages=2", "parallel.micro_batches=2",
                                       "parallel.partition_method=uniform", "model.n_layer=4", "train.max_steps=30"]}]
-
-
-def _harness(tmp: Path, name: str, specs: list, ranks: int, data: Path, timeout: int) -> dict:
-    root = tmp / "ckpt"
-    specs = json.loads(json.dumps(specs).replace("{root}", str(root)))
-    (tmp / f"{name}.json").write_text(json.dumps(specs))
-    out = tmp / f"{name}.out.json"
-    launcher = [sys.executable]
-    if ranks > 1:
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
-                    "--master-port", str(free_port())]
-    proc = subprocess.run([*launcher, str(HARNESS), str(out), str(data), str(root), str(tmp / f"{name}.json")],
-                          capture_output=True, text=True, timeout=timeout, cwd=tmp)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(out.read_text())
 
 
 @pytest.fixture(scope="module")
