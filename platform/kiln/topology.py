@@ -38,6 +38,10 @@ class ParallelConfig:
     [min, max] makes the run elastic: it starts with what the cluster fits (not below min), grows
     when nodes join and shrinks when they die, each time resuming its newest checkpoint on the
     new number of workers, with the global batch (at max) kept by gradient accumulation."""
+    start_timeout_s: float = knob(300.0, *span(10, 86_400, "a number"))
+    """Seconds Ray Train waits for a worker group to start before it tries again (workers that
+    import torch and DeepSpeed on a busy node can take minutes). An elastic run that lost a
+    node may first wait for a group of the old size: lower it where nodes vanish (spot)."""
     resize_check_s: float = knob(60.0, *span(1, 86_400, "a number"))
     """An elastic run looks this often for room to grow (Ray Train's
     elastic_resize_monitor_interval_s); a dead worker is seen at once. Checkpoint at least as

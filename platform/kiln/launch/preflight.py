@@ -213,7 +213,15 @@ def check_resources(cfg: RunConfig, model: GPTConfig, remote_cluster: bool = Fal
         verdict = "device memory unknown from here: set parallel.device_memory_gib to check the plan before launch"
         log.info("%s", verdict)
         return verdict
-    est = refuse_if_too_big(plan_input(cfg, model, mem[0]), mem[1])
+    p = cfg.parallel
+    try:
+        est = refuse_if_too_big(plan_input(cfg, model, mem[0]), mem[1])
+    except ConfigError as e:
+        if not p.elastic:
+            raise
+        raise ConfigError(f"parallel.num_workers = {p.num_workers}: an elastic run must fit on its minimum, "
+                          f"{p.min_workers} worker(s), where ZeRO shards the state the least; at that size {e}; "
+                          "or raise the minimum") from None
     verdict = f"{est.total / (1 << 30):.2f} GiB per device estimated of {mem[0]:.2f} GiB ({mem[1]})"
     log.info("memory plan: %s", verdict)
     return verdict

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from kiln.clock import startup_breakdown
 from kiln.config import RunConfig
+from kiln.core.meter import WORKERS
 from kiln.data.manifest import Manifest
 from kiln.guard import marked_json
 from kiln.tracking.server import ui_command
@@ -39,7 +40,7 @@ class Summary:
             experiment=cfg.logging.experiment, metrics=final,
             unigram_entropy_bits=float(manifest.raw["unigram_entropy_bits"]),
             seconds_to_first_step=final["time/first_step_unix"] - started,
-            checkpoint=checkpoint, num_workers=cfg.parallel.max_workers,
+            checkpoint=checkpoint, num_workers=int(final.get(WORKERS, cfg.parallel.max_workers)),  # an elastic run's last
         )
 
     def to_json(self) -> str:

@@ -52,14 +52,30 @@ def plan_from_args(args: argparse.Namespace) -> str:
     _check(base)
     per_node = cluster.node.devices if cluster else 8  # the usual 8-GPU node
     if cluster is None:
-        return format_table(base, per_node)
+        return format_table(base, per_node) + elastic_advice(cfg)
     from kiln.plan.throughput import format_estimate
 
     if base.world_size > cluster.world_size:
         raise ConfigError(f"--world-size {base.world_size} is more than the {cluster.world_size} devices of "
                           f"{cluster.source}")
     return format_table(base, per_node) + "\n\n" + format_estimate(base, cluster, args.mfu, args.target_tokens,
-                                                         args.usd_per_hour, cfg.train.grad_accum_steps)
+                                                         args.usd_per_hour, cfg.train.grad_accum_steps) + elastic_advice(cfg)
+
+
+def elastic_advice(cfg: RunConfig) -> str:
+    """For an elastic run: where its memory was planned, and how often to checkpoint. Every
+    resize resumes the newest checkpoint, so it repeats the steps since; Ray looks for room to
+    grow every parallel.resize_check_s, and a spot node can go at any time."""
+    p, t = cfg.parallel, cfg.train
+    if not p.elastic:
+        return ""
+    every = (f"every {t.checkpoint_every} steps" if t.checkpoint_every else "") + (
+        f"{' and ' if t.checkpoint_every else ''}every {t.checkpoint_every_minutes:g} min" if t.checkpoint_every_minutes
+        else "")
+    return (f"\n\nelastic: parallel.num_workers = {p.num_workers}; memory is planned for {p.min_workers} worker(s), "
+            f"the most each holds. Each resize resumes the newest checkpoint and repeats the steps since: checkpoint "
+            f"at least every {p.resize_check_s:g} s (parallel.resize_check_s), e.g. train.checkpoint_every_minutes = "
+            f"{p.resize_check_s / 60:.2g}; now {every or 'never (each resize starts again at step 0)'}.")
 
 
 def _with_data_shapes(cfg: RunConfig) -> RunConfig:

@@ -232,7 +232,7 @@ def build_trainer(cfg: RunConfig, mcfg: GPTConfig, run_name: str, tracking_uri: 
     # Ray Train gives a worker group 60 s to start. Workers that each import torch and
     # DeepSpeed on a busy small node (concurrent sweep trials) can take longer; the controller
     # passes this from the process that calls fit() on to itself.
-    os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "300")
+    os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(p.start_timeout_s)
     storage, filesystem = train_storage(storage_path or cfg.train.storage_path or "runs", cfg)
     return TorchTrainer(
         train_loop_per_worker=_worker_entry,

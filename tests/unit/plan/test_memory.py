@@ -132,3 +132,16 @@ def test_tensor_parallel_divides_the_split_weights_and_most_activations():
     # the planner recommends splitting inside the node.
     roomy = format_table(dataclasses.replace(base, device_memory_gib=40))
     assert "recommended (cheapest that fits): tensor_parallel=2, zero_stage=2" in roomy, roomy
+
+
+def test_kiln_plan_tells_an_elastic_run_how_often_to_checkpoint():
+    from kiln.config import load_config
+    from kiln.plan.cli import elastic_advice
+
+    assert elastic_advice(load_config(None, ["parallel.num_workers=2"])) == ""
+    never = elastic_advice(load_config(None, ["parallel.num_workers=[1, 2]", "parallel.resize_check_s=120"]))
+    assert "memory is planned for 1 worker(s)" in never and "checkpoint at least every 120 s" in never
+    assert "train.checkpoint_every_minutes = 2" in never and "now never (each resize starts again at step 0)" in never
+    some = elastic_advice(load_config(None, ["parallel.num_workers=[1, 2]", "train.checkpoint_every=50",
+                                             "train.checkpoint_every_minutes=5"]))
+    assert "now every 50 steps and every 5 min" in some
