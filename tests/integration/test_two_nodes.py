@@ -111,8 +111,8 @@ def _services(*args) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.timeout(1500)
-def test_job_spread_over_two_nodes_survives_a_dead_node(ray_cluster, s3_server, s3_dataset,
-                                                                          tmp_path):
+def test_an_elastic_job_grows_onto_a_new_node_and_shrinks_when_it_dies(ray_cluster, s3_server, s3_dataset,
+                                                                        tmp_path):
     """The MLflow server is the team's `kiln services up`, checked on the way."""
     gcs, dashboard, env = ray_cluster
     root, port = tmp_path / "services", free_port()

@@ -81,9 +81,8 @@ class Regroup:
 
     def describe(self) -> str:
         was, now = self.written, self.data_parallel_size
-        text = (f"resuming a checkpoint of {was.dims.data_parallel_size} data-parallel replicas x "
-                f"{was.micro_batch_size} sequences on {now} x {self.micro_batch_size}: "
-                f"{self.micro_batches_per_step} micro-batches per step")
+        text = (f"{was.dims.data_parallel_size} data-parallel replicas x {was.micro_batch_size} sequences "
+                f"-> {now} x {self.micro_batch_size}: {self.micro_batches_per_step} micro-batches per step")
         if self.batch_changed:
             text += (f"; the global batch changes from {was.sequences_per_step} to "
                      f"{self.sequences(now)} sequences per step (train.allow_batch_change)")
