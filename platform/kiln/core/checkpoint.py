@@ -256,9 +256,8 @@ def resolve_resume(path: str, world_size: int, card: dict | None = None, allow_b
     """The checkpoint that train.resume_from names: a checkpoint directory, or a run's directory
     (the local launcher's `step_N`s, or Ray Train's `checkpoint_<time>`s) whose newest complete
     checkpoint is taken. `card`: this run's `layout_card` (None: a plain run, as many ranks,
-    precision unchecked). Refuses anything incomplete, in
-    another precision layout, or laid out in a way this run cannot continue
-    (`kiln.core.resize.regroup`)."""
+    precision unchecked). Refuses anything incomplete, in another precision layout, or laid out
+    in a way this run cannot continue (`kiln.core.resize.regroup`)."""
     if not os.path.isdir(path):
         raise ConfigError(f"train.resume_from = {path!r}: no such directory")
     directory = path if (os.path.exists(os.path.join(path, MARKER.format(rank=0)))
@@ -319,8 +318,9 @@ class CheckpointPolicy:
 
     def resume(self, engine: Engine, restored: Restored | None = None) -> Resumed:
         """Load `restored` (a restarted run's checkpoint, kept in storage), else
-        `train.resume_from`, into the engine, for this run as its card describes it. A restored checkpoint's local copy is removed once loaded. The clock for
-        time-based saves starts here."""
+        `train.resume_from`, into the engine, for this run as its card describes it. A restored
+        checkpoint's local copy is removed once loaded. The clock for time-based saves starts
+        here."""
         self._last_save = time.monotonic()
         if restored is None and not self.t.resume_from:
             return Resumed(0, 0)

@@ -28,9 +28,8 @@ WARMUP_STEPS_EXCLUDED = 5  # steady-state throughput ignores the first steps (al
 # steps, and the highest rate kept: one probe that a busy neighbour slowed throughout put the
 # demo's MFU at 120-123% (a peak read 2.5x low), twice in fresh-clone demos.
 PEAK_PROBES = 3
+WORKERS = "parallel/workers"  # the ranks training at a step: an elastic run's size over time
 
-
-WORKERS = "parallel/workers"  # the ranks training at a step
 
 class StepMeter:
     """Times each step and turns it into metrics; sums the steady-state steps for the summary.
@@ -91,7 +90,7 @@ class StepMeter:
             **phases,
             "time/data_wait_s": data_wait,
             "tokens/seen": float(step * self.tokens_per_step),
-            WORKERS: float(self.world_size),  # an elastic run's size over time
+            WORKERS: float(self.world_size),
         }
         if self._probes_left and step >= self.warmup_end:  # measured under the training's load
             self._probe_peak()

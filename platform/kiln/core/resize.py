@@ -94,9 +94,10 @@ class Regroup:
 
 def regroup(where: str, written: Written, run: Written, allow_batch_change: bool = False) -> Regroup | None:
     """How a run laid out as `run` continues a checkpoint `written` so; None where the
-    data-parallel size and the micro-batch size are the same, and nothing changes. Refuses, naming `where` (the
-    checkpoint) and the setting: another pipeline or tensor-parallel layout, another number of
-    replicas under a pipeline or tensor parallelism, and a global batch that cannot be kept."""
+    data-parallel size and the micro-batch size are the same, and nothing changes. Refuses,
+    naming `where` (the checkpoint) and the setting: another pipeline or tensor-parallel layout,
+    another number of replicas under a pipeline or tensor parallelism, and a global batch that
+    cannot be kept."""
     was, now = written.dims, run.dims
     if (was.pipeline_stages, was.tensor_parallel) != (now.pipeline_stages, now.tensor_parallel):
         raise ConfigError(
@@ -131,7 +132,7 @@ def _micro_batches(where: str, written: Written, run: Written, allow_batch_chang
         f"train.resume_from = {where!r} trained on {sequences} sequences per step ({written.dims.data_parallel_size} "
         f"replicas x {written.micro_batches_per_step} micro-batches x {written.micro_batch_size}), which "
         f"{replicas} replicas x train.micro_batch_size = {micro} cannot divide: pick a micro-batch size and worker "
-        "count that divide it, or set train.allow_batch_change: true to go on with this run's own batch")
+        "count that divide it, or set train.allow_batch_change: true to go on with the nearest batch they make")
 
 
 def with_micro_batches(cfg: RunConfig, n: int) -> RunConfig:

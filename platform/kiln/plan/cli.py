@@ -69,13 +69,13 @@ def elastic_advice(cfg: RunConfig) -> str:
     p, t = cfg.parallel, cfg.train
     if not p.elastic:
         return ""
-    every = (f"every {t.checkpoint_every} steps" if t.checkpoint_every else "") + (
-        f"{' and ' if t.checkpoint_every else ''}every {t.checkpoint_every_minutes:g} min" if t.checkpoint_every_minutes
-        else "")
+    every = [f"every {t.checkpoint_every} steps"] if t.checkpoint_every else []
+    if t.checkpoint_every_minutes:
+        every.append(f"every {t.checkpoint_every_minutes:g} min")
     return (f"\n\nelastic: parallel.num_workers = {p.num_workers}; memory is planned for {p.min_workers} worker(s), "
             f"the most each holds. Each resize resumes the newest checkpoint and repeats the steps since: checkpoint "
             f"at least every {p.resize_check_s:g} s (parallel.resize_check_s), e.g. train.checkpoint_every_minutes = "
-            f"{p.resize_check_s / 60:.2g}; now {every or 'never (each resize starts again at step 0)'}.")
+            f"{p.resize_check_s / 60:.2g}; now {' and '.join(every) or 'never (each resize starts again at step 0)'}.")
 
 
 def _with_data_shapes(cfg: RunConfig) -> RunConfig:

@@ -67,9 +67,10 @@ def record_placement(tracking_uri: str, run_id: str, nodes: list[str]) -> None:
 def record_restart(tracking_uri: str, run_id: str, checkpoint: str, workers: int, size_metric: str) -> str:
     """The same MLflow run continues after a restart of its worker group, now of `workers`:
     count it and say where it resumed; what was recorded. A group of another size than the
-    run's last logged `size_metric` (the meter's `parallel/workers`) is a resize (`kiln.resizes`, `kiln.resize.<n>`): its
-    reason, and `resize/restart_s`, the seconds from the last step the old group logged to
-    this restart (detection and the new group's start)."""
+    run's last logged `size_metric` (the meter's `parallel/workers`, logged with every metrics
+    step) is a resize (`kiln.resizes`, `kiln.resize.<n>`): its reason, and `resize/restart_s`,
+    the seconds from the last step the old group logged to this restart (detection and the new
+    group's start)."""
     client = connect(tracking_uri)
     history = client.get_metric_history(run_id, size_metric)
     last = max(history, key=lambda m: (m.step, m.timestamp), default=None)
@@ -77,8 +78,7 @@ def record_restart(tracking_uri: str, run_id: str, checkpoint: str, workers: int
         n = count_event(client, run_id, "restart", f"resumed from {checkpoint}")
         return f"restart {n} after a worker failure: resuming from {checkpoint}"
     was = int(last.value)
-    logged = max((m.timestamp for m in client.get_metric_history(run_id, "loss/train")), default=last.timestamp)
-    client.log_metric(run_id, "resize/restart_s", max(0.0, time.time() - logged / 1000), step=last.step)
+    client.log_metric(run_id, "resize/restart_s", max(0.0, time.time() - last.timestamp / 1000), step=last.step)
     why = "a worker or its node was lost" if workers < was else "the cluster has room for more"
     detail = f"{was} -> {workers} workers ({why}); resumed from {checkpoint}"
     return f"resize {count_event(client, run_id, 'resize', detail)}: {detail}"
