@@ -105,10 +105,10 @@ def _data(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from kiln.config import load_config
+    from kiln.config import fork_overrides, load_config
     from kiln.launch.on_ray import train
 
-    overrides = list(args.overrides)
+    overrides = fork_overrides(args.overrides, args.fork)
     if getattr(args, "profile", False):
         steps = load_config(args.config, overrides).train.max_steps
         overrides.append(f"train.profile.start_step={max(1, min(10, steps - 2))}")

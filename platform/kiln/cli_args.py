@@ -56,6 +56,10 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="run config YAML (jobs/configs/*.yaml); defaults if omitted")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field, e.g. --set optim.lr=3e-4 (repeatable)")
+    p.add_argument("--fork", metavar="RUN", default=None,
+                   help="start a new run from RUN's newest checkpoint (a run name under train.storage_path, or a "
+                        "run or checkpoint directory) with this config's settings, e.g. a new optim.lr; the "
+                        "MLflow run is tagged with its parent (kiln.parent.*)")
     p.add_argument("--address", default=None,
                    help="Ray cluster address; default $RAY_ADDRESS, else an embedded local Ray")
     p.add_argument("--summary-json", default=None, metavar="PATH",

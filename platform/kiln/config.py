@@ -156,6 +156,17 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()
     return config_from_dict(tree, overrides)
 
 
+def fork_overrides(overrides: Iterable[str], fork: str | None) -> list[str]:
+    """`--fork RUN` as the override it stands for, `train.resume_from=RUN`, beside the new run's
+    own settings. A fork and a `train.resume_from` override name two starting points: refused."""
+    overrides = list(overrides)
+    if not fork:
+        return overrides
+    if any(knobs.parse_override(o)[0] == "train.resume_from" for o in overrides):
+        raise ConfigError(f"--fork {fork} and --set train.resume_from both say where the run starts: give one")
+    return [*overrides, f"train.resume_from={fork}"]
+
+
 def config_from_dict(tree: dict[str, Any], overrides: Iterable[str] = ()) -> RunConfig:
     """A validated config from a tree shaped like the YAML (left as it was), with `a.b=c`
     overrides applied as `--set` applies them."""

@@ -72,7 +72,7 @@ def layout_card(cfg: RunConfig) -> dict:
     layout and its batch."""
     return {"parallel": {"zero_stage": cfg.parallel.zero_stage, "pipeline_stages": cfg.parallel.pipeline_stages,
                          "tensor_parallel": cfg.parallel.tensor_parallel},
-            "precision": precision_record(cfg), "batch": batch_card(cfg)}
+            "precision": precision_record(cfg), "batch": batch_card(cfg), "optimizer": cfg.optim.name}
 
 
 def precision_record(cfg: RunConfig) -> dict:
@@ -258,23 +258,35 @@ def resolve_resume(path: str, world_size: int, card: dict | None = None, allow_b
     checkpoint is taken. `card`: this run's `layout_card` (None: a plain run, as many ranks,
     precision unchecked). Refuses anything incomplete, in another precision layout, or laid out
     in a way this run cannot continue (`kiln.core.resize.regroup`)."""
+    directory, marker = find_checkpoint(path)
+    card = card or {}
+    had = _read_marker(os.path.join(directory, CARD)) or {}
+    if card.get("precision") is not None:
+        _check_precision(directory, card["precision"])
+    if had.get("optimizer") and card.get("optimizer") and had["optimizer"] != card["optimizer"]:
+        raise ConfigError(f"train.resume_from = {directory!r} was written with optim.name = {had['optimizer']!r}, and "
+                          f"its optimizer state is that optimizer's; this run has {card['optimizer']!r}: keep "
+                          "optim.name (its settings, such as optim.lr, may change)")
+    written = Written.of(marker, had)
+    run = Written.of({"world_size": world_size}, card)
+    return Resume(directory, int(marker["step"]), regroup(directory, written, run, allow_batch_change))
+
+
+def find_checkpoint(path: str) -> tuple[str, dict]:
+    """(directory, rank 0's marker) of the checkpoint `path` names: itself, or a run directory's
+    newest complete one; refuses a path that holds none."""
     if not os.path.isdir(path):
         raise ConfigError(f"train.resume_from = {path!r}: no such directory")
     directory = path if (os.path.exists(os.path.join(path, MARKER.format(rank=0)))
                          or os.path.isdir(os.path.join(path, TAG))) else latest_complete(path) or newest_reported(path)
     if directory is None:
         raise ConfigError(f"train.resume_from = {path!r}: holds no complete Kiln checkpoint "
-                          "(expected a step_N directory with a kiln_complete marker per rank)")
+                          "(expected step_N or checkpoint_<time> directories with a kiln_complete marker per rank)")
     marker = _markers(directory)
     if marker is None:
         raise ConfigError(f"train.resume_from = {directory!r} is incomplete: its writer died before every "
                           "rank's kiln_complete marker was written; pick an earlier checkpoint")
-    card = card or {}
-    if card.get("precision") is not None:
-        _check_precision(directory, card["precision"])
-    written = Written.of(marker, _read_marker(os.path.join(directory, CARD)) or {})
-    run = Written.of({"world_size": world_size}, card)
-    return Resume(directory, int(marker["step"]), regroup(directory, written, run, allow_batch_change))
+    return directory, marker
 
 
 def _read_marker(path: str) -> dict | None:

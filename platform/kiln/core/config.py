@@ -77,9 +77,11 @@ class TrainConfig:
     resume_from: str = ""
     """A checkpoint to start from: a run's directory (runs/<name>: its newest complete checkpoint;
     or just <name>, a run under train.storage_path) or one checkpoint in it (Ray Train's
-    checkpoint_<time>, the local launcher's step_N). Weights, optimizer, LR schedule, step, RNG
-    states; data continues after the batches already used. Written by another number of
-    data-parallel workers, it is resharded and the global batch kept (train.allow_batch_change)."""
+    checkpoint_<time>, the local launcher's step_N). Weights, optimizer state, step, RNG states;
+    data continues after the batches already used. The optimizer's settings and the schedule are
+    this config's (`kiln train --fork RUN` sets this field: a new run with new settings, tagged
+    with its parent in MLflow). Written by another number of data-parallel workers, it is
+    resharded and the global batch kept (train.allow_batch_change)."""
     allow_batch_change: bool = False
     """A resume on another number of data-parallel replicas keeps the global batch by changing
     gradient accumulation; where the new replicas x micro-batch cannot divide it the resume is

@@ -28,7 +28,7 @@ from kiln.core.engine import Engine
 from kiln.core.health import BadLoss, HealthGuard
 from kiln.core.leaks import LeakWatch
 from kiln.core.meter import StepMeter, memory_in_use, memory_metrics
-from kiln.core.optim import StepGate
+from kiln.core.optim import Settings, StepGate
 from kiln.core.prefetch import DevicePrefetcher
 from kiln.core.process import WorldInfo
 from kiln.core.profiling import StepProfiler
@@ -97,7 +97,10 @@ class _Training:
             cfg, world, engine, scheduler, source, sinks)
         self.progress: ProgressSink = sinks.progress or LogLines(cfg.logging.progress_every)  # rank 0's view
         self.policy = CheckpointPolicy(t, checkpoint_root, world.rank, world.world_size, model_card(cfg, mcfg))
+        settings = Settings.of(scheduler)
         resumed = self.policy.resume(engine, sinks.restored)
+        if resumed.done:  # a load brings back the checkpoint's LR and hyperparameters: this config's win
+            settings.restore(scheduler)
         self.done, consumed = resumed.done, resumed.consumed
         dims = ParallelDims.of(cfg.parallel, world.world_size)
         if resumed.regroup is not None:  # written by another number of replicas: the same row, in this run's terms

@@ -193,6 +193,46 @@ class GatedLambdaLR(torch.optim.lr_scheduler.LambdaLR):
         if self.gate.open:
             super().step(*args, **kwargs)
 
+    def state_dict(self) -> dict:
+        # LambdaLR saves every attribute; the gate is this process's link to the optimizer's
+        # patched step, and one loaded from a checkpoint would be a copy that nothing opens.
+        return {k: v for k, v in super().state_dict().items() if k != "gate"}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict({k: v for k, v in state_dict.items() if k != "gate"})
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The optimizer's hyperparameters and the schedule's peak LRs as this run's config built
+    them, taken before a checkpoint is loaded and put back after it.
+
+    A load brings back the checkpoint's: DeepSpeed restores each param group's hyperparameters
+    with the optimizer state, and LambdaLR's `base_lrs` with the schedule's step. A run resumed
+    or forked with another `optim.lr`, weight decay, betas or schedule would silently keep the
+    old ones. The moments and the step count stay the checkpoint's."""
+
+    groups: tuple[dict, ...]
+    base_lrs: tuple[float, ...]
+
+    @classmethod
+    def of(cls, scheduler: torch.optim.lr_scheduler.LambdaLR) -> Settings:
+        groups = scheduler.optimizer.param_groups
+        return cls(tuple({k: v for k, v in g.items() if k != "params"} for g in groups), tuple(scheduler.base_lrs))
+
+    def restore(self, scheduler: torch.optim.lr_scheduler.LambdaLR) -> None:
+        """This run's settings again, and the LR its schedule gives at the loaded step."""
+        groups = scheduler.optimizer.param_groups
+        if len(groups) != len(self.groups):
+            raise ConfigError(f"the checkpoint's optimizer has {len(groups)} parameter groups and this run's "
+                              f"{len(self.groups)}: optim.no_decay must stay as the checkpoint had it")
+        scheduler.base_lrs = list(self.base_lrs)
+        lrs = [base * fn(scheduler.last_epoch) for base, fn in zip(self.base_lrs, scheduler.lr_lambdas)]
+        for group, was, lr in zip(groups, self.groups, lrs):
+            group.update(was)
+            group["lr"] = lr
+        scheduler._last_lr = lrs  # what get_last_lr() reports until the next step
+
 
 def build_scheduler(opt: torch.optim.Optimizer, sched: ScheduleConfig, max_steps: int,
                     gate: StepGate | None = None):

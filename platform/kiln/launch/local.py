@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from kiln.clock import process_start, startup_mark
-from kiln.config import RunConfig, load_config
+from kiln.config import RunConfig, fork_overrides, load_config
 from kiln.core.process import WorldInfo
 from kiln.core.sinks import NullLogger, Sinks
 from kiln.data.sources import ParquetSource
@@ -31,6 +31,7 @@ from kiln.devices import name_deepspeed_accelerator
 from kiln.errors import KilnError
 from kiln.launch.console import run_reporting_errors
 from kiln.launch.preflight import preflight
+from kiln.launch.resume import lineage, record_run
 from kiln.launch.summary import Summary
 from kiln.parallel.ops import init_distributed
 from kiln.parallel.worker import run_worker
@@ -109,7 +110,9 @@ def run_local(cfg: RunConfig, started: float | None = None) -> Summary | None:
         else:
             from kiln.tracking.mlflow_run import MLflowLogger, open_run
 
-            run = open_run(cfg, checked.datasets, tracking_uri, {"num_nodes": 1, "launcher": "local"})
+            run = open_run(cfg, checked.datasets, tracking_uri, {"num_nodes": 1, "launcher": "local"},
+                           tags=lineage(cfg))
+            record_run(cfg, run.run_id, tracking_uri)  # a fork of this run finds its MLflow run
             logger = MLflowLogger(tracking_uri, run.run_id, spill_dir=_run_root(cfg),
                                   outage_wait_s=cfg.logging.outage_wait_s)
             marks |= startup_mark("mlflow")
@@ -134,11 +137,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m kiln.launch.local", description=__doc__.splitlines()[0])
     p.add_argument("--config")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--fork", metavar="RUN", default=None)
     p.add_argument("--summary-json", default=None, metavar="PATH")
     args = p.parse_args(argv)
 
     def command() -> int:
-        summary = run_local(load_config(args.config, args.overrides), started=process_start())
+        summary = run_local(load_config(args.config, fork_overrides(args.overrides, args.fork)), started=process_start())
         if summary is not None:
             print(summary.render())
             if args.summary_json:

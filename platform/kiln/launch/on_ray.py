@@ -22,7 +22,14 @@ from kiln.clock import startup_mark
 from kiln.config import RunConfig
 from kiln.errors import ConfigError, KilnError, user_error_in
 from kiln.launch.preflight import preflight
-from kiln.launch.resume import StoredRun, check_resumable, record_run, same_mlflow_run, stored_run
+from kiln.launch.resume import (
+    StoredRun,
+    check_resumable,
+    lineage,
+    record_run,
+    same_mlflow_run,
+    stored_run,
+)
 from kiln.launch.summary import Summary
 from kiln.ray.address import check_ray_address
 from kiln.ray.console import WorkerLogRouter
@@ -148,7 +155,7 @@ def _open_run_while_ray_starts(cfg: RunConfig, datasets, tracking_uri: str, addr
 
     def opened() -> Run:
         run = (reopen_run(cfg, tracking_uri, run_id, stored.checkpoint) if run_id and stored
-               else open_run(cfg, datasets, tracking_uri, {}))
+               else open_run(cfg, datasets, tracking_uri, {}, tags=lineage(cfg)))
         record_run(cfg, run.run_id, tracking_uri)
         return run
 

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from dataclasses import dataclass
 
 from kiln.config import RunConfig
+from kiln.core.checkpoint import find_checkpoint
 from kiln.errors import ConfigError
 from kiln.redact import scrub
 from kiln.storage import Location, resolve, write_once
@@ -93,3 +95,27 @@ def record_run(cfg: RunConfig, mlflow_run_id: str, tracking_uri: str) -> None:
     record = _run_dir(cfg).join(RECORD)
     text = json.dumps({"mlflow_run_id": mlflow_run_id, "tracking_uri": scrub(tracking_uri)}, indent=2)
     write_once(record, text.encode())
+
+
+def lineage(cfg: RunConfig) -> dict[str, str]:
+    """MLflow tags naming what a run starts from (`train.resume_from`, `--fork`): the parent run's
+    name, its checkpoint and step, and its MLflow run id where the parent recorded one (`RECORD`,
+    beside its checkpoints). Empty for a run that starts from step 0. The checkpoint was checked
+    by preflight where this machine can see it; elsewhere only its path is known here."""
+    given = cfg.train.resume_from
+    if not given:
+        return {}
+    tags = {"kiln.parent.checkpoint": given}
+    if not os.path.isdir(given):  # on a cluster's disk this machine does not share
+        return tags
+    directory, marker = find_checkpoint(given)
+    run_dir = os.path.dirname(directory.rstrip("/"))  # a checkpoint sits in its run's directory
+    tags = {"kiln.parent.checkpoint": directory, "kiln.parent.step": str(int(marker["step"])),
+            "kiln.parent.run": os.path.basename(run_dir)}
+    record = os.path.join(run_dir, RECORD)
+    if os.path.exists(record):
+        with open(record) as f:
+            known = json.load(f)
+        if known.get("mlflow_run_id"):
+            tags["kiln.parent.mlflow_run_id"] = known["mlflow_run_id"]
+    return tags

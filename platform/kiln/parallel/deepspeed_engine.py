@@ -100,19 +100,28 @@ def _fix_universal_load(opt: torch.optim.Optimizer, universal: str) -> None:
     - it sets one `step` tensor into every sub-group's state, and torch's Adam adds 1 to it once
       per sub-group per step, so from the second step on bias correction ran as if more steps
       had passed; each state gets its own count.
+
+    And one of every stage's (found on a GPU by bench/gpu_reshard.py): the loaded `step` is a CPU
+    tensor, where torch's fused (and capturable) Adam keeps it on the parameter's device and
+    refuses a CPU one at the next step; it goes where torch would have put it.
     """
     saved = torch.load(os.path.join(universal, "zero", "optimizer_state.pt"), weights_only=False)
     groups = saved.get("param_groups") or []
     if len(groups) == len(opt.param_groups):
         for group, was in zip(opt.param_groups, groups):
             group.update({k: v for k, v in was.items() if k != "params"})
+    # By state, not by group: ZeRO-3 swaps each sub-group's partition in and out of its group.
+    on_device = any(g.get("fused") or g.get("capturable") for g in opt.param_groups)
     seen: set[int] = set()
-    for state in opt.state.values():
+    for p, state in opt.state.items():
         step = state.get("step")
-        if torch.is_tensor(step):
-            if id(step) in seen:
-                state["step"] = step.clone()
-            seen.add(id(state["step"]))
+        if not torch.is_tensor(step):
+            continue
+        if id(step) in seen:
+            state["step"] = step = step.clone()
+        if on_device and step.device != p.device:
+            state["step"] = step.to(device=p.device, dtype=torch.float32)
+        seen.add(id(state["step"]))
 
 
 def inner_optimizer(ds) -> torch.optim.Optimizer:

@@ -66,3 +66,26 @@ def universal_copy(ckpt: str, tag: str) -> Iterator[tuple[str, str]]:
         yield str(root), UNIVERSAL_TAG
     finally:
         guard.discard(root)
+
+
+def gathered_state(engine) -> dict[str, torch.Tensor]:
+    """Every parameter's fp32 master weight and optimizer state, whole (DeepSpeed's
+    `safe_get_full_*`, a collective under ZeRO-3), by `<name>/<state>`: what a reshard must
+    keep, compared by the tests and `bench/gpu_reshard.py`."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    # ZeRO-1/2 link a parameter to its optimizer state at the first step; a gather right after a
+    # load (no step yet) has it linked first (DeepSpeed's own step does the same).
+    getattr(engine.optimizer, "_lazy_init_hp_params_optimizer_state", lambda: None)()
+    # Unsharded fp32 (ZeRO-0) has no fp32 mapping: the parameter and the torch optimizer's state are it.
+    plain = getattr(engine.optimizer, "state", {})
+    full = {}
+    for name, p in engine.module.named_parameters():
+        fp32 = safe_get_full_fp32_param(p)
+        full[f"{name}/fp32"] = (fp32 if fp32 is not None else p.detach().float()).clone()
+        for key in ("exp_avg", "exp_avg_sq"):
+            value = safe_get_full_optimizer_state(p, key)
+            value = value if value is not None else plain.get(p, {}).get(key)
+            if value is not None:
+                full[f"{name}/{key}"] = value.clone()
+    return full

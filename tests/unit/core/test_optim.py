@@ -1,7 +1,17 @@
 import pytest
 import torch
 
-from kiln.core.optim import OptimConfig, build_optimizer, param_groups, parameter_kinds
+from kiln.core.optim import (
+    OptimConfig,
+    Settings,
+    StepGate,
+    build_optimizer,
+    build_scheduler,
+    gate_optimizer,
+    param_groups,
+    parameter_kinds,
+)
+from kiln.core.schedule import ScheduleConfig, lr_multiplier
 from kiln.model import GPT, config_for
 
 
@@ -67,3 +77,53 @@ def test_bad_optimizer_settings_are_named(sets, needle):
 
     with pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace(")", r"\)")):
         load_config(None, sets)
+
+
+def _gated(model, optim: OptimConfig, sched: ScheduleConfig, max_steps: int):
+    gate = StepGate()
+    opt = gate_optimizer(build_optimizer(model, optim, on_cuda=False), gate)
+    return opt, build_scheduler(opt, sched, max_steps, gate), gate
+
+
+def test_a_load_keeps_this_runs_settings_and_its_own_gate(tmp_path):
+    """A checkpoint's optimizer and schedule state, loaded as DeepSpeed loads them (through a
+    pickle), into a run with another LR, weight decay, betas and schedule: the moments and the
+    step count are the checkpoint's, every setting is the new run's, and the gate that the
+    health guard shuts still stops the optimizer and the schedule."""
+    torch.manual_seed(0)
+    model = GPT(config_for("debug", vocab_size=64, seq_len=16))
+    sched_cfg = ScheduleConfig(name="cosine", warmup_steps=2)
+    opt, sched, _ = _gated(model, OptimConfig(name="adamw", lr=1e-3, weight_decay=0.1), sched_cfg, 20)
+    for _ in range(3):
+        opt.zero_grad()
+        sum((q * q).sum() for q in model.parameters()).backward()
+        opt.step()
+        sched.step()
+    torch.save({"opt": opt.state_dict(), "sched": sched.state_dict()}, tmp_path / "ckpt.pt")
+    saved = torch.load(tmp_path / "ckpt.pt", weights_only=False)
+
+    new_optim = OptimConfig(name="adamw", lr=5e-3, weight_decay=0.02, beta2=0.99)
+    new_sched = ScheduleConfig(name="linear", warmup_steps=2)
+    opt2, sched2, gate2 = _gated(model, new_optim, new_sched, 30)
+    settings = Settings.of(sched2)
+    opt2.load_state_dict(saved["opt"])
+    sched2.load_state_dict(saved["sched"])
+    assert opt2.param_groups[0]["lr"] != 5e-3 * lr_multiplier(3, new_sched, 30)  # the load brought the old back
+    settings.restore(sched2)
+
+    assert sched2.last_epoch == 3 and sched2.gate is gate2
+    want = 5e-3 * lr_multiplier(3, new_sched, 30)
+    assert [g["lr"] for g in opt2.param_groups] == [want, want] and sched2.get_last_lr() == [want, want]
+    assert [g["weight_decay"] for g in opt2.param_groups] == [0.02, 0.0]
+    assert opt2.param_groups[0]["betas"][1] == 0.99
+    assert opt2.state.keys() == opt.state.keys()
+    assert all(torch.equal(opt2.state[q]["exp_avg"], opt.state[q]["exp_avg"]) for q in opt.state)
+
+    before = model.wte.weight.detach().clone()
+    gate2.open = False  # the guard withholds this step: neither the weights nor the schedule move
+    opt2.step()
+    sched2.step()
+    assert torch.equal(model.wte.weight, before) and sched2.last_epoch == 3 and gate2.withheld == 1
+    gate2.open = True
+    sched2.step()
+    assert sched2.last_epoch == 4 and sched2.get_last_lr()[0] == 5e-3 * lr_multiplier(4, new_sched, 30)

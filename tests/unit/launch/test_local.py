@@ -23,7 +23,7 @@ PLANTED_ENDPOINT = "https://kiln:planted-endpoint-pw-0005@minio.invalid:9000"
 PLANTED = [*PLANTED_ENV.values(), "planted-endpoint-pw-0005"]
 
 
-def _run_local(byte_dataset, tmp_path, *overrides, ranks=1, tty=False):
+def _run_local(byte_dataset, tmp_path, *overrides, ranks=1, tty=False, args=()):
     launcher = [sys.executable, "-m", "kiln.launch.local"]
     if ranks > 1:  # torchrun sets RANK/WORLD_SIZE/MASTER_* for each process
         launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
@@ -33,7 +33,7 @@ def _run_local(byte_dataset, tmp_path, *overrides, ranks=1, tty=False):
            "--set", "schedule.warmup_steps=5", "--set", "train.micro_batch_size=8",
            "--set", f"logging.tracking_uri=sqlite:///{tmp_path}/mlflow.db", "--set", "logging.experiment=local",
            "--set", f"train.storage_path={tmp_path}/runs", "--set", f"data.s3_endpoint={PLANTED_ENDPOINT}",
-           *[a for o in overrides for a in ("--set", o)]]
+           *[a for o in overrides for a in ("--set", o)], *args]
     env = dict(os.environ, **PLANTED_ENV, **shared_cache_in(tmp_path))
     env.pop("TORCH_EXTENSIONS_DIR", None)  # Kiln's choice of cache is what is tested
     if not tty:
@@ -180,9 +180,12 @@ def test_a_run_resumed_from_a_checkpoint_matches_the_uninterrupted_run(byte_data
     Dropout makes the RNG state matter, and a micro-batch the health guard leaves out at step 5
     makes the data position differ from steps x micro-batches. The data is a mixture of two
     datasets, reshuffled each epoch, so the resume also finds its place in a mixture's order;
-    both runs log the same realised mix."""
+    both runs log the same realised mix. Then a fork of A (`--fork`) trains 4 steps more with
+    another LR, weight decay and schedule: from A's step, with its own settings, tagged with A."""
     import torch
     from mlflow.tracking import MlflowClient
+
+    from kiln.core.schedule import ScheduleConfig, lr_multiplier
 
     common = ["train.max_steps=16", "train.checkpoint_every=8", "train.eval_every=0", "parallel.zero_stage=2",
               "model.dropout=0.1", "train.health.policy=skip", "train.health.inject=nan@5", "data.reshuffle=true",
@@ -221,6 +224,23 @@ def test_a_run_resumed_from_a_checkpoint_matches_the_uninterrupted_run(byte_data
     assert any(k.startswith("kiln_rng.rank0.pt") for k in want)
     differ = [k for k in want if not torch.equal(want[k], got[k])]
     assert not differ, differ[:10]
+
+    parent = sorted(p.name for p in (runs / "uninterrupted").iterdir())
+    c = _run_local(byte_dataset, tmp_path, *common, "logging.run_name=forked", "train.max_steps=20",
+                   "optim.lr=0.02", "optim.weight_decay=0.0", "schedule.name=constant", args=["--fork", "uninterrupted"])
+    assert c.returncode == 0, c.stderr[-3000:]
+    assert sorted(p.name for p in (runs / "uninterrupted").iterdir()) == parent  # the parent is left as it was
+    fork = client.search_runs([exp], "attributes.run_name = 'forked'")[0]
+    assert fork.data.tags["kiln.parent.run"] == "uninterrupted" and fork.data.tags["kiln.parent.step"] == "16"
+    assert fork.data.tags["kiln.parent.mlflow_run_id"] == by_name["uninterrupted"].info.run_id
+    assert fork.data.tags["kiln.parent.checkpoint"] == str(runs / "uninterrupted" / "step_00000016")
+    lrs = {m.step: m.value for m in client.get_metric_history(fork.info.run_id, "lr")}
+    assert sorted(lrs) == [17, 18, 19, 20]  # from the parent's step on
+    constant = ScheduleConfig(name="constant", warmup_steps=5)
+    assert lrs[17] == pytest.approx(0.02 * lr_multiplier(16, constant, 20), rel=1e-6) == 0.02, lrs
+    parent_lr = {m.step: m.value for m in client.get_metric_history(by_name["uninterrupted"].info.run_id, "lr")}
+    assert parent_lr[16] < 0.01  # the debug config's cosine from 3e-3: the fork's LR is its own
+    assert (runs / "forked" / "step_00000020").is_dir()
 
 
 def test_a_compiled_run_checkpoints_and_resumes_like_an_eager_one(byte_dataset, tmp_path, checkpoint_tensors):

@@ -31,6 +31,7 @@ from kiln.data.sources import ParquetSource
 from kiln.launch.local import _world_from_env
 from kiln.parallel.deepspeed_engine import inner_optimizer
 from kiln.parallel.engine import build_engine
+from kiln.parallel.zero_checkpoint import gathered_state
 from kiln.plan.memory import estimate, plan_input
 from kiln.topology import ParallelDims
 
@@ -119,24 +120,6 @@ def all_ranks(obj) -> list:
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
-
-
-def gathered_state(engine) -> dict[str, torch.Tensor]:
-    """Every parameter's fp32 master weight and optimizer state, whole (DeepSpeed's
-    `safe_get_full_*`, a collective under ZeRO-3), by `<name>/<state>`."""
-    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
-
-    # ZeRO-1/2 link a parameter to its optimizer state at the first step; a gather right after a
-    # load (no step yet) has it linked first (DeepSpeed's own step does the same).
-    getattr(engine.optimizer, "_lazy_init_hp_params_optimizer_state", lambda: None)()
-    full = {}
-    for name, p in engine.module.named_parameters():
-        full[f"{name}/fp32"] = safe_get_full_fp32_param(p).clone()
-        for key in ("exp_avg", "exp_avg_sq"):
-            value = safe_get_full_optimizer_state(p, key)
-            if value is not None:
-                full[f"{name}/{key}"] = value.clone()
-    return full
 
 
 def state_dtypes(engine) -> dict[str, set[str]]:
