@@ -250,6 +250,9 @@ def _plan_parser(sub) -> None:
     plan.add_argument("--mfu", type=float, default=0.40, help="assumed model FLOPs utilisation (default 0.40)")
     plan.add_argument("--target-tokens", type=float, help="token budget (default: 20 per parameter, Chinchilla)")
     plan.add_argument("--usd-per-hour", type=float, help="the cluster's price per hour (default: on-demand list)")
+    plan.add_argument("--preemptions-per-hour", type=float, default=0.01,
+                      help="with --cluster: how often a node is lost (spot), per node-hour (default 0.01); the time "
+                           "and cost they add at the run config's checkpoint interval")
 
 
 def _cluster_parser(sub) -> None:

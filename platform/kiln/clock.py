@@ -26,6 +26,16 @@ MARKS = (
 )
 
 
+# A restarted worker group's way back, logged once after its first step: when its processes
+# started, its engine was ready and its first step ended, and the seconds its checkpoint took to
+# download, reshard and load. bench/resize.py splits a resize's cost with them.
+RESTART = "restart/"
+RESTART_WORKER_START = f"{RESTART}worker_start_unix"
+RESTART_ENGINE = f"{RESTART}engine_ready_unix"
+RESTART_LOAD = f"{RESTART}load_s"
+RESTART_FIRST_STEP = f"{RESTART}first_step_unix"
+
+
 def process_start() -> float:
     """When this process started (interpreter start-up and imports included)."""
     try:

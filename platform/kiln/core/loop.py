@@ -21,7 +21,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kiln.clock import startup_mark
+from kiln.clock import (
+    RESTART_ENGINE,
+    RESTART_FIRST_STEP,
+    RESTART_LOAD,
+    RESTART_WORKER_START,
+    STARTUP,
+    startup_mark,
+)
 from kiln.core.checkpoint import CheckpointPolicy, model_card
 from kiln.core.collectives import mean_over_ranks
 from kiln.core.engine import Engine
@@ -97,10 +104,13 @@ class _Training:
             cfg, world, engine, scheduler, source, sinks)
         self.progress: ProgressSink = sinks.progress or LogLines(cfg.logging.progress_every)  # rank 0's view
         self.policy = CheckpointPolicy(t, checkpoint_root, world.rank, world.world_size, model_card(cfg, mcfg))
-        settings = Settings.of(scheduler)
+        settings, loading = Settings.of(scheduler), time.time()
         resumed = self.policy.resume(engine, sinks.restored)
         if resumed.done:  # a load brings back the checkpoint's LR and hyperparameters: this config's win
             settings.restore(scheduler)
+        # A restarted group's way back, logged after its first step (rank 0).
+        self.restart = _restart_marks(startup, time.time() - loading) if sinks.restored is not None and world.rank == 0 \
+            else None
         self.done, consumed = resumed.done, resumed.consumed
         dims = ParallelDims.of(cfg.parallel, world.world_size)
         if resumed.regroup is not None:  # written by another number of replicas: the same row, in this run's terms
@@ -159,6 +169,9 @@ class _Training:
                 step -= 1  # the same step again, on the next micro-batches
                 continue
             _hand_in_profile(self.profiler.end(step), self.sinks.logger)
+            if self.restart is not None:  # the restarted group's first step is done
+                self.sinks.logger.log(self.restart | {RESTART_FIRST_STEP: time.time()}, step=step)
+                self.restart = None
             if not read:  # nothing read back from the device: the step's time on the host clock
                 self._end_step(step, result.data_wait_s)
                 continue
@@ -217,6 +230,14 @@ class _Training:
             if ckpt is not None and fetch is not None:
                 self.policy.last_good = fetch
         return ckpt
+
+
+def _restart_marks(startup: dict[str, float], load_s: float) -> dict[str, float]:
+    """kiln.clock's RESTART_* known before the first step (the MLflow logger keeps them where it
+    drops the steps the old group logged already)."""
+    marks = {RESTART_WORKER_START: startup.get(f"{STARTUP}worker_process_unix"),
+             RESTART_ENGINE: startup.get(f"{STARTUP}engine_unix"), RESTART_LOAD: load_s}
+    return {k: v for k, v in marks.items() if v is not None}
 
 
 def _reads_metrics(step: int, cfg: RunConfig, meter: StepMeter, policy: CheckpointPolicy) -> bool:

@@ -53,13 +53,16 @@ def plan_from_args(args: argparse.Namespace) -> str:
     per_node = cluster.node.devices if cluster else 8  # the usual 8-GPU node
     if cluster is None:
         return format_table(base, per_node) + elastic_advice(cfg)
-    from kiln.plan.throughput import format_estimate
+    from kiln.plan.throughput import Preemptions, format_estimate
 
     if base.world_size > cluster.world_size:
         raise ConfigError(f"--world-size {base.world_size} is more than the {cluster.world_size} devices of "
                           f"{cluster.source}")
-    return format_table(base, per_node) + "\n\n" + format_estimate(base, cluster, args.mfu, args.target_tokens,
-                                                         args.usd_per_hour, cfg.train.grad_accum_steps) + elastic_advice(cfg)
+    t = cfg.train
+    preemptions = Preemptions(args.preemptions_per_hour, t.checkpoint_every, t.checkpoint_every_minutes)
+    return format_table(base, per_node) + "\n\n" + format_estimate(
+        base, cluster, args.mfu, args.target_tokens, args.usd_per_hour, t.grad_accum_steps, preemptions) \
+        + elastic_advice(cfg)
 
 
 def elastic_advice(cfg: RunConfig) -> str:
@@ -95,7 +98,8 @@ _FIELD_OF_FLAG = {"seq_len": "model.seq_len", "vocab_size": "model.vocab_size", 
                   "micro_batches": "parallel.micro_batches", "device_memory_gib": "parallel.device_memory_gib",
                   "tensor_parallel": "parallel.tensor_parallel"}
 _OWN_RANGE = {"nodes": span(1, 100_000), "target_tokens": span(0, 1e18, "a number", lo_open=True),
-              "usd_per_hour": span(0, 1e9, "a number", lo_open=True), "mfu": span(0, 1, "a fraction", lo_open=True)}
+              "usd_per_hour": span(0, 1e9, "a number", lo_open=True), "mfu": span(0, 1, "a fraction", lo_open=True),
+              "preemptions_per_hour": span(0, 100, "a number", lo_open=True)}
 
 
 def _check_flags(args: argparse.Namespace) -> None:

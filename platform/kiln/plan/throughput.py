@@ -172,8 +172,42 @@ def duration(seconds: float) -> str:
     return f"{seconds / 86400:.1f} days"
 
 
+# Seconds from a lost node to the first step after it, for an elastic run on the local two-node
+# cluster (`python -m bench.resize`, bench/results/resize.md): Ray's detection and restart, the
+# new group's set-up, the checkpoint's reshard and load, the first step. A large model adds its
+# checkpoint's download and conversion (gpt2-124m: 5-8 s more on an H100, bench/results/gpu.md).
+# Measured 89.5 s on 2 cores (2026-11-27), 67 of them Ray's until the new group started: its
+# elastic policy still counted the lost node and waited out parallel.start_timeout_s (60 s).
+RESIZE_S = 89.5
+
+
+@dataclass(frozen=True)
+class Preemptions:
+    """What spot preemptions are expected to add to a run: `kiln plan --cluster`'s last line."""
+
+    per_node_hour: float
+    """The rate a node is lost at (--preemptions-per-hour)."""
+    every_steps: int = 0
+    """train.checkpoint_every (0: not by steps)."""
+    every_minutes: float = 0.0
+    """train.checkpoint_every_minutes (0: not by time)."""
+
+    def format(self, run_s: float, step_s: float, nodes: int, usd_per_hour: float) -> str:
+        """Expected losses over the run and the time each costs: RESIZE_S, and on average half a
+        checkpoint interval of steps done again (a resume repeats the steps since its checkpoint;
+        without checkpoints, half the run)."""
+        intervals = [s for s in (self.every_steps * step_s, self.every_minutes * 60) if s > 0]
+        redo = min(intervals) / 2 if intervals else run_s / 2
+        expected = self.per_node_hour * nodes * run_s / 3600
+        added = expected * (RESIZE_S + redo)
+        return (f"  preemptions at {self.per_node_hour:g} per node-hour (--preemptions-per-hour): {expected:.2g} over "
+                f"the run, each {RESIZE_S:.0f} s to the next step (bench/results/resize.md) + {duration(redo)} of "
+                f"steps since the last checkpoint{'' if intervals else ' (none is written: back to step 0)'}: "
+                f"+{duration(added)} ({added / run_s:.1%}), ${usd_per_hour * added / 3600:,.0f}")
+
+
 def format_estimate(p: PlanInput, cluster: Cluster, mfu: float, target_tokens: float | None,
-                    usd_per_hour: float | None, grad_accum: int = 1) -> str:
+                    usd_per_hour: float | None, grad_accum: int = 1, preemptions: Preemptions | None = None) -> str:
     t = throughput(p, cluster, mfu, grad_accum)
     n = num_params(p.model, non_embedding=False)
     target = target_tokens or 20 * n
@@ -192,4 +226,6 @@ def format_estimate(p: PlanInput, cluster: Cluster, mfu: float, target_tokens: f
         f"  {target:.3g} tokens{' (20 per parameter, Chinchilla)' if not target_tokens else ''}: "
         f"{duration(seconds)}, ${price * seconds / 3600:,.0f} at ${price:,.2f}/h",
     ]
+    if preemptions is not None:
+        lines.append(preemptions.format(seconds, t.step_s, cluster.nodes, price))
     return "\n".join(lines)

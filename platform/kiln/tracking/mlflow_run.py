@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import kiln
+from kiln.clock import RESTART
 from kiln.core.sinks import NullLogger
 from kiln.data.mixture import Dataset
 from kiln.errors import KilnError
@@ -79,8 +80,10 @@ class MLflowLogger:
     def log(self, metrics: dict[str, float], step: int) -> None:
         from mlflow.entities import Metric
 
-        if step <= self._skip_through:
-            return
+        if step <= self._skip_through:  # the old group logged this step; only a restart logs RESTART's
+            metrics = {k: v for k, v in metrics.items() if k.startswith(RESTART)}
+            if not metrics:
+                return
         now = int(time.time() * 1000)
         new = [Metric(k, float(v), now, step) for k, v in metrics.items()]
         self._journaled = self._journal.append(new)  # on disk now; sent with the next batch

@@ -72,6 +72,21 @@ def test_kiln_plan_cluster_prints_throughput_time_and_cost():
     out = proc.stdout
     assert "64 x A100-40GB" in out and "tokens/s:" in out
     assert "1e+09 tokens" in out and "at $100.00/h" in out
+    assert "preemptions at 0.01 per node-hour" in out and "none is written: back to step 0" in out, out
+
+
+def test_preemptions_cost_a_resize_and_half_a_checkpoint_interval_each():
+    from kiln.plan import throughput as tp
+
+    # 10 nodes for 100 h at 0.01 a node-hour: 10 losses. Checkpoints every 600 steps of 1 s and
+    # every 5 min: the 300 s interval wins, so each loss repeats 150 s on average.
+    line = tp.Preemptions(0.01, every_steps=600, every_minutes=5).format(100 * 3600, 1.0, 10, 360.0)
+    added = 10 * (tp.RESIZE_S + 150)
+    assert f"+{tp.duration(added)} ({added / 360000:.1%}), ${360 * added / 3600:,.0f}" in line, line
+    assert "10 over the run" in line and "2.5 min of steps since the last checkpoint" in line
+    # No checkpoint: a loss starts the run again, half of it lost on average.
+    never = tp.Preemptions(0.01).format(3600.0, 1.0, 1, 1.0)
+    assert "none is written: back to step 0" in never and "30.0 min of steps" in never
 
 
 def test_tensor_parallel_divides_compute_and_adds_four_exposed_all_reduces_per_block():
