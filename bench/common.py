@@ -14,7 +14,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 RESULTS = REPO / "bench" / "results"
-TOPICS = ("throughput", "gpu", "data", "startup", "generation", "sweeps")
+TOPICS = ("throughput", "gpu", "data", "startup", "generation", "sweeps", "resize")
 
 
 def results_file(topic: str) -> str:

@@ -33,7 +33,7 @@ import threading
 import time
 from pathlib import Path
 
-from bench.common import REPO, machine, publish
+from bench.common import REPO, machine, publish, results_file
 from kiln.clock import RESTART_ENGINE, RESTART_FIRST_STEP, RESTART_LOAD, RESTART_WORKER_START
 
 log = logging.getLogger("bench.resize")
@@ -93,7 +93,7 @@ def main() -> int:
     p.add_argument("--data", default=str(REPO / "data/stdlib-bpe"))
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--start-timeout-s", type=int, default=60)
-    p.add_argument("--results", default=str(REPO / "bench/results/resize.md"))
+    p.add_argument("--results", default=results_file("resize"))
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     from mlflow.tracking import MlflowClient
