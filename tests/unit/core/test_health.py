@@ -143,7 +143,7 @@ def test_each_policy_on_a_real_run(byte_dataset, tmp_path):
     run, client = _run(tmp_path / "stop")
     assert run.info.status == "FAILED" and _health_tags(run) == ["step 6: stopped: loss is not finite on 1 of 1 rank(s)"]
     root = tmp_path / "stop" / "runs" / run.info.run_name
-    assert sorted(p.name for p in root.iterdir()) == ["step_00000004"]
+    assert sorted(p.name for p in root.iterdir()) == ["kiln-run.json", "step_00000004"]
     assert checkpoint.is_complete(str(root / "step_00000004"))
 
     (_, err), rc = out["capped"]

@@ -112,7 +112,8 @@ def test_loop_trains_without_ray(byte_dataset, tmp_path, zero_stage, ranks):
     assert run.data.params["parallel.num_workers"] == str(ranks)  # the world size torchrun gave
     root = tmp_path / "runs" / run.info.run_name
     assert (root / "step_00000030" / "latest").is_file()
-    saved = sorted(p.name for p in root.iterdir())
+    saved = sorted(p.name for p in root.iterdir() if p.name != "kiln-run.json")  # its MLflow run, for forks
+    assert json.loads((root / "kiln-run.json").read_text())["mlflow_run_id"] == run.info.run_id
     assert all(checkpoint.is_complete(str(root / name)) for name in saved), saved  # none partial
     if ranks == 1:  # every save was evaluated; the best of them and the newest survive
         val = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "loss/val")}
