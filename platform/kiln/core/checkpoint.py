@@ -81,12 +81,11 @@ def precision_record(cfg: RunConfig) -> dict:
     return {"precision": cfg.train.precision, "bf16_autocast": cfg.autocast}
 
 
-def _check_precision(directory: str, want: dict) -> None:
+def _check_precision(directory: str, had: dict | None, want: dict) -> None:
     """Refuse a resume across weight layouts (DeepSpeed would fail inside its load with a
     KeyError). fp32 and bf16 autocast share one (fp32 weights, the torch optimizer's state), so
-    an fp32 run resumes under autocast. Cards written before the record say nothing and are not
-    checked."""
-    had = (_read_marker(os.path.join(directory, CARD)) or {}).get("precision")
+    an fp32 run resumes under autocast. `had`: the checkpoint card's record; cards written before
+    the record say nothing and are not checked."""
     if had is None or _layout(had) == _layout(want):
         return
     raise ConfigError(f"train.resume_from = {directory!r} was written with {_words(had)}; this run has {_words(want)}, "
@@ -262,7 +261,7 @@ def resolve_resume(path: str, world_size: int, card: dict | None = None, allow_b
     card = card or {}
     had = _read_marker(os.path.join(directory, CARD)) or {}
     if card.get("precision") is not None:
-        _check_precision(directory, card["precision"])
+        _check_precision(directory, had.get("precision"), card["precision"])
     if had.get("optimizer") and card.get("optimizer") and had["optimizer"] != card["optimizer"]:
         raise ConfigError(f"train.resume_from = {directory!r} was written with optim.name = {had['optimizer']!r}, and "
                           f"its optimizer state is that optimizer's; this run has {card['optimizer']!r}: keep "

@@ -58,8 +58,7 @@ def stored_run(cfg: RunConfig) -> StoredRun | None:
     latest = json.loads(snapshot.read_bytes()).get("latest_checkpoint_result") or {}
     if not latest.get("checkpoint_dir_name"):
         return None  # the run died before its first checkpoint: it starts again from step 0
-    record = where.join(RECORD)
-    known = json.loads(record.read_bytes()) if record.exists() else {}
+    known = _recorded(where)
     return StoredRun(where.uri, int(latest.get("metrics", {}).get("step", 0)), latest["checkpoint_dir_name"],
                      known.get("mlflow_run_id"), known.get("tracking_uri"))
 
@@ -112,10 +111,13 @@ def lineage(cfg: RunConfig) -> dict[str, str]:
     run_dir = os.path.dirname(directory.rstrip("/"))  # a checkpoint sits in its run's directory
     tags = {"kiln.parent.checkpoint": directory, "kiln.parent.step": str(int(marker["step"])),
             "kiln.parent.run": os.path.basename(run_dir)}
-    record = os.path.join(run_dir, RECORD)
-    if os.path.exists(record):
-        with open(record) as f:
-            known = json.load(f)
-        if known.get("mlflow_run_id"):
-            tags["kiln.parent.mlflow_run_id"] = known["mlflow_run_id"]
+    parent_id = _recorded(resolve(run_dir)).get("mlflow_run_id")
+    if parent_id:
+        tags["kiln.parent.mlflow_run_id"] = parent_id
     return tags
+
+
+def _recorded(run_dir: Location) -> dict:
+    """What a run's `RECORD` holds; empty where it has none."""
+    record = run_dir.join(RECORD)
+    return json.loads(record.read_bytes()) if record.exists() else {}
