@@ -100,8 +100,19 @@ def _mask_value(m: re.Match) -> str:
 
 def _environment_secrets() -> list[str]:
     # Short values ("1", "true", "token" as RAY_AUTH_MODE) are settings, not secrets.
-    return sorted({v for k, v in os.environ.items() if SECRET_PATTERN.search(k) and len(v) >= 8},
+    return sorted({v for k, v in _environment().items() if SECRET_PATTERN.search(k) and len(v) >= 8},
                   key=len, reverse=True)
+
+
+def _environment() -> dict[str, str]:
+    """A copy of the environment, taken while other threads may change it (MLflow's telemetry
+    removes a variable of its own: iterating os.environ then raises KeyError or RuntimeError)."""
+    for _ in range(10):
+        try:
+            return dict(os.environ)
+        except (KeyError, RuntimeError):
+            continue
+    return dict(os.environ)
 
 
 def configure_logging() -> None:

@@ -15,7 +15,6 @@ import contextlib
 import dataclasses
 import logging
 import os
-import socket
 import sys
 import time
 from pathlib import Path
@@ -35,16 +34,11 @@ from kiln.launch.resume import lineage, record_run
 from kiln.launch.summary import Summary
 from kiln.parallel.ops import init_distributed
 from kiln.parallel.worker import run_worker
+from kiln.ports import free_port  # noqa: F401 (tests and benches take it from here too)
 from kiln.redact import configure_logging
 from kiln.ui.progress import sink_for
 
 log = logging.getLogger(__name__)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _world_from_env(use_gpu: bool) -> WorldInfo:

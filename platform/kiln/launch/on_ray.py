@@ -31,6 +31,7 @@ from kiln.launch.resume import (
     stored_run,
 )
 from kiln.launch.summary import Summary
+from kiln.ports import free_port
 from kiln.ray.address import check_ray_address
 from kiln.ray.console import WorkerLogRouter
 from kiln.ray.progress import BoardWatcher, ProgressBoard
@@ -194,12 +195,29 @@ def connect_ray(cfg: RunConfig, address: str | None = None, verbose: bool = True
     need = math.ceil(cfg.parallel.max_workers * cfg.parallel.cpus_per_worker) + 2
     log.info("starting an embedded local Ray (no cluster address given)")
     # The dashboard backs Ray's state API, which Ray Train's placement-group cleaner polls; it
-    # binds to loopback only.
+    # binds to loopback only. The cleaner (an actor) finds it through $RAY_API_SERVER_ADDRESS,
+    # which Ray's processes inherit from this one: without it the cleaner looks for a `ray start`
+    # cluster, finds none or a stale one, and dies, and every Train run whose controller dies
+    # with its owner (a Tune trial that PBT or ASHA stops) leaks its workers' CPUs for good.
+    port = free_port()
+    _point_state_api_at(port)
     # address="local": a new instance of its own, even where `ray start` left one running here.
     context = ray.init(address="local", num_cpus=max(os.cpu_count() or 1, need), dashboard_host="127.0.0.1",
-                       log_to_driver=True, **ray_logging)
+                       dashboard_port=port, log_to_driver=True, **ray_logging)
     log.info("embedded Ray started: %d CPUs, dashboard at http://%s", ray.cluster_resources().get("CPU", 0),
              context.dashboard_url)
+
+
+_STATE_API = "RAY_API_SERVER_ADDRESS"
+_set_by_kiln: list[str] = []  # the value an earlier embedded Ray of this process set
+
+
+def _point_state_api_at(port: int) -> None:
+    """$RAY_API_SERVER_ADDRESS names this embedded Ray's dashboard, unless its user set it."""
+    if os.environ.get(_STATE_API) not in (None, *_set_by_kiln):
+        return
+    os.environ[_STATE_API] = f"http://127.0.0.1:{port}"
+    _set_by_kiln[:] = [os.environ[_STATE_API]]
 
 
 def check_tensor_parallel_nodes(cfg: RunConfig, nodes: list[dict]) -> None:
