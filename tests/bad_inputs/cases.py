@@ -351,7 +351,13 @@ SWEEP = [
     _sweep("sweep-num-samples-zero", SWEEP_OK + "num_samples: 0\n", "sweep.num_samples"),
     _sweep("sweep-num-samples-absurd", SWEEP_OK + "num_samples: 1000000000\n", "sweep.num_samples"),
     _sweep("sweep-concurrency-zero", SWEEP_OK + "max_concurrent_trials: 0\n", "sweep.max_concurrent_trials"),
-    _sweep("sweep-pbt", SWEEP_OK + "scheduler: {name: pbt}\n", "pbt"),
+    _sweep("sweep-pbt-no-checkpoints", SWEEP_OK + "num_samples: 4\nscheduler: {name: pbt}\n", "train.checkpoint_every"),
+    _sweep("sweep-pbt-mutation-out-of-range",
+           SWEEP_OK.replace("optim.lr: {loguniform: [1e-4, 1e-2]}", "optim.beta2: {uniform: [0.9, 1.2]}")
+           + "num_samples: 4\nscheduler: {name: pbt}\n", "sweep.space.optim.beta2.uniform bound 1.2",
+           files={"base.yaml": BASE + "  checkpoint_every: 10\n"}),
+    _sweep("sweep-pbt-model-field", SWEEP_OK.replace("optim.lr: {loguniform: [1e-4, 1e-2]}", "model.n_layer: {grid: [1, 2]}")
+           + "scheduler: {name: pbt}\n", "sweep.space.model.n_layer", files={"base.yaml": BASE + "  checkpoint_every: 10\n"}),
     _sweep("sweep-grace-past-end", SWEEP_OK + "scheduler: {name: asha, grace_period: 50}\n", "grace_period"),
     _sweep("sweep-grid-with-uniform", SWEEP_OK + "search: grid\n", "grid"),
     _sweep("sweep-metric-without-eval", SWEEP_OK, "eval_every", files={"base.yaml": "train:\n  eval_every: 0\n"}),

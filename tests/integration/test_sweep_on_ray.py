@@ -5,6 +5,7 @@ and the sweep is resumed with `kiln sweep --resume`: one run per trial all the s
 runs with planted secrets in its environment, and nothing the sweep prints or writes holds one."""
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -138,3 +139,68 @@ def _trial_runs(db: str) -> list:
     if exp is None:
         return []
     return [r for r in client.search_runs([exp.experiment_id]) if "kiln.sweep.trial_id" in r.data.tags]
+
+
+PBT_STEPS = 18
+
+
+@pytest.mark.timeout(1200)  # 4 concurrent trials and their restarts, on 2 cores
+def test_pbt_exploits_by_forking_another_trials_checkpoint(byte_dataset, tmp_path):
+    """PBT on an embedded Ray (the driver starts its own, as with no cluster): 4 trials at four
+    learning rates, each deciding at its checkpoints (every 6 steps) whether to copy a better
+    trial. A copy is a fork: the trial starts again, in a new MLflow run tagged with its parent,
+    at the other trial's checkpoint step with a mutated LR from the space. The embedded Ray must
+    give back a stopped trial's worker CPUs, or the restarted trials wait for data for ever."""
+    db = f"sqlite:///{tmp_path}/mlflow.db"
+    lrs = [1e-4, 3e-4, 1e-3, 3e-3]
+    sweep = {
+        "name": "it-pbt", "base": str(REPO / "jobs/configs/debug.yaml"),
+        "overrides": {
+            "data.path": str(byte_dataset), "train.max_steps": PBT_STEPS, "train.eval_every": 6,
+            "train.checkpoint_every": 6, "train.eval_batches": 2, "train.micro_batch_size": 8,
+            "schedule.warmup_steps": 2, "logging.tracking_uri": db, "logging.experiment": "pbt-it",
+        },
+        "space": {"optim.lr": {"grid": lrs}}, "search": "grid", "scheduler": {"name": "pbt"},
+        "max_concurrent_trials": 4, "resources_per_trial": {"num_workers": 1, "cpus_per_worker": 0.5},
+        "storage_path": str(tmp_path / "sweeps"),
+    }
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump(sweep))
+    out = tmp_path / "summary.json"
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS")}
+    proc = subprocess.run([KILN, "sweep", "--config", str(path), "--summary-json", str(out)], capture_output=True,
+                          text=True, env=env, timeout=1100, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    summary = json.loads(out.read_text())
+    assert summary["exploits"] >= 1 and "PBT: " in proc.stdout, summary
+    assert all(t["status"] == "completed" and t["steps"] == PBT_STEPS for t in summary["trials"]), summary
+
+    client = MlflowClient(db)
+    exp = client.get_experiment_by_name("pbt-it")
+    runs = {r.info.run_id: r for r in client.search_runs([exp.experiment_id])}
+    parent = next(r for r in runs.values() if r.data.tags.get("kiln.role") == "sweep")
+    assert parent.data.metrics["sweep/exploits"] == summary["exploits"]
+    trial_of = {rid: r.data.tags.get("kiln.sweep.trial_id") for rid, r in runs.items()}
+    exploits = 0
+    for r in runs.values():
+        tags = r.data.tags
+        if tags.get("kiln.sweep.segment", "start") == "start":
+            continue
+        # A segment starts at its parent's checkpoint step, from the parent's MLflow run, which
+        # logged that step itself: it goes on from there, not from step 0.
+        step, donor = int(tags["kiln.parent.step"]), tags["kiln.parent.mlflow_run_id"]
+        assert 0 < step < PBT_STEPS and tags["kiln.sweep.segment"] == f"{trial_of[donor]}@{step}"
+        steps = sorted(m.step for m in client.get_metric_history(r.info.run_id, "loss/train"))
+        assert steps == list(range(step + 1, steps[-1] + 1)), (tags, steps)
+        assert step in {m.step for m in client.get_metric_history(donor, "loss/train")}
+        assert tags["kiln.parent.checkpoint"].startswith(str(tmp_path / "sweeps" / "it-pbt" / "train"))
+        assert float(r.data.params["optim.lr"]) in lrs  # a mutation stays in the space
+        if trial_of[donor] != tags["kiln.sweep.trial_id"]:
+            exploits += 1  # another trial's checkpoint (a pause restarts a trial from its own)
+    assert exploits == summary["exploits"]
+    # Each trial's earlier segments end where it went on, naming the run it went on in.
+    for r in runs.values():
+        later = [s for s in runs.values() if s.data.tags.get("kiln.sweep.trial_id") == r.data.tags.get(
+            "kiln.sweep.trial_id") and s.info.start_time > r.info.start_time]
+        if r.data.tags.get("kiln.sweep.trial_id") and later:
+            assert r.data.tags["kiln.sweep.continued_in"].split()[0] in {s.info.run_id for s in later}

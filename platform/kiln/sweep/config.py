@@ -45,14 +45,23 @@ REPORTED = ("loss/val", "loss/train", "throughput/tokens_per_s", "throughput/tok
 class SchedulerConfig:
     name: Literal["fifo", "asha", "median", "pbt"] = "asha"
     """Trial scheduler: fifo runs every trial to the end; asha (async successive halving) and
-    median (median stopping rule) stop trials that trail the others at the same step. pbt is
-    refused for now (see validate)."""
+    median (median stopping rule) stop trials that trail the others at the same step; pbt
+    (population-based training) restarts a trailing trial from a leading trial's checkpoint with
+    mutated settings (kiln.sweep.pbt)."""
     grace_period: int = 10
     """Optimizer steps every trial runs before it can be stopped (ASHA's first rung)."""
     reduction_factor: float = 2.0
     """ASHA: keep the best 1/reduction_factor of trials at each rung."""
     min_samples_required: int = 3
     """median: trials that must have reached a step before the rule compares at it."""
+    perturbation_interval: int = 0
+    """pbt: optimizer steps between a trial's exploit-or-explore decisions; 0 takes the base's
+    train.checkpoint_every (a decision needs a checkpoint to fork from, so a multiple of it)."""
+    quantile_fraction: float = 0.25
+    """pbt: the bottom fraction of trials that copy one of the top fraction (Tune's default)."""
+    resample_probability: float = 0.25
+    """pbt: chance that a mutated field is drawn afresh from its space entry rather than moved
+    (x0.8 or x1.2, or the neighbouring choice); either way it stays within the entry's bounds."""
 
 
 @dataclass
@@ -192,9 +201,7 @@ def validate(sweep: Sweep) -> None:
         raise ConfigError(f"sweep.metric = {cfg.metric!r} is not a metric trials report; expected one of "
                           f"{list(REPORTED)}")
     if cfg.scheduler.name == "pbt":
-        raise ConfigError("sweep.scheduler.name = 'pbt' is not supported yet: PBT copies one trial's checkpoint "
-                          "into another, and Ray Train V2's TuneReportCallback hands Tune metrics only, not "
-                          "checkpoints; use asha or median")
+        _check_pbt(cfg, base)
     if cfg.scheduler.reduction_factor <= 1:
         raise ConfigError(f"sweep.scheduler.reduction_factor = {cfg.scheduler.reduction_factor}: expected > 1")
     if cfg.scheduler.grace_period > base.train.max_steps:
@@ -220,6 +227,47 @@ def validate(sweep: Sweep) -> None:
             import optuna  # noqa: F401
         except ImportError:
             raise ConfigError("sweep.search = 'optuna' needs the optuna package: pip install optuna") from None
+
+
+# What a fork can change in a running trial: the optimizer's hyperparameters, the schedule and
+# clipping. Anything else (the model, the optimizer itself, the batch, the data) a checkpoint
+# cannot take, or a trial would no longer be comparable with the others at the same step.
+PBT_MUTABLE = ("optim.lr", "optim.weight_decay", "optim.beta1", "optim.beta2", "optim.eps", "optim.momentum",
+               "optim.rmsprop_alpha", "schedule.", "train.grad_clip")
+
+
+def _check_pbt(cfg: SweepConfig, base: RunConfig) -> None:
+    """PBT forks trials from their checkpoints while they train (kiln.sweep.pbt): it needs
+    checkpoints, the metric at each of them, fields a fork can change, and storage a fork reads."""
+    s, t = cfg.scheduler, base.train
+    if not t.checkpoint_every:
+        raise ConfigError("sweep.scheduler.name = 'pbt' forks trials from their checkpoints: set train.checkpoint_every "
+                          "> 0 in the base (the steps between a trial's exploit-or-explore decisions)")
+    if cfg.metric == "loss/val" and t.checkpoint_every % t.eval_every:
+        raise ConfigError(f"sweep.scheduler.name = 'pbt' compares trials at their checkpoints: train.checkpoint_every = "
+                          f"{t.checkpoint_every} must be a multiple of train.eval_every = {t.eval_every}, so that each "
+                          "checkpoint's report carries loss/val")
+    interval = s.perturbation_interval or t.checkpoint_every
+    if interval % t.checkpoint_every or interval >= t.max_steps:
+        raise ConfigError(f"sweep.scheduler.perturbation_interval = {s.perturbation_interval}: expected a multiple of "
+                          f"train.checkpoint_every = {t.checkpoint_every} below train.max_steps = {t.max_steps} (0 takes "
+                          "train.checkpoint_every)")
+    if not 0 < s.quantile_fraction <= 0.5:
+        raise ConfigError(f"sweep.scheduler.quantile_fraction = {s.quantile_fraction}: expected a number in (0, 0.5]")
+    if not 0 <= s.resample_probability <= 1:
+        raise ConfigError(f"sweep.scheduler.resample_probability = {s.resample_probability}: expected a number in "
+                          "[0, 1]")
+    if expected_trials(cfg) < 2:
+        raise ConfigError("sweep.scheduler.name = 'pbt' copies one trial into another: expected at least 2 trials "
+                          "(sweep.num_samples, times the grid)")
+    for dotted in cfg.space:
+        if not any(dotted == m or (m.endswith(".") and dotted.startswith(m)) for m in PBT_MUTABLE):
+            raise ConfigError(f"sweep.space.{dotted}: PBT changes a trial's settings while it trains, by a fork from a "
+                              f"checkpoint, which can change {', '.join(m + '*' if m.endswith('.') else m for m in PBT_MUTABLE)} "
+                              f"only; search {dotted} with asha, median or fifo")
+    if "://" in cfg.storage_path:
+        raise ConfigError(f"sweep.storage_path = {cfg.storage_path!r}: PBT forks a trial from another's checkpoint "
+                          "by path, which Kiln reads from a local or shared disk only so far; give a shared directory")
 
 
 def _typed(text: str) -> Any:
@@ -269,8 +317,9 @@ def _check_entry(sweep: Sweep, dotted: str, spec: Any) -> None:
         if not all(isinstance(v, int) for v in arg):
             raise ConfigError(f"{where}.randint = {arg!r}: expected integers [low, high), high exclusive")
         high = high - 1
-    for value in (low, high):
-        _try(sweep, {dotted: value}, f"{where}.{kind} bound {value!r}")
+    for value in (low, high):  # PBT's mutations stay within these bounds (kiln.sweep.pbt)
+        _try(sweep, {dotted: value}, f"{where}.{kind} bound {value!r}"
+             + (" (PBT mutates the field within it)" if sweep.config.scheduler.name == "pbt" else ""))
 
 
 def _field_type(dotted: str) -> Any:

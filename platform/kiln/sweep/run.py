@@ -27,6 +27,7 @@ from kiln.launch.on_ray import connect_ray, reads_that_fit
 from kiln.launch.preflight import preflight
 from kiln.redact import redact_tree, redacted_paths
 from kiln.storage import absolute, durable, write_private
+from kiln.sweep import pbt as pbt_run
 from kiln.sweep.config import STATE_FILE, Sweep, expected_trials, param_space
 from kiln.tracking.mlflow_run import Run, experiment_id
 from kiln.ui.progress import is_terminal
@@ -35,6 +36,7 @@ from kiln.ui.table import format_table
 log = logging.getLogger("kiln.sweep")
 
 TRIAL_TAG = "kiln.sweep.trial_id"
+SEGMENT_TAG = "kiln.sweep.segment"  # where a start of the trial began: "start", or "<trial>@<step>" (PBT)
 SWEEP_TAG = "kiln.sweep"
 SWEEP_SUMMARY = "sweep-summary"  # the write guard's kinds: --summary-json, and the state file
 SWEEP_STATE = "sweep-state"
@@ -44,9 +46,11 @@ def _trial(params: dict[str, Any], ctx: dict[str, Any]) -> None:
     """One trial, on a Tune trial actor: a whole Ray Train run of the drawn config."""
     import ray.tune
     from ray.tune.integration.ray_train import TuneReportCallback
+    from ray.util.queue import Queue
 
     from kiln.data.check import resolve_against_data
     from kiln.hf_checkpoint import pretrained_shape
+    from kiln.launch.resume import lineage, record_run
     from kiln.ray.trainer import build_trainer
     from kiln.tracking.mlflow_run import open_run
 
@@ -55,29 +59,48 @@ def _trial(params: dict[str, Any], ctx: dict[str, Any]) -> None:
     trial_id, trial_name = tctx.get_trial_id(), tctx.get_trial_name()
     cfg = sweep.trial_config(params)
     cfg = dataclasses.replace(cfg, logging=dataclasses.replace(cfg.logging, run_name=f"{sweep.config.name}-{trial_id}"))
+    pbt = sweep.config.scheduler.name == "pbt"
+    pointer = pbt_run.restored() if pbt else None  # PBT started this trial again: a fork
+    if pointer is not None:
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, resume_from=pointer.start_from()))
+    segment = pointer.segment if pointer is not None else pbt_run.FIRST_SEGMENT
     # Each trial is a run's driver: model.init_from's shape is read once here, for its workers.
     m = cfg.model
     pretrained = pretrained_shape(m.init_from, cfg.data.s3_endpoint, cfg.data.s3_region) if m.init_from else None
     cfg, datasets = resolve_against_data(cfg, pretrained)
     uri, parent = ctx["tracking_uri"], ctx["parent_run_id"]
-    attempt = _retire_earlier_attempts(uri, cfg.logging.experiment, parent, trial_id)
+    attempt = _retire_earlier_attempts(uri, cfg.logging.experiment, parent, trial_id, segment)
     run = open_run(cfg, datasets, uri, {"launcher": "sweep"}, parent_run_id=parent, tags={
         SWEEP_TAG: sweep.config.name, TRIAL_TAG: trial_id, "kiln.sweep.trial_name": trial_name,
-        "kiln.sweep.attempt": attempt, **{f"kiln.sweep.param.{k}": v for k, v in params.items()},
+        "kiln.sweep.attempt": attempt, SEGMENT_TAG: segment, **lineage(cfg),
+        **{f"kiln.sweep.param.{k}": v for k, v in params.items()},
     })
-    # A unique Train run name per attempt: a restarted trial starts clean.
-    train_name = f"{cfg.logging.run_name}-a{attempt}"
-    trainer = build_trainer(cfg, cfg.model.shape(pretrained), train_name, uri, run.run_id, callbacks=[TuneReportCallback()],
+    if pointer is not None:
+        pbt_run.end_earlier_segments(uri, cfg.logging.experiment, parent, trial_id, run.run_id, pointer, TRIAL_TAG)
+    # A unique Train run name per segment and attempt: a restarted trial starts clean.
+    train_name = f"{cfg.logging.run_name}-a{attempt}" + (f"-from-{segment.replace('@', '-')}" if pointer else "")
+    # beside its checkpoints, the MLflow run a PBT fork of them names as its parent
+    record_run(dataclasses.replace(cfg, logging=dataclasses.replace(cfg.logging, run_name=train_name),
+                                   train=dataclasses.replace(cfg.train, storage_path=ctx["train_storage"])),
+               run.run_id, uri)
+    inbox = Queue(maxsize=1, actor_options={"num_cpus": 0}) if pbt else None
+    callback = pbt_run.trial_reports(inbox, cfg.train.max_steps) if pbt else TuneReportCallback()
+    trainer = build_trainer(cfg, cfg.model.shape(pretrained), train_name, uri, run.run_id, callbacks=[callback],
                             storage_path=ctx["train_storage"])
     with run.finishing():
-        trainer.fit()
+        if pbt:
+            pbt_run.fit_and_report(trainer, inbox, trial_id, run.run_id)
+        else:
+            trainer.fit()
 
 
-def _retire_earlier_attempts(uri: str, experiment: str, parent: str, trial_id: str) -> int:
-    """Soft-delete the runs of earlier attempts of this trial; return this attempt's number."""
+def _retire_earlier_attempts(uri: str, experiment: str, parent: str, trial_id: str, segment: str) -> int:
+    """Soft-delete the runs of earlier attempts of this trial's segment; return this attempt's
+    number. (A PBT trial's earlier segments stay: they are its lineage.)"""
     from kiln.tracking.client import delete_runs
 
-    return delete_runs(uri, experiment, f"tags.mlflow.parentRunId = '{parent}' and tags.`{TRIAL_TAG}` = '{trial_id}'") + 1
+    return delete_runs(uri, experiment, f"tags.mlflow.parentRunId = '{parent}' and tags.`{TRIAL_TAG}` = '{trial_id}' "
+                                        f"and tags.`{SEGMENT_TAG}` = '{segment}'") + 1
 
 
 @dataclass
@@ -101,6 +124,9 @@ class SweepSummary:
     trials: list[TrialRow]
     max_steps: int
     best: TrialRow | None
+    scheduler: str = "asha"
+    exploits: int = 0
+    """PBT: the trials started again from another trial's checkpoint."""
 
     @property
     def trial_steps_run(self) -> int:
@@ -121,6 +147,8 @@ class SweepSummary:
         saved = 1 - self.trial_steps_run / max(1, self.trial_steps_full)
         out = [f"Kiln sweep '{self.name}': {len(self.trials)} trials, ranked by {self.metric} ({self.mode})",
                self.table(),
+               f"PBT: {self.exploits} exploits (a trial forked from another's checkpoint, with mutated settings)"
+               if self.scheduler == "pbt" else
                f"trial-steps run {self.trial_steps_run} of {self.trial_steps_full} "
                f"({100 * saved:.0f}% saved by early stopping)"]
         if self.best:
@@ -138,6 +166,8 @@ def _scheduler(sweep: Sweep, max_steps: int):
     from ray.tune.schedulers import ASHAScheduler, FIFOScheduler, MedianStoppingRule
 
     s = sweep.config.scheduler
+    if s.name == "pbt":
+        return pbt_run.scheduler(sweep.config, sweep.base_config.train.checkpoint_every)
     if s.name == "asha":
         # time in optimizer steps (every report carries "step"), not in reports.
         return ASHAScheduler(time_attr="step", max_t=max_steps, grace_period=s.grace_period,
@@ -329,8 +359,11 @@ def summarise(sweep: Sweep, results, parent: Run, uri: str, max_steps: int) -> S
     cfg = sweep.config
     client = connect(uri)
     exp_id = experiment_id(client, sweep.base_config.logging.experiment)
-    children = {r.data.tags.get(TRIAL_TAG): r for r in client.search_runs(
-        [exp_id], filter_string=f"tags.mlflow.parentRunId = '{parent.run_id}'")}
+    runs = client.search_runs([exp_id], filter_string=f"tags.mlflow.parentRunId = '{parent.run_id}'")
+    # a trial's newest segment holds its result (PBT starts a trial again, in a new run)
+    children = {r.data.tags.get(TRIAL_TAG): r for r in sorted(runs, key=lambda r: r.info.start_time)}
+    exploits = sum(r.data.tags.get(SEGMENT_TAG, pbt_run.FIRST_SEGMENT).split("@")[0]
+                   not in (pbt_run.FIRST_SEGMENT, r.data.tags.get(TRIAL_TAG)) for r in runs)
     rows = []
     for result in results:
         trial_id = os.path.basename(result.path).split("_")[1] if result.path else ""
@@ -376,14 +409,15 @@ def summarise(sweep: Sweep, results, parent: Run, uri: str, max_steps: int) -> S
     rows.sort(key=lambda t: (math.isnan(t.metric), sign * t.metric if not math.isnan(t.metric) else 0))
     best = rows[0] if rows and not math.isnan(rows[0].metric) else None
     return SweepSummary(cfg.name, parent.run_id, uri, sweep.base_config.logging.experiment, cfg.metric, cfg.mode,
-                        rows, max_steps, best)
+                        rows, max_steps, best, cfg.scheduler.name, exploits)
 
 
 def _close_parent(parent: Run, summary: SweepSummary, sweep: Sweep) -> None:
     best = summary.best
     metrics = {"sweep/trials": len(summary.trials), "sweep/trial_steps_run": summary.trial_steps_run,
                "sweep/trial_steps_full": summary.trial_steps_full,
-               "sweep/trials_stopped_early": sum(t.status == "stopped early" for t in summary.trials)}
+               "sweep/trials_stopped_early": sum(t.status == "stopped early" for t in summary.trials),
+               "sweep/exploits": summary.exploits}
     if best is not None:
         metrics[f"best/{summary.metric}"] = best.metric
         parent.client.set_tag(parent.run_id, "kiln.sweep.best_trial_id", best.trial_id)

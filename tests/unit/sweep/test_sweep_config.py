@@ -14,6 +14,9 @@ REPO = Path(__file__).resolve().parents[3]
 EXAMPLE = REPO / "jobs/configs/sweeps/optimizers-x-schedules.yaml"
 
 
+PBT_BASE = {"train.checkpoint_every": 10, "train.eval_every": 5}
+
+
 def _write(tmp_path, **fields) -> Path:
     doc = {"name": "t", "base": str(REPO / "jobs/configs/debug.yaml"),
            "space": {"optim.name": {"choice": ["adamw", "sgd"]}}, **fields}
@@ -66,7 +69,25 @@ def test_distributions_map_to_tune(tmp_path):
      "search 'grid' needs every space entry to be grid or choice"),
     ({"space": {}}, "sweep.space is empty"),
     ({"scheduler": {"name": "hyperband"}}, "sweep.scheduler.name = 'hyperband' is not allowed"),
-    ({"scheduler": {"name": "pbt"}}, "sweep.scheduler.name = 'pbt' is not supported yet"),
+    ({"scheduler": {"name": "pbt"}}, "sweep.scheduler.name = 'pbt' forks trials from their checkpoints: set "
+                                     "train.checkpoint_every > 0"),
+    ({"scheduler": {"name": "pbt"}, "overrides": PBT_BASE | {"train.eval_every": 4}},
+     "train.checkpoint_every = 10 must be a multiple of train.eval_every = 4"),
+    ({"scheduler": {"name": "pbt", "perturbation_interval": 15}, "overrides": PBT_BASE},
+     "sweep.scheduler.perturbation_interval = 15: expected a multiple of train.checkpoint_every = 10"),
+    ({"scheduler": {"name": "pbt", "quantile_fraction": 0.75}, "overrides": PBT_BASE}, "quantile_fraction = 0.75"),
+    ({"scheduler": {"name": "pbt"}, "overrides": PBT_BASE, "space": {"optim.lr": {"grid": [1e-3]}}},
+     "expected at least 2 trials"),
+    ({"scheduler": {"name": "pbt"}, "overrides": PBT_BASE, "space": {"model.n_layer": {"grid": [1, 2]}}},
+     "sweep.space.model.n_layer: PBT changes a trial's settings while it trains"),
+    ({"scheduler": {"name": "pbt"}, "overrides": PBT_BASE, "space": {"optim.name": {"grid": ["adam", "sgd"]}}},
+     "sweep.space.optim.name: PBT changes"),
+    # a mutation PBT could make outside the field's range: its bounds are checked like any draw
+    ({"scheduler": {"name": "pbt"}, "overrides": PBT_BASE, "num_samples": 4,
+      "space": {"optim.beta2": {"uniform": [0.9, 1.2]}}},
+     "sweep.space.optim.beta2.uniform bound 1.2 (PBT mutates the field within it): a trial would get optim.beta2"),
+    ({"scheduler": {"name": "pbt"}, "overrides": PBT_BASE, "num_samples": 4, "storage_path": "s3://b/sweeps",
+      "space": {"optim.lr": {"loguniform": [1e-4, 1e-2]}}}, "PBT forks a trial from another's checkpoint by path"),
     ({"scheduler": {"grace_period": 500}}, "grace_period = 500 exceeds train.max_steps = 200"),
     ({"num_samples": 0}, "sweep.num_samples = 0 is out of range"),
     ({"overrides": {"train.eval_every": 0}}, "sweep.metric = 'loss/val' needs train.eval_every > 0"),
@@ -95,3 +116,21 @@ def test_resume_of_an_unknown_sweep_names_what_is_there(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "kiln.cli", "sweep", "--resume", "nope", "--storage-path",
                            str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "no sweep 'nope' to resume under" in proc.stderr
+
+
+def test_pbt_mutates_the_space_and_keeps_each_value_within_its_entry(tmp_path):
+    """PBT's own explore step multiplies by 0.8 or 1.2 and never looks at a range; Kiln's
+    `Bounds` brings the value back inside the space entry, which validation checked."""
+    from kiln.sweep.pbt import Bounds, scheduler
+
+    sweep = load_sweep(_write(tmp_path, scheduler={"name": "pbt"}, overrides=PBT_BASE, num_samples=4, space={
+        "optim.lr": {"loguniform": [1e-4, 1e-2]}, "schedule.warmup_steps": {"randint": [0, 10]},
+        "optim.beta2": {"choice": [0.9, 0.95, 0.99]}}))
+    pbt = scheduler(sweep.config, sweep.base_config.train.checkpoint_every)
+    assert pbt._perturbation_interval == 10 and pbt._time_attr == "step"
+    assert pbt._hyperparam_mutations["optim.beta2"] == [0.9, 0.95, 0.99]
+    clip = Bounds(sweep.config.space)
+    assert clip({"optim.lr": 1.2e-2, "schedule.warmup_steps": 11, "optim.beta2": 0.95}) == {
+        "optim.lr": 1e-2, "schedule.warmup_steps": 9, "optim.beta2": 0.95}
+    assert clip({"optim.lr": 0.5e-4, "schedule.warmup_steps": -1}) == {"optim.lr": 1e-4, "schedule.warmup_steps": 0}
+    assert clip({"optim.lr": 3e-3}) == {"optim.lr": 3e-3}
