@@ -16,6 +16,10 @@ if os.path.isdir(os.path.join(_PLATFORM, "kiln")):
     sys.path.insert(0, _PLATFORM)
 
 from kiln.cli import main  # noqa: E402 (after the path line, so the submitted copy wins)
+from kiln.launch.preflight import AUTO, RESUME_ENV  # noqa: E402
 
 if __name__ == "__main__":
+    # A job resubmitted (by a person, a KubeRay RayJob's retry, after its driver died) resumes:
+    # train.resume_from defaults to auto here, unless the config, --set or --fork says otherwise.
+    os.environ.setdefault(RESUME_ENV, AUTO)
     sys.exit(main(["train", *sys.argv[1:]]))

@@ -320,8 +320,11 @@ class CheckpointPolicy:
     save is averaged over ranks by the caller before `wants_save` sees it.
     """
 
-    def __init__(self, t: TrainConfig, root: str | None, rank: int, world_size: int, card: dict | None = None):
+    def __init__(self, t: TrainConfig, root: str | None, rank: int, world_size: int, card: dict | None = None,
+                 copy_remote: Callable[[str, str], str] | None = None):
         self.t, self.root, self.rank, self.world_size = t, root, rank, world_size
+        # (uri, into) -> a local copy of an s3:// train.resume_from (kiln.core.remote_checkpoint)
+        self.copy_remote = copy_remote
         self.card = card  # written into each checkpoint (see `save`)
         self.last_good: str | Callable[[], str] | None = None
         """What a rollback reloads: a directory, or under Ray a function that downloads one."""
@@ -336,14 +339,20 @@ class CheckpointPolicy:
         if restored is None and not self.t.resume_from:
             return Resumed(0, 0)
         card = self.card or {}
-        resume = resolve_resume(restored() if restored is not None else self.t.resume_from, self.world_size, card,
-                                self.t.allow_batch_change)
+        copy = None  # a local copy of an s3:// train.resume_from, removed once loaded
+        source = restored() if restored is not None else self.t.resume_from
+        if restored is None and "://" in source and self.copy_remote is not None:
+            copy = guard.temp_dir(None, f"ckpt-{os.getpid()}")  # a dead worker's is removed by the next
+            source = self.copy_remote(source, str(copy))
         try:
+            resume = resolve_resume(source, self.world_size, card, self.t.allow_batch_change)
             client = engine.load(resume.directory, reshard=resume.regroup is not None and resume.regroup.reshard)
             restore_rng(resume.directory, self.rank)  # where this rank wrote one
         finally:
             if restored is not None:
                 restored.release()
+            if copy is not None:
+                guard.discard(copy)
         done = int(client["step"])
         # The data position: micro-batches this replica drew so far, the ones the health guard
         # left out included (older checkpoints lack it: steps x micro-batches).
@@ -351,7 +360,9 @@ class CheckpointPolicy:
         if self.rank == 0:
             log.info("resumed from %s at step %d (micro-batch %d of the data)", restored or resume.directory, done,
                      consumed)
-        self.last_good = restored or resume.directory
+        # a rollback before this run's first save reloads what it resumed from (not an s3:// one,
+        # whose copy is gone: the health guard then stops the run instead)
+        self.last_good = restored or (None if copy is not None else resume.directory)
         return Resumed(done, consumed, resume.regroup)
 
     def seconds_since_save(self) -> float:

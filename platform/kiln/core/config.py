@@ -77,7 +77,9 @@ class TrainConfig:
     resume_from: str = ""
     """A checkpoint to start from: a run's directory (runs/<name>: its newest complete checkpoint;
     or just <name>, a run under train.storage_path) or one checkpoint in it (Ray Train's
-    checkpoint_<time>, the local launcher's step_N). Weights, optimizer state, step, RNG states;
+    checkpoint_<time>, the local launcher's step_N), local or s3:// (kiln.core.remote_checkpoint).
+    'auto': an unnamed run is named by what it trains, so the same job resumes when submitted
+    again (jobs/pretrain.py's default; kiln.launch.preflight.with_run_name). Weights, optimizer state, step, RNG states;
     data continues after the batches already used. The optimizer's settings and the schedule are
     this config's (`kiln train --fork RUN` sets this field: a new run with new settings, tagged
     with its parent in MLflow). Written by another number of data-parallel workers, it is

@@ -12,6 +12,7 @@ the output goes).
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -39,6 +40,7 @@ from kiln.core.optim import Settings, StepGate
 from kiln.core.prefetch import DevicePrefetcher
 from kiln.core.process import WorldInfo
 from kiln.core.profiling import StepProfiler
+from kiln.core.remote_checkpoint import copy_to
 from kiln.core.resize import Regroup, sized_for, with_micro_batches
 from kiln.core.sinks import Fetch, MetricLogger, Sinks
 from kiln.core.step import PhaseTimer, StepResult, train_step
@@ -103,7 +105,9 @@ class _Training:
         self.cfg, self.world, self.engine, self.scheduler, self.source, self.sinks = (
             cfg, world, engine, scheduler, source, sinks)
         self.progress: ProgressSink = sinks.progress or LogLines(cfg.logging.progress_every)  # rank 0's view
-        self.policy = CheckpointPolicy(t, checkpoint_root, world.rank, world.world_size, model_card(cfg, mcfg))
+        self.policy = CheckpointPolicy(t, checkpoint_root, world.rank, world.world_size, model_card(cfg, mcfg),
+                                       functools.partial(copy_to, endpoint=cfg.data.s3_endpoint,
+                                                         region=cfg.data.s3_region))
         settings, loading = Settings.of(scheduler), time.time()
         resumed = self.policy.resume(engine, sinks.restored)
         if resumed.done:  # a load brings back the checkpoint's LR and hyperparameters: this config's win

@@ -93,7 +93,7 @@ def preflight(cfg: RunConfig, remote_cluster: bool = False, storage_field: str =
     problem = cfg.dims.model_problem(model.n_head, model.kv_heads, model.hidden)
     if problem:
         raise ConfigError(problem)
-    cfg = with_run_name(cfg)  # first: train.resume_from may name a run under the storage path
+    cfg = with_run_name(cfg, datasets, local_storage)  # first: train.resume_from may name a run under the storage path
     cfg = check_resume(cfg, world_size or cfg.parallel.max_workers, remote_cluster)
     check_precision(cfg)
     memory = check_resources(cfg, model, remote_cluster)
@@ -133,13 +133,45 @@ def precision_flavour(cfg: RunConfig) -> str:
     return " (autocast, fp32 weights)" if cfg.autocast else " (DeepSpeed bf16 weights)"
 
 
-def with_run_name(cfg: RunConfig) -> RunConfig:
-    """Fill in what the driver decides once for all workers: the run name and where it is stored."""
-    name = cfg.logging.run_name or f"{cfg.model.base_name}-{time.strftime('%Y%m%d-%H%M%S')}"
+AUTO = "auto"  # train.resume_from: an unnamed run is named by what it trains, so it resumes when submitted again
+RESUME_ENV = "KILN_RESUME_FROM"  # train.resume_from where the config leaves it empty (jobs/pretrain.py: auto)
+
+
+def with_run_name(cfg: RunConfig, datasets: list[Dataset] = (), local: bool = False) -> RunConfig:
+    """Fill in what the driver decides once for all workers: the run name and where it is stored.
+    A run without a `logging.run_name` is named `<model>-<time>`, a new run each time; under
+    `train.resume_from: auto`, `<model>-<digest>` of what it trains (`training_digest`), so the
+    same job submitted again finds its checkpoints and resumes (`kiln.launch.resume`)."""
+    resume = cfg.train.resume_from or os.environ.get(RESUME_ENV, "")
+    if resume == AUTO and local:
+        raise ConfigError("train.resume_from = 'auto' resumes a run submitted again on Ray (kiln train, "
+                          "jobs/pretrain.py); the local launcher does not: give a checkpoint or run directory")
+    name = cfg.logging.run_name or (f"{cfg.model.base_name}-{training_digest(cfg, datasets)}" if resume == AUTO
+                                    else f"{cfg.model.base_name}-{time.strftime('%Y%m%d-%H%M%S')}")
     storage = durable(cfg.train.storage_path or os.environ.get("KILN_STORAGE_PATH") or "runs", "train.storage_path",
                       "KILN_STORAGE_PATH")
-    return dataclasses.replace(cfg, logging=dataclasses.replace(cfg.logging, run_name=name),
-                               train=dataclasses.replace(cfg.train, storage_path=storage))
+    return dataclasses.replace(cfg, logging=dataclasses.replace(cfg.logging, run_name=name), train=dataclasses.replace(
+        cfg.train, storage_path=storage, resume_from="" if resume == AUTO else resume))
+
+
+def training_digest(cfg: RunConfig, datasets: list[Dataset]) -> str:
+    """Ten hex digits naming what a run trains: every setting of its model, data, optimizer,
+    schedule and loop, and its data by content (the manifests' fingerprints, not where the files
+    are: a job reads them from a new temporary copy each time). Not where it runs or logs
+    (`parallel.*`, `logging.*`: a resubmission on another cluster shape resumes, resharded), nor
+    where it starts or is kept (`train.resume_from`, `train.storage_path`)."""
+    import hashlib
+    import json
+
+    tree = cfg.to_dict()
+    for section in ("parallel", "logging"):
+        tree.pop(section)
+    for key in ("resume_from", "storage_path"):
+        tree["train"].pop(key)
+    # what data, not where it is or how it is read
+    tree["data"] = {k: v for k, v in tree["data"].items() if k in ("reshuffle",)}
+    tree["data"]["fingerprints"] = [(d.weight, d.manifest.fingerprint) for d in datasets]
+    return hashlib.sha256(json.dumps(tree, sort_keys=True, default=str).encode()).hexdigest()[:10]
 
 
 def check_resume(cfg: RunConfig, world_size: int, remote_cluster: bool) -> RunConfig:
@@ -147,21 +179,40 @@ def check_resume(cfg: RunConfig, world_size: int, remote_cluster: bool) -> RunCo
     is this machine's, checked now: a complete checkpoint this run's layout can continue."""
     if not cfg.train.resume_from:
         return cfg
-    path = absolute(run_named(cfg) or cfg.train.resume_from)
+    named = run_named(cfg)
+    if is_url(named or cfg.train.resume_from):
+        return _check_remote_resume(cfg, named or cfg.train.resume_from, world_size)
+    path = absolute(named or cfg.train.resume_from)
     if not remote_cluster or os.path.exists(path):  # on a cluster's shared disk it may be visible here too
         resolve_resume(path, world_size, layout_card(cfg), cfg.train.allow_batch_change)
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, resume_from=path))
 
 
+def _check_remote_resume(cfg: RunConfig, uri: str, world_size: int) -> RunConfig:
+    """An s3:// `train.resume_from`: the checkpoint it names found by its markers and checked
+    like a local one, and pinned, so every worker loads the one checked here."""
+    import tempfile
+
+    from kiln.core.remote_checkpoint import locate
+
+    d = cfg.data
+    with tempfile.TemporaryDirectory(prefix="kiln-resume-") as shadow:
+        located = locate(uri, d.s3_endpoint, d.s3_region, shadow)
+        try:
+            resolve_resume(located.shadow, world_size, layout_card(cfg), cfg.train.allow_batch_change)
+        except ConfigError as e:  # named as the user knows it, not by the local shadow
+            raise ConfigError(str(e).replace(located.shadow, located.uri)) from None
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, resume_from=located.uri))
+
+
 def run_named(cfg: RunConfig) -> str | None:
     """The directory of the run that `train.resume_from` names by its name alone (not a path
-    that exists here): `train.storage_path/<name>`; None where it is a path."""
+    that exists here): `train.storage_path/<name>`, local or s3://; None where it is a path."""
     given, storage = cfg.train.resume_from, cfg.train.storage_path
     if "/" in given or os.path.exists(given) or not RUN_NAME.fullmatch(given):
         return None
     if is_url(storage):
-        raise ConfigError(f"train.resume_from = {given!r}: a run on {storage} resumes when it is submitted again under "
-                          "its logging.run_name; train.resume_from takes a local checkpoint or run directory")
+        return f"{storage.rstrip('/')}/{given}"
     under = os.path.join(storage, given)
     if not os.path.isdir(under):
         raise ConfigError(f"train.resume_from = {given!r}: no such directory, and no run of that name under "

@@ -15,13 +15,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+import posixpath
 from dataclasses import dataclass
 
 from kiln.config import RunConfig
-from kiln.core.checkpoint import find_checkpoint
+from kiln.core.checkpoint import MARKER, find_checkpoint
 from kiln.errors import ConfigError
 from kiln.redact import scrub
-from kiln.storage import Location, resolve, write_once
+from kiln.storage import Location, is_url, resolve, write_once
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +75,8 @@ def check_resumable(cfg: RunConfig, stored: StoredRun) -> None:
         raise ConfigError(
             f"logging.run_name = {cfg.logging.run_name!r}: that run already trained to step {stored.step} "
             f"(train.max_steps = {cfg.train.max_steps}) in {stored.directory}; give a larger train.max_steps "
-            "to train it on, or another logging.run_name for a new run")
+            "to train it on, or another logging.run_name for a new run (a job's name from train.resume_from = auto "
+            "changes with its settings: set logging.run_name to this one to train it on)")
 
 
 def same_mlflow_run(stored: StoredRun | None, tracking_uri: str) -> str | None:
@@ -104,6 +106,8 @@ def lineage(cfg: RunConfig) -> dict[str, str]:
     given = cfg.train.resume_from
     if not given:
         return {}
+    if is_url(given):  # preflight pinned it to one checkpoint directory
+        return _remote_lineage(cfg, given)
     tags = {"kiln.parent.checkpoint": given}
     if not os.path.isdir(given):  # on a cluster's disk this machine does not share
         return tags
@@ -112,6 +116,20 @@ def lineage(cfg: RunConfig) -> dict[str, str]:
     tags = {"kiln.parent.checkpoint": directory, "kiln.parent.step": str(int(marker["step"])),
             "kiln.parent.run": os.path.basename(run_dir)}
     parent_id = _recorded(resolve(run_dir)).get("mlflow_run_id")
+    if parent_id:
+        tags["kiln.parent.mlflow_run_id"] = parent_id
+    return tags
+
+
+def _remote_lineage(cfg: RunConfig, checkpoint: str) -> dict[str, str]:
+    """`lineage` of a checkpoint in object storage, read from its rank 0 marker and its run's
+    `RECORD`."""
+    loc = resolve(checkpoint, cfg.data.s3_endpoint, cfg.data.s3_region)
+    marker = json.loads(loc.join(MARKER.format(rank=0)).read_bytes())
+    run_dir = resolve(posixpath.dirname(loc.uri), cfg.data.s3_endpoint, cfg.data.s3_region)
+    tags = {"kiln.parent.checkpoint": checkpoint, "kiln.parent.step": str(int(marker["step"])),
+            "kiln.parent.run": posixpath.basename(run_dir.uri)}
+    parent_id = _recorded(run_dir).get("mlflow_run_id")
     if parent_id:
         tags["kiln.parent.mlflow_run_id"] = parent_id
     return tags

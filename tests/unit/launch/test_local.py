@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -242,6 +243,61 @@ def test_a_run_resumed_from_a_checkpoint_matches_the_uninterrupted_run(byte_data
     parent_lr = {m.step: m.value for m in client.get_metric_history(by_name["uninterrupted"].info.run_id, "lr")}
     assert parent_lr[16] < 0.01  # the debug config's cosine from 3e-3: the fork's LR is its own
     assert (runs / "forked" / "step_00000020").is_dir()
+    _fork_from_s3(byte_dataset, tmp_path, common, client, exp, by_name["uninterrupted"].info.run_id)
+
+
+def _fork_from_s3(byte_dataset, tmp_path, common, client, exp, parent_id):
+    """The same fork, of the parent's run directory copied to S3 (moto_server on loopback):
+    it finds the newest complete checkpoint there by its markers, trains exactly as the local
+    fork did, names its parent by s3:// URI, and leaves no local copy behind. A bucket prefix
+    that holds no checkpoint is refused in one line."""
+    import glob
+    import tempfile
+
+    import boto3
+    import pyarrow.fs as pafs
+
+    keys = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+    port = free_port()
+    server = subprocess.Popen([str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    old = {k: os.environ.get(k) for k in keys}
+    os.environ.update(keys)
+    try:
+        endpoint = f"http://127.0.0.1:{port}"
+        for _ in range(100):
+            try:
+                boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket="kiln-fork")
+                break
+            except Exception:  # noqa: BLE001 - not up yet
+                time.sleep(0.2)
+        s3 = pafs.S3FileSystem(endpoint_override=f"127.0.0.1:{port}", scheme="http", region="us-east-1")
+        pafs.copy_files(str(tmp_path / "runs" / "uninterrupted"), "kiln-fork/runs/uninterrupted",
+                        source_filesystem=pafs.LocalFileSystem(), destination_filesystem=s3)
+        copies = set(glob.glob(os.path.join(tempfile.gettempdir(), "kiln-ckpt-*")))
+        d = _run_local(byte_dataset, tmp_path, *common, "logging.run_name=forked-s3", "train.max_steps=20",
+                       "optim.lr=0.02", "optim.weight_decay=0.0", "schedule.name=constant", f"data.s3_endpoint={endpoint}",
+                       args=["--fork", "s3://kiln-fork/runs/uninterrupted"])
+        assert d.returncode == 0, d.stderr[-3000:]
+        bad = _run_local(byte_dataset, tmp_path, f"data.s3_endpoint={endpoint}",
+                         args=["--fork", "s3://kiln-fork/runs/nothing-here"])
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+        for k, v in old.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    tags = client.search_runs([exp], "attributes.run_name = 'forked-s3'")[0].data.tags
+    assert tags["kiln.parent.checkpoint"] == "s3://kiln-fork/runs/uninterrupted/step_00000016"
+    assert (tags["kiln.parent.step"], tags["kiln.parent.run"], tags["kiln.parent.mlflow_run_id"]) == (
+        "16", "uninterrupted", parent_id)
+    losses = {name: [(m.step, m.value) for m in sorted(client.get_metric_history(
+        client.search_runs([exp], f"attributes.run_name = '{name}'")[0].info.run_id, "loss/train"),
+        key=lambda m: m.step)] for name in ("forked", "forked-s3")}
+    assert losses["forked-s3"] == losses["forked"] and len(losses["forked"]) == 4, losses
+    assert set(glob.glob(os.path.join(tempfile.gettempdir(), "kiln-ckpt-*"))) <= copies  # its copy is gone
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1] == (
+        "kiln: error: train.resume_from = 's3://kiln-fork/runs/nothing-here': no such directory in storage "
+        "(or it is empty)"), bad.stderr[-2000:]
 
 
 def test_a_compiled_run_checkpoints_and_resumes_like_an_eager_one(byte_dataset, tmp_path, checkpoint_tensors):

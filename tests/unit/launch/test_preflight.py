@@ -165,3 +165,40 @@ def test_the_checkpoint_s_shape_is_read_once_before_launch_and_handed_to_the_wor
     callers = {str(p.relative_to(REPO)) for p in worker_side for node in ast.walk(ast.parse(p.read_text()))
                if isinstance(node, ast.Name) and node.id in ("read_config", "pretrained_shape")}
     assert callers == set()
+
+
+def test_resume_from_auto_names_a_run_by_what_it_trains(byte_dataset, tmp_path, clean_env, monkeypatch):
+    """`train.resume_from: auto` (a job's default: jobs/pretrain.py) names an unnamed run by its
+    training settings and its data's content, so the same job submitted again finds its own
+    checkpoints; where it runs, how it logs and where the files are do not change the name."""
+    import shutil
+    import subprocess
+    import sys
+
+    from kiln.launch.preflight import preflight
+
+    def name(*more: str, data=byte_dataset) -> str:
+        cfg = _run_config(data, tmp_path, ["train.resume_from=auto", *more])
+        checked = preflight(cfg)
+        assert checked.cfg.train.resume_from == ""  # resumed by name, not from a path
+        return checked.cfg.logging.run_name
+
+    first = name()
+    assert first.startswith("debug-") and len(first) == len("debug-") + 10
+    copy = tmp_path / "copy-of-data"  # the same shards elsewhere, as a job's fresh working-dir copy
+    shutil.copytree(byte_dataset, copy)
+    assert name(data=copy) == first
+    assert name("parallel.num_workers=1", "logging.experiment=other", "data.read_task_cpus=0") == first
+    assert name("optim.lr=1e-4") != first and name("train.max_steps=7") != first
+    assert name("logging.run_name=mine") == "mine"
+    # A job gets auto unless its command says otherwise; `kiln train` gets a new name each time.
+    same = [f"--set={o}" for o in (f"data.path={byte_dataset}", "train.max_steps=2")]
+    job = subprocess.run([sys.executable, str(REPO / "jobs/pretrain.py"), "--dry-run", *same], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120)
+    assert job.returncode == 0 and f"  run          {first} " in job.stdout, job.stdout + job.stderr[-2000:]
+    kiln = subprocess.run([str(Path(sys.executable).parent / "kiln"), "train", "--dry-run", *same], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert kiln.returncode == 0 and "  run          debug-20" in kiln.stdout, kiln.stdout  # debug-<date>-<time>
+    # The local launcher does not resume by name: auto is refused there, in one line.
+    with pytest.raises(KilnError, match="train.resume_from = 'auto' resumes a run submitted again on Ray"):
+        preflight(_run_config(byte_dataset, tmp_path, ["train.resume_from=auto"]), local_storage=True)
