@@ -35,6 +35,7 @@ from kiln.core.config import TrainConfig
 from kiln.core.engine import Engine
 from kiln.core.resize import Regroup, Written, batch_card, regroup
 from kiln.errors import ConfigError
+from kiln.storage import is_url
 
 if TYPE_CHECKING:  # the config composes this module's sections: a type here, never an import
     from kiln.config import RunConfig
@@ -341,7 +342,7 @@ class CheckpointPolicy:
         card = self.card or {}
         copy = None  # a local copy of an s3:// train.resume_from, removed once loaded
         source = restored() if restored is not None else self.t.resume_from
-        if restored is None and "://" in source and self.copy_remote is not None:
+        if restored is None and is_url(source) and self.copy_remote is not None:
             copy = guard.temp_dir(None, f"ckpt-{os.getpid()}")  # a dead worker's is removed by the next
             source = self.copy_remote(source, str(copy))
         try:

@@ -69,7 +69,8 @@ def copy_to(uri: str, into: str, endpoint: str = "", region: str = "us-east-1") 
 
 
 def _entries(loc: Location) -> dict[str, list[str]]:
-    """{subdirectory ('' for the top): the small files in it}, one listing deep below `loc`."""
+    """{subdirectory ('' for the top): the small files directly in it}, from one listing of
+    everything below `loc` (object stores list keys, not directories)."""
     files = loc.list_files()
     found: dict[str, list[str]] = {}
     for f in files:

@@ -112,23 +112,22 @@ def lineage(cfg: RunConfig) -> dict[str, str]:
     if not os.path.isdir(given):  # on a cluster's disk this machine does not share
         return tags
     directory, marker = find_checkpoint(given)
-    run_dir = os.path.dirname(directory.rstrip("/"))  # a checkpoint sits in its run's directory
-    tags = {"kiln.parent.checkpoint": directory, "kiln.parent.step": str(int(marker["step"])),
-            "kiln.parent.run": os.path.basename(run_dir)}
-    parent_id = _recorded(resolve(run_dir)).get("mlflow_run_id")
-    if parent_id:
-        tags["kiln.parent.mlflow_run_id"] = parent_id
-    return tags
+    return _parent_tags(directory, marker, resolve(os.path.dirname(directory.rstrip("/"))))
 
 
 def _remote_lineage(cfg: RunConfig, checkpoint: str) -> dict[str, str]:
-    """`lineage` of a checkpoint in object storage, read from its rank 0 marker and its run's
-    `RECORD`."""
+    """`lineage` of a checkpoint in object storage, read from its rank 0 marker."""
     loc = resolve(checkpoint, cfg.data.s3_endpoint, cfg.data.s3_region)
     marker = json.loads(loc.join(MARKER.format(rank=0)).read_bytes())
-    run_dir = resolve(posixpath.dirname(loc.uri), cfg.data.s3_endpoint, cfg.data.s3_region)
+    return _parent_tags(checkpoint, marker, resolve(posixpath.dirname(loc.uri), cfg.data.s3_endpoint,
+                                                    cfg.data.s3_region))
+
+
+def _parent_tags(checkpoint: str, marker: dict, run_dir: Location) -> dict[str, str]:
+    """The tags of a checkpoint (a checkpoint sits in its run's directory), with the MLflow run
+    id its run's `RECORD` holds."""
     tags = {"kiln.parent.checkpoint": checkpoint, "kiln.parent.step": str(int(marker["step"])),
-            "kiln.parent.run": posixpath.basename(run_dir.uri)}
+            "kiln.parent.run": posixpath.basename(run_dir.uri.rstrip("/"))}
     parent_id = _recorded(run_dir).get("mlflow_run_id")
     if parent_id:
         tags["kiln.parent.mlflow_run_id"] = parent_id

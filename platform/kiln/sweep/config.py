@@ -30,7 +30,7 @@ from kiln import yamlfile
 from kiln.config import RunConfig
 from kiln.errors import ConfigError
 from kiln.knobs import build_section, flatten, parse_override, set_dotted, span
-from kiln.storage import absolute
+from kiln.storage import absolute, is_url
 
 STATE_FILE = "kiln-sweep.json"  # beside Tune's experiment state: what `--resume` restarts from
 
@@ -265,7 +265,7 @@ def _check_pbt(cfg: SweepConfig, base: RunConfig) -> None:
             raise ConfigError(f"sweep.space.{dotted}: PBT changes a trial's settings while it trains, by a fork from a "
                               f"checkpoint, which can change {', '.join(m + '*' if m.endswith('.') else m for m in PBT_MUTABLE)} "
                               f"only; search {dotted} with asha, median or fifo")
-    if "://" in cfg.storage_path:
+    if is_url(cfg.storage_path):
         raise ConfigError(f"sweep.storage_path = {cfg.storage_path!r}: PBT forks a trial from another's checkpoint "
                           "by path, which Kiln reads from a local or shared disk only so far; give a shared directory")
 

@@ -61,6 +61,12 @@ class Pointer:
         return run_dir
 
 
+def donor(segment: str) -> str | None:
+    """The trial whose checkpoint a segment (`Pointer.segment`) started from; None for a
+    trial's first segment."""
+    return None if segment == FIRST_SEGMENT else segment.split("@", 1)[0]
+
+
 def restored() -> Pointer | None:
     """The checkpoint Tune started this trial with (after an exploit or a pause); None at first."""
     from ray import tune

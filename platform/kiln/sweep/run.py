@@ -362,8 +362,8 @@ def summarise(sweep: Sweep, results, parent: Run, uri: str, max_steps: int) -> S
     runs = client.search_runs([exp_id], filter_string=f"tags.mlflow.parentRunId = '{parent.run_id}'")
     # a trial's newest segment holds its result (PBT starts a trial again, in a new run)
     children = {r.data.tags.get(TRIAL_TAG): r for r in sorted(runs, key=lambda r: r.info.start_time)}
-    exploits = sum(r.data.tags.get(SEGMENT_TAG, pbt_run.FIRST_SEGMENT).split("@")[0]
-                   not in (pbt_run.FIRST_SEGMENT, r.data.tags.get(TRIAL_TAG)) for r in runs)
+    exploits = sum(pbt_run.donor(r.data.tags.get(SEGMENT_TAG, pbt_run.FIRST_SEGMENT)) not in (None, r.data.tags.get(
+        TRIAL_TAG)) for r in runs)  # a trial that went on from another's checkpoint, not its own
     rows = []
     for result in results:
         trial_id = os.path.basename(result.path).split("_")[1] if result.path else ""
