@@ -17,6 +17,7 @@ import json
 import re
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -124,6 +125,8 @@ def test_an_elastic_job_grows_onto_a_new_node_and_shrinks_when_it_dies(ray_clust
         _check_services_guards(root, port, tmp_path)
         out = _submit_and_kill(SecondNode(gcs, env), dashboard, env, s3_server, s3_dataset, mlflow_url, tmp_path)
         _check(out, dashboard, s3_server, mlflow_url)
+        _check_each_row_once_an_epoch(tmp_path / "indices", s3_server)
+        _check_final_loss_against_a_fixed_run(env, s3_server, s3_dataset, mlflow_url, tmp_path)
         # the run's artifacts went through the server into the services directory
         assert list((root / "artifacts").rglob("config.yaml")) and (root / "mlflow.db").exists()
     finally:
@@ -132,6 +135,57 @@ def test_an_elastic_job_grows_onto_a_new_node_and_shrinks_when_it_dies(ray_clust
     with pytest.raises(OSError):
         urllib.request.urlopen(f"{mlflow_url}/health", timeout=2)  # nothing answers any more
     assert not (root / "services.json").exists()
+
+
+def _check_each_row_once_an_epoch(indices: Path, endpoint: str) -> None:
+    """data.index_log, each step as the group that kept it trained it: 16 rows a step on one
+    worker or two, and in every epoch each train row once (the epoch's tail that does not fill
+    a micro-batch on every replica, fewer than 8 x 2 rows, is left out)."""
+    from kiln.data.indices import trained_ids
+
+    steps = trained_ids(indices)
+    assert sorted(steps) == list(range(1, STEPS + 1)) and {len(v) for v in steps.values()} == {16}
+    s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
+                      aws_access_key_id="testing", aws_secret_access_key="testing")  # conftest's S3_ENV
+    manifest = json.loads(s3.get_object(Bucket="kiln-test", Key="stdlib-bpe/manifest.json")["Body"].read())
+    rows = {i for shard in manifest["splits"]["train"]["shards"]
+            for i in range(shard["first_id"], shard["first_id"] + shard["rows"])}
+    epochs: dict[int, list[int]] = {}
+    for step in sorted(steps):
+        for epoch, sample in steps[step]:
+            epochs.setdefault(epoch, []).append(sample)
+    assert len(epochs) >= 3, {e: len(ids) for e, ids in epochs.items()}  # the run went round the data
+    for epoch, ids in epochs.items():
+        assert len(set(ids)) == len(ids) and set(ids) <= rows, f"epoch {epoch} read a row twice, or not a train row"
+        if epoch < max(epochs):  # complete
+            assert len(rows) - 16 < len(ids), (epoch, len(ids), len(rows))
+
+
+def _check_final_loss_against_a_fixed_run(env, s3_server, s3_dataset, mlflow_url, tmp_path) -> None:
+    """The same run on one worker all along (its 2 micro-batches a step make the elastic run's
+    16 rows): on the same tokens, the elastic run ends within step-to-step noise of it."""
+    fixed = subprocess.run(
+        [sys.executable, "-m", "kiln.launch.local", "--config", "jobs/configs/debug.yaml",
+         "--set", f"data.path={s3_dataset}", "--set", f"data.s3_endpoint={s3_server}",
+         "--set", "parallel.num_workers=1", "--set", "parallel.zero_stage=2", "--set", "train.grad_accum_steps=2",
+         "--set", f"train.max_steps={STEPS}", "--set", "train.eval_every=0", "--set", "train.eval_batches=2",
+         "--set", "train.micro_batch_size=8", "--set", "schedule.warmup_steps=2",
+         "--set", f"train.storage_path={tmp_path / 'fixed'}", "--set", f"logging.tracking_uri={mlflow_url}",
+         "--set", "logging.experiment=two-nodes-fixed", "--set", "logging.run_name=fixed"],
+        env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert fixed.returncode == 0, fixed.stderr[-4000:]
+    client = MlflowClient(mlflow_url)
+
+    def losses(experiment: str) -> list[float]:
+        run = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])[0]
+        history = client.get_metric_history(run.info.run_id, "loss/train")
+        return [m.value for m in sorted(history, key=lambda m: m.step)]
+
+    elastic, alone = losses("two-nodes"), losses("two-nodes-fixed")
+    assert len(elastic) == len(alone) == STEPS
+    noise = statistics.stdev(alone[-50:])  # how much one step's loss moves about its trend
+    gap = statistics.fmean(elastic[-20:]) - statistics.fmean(alone[-20:])
+    assert abs(gap) < noise, (gap, noise)
 
 
 def _check_services_guards(root: Path, port: int, tmp_path: Path) -> None:
@@ -175,7 +229,7 @@ def _submit_and_kill(node, dashboard, env, s3_server, s3_dataset, mlflow_url, tm
            "--set", "train.micro_batch_size=8", "--set", "schedule.warmup_steps=2",
            "--set", "train.storage_path=s3://kiln-test/cluster-runs",
            "--set", f"logging.tracking_uri={mlflow_url}", "--set", "logging.experiment=two-nodes",
-           "--set", "logging.run_name=spread"]
+           "--set", "logging.run_name=spread", "--set", f"data.index_log={tmp_path / 'indices'}"]
     job = None
     try:
         with log_path.open("w") as log:

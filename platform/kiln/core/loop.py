@@ -44,6 +44,7 @@ from kiln.core.remote_checkpoint import copy_to
 from kiln.core.resize import Regroup, sized_for, with_micro_batches
 from kiln.core.sinks import Fetch, MetricLogger, Sinks
 from kiln.core.step import PhaseTimer, StepResult, train_step
+from kiln.data.indices import TRAINED, IndexLog
 from kiln.data.sources import BatchSource
 from kiln.errors import KilnError
 from kiln.guard import discard
@@ -127,7 +128,10 @@ class _Training:
         # Start reading now so the pipeline's start-up overlaps the first step; skip what the
         # resumed steps consumed.
         source.prefetch()
-        self.prefetcher = DevicePrefetcher(source.train_batches(skip=consumed), device, cfg.data.prefetch_batches)
+        self.indices = _index_log(cfg, world, dims)
+        batches = (source.train_batches(skip=consumed) if self.indices is None
+                   else self.indices.tap(source.numbered_samples(skip=consumed), consumed))
+        self.prefetcher = DevicePrefetcher(batches, device, cfg.data.prefetch_batches)
         self.batches = _Counted(self.prefetcher, consumed)
         self.tokens_per_step = cfg.tokens_per_step(dims.data_parallel_size)
         self.meter = StepMeter(cfg, mcfg, world.world_size, device, self.tokens_per_step, self.done)
@@ -164,11 +168,13 @@ class _Training:
                 result = train_step(self.engine, self.batches, self.cfg.micro_batches_per_step, self.guard,
                                     self.gate, self.timer, step)
             except BadLoss as bad:
+                self._record_indices(bad.step, "dropped")
                 step = _after_bad_loss(bad, self.guard, self.engine, self.policy.last_good, self.world.rank,
                                        self.sinks.logger)
                 continue
             if self.guard.events:
                 _record_health(self.guard, self.sinks.logger, step, self.world.rank)
+            self._record_indices(step, TRAINED if result.skipped is None else "skipped")
             if result.skipped is not None:
                 step -= 1  # the same step again, on the next micro-batches
                 continue
@@ -183,6 +189,8 @@ class _Training:
             last.update(metrics)
             ckpt = self._save_and_report(step, metrics, save)
         self.sinks.close()
+        if self.indices is not None:
+            self.indices.close()
         final = last | self.meter.summary() | {"step": t.max_steps} | self.meter.held | self.startup
         final |= startup_mark("first_step", self.meter.first_step_unix)
         if self.guard.active:
@@ -214,6 +222,10 @@ class _Training:
         self._end_step(step, result.data_wait_s)
         return metrics, save
 
+    def _record_indices(self, step: int, status: str) -> None:
+        if self.indices is not None:
+            self.indices.record(step, self.batches.count, status)
+
     def _end_step(self, step: int, data_wait_s: float) -> None:
         """Every step's own time goes to the live step-time histogram (its p99 shows stalls
         that the logged metrics steps alone would miss)."""
@@ -234,6 +246,19 @@ class _Training:
             if ckpt is not None and fetch is not None:
                 self.policy.last_good = fetch
         return ckpt
+
+
+def _index_log(cfg: RunConfig, world: WorldInfo, dims: ParallelDims) -> IndexLog | None:
+    """This replica's `data.index_log` (on its first pipeline stage and tensor-parallel rank,
+    which read what the others read), named by the group's start as rank 0 saw it."""
+    directory = cfg.data.index_log
+    if not directory:
+        return None
+    start = mean_over_ranks([time.time() if world.rank == 0 else 0.0], world.device)[0] * world.world_size
+    where = dims.coords(world.rank)
+    if where.pipeline_stage or where.tensor_parallel_rank:
+        return None
+    return IndexLog(os.path.join(cfg.local_run_dir(), directory), round(start * 1e6), where.data_parallel_rank)
 
 
 def _restart_marks(startup: dict[str, float], load_s: float) -> dict[str, float]:

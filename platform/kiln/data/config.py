@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from kiln.errors import ConfigError
 from kiln.knobs import check_ranges, knob, readable, span
+from kiln.storage import is_url
 
 MAX_MIX_WEIGHT = 1e6  # a million to one between two datasets: past any real mixture, short of a typo
 
@@ -49,11 +50,20 @@ class DataConfig:
     read_task_cpus: float = knob(0.5, *span(0, 1024, "a number"))
     """CPUs each Ray Data read task reserves. Decoding token Parquet is light next to training,
     so half a CPU; 0 lets reads run even where the training workers hold every CPU."""
+    index_log: str = ""
+    """A directory where every data-parallel replica writes, step by step, the sample ids it
+    trained on (`kiln.data.indices`: a JSON line a step, read back with `trained_ids`), to find
+    the rows behind a loss spike or check a resume. Each node writes its own replicas' files:
+    give a shared filesystem to have them all in one place. Relative: under the run's local
+    directory (beside local checkpoints). Empty: not written."""
 
     def check(self) -> None:
         """Ranges, and data.mix: each entry names a dataset and a positive weight, and metric
         names are distinct."""
         check_ranges(self, "data")
+        if is_url(self.index_log):
+            raise ConfigError(f"data.index_log = {self.index_log!r}: expected a local directory (each replica "
+                              "appends to its file every step)")
         names: list[str] = []
         for i, m in enumerate(self.mix):
             where = f"data.mix[{i}]"

@@ -48,6 +48,9 @@ class BatchSource(Protocol):
     def train_batches(self, skip: int = 0) -> Iterator[torch.Tensor]:
         """Endless: epoch after epoch, starting after the first `skip` batches (a resume)."""
 
+    def numbered_samples(self, skip: int = 0) -> Iterator[tuple[int, np.ndarray, torch.Tensor]]:
+        """The same micro-batches as `train_batches`, each with its epoch and sample ids."""
+
     def val_batches(self) -> Iterable[torch.Tensor]:
         """One pass over this rank's part of the validation split."""
 
@@ -162,12 +165,18 @@ class OrderedSource:
         except READ_ERRORS as e:  # also Ray Data's re-raise of a read task's error
             raise read_failure([d.manifest for d in self.datasets], split, e) from None
 
-    def train_samples(self, skip: int = 0) -> Iterator[Samples]:
-        """Endless (ids, tokens) micro-batches, after the first `skip`."""
+    def numbered_samples(self, skip: int = 0) -> Iterator[tuple[int, np.ndarray, torch.Tensor]]:
+        """Endless (epoch, ids, tokens) micro-batches, after the first `skip`."""
         number, first = self.resume_point(skip)
         while True:
-            yield from self.epoch("train", first, number)
+            for ids, tokens in self.epoch("train", first, number):
+                yield number, ids, tokens
             number, first = number + 1, 0
+
+    def train_samples(self, skip: int = 0) -> Iterator[Samples]:
+        """Endless (ids, tokens) micro-batches, after the first `skip`."""
+        for _, ids, tokens in self.numbered_samples(skip):
+            yield ids, tokens
 
     def train_batches(self, skip: int = 0) -> Iterator[torch.Tensor]:
         for _, tokens in self.train_samples(skip):

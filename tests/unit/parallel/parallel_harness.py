@@ -103,9 +103,13 @@ class RecordingSource:
     def __init__(self, inner):
         self.inner, self.ids = inner, []
 
-    def train_batches(self, skip: int = 0):
-        for ids, tokens in self.inner.train_samples(skip):
+    def numbered_samples(self, skip: int = 0):
+        for epoch, ids, tokens in self.inner.numbered_samples(skip):
             self.ids.append(ids.tolist())
+            yield epoch, ids, tokens
+
+    def train_batches(self, skip: int = 0):
+        for _, _, tokens in self.numbered_samples(skip):
             yield tokens
 
     def __getattr__(self, name):

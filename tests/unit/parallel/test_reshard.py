@@ -37,7 +37,12 @@ def _run(name: str, ranks: int, stage: str, *more: str, state: bool = False) -> 
 
 
 def _writer(ranks: int, stage: str) -> dict:
-    return _run(f"w{ranks}-{stage}", ranks, stage, f"train.grad_accum_steps={SEQUENCES // (MICRO * ranks)}")
+    return _run(f"w{ranks}-{stage}", ranks, stage, f"train.grad_accum_steps={SEQUENCES // (MICRO * ranks)}",
+                *_INDEXED.get(f"w{ranks}-{stage}", []))
+
+
+# data.index_log of the writer and the run that resumed its checkpoint on 3 ranks, in one directory
+_INDEXED = {name: ["data.index_log={root}/indices"] for name in ("w2-zero1", "2to3-zero1")}
 
 
 def _from(writer: str, stage: str) -> str:
@@ -51,7 +56,7 @@ def runs(byte_dataset, tmp_path_factory) -> dict:
     two = [*(_writer(2, s) for s in STAGES), *(_run(f"1to2-{s}", 2, s, _from("w1", s)) for s in STAGES),
            *(_run(f"kept2-{s}", 2, s, _from("w2", s), state=True) for s in SHARDED)]
     back = [_run(f"2to1-{s}", 1, s, _from("w2", s)) for s in STAGES]
-    three = [*(_run(f"2to3-{s}", 3, s, _from("w2", s)) for s in STAGES),
+    three = [*(_run(f"2to3-{s}", 3, s, _from("w2", s), *_INDEXED.get(f"2to3-{s}", [])) for s in STAGES),
              *(_run(f"cut3-{s}", 3, s, _from("w2", s), state=True) for s in SHARDED),
              # 3 ranks x 3 cannot make 12 a step: allowed, the run goes on with its own batch
              {"name": "2to3-changed", "set": ["train.micro_batch_size=3", f"train.max_steps={STEPS}",
@@ -112,3 +117,24 @@ def test_a_batch_that_cannot_be_kept_goes_on_changed_when_allowed(runs):
     then = _ids(resumed, STEPS - SAVED, 1)
     assert len(then) == (STEPS - SAVED) * 3 * 3 and not first & set(then)
     assert abs(resumed["loss"][0] - fixed["loss"][SAVED]) < 0.1  # the trained model, not a fresh one
+
+
+def test_the_index_log_holds_each_step_as_the_run_that_kept_it_trained_it(runs):
+    """The writer (2 ranks) trained steps 1-12 and saved at 8; the resumed run (3 ranks, a later
+    worker group) trained 9-12 again. Read back, steps 1-8 are the writer's and 9-12 the resumed
+    run's: each replica's micro-batches of the step, replica by replica, as the sources read them."""
+    from kiln.data.indices import trained_ids
+
+    results = runs["results"]
+    writer, resumed = results["w2-zero1"], results["2to3-zero1"]
+    trained = trained_ids(runs["root"] / "indices")
+    assert sorted(trained) == list(range(1, STEPS + 1))
+
+    def expected(run: dict, step: int, ranks: int) -> list[int]:  # its micro-batches of that step
+        per = SEQUENCES // (MICRO * ranks)
+        return [i for rank in run["ids"] for batch in rank[(step - 1) * per:step * per] for i in batch]
+
+    for step in range(1, STEPS + 1):
+        run, ranks, first = (writer, 2, 1) if step <= SAVED else (resumed, 3, SAVED + 1)
+        assert [i for _, i in trained[step]] == expected(run, step - first + 1, ranks), step
+    assert {e for ids in trained.values() for e, _ in ids} == {0}  # 144 of the byte dataset's rows: epoch 0
