@@ -51,7 +51,7 @@ def prose_dataset(tmp_path_factory) -> Path:
 @pytest.fixture
 def clean_env(monkeypatch, tmp_path):
     """Run with the cwd in a temp dir and no inherited MLflow/S3 settings."""
-    for var in ("MLFLOW_TRACKING_URI", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "RAY_ADDRESS"):
+    for var in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "RAY_ADDRESS"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.chdir(tmp_path)
     return tmp_path

@@ -55,12 +55,10 @@ def runs(experiment: str, tracking_uri: str = "", sort: str | None = None, limit
     """An experiment's runs, newest first or ranked by the metric `sort`: one dict a run, with
     its id, name, status, params and final metrics (the rows `kiln runs` prints)."""
     from kiln.schemas import validated
-    from kiln.tracking.runs import fetch_runs
+    from kiln.tracking.runs import fetch_runs, run_record
 
     for name, value, kind in (("experiment", experiment, str), ("tracking_uri", tracking_uri, str),
                               ("sort", sort, str | None), ("limit", limit, int), ("descending", descending, bool)):
         validated(kind, value, f"runs: {name}")
 
-    return [{"run_id": r.info.run_id, "run_name": r.info.run_name, "status": r.info.status,
-             "params": dict(r.data.params), "metrics": dict(r.data.metrics)}
-            for r in fetch_runs(experiment, tracking_uri, sort, limit, descending=descending)]
+    return [run_record(r) for r in fetch_runs(experiment, tracking_uri, sort, limit, descending=descending)]

@@ -3,12 +3,13 @@
 Every failure ends as one line (`kiln.launch.console`): a user's mistake or environment
 `kiln: error: ...`, a bug `kiln: internal error: ...`; a traceback, where there is one, goes to a
 private file named on that line. Exit codes (`kiln.errors`): 2 for a wrong command or config, 1
-for a failure while running, 130 when interrupted.
+for a failure while running, 130 after Ctrl-C and 143 after SIGTERM (128 + the signal).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -133,11 +134,11 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _runs(args: argparse.Namespace) -> int:
-    from kiln.tracking.runs import fetch_runs, runs_table
+    from kiln.tracking.runs import fetch_runs, run_record, runs_table
 
     runs = fetch_runs(args.experiment, args.tracking_uri, getattr(args, "sort", None), args.limit,
                       sweep=args.sweep, descending=getattr(args, "desc", False))
-    print(runs_table(runs))
+    print(json.dumps([run_record(r) for r in runs], indent=1) if args.json else runs_table(runs))
     return 0
 
 

@@ -206,7 +206,8 @@ def _runs_parser(sub) -> None:
     runs = sub.add_parser("runs", help="list or compare MLflow runs").add_subparsers(dest="runs_cmd", required=True)
     for name, helptext in (("list", "newest runs first"), ("compare", "runs ranked by a metric")):
         r = runs.add_parser(name, help=helptext)
-        r.add_argument("--experiment", default="kiln", help="MLflow experiment (default kiln)")
+        r.add_argument("--experiment", default="", help="MLflow experiment (default $MLFLOW_EXPERIMENT_NAME, else kiln)")
+        r.add_argument("--json", action="store_true", help="print the runs as JSON: id, name, status, params, metrics")
         r.add_argument("--tracking-uri", default="", help="default $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db")
         r.add_argument("--limit", type=int, default=50, help="at most this many runs (default 50)")
         r.add_argument("--sweep", default=None, help="only the trials of this sweep")

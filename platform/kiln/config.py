@@ -29,7 +29,7 @@ from typing import Any
 import yaml
 
 from kiln import knobs, yamlfile
-from kiln.core.config import LoggingConfig, TrainConfig
+from kiln.core.config import EXPERIMENT_ENV, LoggingConfig, TrainConfig
 from kiln.core.health import HealthConfig  # noqa: F401  (a section, importable from here)
 from kiln.core.optim import OptimConfig
 from kiln.core.profiling import ProfileConfig  # noqa: F401  (a section, importable from here)
@@ -174,7 +174,16 @@ def config_from_dict(tree: dict[str, Any], overrides: Iterable[str] = ()) -> Run
     for text in overrides:
         key, value = knobs.parse_override(text)
         knobs.set_dotted(RunConfig, tree, key, value)
+    _experiment_from_environment(tree)
     return knobs.build_section(RunConfig, tree).validate()
+
+
+def _experiment_from_environment(tree: dict[str, Any]) -> None:
+    """MLflow's own $MLFLOW_EXPERIMENT_NAME names the experiment of a config that names none."""
+    section = tree.get("logging")
+    named = isinstance(section, dict) and "experiment" in section
+    if not named and os.environ.get(EXPERIMENT_ENV) and (section is None or isinstance(section, dict)):
+        tree["logging"] = {**(section or {}), "experiment": os.environ[EXPERIMENT_ENV]}
 
 
 def annotated_yaml(cfg: RunConfig | None = None) -> str:

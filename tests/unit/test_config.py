@@ -164,3 +164,15 @@ def test_a_bare_off_is_the_word_where_the_field_takes_words():
     assert load_config(None, ["train.health.policy=off"]).train.health.policy == "off"
     with pytest.raises(ConfigError, match=r"train.precision = False is not allowed"):
         load_config(None, ["train.precision=off"])
+
+
+def test_mlflow_experiment_name_names_the_experiment_where_the_config_names_none(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "from-env")
+    assert load_config(None).logging.experiment == "from-env"
+    assert load_config(None, ["logging.run_name=x"]).logging.experiment == "from-env"
+    assert load_config(None, ["logging.experiment=given"]).logging.experiment == "given"
+    named = tmp_path / "named.yaml"
+    named.write_text("logging:\n  experiment: in-file\n")
+    assert load_config(named).logging.experiment == "in-file"
+    monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME")
+    assert load_config(None).logging.experiment == "kiln"

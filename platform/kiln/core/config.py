@@ -108,13 +108,15 @@ class TrainConfig:
         self.health.check(pipeline_stages)
 
 
+EXPERIMENT_ENV = "MLFLOW_EXPERIMENT_NAME"  # MLflow's own: the experiment where a config names none
 RUN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,199}")  # one directory name, never a path
 
 
 @dataclass
 class LoggingConfig:
     experiment: str = knob("kiln", lambda v: bool(v.strip()), "a non-empty name")
-    """MLflow experiment name."""
+    """MLflow experiment name. Not given in the config or an override: $MLFLOW_EXPERIMENT_NAME,
+    else kiln."""
     run_name: str = knob("", lambda v: v == "" or (bool(RUN_NAME.fullmatch(v)) and v.strip(".") != ""),
                          "letters, digits, '.', '_' and '-', not starting with '.' (it names the run's directory)")
     """MLflow run name, and the name of the run's directory under train.storage_path; empty:

@@ -5,8 +5,9 @@ A user mistake (KilnError) prints `kiln: error: ...` (secrets masked) and exits 
 error the user's input or environment causes that Kiln did not name itself (a file that cannot
 be read or written, bytes that are not text, YAML that does not parse, a store MLflow refuses)
 prints the same line and exits 1, with its traceback saved to a file named on that line.
-Anything else is a bug in Kiln: it says so, exits 1, and names the file holding the traceback. Ctrl-C exits 130. Nothing on the console
-or in the file escapes redaction. `kiln` and `python -m kiln.launch.local` share it.
+Anything else is a bug in Kiln: it says so, exits 1, and names the file holding the traceback.
+A signal that stops it exits 128 + its number, as a shell, Kubernetes and Slurm expect: Ctrl-C
+130, SIGTERM 143. Nothing on the console or in the file escapes redaction. `kiln` and `python -m kiln.launch.local` share it.
 """
 
 from __future__ import annotations
@@ -33,9 +34,11 @@ def run_reporting_errors(command: Callable[[], int]) -> int:
     except KilnError as e:
         print(f"kiln: error: {scrub(str(e))}", file=sys.stderr)
         return e.exit_code
-    except KeyboardInterrupt:
-        print("kiln: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        signum = e.signum if isinstance(e, Stopped) else signal.SIGINT
+        print("kiln: interrupted" + ("" if signum == signal.SIGINT else f" ({signal.Signals(signum).name})"),
+              file=sys.stderr)
+        return 128 + signum
     except Exception as e:  # noqa: BLE001 - the one place that turns any failure into a line
         where = _save_traceback()
         what = scrub(f"{type(e).__name__}: {e}".strip().splitlines()[0])
@@ -47,8 +50,17 @@ def run_reporting_errors(command: Callable[[], int]) -> int:
         return 1
 
 
+class Stopped(KeyboardInterrupt):
+    """A signal other than Ctrl-C that stops a command as Ctrl-C does (what catches
+    KeyboardInterrupt marks the run KILLED), keeping its number for the exit code."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
 def _interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt(signal.Signals(signum).name)
+    raise Stopped(signum)
 
 
 def _environment_errors() -> tuple[type[BaseException], ...]:

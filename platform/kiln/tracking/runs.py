@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+from typing import Any
+
+from kiln.core.config import EXPERIMENT_ENV, LoggingConfig
 from kiln.errors import ConfigError, KilnError
 from kiln.tracking.server import check_store, resolve_tracking_uri
 from kiln.ui.table import format_table
@@ -9,12 +13,13 @@ from kiln.ui.table import format_table
 DEFAULT_METRICS = ("loss/train", "loss/val", "throughput/tokens_per_s", "mfu")
 
 
-def fetch_runs(experiment: str, tracking_uri: str = "", sort: str | None = None, limit: int = 50,
+def fetch_runs(experiment: str = "", tracking_uri: str = "", sort: str | None = None, limit: int = 50,
                sweep: str | None = None, descending: bool = False):
-    """Runs of an experiment, newest first, or ranked by `sort`. Sweep parents (which hold no
+    """Runs of an experiment (empty: $MLFLOW_EXPERIMENT_NAME, else kiln), newest first, or ranked by `sort`. Sweep parents (which hold no
     per-step metrics) are left out of a ranking; `sweep` keeps only that sweep's trials."""
     from mlflow.tracking import MlflowClient
 
+    experiment = experiment or os.environ.get(EXPERIMENT_ENV) or LoggingConfig.experiment
     if limit < 1:
         raise ConfigError(f"--limit {limit}: expected a positive number of runs")
     for flag, text in (("--sweep", sweep), ("--sort", sort)):
@@ -38,6 +43,12 @@ def fetch_runs(experiment: str, tracking_uri: str = "", sort: str | None = None,
         sign = -1 if descending else 1
         runs = sorted(runs, key=lambda r: (sort not in r.data.metrics, sign * r.data.metrics.get(sort, 0.0)))
     return runs
+
+
+def run_record(r) -> dict[str, Any]:
+    """One run as `kiln runs --json` and `kiln.runs` give it."""
+    return {"run_id": r.info.run_id, "run_name": r.info.run_name, "status": r.info.status,
+            "params": dict(r.data.params), "metrics": dict(r.data.metrics)}
 
 
 def runs_table(runs, metrics=DEFAULT_METRICS, params=("model.flavour", "optim.name", "optim.lr", "schedule.name")) -> str:

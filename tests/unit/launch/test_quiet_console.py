@@ -3,6 +3,7 @@ DeepSpeed's output goes to the run's workers.log, which the summary names. The s
 planted secrets (in the environment, a URL and the DeepSpeed passthrough), and nothing it
 prints or writes (console, workers.log, checkpoints, the MLflow store and artifacts) holds one."""
 
+import json
 import os
 import re
 import subprocess
@@ -49,6 +50,13 @@ def test_the_demo_console_is_kilns_own_lines_ending_in_the_summary(byte_dataset,
     listed = subprocess.run([KILN, "runs", "list", "--experiment", "kiln-demo"], cwd=tmp_path, env=env,
                             capture_output=True, text=True, timeout=120)
     assert listed.returncode == 0 and "debug" in listed.stdout, listed.stderr[-2000:]
+    # The same as JSON, the experiment from MLflow's own variable.
+    as_json = subprocess.run([KILN, "runs", "list", "--json"], cwd=tmp_path, capture_output=True, text=True,
+                             env=env | {"MLFLOW_EXPERIMENT_NAME": "kiln-demo"}, timeout=120)
+    assert as_json.returncode == 0, as_json.stderr[-2000:]
+    (run,) = json.loads(as_json.stdout)
+    assert run["status"] == "FINISHED" and run["params"]["train.max_steps"] == "40", run
+    assert run["metrics"]["loss/val"] > 0 and len(run["run_id"]) == 32
     secrets = [*ENV_SECRETS.values(), DS_SECRET, TOKEN_USER]
     assert not [s for s in secrets if s in out.stdout + listed.stdout + listed.stderr]
     written = [p for p in tmp_path.rglob("*") if p.is_file()]

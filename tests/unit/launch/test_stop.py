@@ -1,5 +1,5 @@
 """A run stopped by SIGTERM (`ray job stop`, a scheduler) or Ctrl-C ends KILLED in MLflow, not
-FAILED, and the command exits 130 with one line."""
+FAILED, and the command exits 128 + the signal (143 for SIGTERM, 130 for Ctrl-C) with one line."""
 
 import signal
 import subprocess
@@ -42,6 +42,20 @@ def test_sigterm_marks_the_run_killed(byte_dataset, tmp_path):
         if proc.poll() is None:
             proc.kill()
     err = "".join(lines)
-    assert proc.returncode == 130, err[-3000:]
-    assert "kiln: interrupted" in err and "Traceback" not in err
+    assert proc.returncode == 143, err[-3000:]
+    assert "kiln: interrupted (SIGTERM)" in err and "Traceback" not in err
     assert MlflowClient(db).get_run(run.info.run_id).info.status == "KILLED"
+
+
+def test_the_exit_code_is_128_plus_the_signal_that_stopped_the_command():
+    """Ctrl-C (KeyboardInterrupt) 130, SIGTERM 143: what a shell reports for a process the
+    signal ended, and what Kubernetes and Slurm read as a termination."""
+    from kiln.launch.console import Stopped, run_reporting_errors
+
+    def raising(e):
+        def command():
+            raise e
+        return command
+
+    assert run_reporting_errors(raising(KeyboardInterrupt())) == 130
+    assert run_reporting_errors(raising(Stopped(signal.SIGTERM))) == 143
