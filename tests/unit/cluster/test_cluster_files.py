@@ -157,3 +157,16 @@ def test_a_directory_or_a_binary_is_named(tmp_path, make, needle):
     out = subprocess.run([str(Path(sys.executable).parent / "kiln"), "cluster", "check", str(path)],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "Traceback" not in out.stderr and needle in out.stderr
+
+
+def test_every_shown_job_submission_carries_the_runtime_env():
+    """`--working-dir .` alone skips jobs/runtime_env.yaml's py_modules: nodes would run the
+    `kiln` they installed, not the checkout's. Every `ray job submit` the cluster files and the
+    README show gives the runtime env instead."""
+    shown = [REPO / "README.md", *sorted((REPO / "cluster").rglob("*.yaml")), REPO / "cluster/README.md"]
+    submits = [(p.name, line) for p in shown for line in p.read_text().splitlines() if "ray job submit" in line
+               and "--address" in line]
+    assert len(submits) >= 6, submits  # the four cluster headers, README's cluster section
+    bad = [(name, line) for name, line in submits
+           if "--working-dir" in line or "--runtime-env jobs/runtime_env.yaml" not in line]
+    assert not bad, bad
