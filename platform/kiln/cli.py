@@ -178,14 +178,14 @@ def _generate(args: argparse.Namespace) -> int:
     s = Sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.repetition_penalty,
                  args.repetition_window, args.seed, not args.no_stop)
     check_sampling(s, args.batch_size)
-    check_device(args.device)
+    device = check_device(args.device)
     prompts = read_prompts(args.prompt, args.prompts)
 
     def write(text: str) -> None:
         sys.stdout.write(text)
         sys.stdout.flush()
 
-    result = run_generate(_local_model(args.model, args.tracking_uri), prompts, s, args.batch_size, args.device, write)
+    result = run_generate(_local_model(args.model, args.tracking_uri), prompts, s, args.batch_size, device, write)
     print(f"{result.new_tokens} tokens in {result.seconds:.2f} s: "
           f"{result.new_tokens / max(result.seconds, 1e-9):,.1f} tokens/s", file=sys.stderr)
     return 0

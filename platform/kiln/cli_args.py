@@ -174,7 +174,8 @@ def _generate_parser(sub) -> None:
     gen.add_argument("--seed", type=int, default=d.seed, help=f"sampling seed (default {d.seed})")
     gen.add_argument("--no-stop", action="store_true", help="do not stop at end-of-text")
     gen.add_argument("--batch-size", type=int, default=1, help="prompts decoded together (default 1: streamed)")
-    gen.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    gen.add_argument("--device", default="auto", help="torch device: auto (a GPU where there is one, else the CPU; "
+                     "the default), cpu, cuda or cuda:N")
     gen.add_argument("--tracking-uri", default="", help=_TRACKING_HELP)
 
 

@@ -122,20 +122,24 @@ def fit_to_context(s: Sampling, prompt_tokens: int, context: int) -> Sampling:
     return dataclasses.replace(s, max_new_tokens=room)
 
 
-def check_device(device: str) -> None:
-    """`--device` names a torch device this machine has, before any model is loaded."""
+def check_device(device: str) -> str:
+    """The torch device `--device` names, checked against this machine before any model is
+    loaded; `auto` is the first GPU where torch sees one, else the CPU."""
     import torch
 
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
     try:
         dev = torch.device(device)
     except (RuntimeError, ValueError):
-        raise ConfigError(f"--device {device}: not a torch device; expected cpu, cuda or cuda:N") from None
+        raise ConfigError(f"--device {device}: not a torch device; expected auto, cpu, cuda or cuda:N") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"--device {device}: this machine has no CUDA device; use --device cpu")
     if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
         raise ConfigError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     if dev.type not in ("cpu", "cuda"):
-        raise ConfigError(f"--device {device}: expected cpu, cuda or cuda:N")
+        raise ConfigError(f"--device {device}: expected auto, cpu, cuda or cuda:N")
+    return device
 
 
 def run_generate(spec: str, prompts: list[str], s: Sampling, batch_size: int, device: str,

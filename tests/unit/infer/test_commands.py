@@ -49,3 +49,14 @@ def test_export_replaces_only_its_own_earlier_export(tiny_hf, tmp_path, capsys):
 def test_a_device_this_machine_lacks_is_one_line(tiny_hf, capsys, device, needle):
     assert main(["generate", "--model", str(tiny_hf), "--prompt", "a", "--device", device]) == 2
     assert f"kiln: error: {needle}" in capsys.readouterr().err
+
+
+def test_device_auto_is_a_gpu_where_torch_sees_one_else_the_cpu(tiny_hf, capsys):
+    """The default: a machine without CUDA generates on the CPU, one with CUDA on its first GPU."""
+    import torch
+
+    from kiln.infer.commands import check_device
+
+    assert check_device("auto") == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert check_device("cpu") == "cpu"
+    assert main(["generate", "--model", str(tiny_hf), "--prompt", "a", "--max-new-tokens", "3"]) == 0
