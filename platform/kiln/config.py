@@ -175,7 +175,16 @@ def config_from_dict(tree: dict[str, Any], overrides: Iterable[str] = ()) -> Run
         key, value = knobs.parse_override(text)
         knobs.set_dotted(RunConfig, tree, key, value)
     _experiment_from_environment(tree)
+    _deepspeed_from_file(tree)
     return knobs.build_section(RunConfig, tree).validate()
+
+
+def _deepspeed_from_file(tree: dict[str, Any]) -> None:
+    """`parallel.deepspeed: ds_config.json`: the mapping that file holds (JSON is YAML)."""
+    section = tree.get("parallel")
+    if isinstance(section, dict) and isinstance(section.get("deepspeed"), str):
+        path = section["deepspeed"]
+        section["deepspeed"] = yamlfile.read_mapping(path, f"parallel.deepspeed file {path!r}")
 
 
 def _experiment_from_environment(tree: dict[str, Any]) -> None:

@@ -101,7 +101,10 @@ class ParallelConfig:
     several), so two workers on one host do not trade caches and cores; the affinity is logged.
     Applies where the worker is given whole cores (cpus_per_worker >= 1) and they exist."""
     deepspeed: dict = field(default_factory=dict)
-    """Raw DeepSpeed config merged over the generated one, for anything Kiln does not model."""
+    """Raw DeepSpeed config merged over the generated one, for anything Kiln does not model: a
+    mapping, or the path of a JSON (or YAML) file holding one. Checked before launch by
+    DeepSpeed's own parser; the keys Kiln sets from its fields (batch sizes, ZeRO stage,
+    offload, precision, clipping, the optimizer and scheduler) are refused there."""
 
     @property
     def max_workers(self) -> int:

@@ -176,3 +176,12 @@ def test_mlflow_experiment_name_names_the_experiment_where_the_config_names_none
     assert load_config(named).logging.experiment == "in-file"
     monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME")
     assert load_config(None).logging.experiment == "kiln"
+
+
+def test_the_deepspeed_passthrough_may_be_a_json_file(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "ds.json").write_text('{"zero_optimization": {"reduce_bucket_size": 5e7}, "comms_logger": {"enabled": true}}')
+    cfg = load_config(None, ["parallel.deepspeed=ds.json"])
+    assert cfg.parallel.deepspeed == {"zero_optimization": {"reduce_bucket_size": 5e7}, "comms_logger": {"enabled": True}}
+    (tmp_path / "c.yaml").write_text("parallel:\n  deepspeed: ds.json\n")
+    assert load_config(tmp_path / "c.yaml").parallel.deepspeed == cfg.parallel.deepspeed

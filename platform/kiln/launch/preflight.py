@@ -25,7 +25,7 @@ from kiln.errors import ConfigError, StorageError
 from kiln.guard import writable_ancestor
 from kiln.hf_checkpoint import check_weights, init_from_dir, pretrained_shape
 from kiln.model import GPTConfig, num_params
-from kiln.parallel.engine import check_offload_ops, check_passthrough
+from kiln.parallel.engine import check_offload_ops, check_passthrough, check_with_deepspeed
 from kiln.parallel.pipeline import check_partition
 from kiln.plan.memory import plan_input, refuse_if_too_big
 from kiln.redact import scrub
@@ -258,6 +258,7 @@ def check_resources(cfg: RunConfig, model: GPTConfig, remote_cluster: bool = Fal
     devices; returns the plan's verdict in words."""
     check_partition(model.n_layer, cfg.parallel)
     check_passthrough(cfg)
+    check_with_deepspeed(cfg)
     check_offload_ops(cfg)
     mem = device_memory(cfg, remote_cluster)
     if mem is None:

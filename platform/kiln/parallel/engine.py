@@ -141,6 +141,35 @@ def check_passthrough(cfg: RunConfig) -> None:
                               f"set {OWNED[key].split(' ')[0]} instead")
 
 
+def check_with_deepspeed(cfg: RunConfig) -> None:
+    """Before launch: DeepSpeed's own parser reads the merged config (with a passthrough only),
+    so a misspelt or out-of-range setting of one of its sections (`zero_optimization`,
+    `flops_profiler`, ...) is refused here, not on every worker. Top-level keys DeepSpeed does
+    not know it ignores, and so does this check."""
+    if not cfg.parallel.deepspeed:
+        return
+    import logging
+
+    from kiln.devices import name_deepspeed_accelerator
+    from kiln.errors import ConfigError
+
+    name_deepspeed_accelerator(cfg.parallel.use_gpu)
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    merged = deepspeed_config(cfg, cfg.data_parallel_size)
+    merged.pop("train_batch_size")  # checked against the processes DeepSpeed sees: here, one
+    ds_log = logging.getLogger("DeepSpeed")
+    level = ds_log.level
+    ds_log.setLevel(logging.WARNING)  # its INFO lines would reach the console
+    try:
+        DeepSpeedConfig(merged)
+    except (ValueError, TypeError, KeyError, AssertionError) as e:  # pydantic's ValidationError is a ValueError
+        said = " ".join(line.strip() for line in str(e).splitlines() if line.strip() and "errors.pydantic.dev" not in line)
+        raise ConfigError(f"parallel.deepspeed: DeepSpeed's config parser refuses it: {said}") from None
+    finally:
+        ds_log.setLevel(level)
+
+
 def _leaves(tree: dict, prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in tree.items():
