@@ -52,8 +52,18 @@ def startup_mark(name: str, when: float | None = None) -> dict[str, float]:
     return {f"{STARTUP}{name}_unix": time.time() if when is None else when}
 
 
-def startup_breakdown(metrics: dict[str, float]) -> list[tuple[str, float]]:
-    """[(what the time went on, seconds)] between consecutive marks present in `metrics`."""
+def _spans(metrics: dict[str, float]) -> list[tuple[str, str, float]]:
+    """[(mark, what the time up to it went on, seconds)] between consecutive marks in `metrics`."""
     present = [(name, what, metrics[f"{STARTUP}{name}_unix"]) for name, what in MARKS
                if f"{STARTUP}{name}_unix" in metrics]
-    return [(what, max(0.0, t - before)) for (_, _, before), (_, what, t) in zip(present, present[1:])]
+    return [(name, what, max(0.0, t - before)) for (_, _, before), (name, what, t) in zip(present, present[1:])]
+
+
+def startup_breakdown(metrics: dict[str, float]) -> list[tuple[str, float]]:
+    """[(what the time went on, seconds)] between consecutive marks present in `metrics`."""
+    return [(what, s) for _, what, s in _spans(metrics)]
+
+
+def startup_seconds(metrics: dict[str, float]) -> dict[str, float]:
+    """The same spans as metrics, `time/startup/<mark>_s`: the seconds up to each mark."""
+    return {f"{STARTUP}{name}_s": s for name, _, s in _spans(metrics)}

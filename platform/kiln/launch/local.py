@@ -120,10 +120,13 @@ def run_local(cfg: RunConfig, started: float | None = None) -> Summary | None:
         progress = sink_for(sys.stderr, cfg.logging.progress_every)
         final = run_worker(cfg, checked.model, world, source, Sinks(logger=logger, progress=progress), ckpt_root,
                            marks)
-    if world.rank != 0:
-        return None
-    checkpoint = f"{ckpt_root}/step_{final['step']:08d}"
-    return Summary.of_run(cfg, manifest, final, run.run_id if run else "-", tracking_uri, started, checkpoint)
+        if world.rank != 0:
+            return None
+        checkpoint = f"{ckpt_root}/step_{final['step']:08d}"
+        summary = Summary.of_run(cfg, manifest, final, run.run_id if run else "-", tracking_uri, started, checkpoint)
+        if run is not None:
+            summary.record(run)
+    return summary
 
 
 def main(argv: list[str] | None = None) -> int:

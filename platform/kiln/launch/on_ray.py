@@ -85,8 +85,10 @@ def train(cfg: RunConfig, address: str | None = None, started: float | None = No
             result = _fit(trainer, cfg.logging.run_name, worker_log)
         checkpoint = _checkpoint_uri(cfg, result.checkpoint)
         model = _log_model(cfg, run, checkpoint, result.metrics)
-    summary = Summary.of_run(cfg, manifest, marks | result.metrics, run.run_id, tracking_uri, started, checkpoint)
-    return dataclasses.replace(summary, worker_log=worker_log, model=model)
+        summary = Summary.of_run(cfg, manifest, marks | result.metrics, run.run_id, tracking_uri, started, checkpoint)
+        summary = dataclasses.replace(summary, worker_log=worker_log, model=model)
+        summary.record(run)
+    return summary
 
 
 def _checkpoint_uri(cfg: RunConfig, checkpoint) -> str | None:

@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
+import os
 from dataclasses import dataclass
 
-from kiln.clock import startup_breakdown
+from kiln.clock import startup_breakdown, startup_seconds
 from kiln.config import RunConfig
 from kiln.core.meter import WORKERS
 from kiln.data.manifest import Manifest
 from kiln.guard import marked_json
 from kiln.tracking.server import ui_command
+
+log = logging.getLogger(__name__)
 
 RUN_SUMMARY = "run-summary"  # the write guard's kind for --summary-json
 
@@ -42,6 +46,27 @@ class Summary:
             seconds_to_first_step=final["time/first_step_unix"] - started,
             checkpoint=checkpoint, num_workers=int(final.get(WORKERS, cfg.parallel.max_workers)),  # an elastic run's last
         )
+
+    def scalars(self) -> dict[str, float]:
+        """What the summary adds to the run's own metrics, for MLflow: the seconds to the first
+        step and each start-up span, and the data's unigram entropy (the loss to beat)."""
+        return {"time/first_step_s": self.seconds_to_first_step,
+                "data/unigram_entropy_bits": self.unigram_entropy_bits, **startup_seconds(self.metrics)}
+
+    def record(self, run) -> None:
+        """The summary in the run's MLflow record (`run`: kiln.tracking's Run): its scalars at
+        the last step, its text as `summary.txt`, and Ray's and DeepSpeed's output as
+        `logs/workers.log` (redacted as it was written). MLflow failing here costs the record,
+        not the run, which has completed."""
+        from kiln.tracking.client import errors
+
+        try:
+            run.log_metrics(self.scalars(), step=int(self.metrics.get("step", 0)))
+            run.log_text(self.render() + "\n", "summary.txt")
+            if self.worker_log and os.path.isfile(self.worker_log):
+                run.log_file(self.worker_log, "logs")
+        except (OSError, *errors()) as e:
+            log.warning("the run's summary did not reach MLflow: %s", str(e).splitlines()[0] if str(e) else type(e).__name__)
 
     def to_json(self) -> str:
         return marked_json(RUN_SUMMARY, dataclasses.asdict(self))

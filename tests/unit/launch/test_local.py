@@ -103,6 +103,9 @@ def test_loop_trains_without_ray(byte_dataset, tmp_path, zero_stage, ranks):
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.5, losses
     assert run.data.params["parallel.zero_stage"] == str(zero_stage)
     assert run.data.tags["kiln.launcher"] == "local"
+    # The summary's figures and text are in the run too (no workers.log without Ray).
+    assert run.data.metrics["time/first_step_s"] > 0 and run.data.metrics["data/unigram_entropy_bits"] > 0
+    assert [f.path for f in client.list_artifacts(run.info.run_id) if f.path == "summary.txt"] == ["summary.txt"]
     # MLflow's own run metadata: who, from what, which commit; the dataset as a dataset input.
     assert run.data.tags["mlflow.user"] and run.data.tags["mlflow.source.type"] == "LOCAL"
     assert len(run.data.tags["mlflow.source.git.commit"]) == 40

@@ -57,6 +57,13 @@ def test_the_demo_console_is_kilns_own_lines_ending_in_the_summary(byte_dataset,
     (run,) = json.loads(as_json.stdout)
     assert run["status"] == "FINISHED" and run["params"]["train.max_steps"] == "40", run
     assert run["metrics"]["loss/val"] > 0 and len(run["run_id"]) == 32
+    # The summary's own figures are in MLflow too, its text and the worker log as artifacts.
+    said = run["metrics"]
+    assert 0 < said["time/first_step_s"] < 600 and said["data/unigram_entropy_bits"] > 0, said
+    assert said["time/startup/first_step_s"] > 0 and said["time/startup/preflight_s"] > 0, said
+    artifacts = {p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file()}
+    assert [a for a in artifacts if a.endswith("/artifacts/summary.txt")], sorted(artifacts)
+    assert [a for a in artifacts if a.endswith("/artifacts/logs/workers.log")], sorted(artifacts)
     secrets = [*ENV_SECRETS.values(), DS_SECRET, TOKEN_USER]
     assert not [s for s in secrets if s in out.stdout + listed.stdout + listed.stderr]
     written = [p for p in tmp_path.rglob("*") if p.is_file()]
