@@ -9,9 +9,11 @@ for a failure while running, 130 after Ctrl-C and 143 after SIGTERM (128 + the s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 from kiln.cli_args import build_parser
@@ -46,15 +48,19 @@ def _tracking_uri(given: str) -> str:
     return uri
 
 
-def _local_model(spec: str, tracking_uri: str) -> str:
-    """A models:/ or runs:/ URI downloaded from MLflow; any other spec as it is."""
+@contextlib.contextmanager
+def _local_model(spec: str, tracking_uri: str) -> Iterator[str]:
+    """A models:/ or runs:/ URI downloaded from MLflow for the block (then removed); any other
+    spec as it is."""
     from kiln.storage import is_mlflow_model
 
     if not is_mlflow_model(spec):
-        return spec
-    from kiln.tracking.model import download
+        yield spec
+        return
+    from kiln.tracking.model import downloaded
 
-    return download(spec, _tracking_uri(tracking_uri))
+    with downloaded(spec, _tracking_uri(tracking_uri)) as local:
+        yield local
 
 
 def run(args: argparse.Namespace) -> int:
@@ -164,7 +170,8 @@ def _export(args: argparse.Namespace) -> int:
     from kiln.infer.commands import export
     from kiln.model import num_params
 
-    loaded, files = export(_local_model(args.model, args.tracking_uri), args.output, args.overwrite, args.s3_endpoint)
+    with _local_model(args.model, args.tracking_uri) as local:
+        loaded, files = export(local, args.output, args.overwrite, args.s3_endpoint)
     arch = {"gpt": "GPT-2", "llama": "Llama"}[loaded.cfg.arch]
     print(f"exported {loaded.source} -> {args.output}: {arch} architecture, {num_params(loaded.cfg):,} "
           f"non-embedding params, vocab {loaded.vocab_size}, {len(files)} files")
@@ -185,7 +192,8 @@ def _generate(args: argparse.Namespace) -> int:
         sys.stdout.write(text)
         sys.stdout.flush()
 
-    result = run_generate(_local_model(args.model, args.tracking_uri), prompts, s, args.batch_size, device, write)
+    with _local_model(args.model, args.tracking_uri) as local:
+        result = run_generate(local, prompts, s, args.batch_size, device, write)
     print(f"{result.new_tokens} tokens in {result.seconds:.2f} s: "
           f"{result.new_tokens / max(result.seconds, 1e-9):,.1f} tokens/s", file=sys.stderr)
     return 0

@@ -123,13 +123,38 @@ def _the_run_logged_and_registered_its_model(client, summary, stage, loaded, our
     assert text == loaded.tokenizer.decode(expected)
     if stage == 2:
         assert _served_over_http(summary.model, prompt, tmp_path) == text
-        from kiln.tracking.model import evaluate_model
+        _by_alias_leaving_no_copy(client, summary, pretrained_data, prompt, text, tmp_path)
 
+
+def _by_alias_leaving_no_copy(client, summary, pretrained_data, prompt, text, tmp_path) -> None:
+    """`kiln eval` logs to the model's run, `models:/NAME@ALIAS` resolves, and neither command
+    leaves its download of the model in the temp directory."""
+    import contextlib
+    import io
+    import tempfile
+
+    from kiln.cli import main
+    from kiln.tracking.model import evaluate_model
+
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    before, tempfile.tempdir = tempfile.tempdir, str(scratch)
+    try:
         result, logged_to = evaluate_model(summary.model, str(pretrained_data), "val", 8, 0, "",
                                            client.tracking_uri, "")
-        assert logged_to == summary.run_id and 0 < result.bits_per_byte < 20
-        logged = client.get_run(summary.run_id).data.metrics
-        assert logged["eval/val/bits_per_byte"] == pytest.approx(result.bits_per_byte)
+        client.set_registered_model_alias("tiny-llama-2", "champion", "1")
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            assert main(["generate", "--model", "models:/tiny-llama-2@champion", "--prompt", prompt, "--temperature",
+                         "0", "--max-new-tokens", "12", "--tracking-uri", client.tracking_uri]) == 0
+    finally:
+        tempfile.tempdir = before
+    assert text in printed.getvalue(), printed.getvalue()
+    assert list(scratch.iterdir()) == []
+    assert logged_to == summary.run_id and 0 < result.bits_per_byte < 20
+    logged = client.get_run(summary.run_id).data.metrics
+    assert logged["eval/val/bits_per_byte"] == pytest.approx(result.bits_per_byte)
+    assert logged["eval/val/tokens"] == result.tokens > 0
 
 
 def _served_over_http(model_uri: str, prompt: str, tmp: Path) -> str:

@@ -204,3 +204,29 @@ def test_eval_reports_the_loss_and_bits_per_byte_transformers_gives(checkpoint, 
     text_bytes = int(token_bytes(tok)[rows[:, 1:].numpy()].sum())
     assert abs(loss - nats / rows[:, 1:].numel()) <= 1e-4
     assert abs(bpb - nats / math.log(2) / text_bytes) <= 1e-4
+
+
+def test_eval_scores_every_row_of_the_split_the_last_partial_batch_included(checkpoint, corpus, tmp_path, capsys):
+    """Over the whole val split, in batches of 7 that do not divide it: transformers' loss over
+    every row (read straight from the shards), and every target token counted."""
+    import pyarrow.parquet as pq
+
+    from kiln.data.manifest import load_manifest
+    from kiln.data.prepare import PrepareConfig, prepare
+    from kiln.storage import resolve
+
+    d, model = checkpoint
+    data = tmp_path / "data"
+    prepare(PrepareConfig(inputs=corpus[:1], output=str(data), tokenizer=str(d), seq_len=32))
+    manifest = load_manifest(resolve(str(data)))
+    rows = torch.tensor([r for loc in manifest.shard_locations("val")
+                         for r in pq.read_table(loc.uri, columns=["tokens"]).column("tokens").to_pylist()])
+    assert len(rows) % 7, len(rows)  # a partial last batch
+    assert main(["eval", "--model", str(d), "--data", str(data), "--batch-size", "7"]) == 0
+    out = capsys.readouterr().out
+    loss, tokens = float(out.split("loss ")[1].split()[0]), int(out.split(" over ")[1].split()[0].replace(",", ""))
+    with torch.no_grad():
+        logits = model(rows[:, :-1]).logits
+    expected = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), rows[:, 1:].reshape(-1)).item()
+    assert tokens == rows[:, 1:].numel()
+    assert abs(loss - expected) <= 1e-4

@@ -8,6 +8,7 @@ by the UTF-8 bytes those target tokens stand for. Models with different tokenize
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -33,12 +34,27 @@ class EvalResult:
     bits_per_byte: float
 
     def metrics(self) -> dict[str, float]:
-        return {f"eval/{self.split}/loss": self.loss, f"eval/{self.split}/bits_per_byte": self.bits_per_byte}
+        return {f"eval/{self.split}/loss": self.loss, f"eval/{self.split}/bits_per_byte": self.bits_per_byte,
+                f"eval/{self.split}/tokens": float(self.tokens)}
+
+
+def _batches(manifest: Manifest, split: str, batch_size: int) -> Iterator[torch.Tensor]:
+    """Every row of `split` in manifest order, `batch_size` at a time, the last batch partial
+    (a training source leaves out a tail that does not fill a micro-batch; scoring may not)."""
+    held: list[torch.Tensor] = []
+    for _, row in ParquetSource(manifest, 0, 1, 1).epoch(split):
+        held.append(row)
+        if len(held) == batch_size:
+            yield torch.cat(held)
+            held = []
+    if held:
+        yield torch.cat(held)
 
 
 def evaluate(loaded: LoadedModel, manifest: Manifest, split: str = "val", batch_size: int = 8,
              max_batches: int = 0, device: str = "cpu") -> EvalResult:
-    """Score every row of `split` (or the first `max_batches` batches) with `loaded`'s model."""
+    """Score every row of `split`, the last partial batch included (or the first `max_batches`
+    batches), with `loaded`'s model."""
     if manifest.tokenizer().vocab() != loaded.tokenizer.vocab():
         raise ConfigError(f"--data {manifest.location.uri}: tokenized with another tokenizer than the model's; "
                           "prepare it with the model's (kiln data prepare --tokenizer <its export>)")
@@ -48,7 +64,7 @@ def evaluate(loaded: LoadedModel, manifest: Manifest, split: str = "val", batch_
     model = loaded.build(device)
     per_token = torch.from_numpy(token_bytes(loaded.tokenizer))
     nats, tokens, nbytes = 0.0, 0, 0
-    for i, (_, rows) in enumerate(ParquetSource(manifest, 0, 1, batch_size).epoch(split)):
+    for i, rows in enumerate(_batches(manifest, split, batch_size)):
         if max_batches and i >= max_batches:
             break
         inputs, targets = inputs_and_targets(rows.long())  # instruction data: responses only
@@ -61,5 +77,5 @@ def evaluate(loaded: LoadedModel, manifest: Manifest, split: str = "val", batch_
         tokens += int(scored.sum())
         nbytes += int(per_token[targets[scored]].sum())
     if tokens == 0:
-        raise ConfigError(f"--data {manifest.location.uri}: its {split} split has no full batch of {batch_size} rows")
+        raise ConfigError(f"--data {manifest.location.uri}: its {split} split has no token to score")
     return EvalResult(split, tokens, nbytes, nats / tokens, nats / math.log(2) / max(nbytes, 1))

@@ -16,12 +16,14 @@ import os
 import tempfile
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import mlflow
 
 from kiln.errors import ConfigError
+from kiln.guard import discard, temp_dir
 from kiln.infer.generate import Sampling
 
 if TYPE_CHECKING:
@@ -135,26 +137,31 @@ def log_model(client, run_id: str, checkpoint: str, metrics: dict[str, float], s
     return model.model_id, version
 
 
-def download(uri: str, tracking_uri: str) -> str:
-    """The Hugging Face export inside an MLflow model (`models:/NAME/VERSION`, `models:/MODEL_ID`,
-    `runs:/RUN_ID/PATH`), downloaded; its local directory. Resolved through a client of
-    `tracking_uri`: MLflow's own models:/ resolution reads the process-wide registry URI."""
+@contextlib.contextmanager
+def downloaded(uri: str, tracking_uri: str) -> Iterator[str]:
+    """The Hugging Face export inside an MLflow model (`models:/NAME/VERSION`, `models:/NAME@ALIAS`,
+    `models:/MODEL_ID`, `runs:/RUN_ID/PATH`), downloaded into a temp directory that is removed
+    when the block ends: its local directory. Resolved through a client of `tracking_uri`:
+    MLflow's own models:/ resolution reads the process-wide registry URI."""
     from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
 
     client = MlflowClient(tracking_uri)
+    into = temp_dir(None, "model")
     try:
-        if uri.startswith("models:/"):
-            uri = _registered(client, uri)[0]
-        with _quiet():
-            local = mlflow.artifacts.download_artifacts(artifact_uri=uri, tracking_uri=tracking_uri,
-                                                        dst_path=tempfile.mkdtemp(prefix="kiln-model-"))
-    except MlflowException as e:
-        raise ConfigError(f"--model {uri}: not found in the MLflow store {tracking_uri} ({e.message})") from None
-    found = sorted(Path(local).rglob("config.json"))
-    if not found:
-        raise ConfigError(f"--model {uri}: not a Kiln model (it holds no Hugging Face export)")
-    return str(found[0].parent)
+        try:
+            location = _registered(client, uri)[0] if uri.startswith("models:/") else uri
+            with _quiet():
+                local = mlflow.artifacts.download_artifacts(artifact_uri=location, tracking_uri=tracking_uri,
+                                                            dst_path=str(into))
+        except MlflowException as e:
+            raise ConfigError(f"--model {uri}: not found in the MLflow store {tracking_uri} ({e.message})") from None
+        found = sorted(Path(local).rglob("config.json"))
+        if not found:
+            raise ConfigError(f"--model {uri}: not a Kiln model (it holds no Hugging Face export)")
+        yield str(found[0].parent)
+    finally:
+        discard(into)
 
 
 def source_run_of(uri: str, tracking_uri: str) -> str | None:
@@ -169,6 +176,9 @@ def source_run_of(uri: str, tracking_uri: str) -> str | None:
 def _registered(client, uri: str) -> tuple[str, str | None]:
     """A models:/NAME/VERSION or models:/MODEL_ID URI's (artifact location, source run id)."""
     parts = uri[len("models:/"):].strip("/").split("/")
+    if len(parts) == 1 and "@" in parts[0]:  # models:/NAME@ALIAS
+        name, alias = parts[0].split("@", 1)
+        parts = [name, client.get_model_version_by_alias(name, alias).version]
     if len(parts) == 2:
         version = client.get_model_version(parts[0], parts[1])
         location = client.get_logged_model(version.model_id).artifact_location if version.model_id else version.source
@@ -188,11 +198,12 @@ def evaluate_model(spec: str, data: str, split: str, batch_size: int, max_batche
     from kiln.storage import is_mlflow_model, resolve
     from kiln.tracking.client import log_metrics
 
-    uri, local, source_run = tracking_uri, spec, run_id
-    if is_mlflow_model(spec):
-        local, source_run = download(spec, uri), run_id or source_run_of(spec, uri)
+    uri, source_run = tracking_uri, run_id
     manifest = load_manifest(resolve(data, s3_endpoint))
-    result = evaluate(load_model(local), manifest, split, batch_size, max_batches)
+    with downloaded(spec, uri) if is_mlflow_model(spec) else contextlib.nullcontext(spec) as local:
+        if is_mlflow_model(spec):
+            source_run = run_id or source_run_of(spec, uri)
+        result = evaluate(load_model(local), manifest, split, batch_size, max_batches)
     if source_run:
         log_metrics(uri, source_run, result.metrics())
     return result, source_run or None
