@@ -167,11 +167,13 @@ def _sweep(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
+    from kiln.hf_checkpoint import shard_size
     from kiln.infer.commands import export
     from kiln.model import num_params
 
+    max_shard = shard_size(args.max_shard_size)
     with _local_model(args.model, args.tracking_uri) as local:
-        loaded, files = export(local, args.output, args.overwrite, args.s3_endpoint)
+        loaded, files = export(local, args.output, args.overwrite, args.s3_endpoint, args.dtype, max_shard)
     arch = {"gpt": "GPT-2", "llama": "Llama"}[loaded.cfg.arch]
     print(f"exported {loaded.source} -> {args.output}: {arch} architecture, {num_params(loaded.cfg):,} "
           f"non-embedding params, vocab {loaded.vocab_size}, {len(files)} files")

@@ -146,12 +146,18 @@ def _sweep_parser(sub) -> None:
 def _export_parser(sub) -> None:
     exp = sub.add_parser("export", help="write a trained model as a Hugging Face directory (safetensors)",
                          description="Consolidate a checkpoint's ZeRO or pipeline shards into one Hugging Face "
-                                     "directory (GPT-2 or Llama architecture): config, model.safetensors, "
+                                     "directory (GPT-2 or Llama architecture): config, model.safetensors (or its shards), "
                                      "tokenizer, generation config.")
     exp.add_argument("model", help=_MODEL_HELP)
     exp.add_argument("--output", required=True, help="directory to create, or s3://bucket/prefix")
     exp.add_argument("--s3-endpoint", default="", help="S3-compatible endpoint URL (default $AWS_ENDPOINT_URL)")
     exp.add_argument("--overwrite", action="store_true", help="replace an earlier export at --output")
+    exp.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
+                     help="the weights' precision (default fp32: the checkpoint's master weights as they are; "
+                          "bf16 or fp16 halve the size)")
+    exp.add_argument("--max-shard-size", default="5GB",
+                     help="largest weight file, as transformers takes it (default 5GB; more weights go in "
+                          "shards listed by model.safetensors.index.json)")
     exp.add_argument("--tracking-uri", default="", help=_TRACKING_HELP)
 
 

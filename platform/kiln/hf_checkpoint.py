@@ -356,16 +356,25 @@ def hf_config(cfg: GPTConfig, vocab_size: int, eot_id: int) -> dict:
     }
 
 
-def write(cfg: GPTConfig, state: dict[str, torch.Tensor], tokenizer, vocab: int, directory: Path) -> list[str]:
-    """Write a complete checkpoint of the first `vocab` rows into `directory` (which the caller
-    stages and renames); return the file names. `tokenizer` is one of kiln.data.tokenizer's."""
-    from safetensors.torch import save_file
+# `kiln export --dtype`: the names transformers' config.json gives each
+EXPORT_DTYPES = {"fp32": (torch.float32, "float32"), "bf16": (torch.bfloat16, "bfloat16"),
+                 "fp16": (torch.float16, "float16")}
+MAX_SHARD_SIZE = "5GB"  # transformers' save_pretrained default: shards a loader streams one at a time
 
+
+def write(cfg: GPTConfig, state: dict[str, torch.Tensor], tokenizer, vocab: int, directory: Path,
+          dtype: str = "fp32", max_shard_size: int | str = MAX_SHARD_SIZE) -> list[str]:
+    """Write a complete checkpoint of the first `vocab` rows into `directory` (which the caller
+    stages and renames), its weights in `dtype` (an EXPORT_DTYPES name), in shards of at most
+    `max_shard_size` with transformers' index where there is more than one; return the file
+    names. `tokenizer` is one of kiln.data.tokenizer's."""
     eot = int(tokenizer.eot_id)
     eot_text = tokenizer.id_to_token(eot)
-    save_file(hf_state(cfg, state, vocab), str(directory / WEIGHTS), metadata={"format": "pt"})
+    cast, dtype_name = EXPORT_DTYPES[dtype]
+    weights = {k: v.to(cast) if v.is_floating_point() else v for k, v in hf_state(cfg, state, vocab).items()}
+    weight_files = _save_sharded(weights, directory, max_shard_size)
     files = {
-        CONFIG: hf_config(cfg, vocab, eot),
+        CONFIG: hf_config(cfg, vocab, eot) | {"dtype": dtype_name},
         "generation_config.json": {"bos_token_id": eot, "eos_token_id": eot, "pad_token_id": eot},
         "tokenizer_config.json": {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": eot_text,
                                   "eos_token": eot_text, "unk_token": eot_text, "pad_token": eot_text,
@@ -376,4 +385,37 @@ def write(cfg: GPTConfig, state: dict[str, torch.Tensor], tokenizer, vocab: int,
     for name, body in files.items():
         (directory / name).write_text(json.dumps(body, indent=2) + "\n")
     (directory / "tokenizer.json").write_text(tokenizer.hf_json())
-    return [WEIGHTS, *files, "tokenizer.json"]
+    return [*weight_files, *files, "tokenizer.json"]
+
+
+def _save_sharded(weights: dict[str, torch.Tensor], directory: Path, max_shard_size: int | str) -> list[str]:
+    """`model.safetensors`, or shards and `model.safetensors.index.json`, as save_pretrained
+    writes them (huggingface_hub's split, which transformers itself uses); the file names."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+    from safetensors.torch import save_file
+
+    split = split_torch_state_dict_into_shards(weights, max_shard_size=max_shard_size,
+                                               filename_pattern="model{suffix}.safetensors")
+    for name, keys in split.filename_to_tensors.items():
+        save_file({k: weights[k].contiguous() for k in keys}, str(directory / name), metadata={"format": "pt"})
+    files = list(split.filename_to_tensors)
+    if split.is_sharded:
+        index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
+        (directory / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        files.append(INDEX)
+    return files
+
+
+def shard_size(text: str) -> int | str:
+    """`--max-shard-size` (bytes, or with a unit as transformers takes it: 5GB, 500MB), checked
+    before any work."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+
+    size: int | str = int(text) if text.isdigit() else text.strip()
+    try:
+        split_torch_state_dict_into_shards({}, max_shard_size=size)  # parses it (the public way to)
+    except ValueError:
+        size = 0
+    if not size:
+        raise ConfigError(f"--max-shard-size {text}: expected a size such as 5GB, 500MB or a number of bytes")
+    return size

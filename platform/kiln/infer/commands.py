@@ -25,20 +25,22 @@ log = logging.getLogger(__name__)
 EXPORT = "export"  # the write guard's kind for an export directory
 
 
-def export(spec: str, output: str, overwrite: bool = False, s3_endpoint: str = "") -> tuple[LoadedModel, list[str]]:
+def export(spec: str, output: str, overwrite: bool = False, s3_endpoint: str = "", dtype: str = "fp32",
+           max_shard_size: int | str = hf.MAX_SHARD_SIZE) -> tuple[LoadedModel, list[str]]:
     """Write `spec`'s model as a Hugging Face directory at `output`, whole or not at all. A local
     one is written into a hidden sibling and swapped into place by the write guard (`kiln.guard`);
     an s3:// one (no rename there) is uploaded file by file with config.json last, so a partial
     upload is not a loadable checkpoint. An existing `output` is replaced only with `overwrite`,
-    and only if Kiln's marker says it is an export."""
+    and only if Kiln's marker says it is an export. The weights are in `dtype` (fp32: the
+    checkpoint's master weights as they are), in shards of at most `max_shard_size`."""
     if output.startswith("s3://"):
-        return _export_to_s3(spec, output, overwrite, s3_endpoint)
+        return _export_to_s3(spec, output, overwrite, s3_endpoint, dtype, max_shard_size)
     check_target(output, overwrite=overwrite, inputs=(spec,))
     out = guard.local_path(output)
     loaded = load_model(spec)
     staged = guard.temp_dir(out.parent, out.name)
     try:
-        files = hf.write(loaded.cfg, loaded.state, loaded.tokenizer, loaded.vocab_size, staged)
+        files = hf.write(loaded.cfg, loaded.state, loaded.tokenizer, loaded.vocab_size, staged, dtype, max_shard_size)
         staged.chmod(0o755)  # mkdtemp's 0700 would hide the export from other users
         guard.replace_dir(staged, out, EXPORT, replace=overwrite)
     finally:
@@ -46,7 +48,8 @@ def export(spec: str, output: str, overwrite: bool = False, s3_endpoint: str = "
     return loaded, [*files, guard.MARKER]
 
 
-def _export_to_s3(spec: str, output: str, overwrite: bool, s3_endpoint: str) -> tuple[LoadedModel, list[str]]:
+def _export_to_s3(spec: str, output: str, overwrite: bool, s3_endpoint: str, dtype: str,
+                  max_shard_size: int | str) -> tuple[LoadedModel, list[str]]:
     from kiln.storage import resolve
 
     out = resolve(output, s3_endpoint)
@@ -60,7 +63,8 @@ def _export_to_s3(spec: str, output: str, overwrite: bool, s3_endpoint: str) -> 
         raise ConfigError(f"--output {output}: already holds an earlier export; pass --overwrite to replace it")
     loaded = load_model(spec)
     with tempfile.TemporaryDirectory(prefix="kiln-export-") as tmp:
-        files = hf.write(loaded.cfg, loaded.state, loaded.tokenizer, loaded.vocab_size, Path(tmp))
+        files = hf.write(loaded.cfg, loaded.state, loaded.tokenizer, loaded.vocab_size, Path(tmp), dtype,
+                         max_shard_size)
         if present:
             # The old export stops loading first.
             guard.delete_stored(out.fs, out.join(hf.CONFIG).path, proof="an export's, by its marker")

@@ -60,3 +60,33 @@ def test_device_auto_is_a_gpu_where_torch_sees_one_else_the_cpu(tiny_hf, capsys)
     assert check_device("auto") == ("cuda" if torch.cuda.is_available() else "cpu")
     assert check_device("cpu") == "cpu"
     assert main(["generate", "--model", str(tiny_hf), "--prompt", "a", "--max-new-tokens", "3"]) == 0
+
+
+def test_export_in_bf16_shards_as_save_pretrained_does_and_loads_back(tiny_hf, tmp_path):
+    """`--dtype bf16 --max-shard-size 40KB`: several shards and transformers' index, config.json
+    saying bfloat16; transformers and Kiln both load it, every weight the fp32 export's, rounded."""
+    import json
+
+    import torch
+    import transformers
+    from safetensors.torch import load_file
+
+    from kiln.infer.load import load_model
+
+    whole, halved = tmp_path / "fp32", tmp_path / "bf16"
+    assert main(["export", str(tiny_hf), "--output", str(whole)]) == 0
+    assert main(["export", str(tiny_hf), "--output", str(halved), "--dtype", "bf16", "--max-shard-size", "40KB"]) == 0
+    index = json.loads((halved / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) >= 3 and not (halved / "model.safetensors").exists(), shards
+    assert all((halved / s).stat().st_size <= 40_000 + 1_000 for s in shards)  # the cap, and a header
+    assert json.loads((halved / "config.json").read_text())["dtype"] == "bfloat16"
+    reference = load_file(str(whole / "model.safetensors"))
+    got = {k: v for s in shards for k, v in load_file(str(halved / s)).items()}
+    assert sorted(got) == sorted(reference) == sorted(index["weight_map"])
+    assert all(got[k].dtype == torch.bfloat16 and torch.equal(got[k], reference[k].to(torch.bfloat16)) for k in got)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(halved)
+    assert next(theirs.parameters()).dtype == torch.bfloat16
+    mine = load_model(str(halved))
+    assert torch.equal(mine.state["wte.weight"][:300], reference["transformer.wte.weight"].to(torch.bfloat16).float())
+
