@@ -203,11 +203,41 @@ def _gpt2_config(raw: dict, path: Path) -> GPTConfig:
                      norm_eps=float(raw.get("layer_norm_epsilon", 1e-5)))
 
 
+# RoPE scaling kinds Kiln's model computes (kiln.model.rope_frequencies), by transformers' name
+ROPE_TYPES = {"default": "", "linear": "linear", "llama3": "llama3"}
+
+
+def _rope_fields(rope: dict, path: Path) -> dict:
+    """GPTConfig's rope_* fields from a config.json's rope_parameters (or rope_scaling)."""
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in ROPE_TYPES:
+        raise ConfigError(f"{path}: rope type {kind!r} is not supported; expected one of {list(ROPE_TYPES)}")
+    fields = {"rope_scaling": ROPE_TYPES[kind]}
+    try:
+        if kind != "default":
+            fields["rope_factor"] = float(rope["factor"])
+        if kind == "llama3":
+            fields |= {"rope_low_freq_factor": float(rope["low_freq_factor"]),
+                       "rope_high_freq_factor": float(rope["high_freq_factor"]),
+                       "rope_original_context": int(rope["original_max_position_embeddings"])}
+    except (KeyError, TypeError, ValueError) as e:
+        raise ConfigError(f"{path}: its {kind} RoPE scaling lacks a numeric {e}") from None
+    return fields
+
+
+def _rope_parameters(cfg: GPTConfig) -> dict:
+    """The rope_parameters transformers 5 writes for `cfg`."""
+    out: dict = {"rope_type": cfg.rope_scaling or "default", "rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling:
+        out["factor"] = cfg.rope_factor
+    if cfg.rope_scaling == "llama3":
+        out |= {"low_freq_factor": cfg.rope_low_freq_factor, "high_freq_factor": cfg.rope_high_freq_factor,
+                "original_max_position_embeddings": cfg.rope_original_context}
+    return out
+
+
 def _llama_config(raw: dict, path: Path) -> GPTConfig:
     rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}  # transformers 5 / 4 spelling
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        raise ConfigError(f"{path}: rope type {rope.get('rope_type', rope.get('type'))!r} is not supported; "
-                          "expected 'default' (no RoPE scaling)")
     _refuse(raw, path, {"hidden_act": ("silu",), "attention_bias": (False,), "mlp_bias": (False,),
                         "pretraining_tp": (1,)})
     d, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
@@ -219,7 +249,7 @@ def _llama_config(raw: dict, path: Path) -> GPTConfig:
         n_layer=int(raw["num_hidden_layers"]), n_head=heads, n_kv_head=int(raw.get("num_key_value_heads") or heads),
         d_model=d, ffn_hidden=int(raw["intermediate_size"]), tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
         rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 10000.0))),
-        norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        norm_eps=float(raw.get("rms_norm_eps", 1e-6)), **_rope_fields(rope, path),
     )
 
 
@@ -351,7 +381,7 @@ def hf_config(cfg: GPTConfig, vocab_size: int, eot_id: int) -> dict:
         "hidden_size": cfg.d_model, "intermediate_size": cfg.hidden, "num_hidden_layers": cfg.n_layer,
         "num_attention_heads": cfg.n_head, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
         "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps, "attention_bias": False, "mlp_bias": False,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta}, "rope_theta": cfg.rope_theta,
+        "rope_parameters": _rope_parameters(cfg), "rope_theta": cfg.rope_theta,
         "attention_dropout": 0.0,
     }
 

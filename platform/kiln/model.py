@@ -54,6 +54,19 @@ class GPTConfig:
     """RoPE's base: the wavelengths of the rotary frequencies (10k in Llama 2, 500k in Llama 3)."""
     norm_eps: float = 1e-5
     """Added to the variance in every norm (GPT-2 and Llama 2 use 1e-5, Llama 3 1e-5 too)."""
+    rope_scaling: str = ""
+    """How a pretrained checkpoint stretched RoPE to a longer context: '' (not at all), 'linear'
+    (every frequency divided by rope_factor) or 'llama3' (Llama 3.1's: wavelengths longer than
+    rope_original_context / rope_low_freq_factor divided by rope_factor, those shorter than
+    rope_original_context / rope_high_freq_factor kept, a smooth blend between)."""
+    rope_factor: float = 1.0
+    """The scaling's factor (8 in Llama 3.1, 32 in Llama 3.2)."""
+    rope_low_freq_factor: float = 1.0
+    """llama3: rope_original_context over the wavelength where the divided ones begin."""
+    rope_high_freq_factor: float = 4.0
+    """llama3: rope_original_context over the wavelength where the kept ones end."""
+    rope_original_context: int = 8192
+    """llama3: the context the model was pretrained at before it was stretched."""
 
     @property
     def kv_heads(self) -> int:
@@ -86,6 +99,18 @@ def shape_problem(cfg: GPTConfig) -> str | None:
         return f"n_head = {cfg.n_head} is not a multiple of n_kv_head = {cfg.kv_heads}"
     if cfg.arch == "llama" and cfg.head_dim % 2:
         return f"head size d_model / n_head = {cfg.head_dim} is odd; RoPE rotates pairs of dimensions"
+    return _rope_problem(cfg)
+
+
+def _rope_problem(cfg: GPTConfig) -> str | None:
+    if cfg.rope_scaling not in ("", "linear", "llama3"):
+        return f"rope_scaling = {cfg.rope_scaling!r}: expected '', 'linear' or 'llama3'"
+    if cfg.rope_scaling and not cfg.rope_factor > 0:
+        return f"rope_factor = {cfg.rope_factor}: expected a positive number"
+    if cfg.rope_scaling == "llama3" and not (0 < cfg.rope_low_freq_factor < cfg.rope_high_freq_factor
+                                             and cfg.rope_original_context > 0):
+        return ("llama3 RoPE scaling needs 0 < rope_low_freq_factor < rope_high_freq_factor and a positive "
+                "rope_original_context")
     return None
 
 
@@ -175,11 +200,27 @@ def norm(cfg: GPTConfig) -> nn.Module:
     return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
 
 
-def rotary(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_frequencies(cfg: GPTConfig, device: torch.device) -> torch.Tensor:
+    """RoPE's frequency for each channel pair i: theta^(-2i/head_dim) (Su et al. 2021), with the
+    checkpoint's scaling (`GPTConfig.rope_scaling`), in fp32."""
+    hd, f = cfg.head_dim, cfg.rope_factor
+    inv_freq = cfg.rope_theta ** -(torch.arange(0, hd, 2, device=device, dtype=torch.float32) / hd)
+    if cfg.rope_scaling == "linear":
+        return inv_freq / f
+    if cfg.rope_scaling == "llama3":  # Meta's apply_scaling (llama-models), as transformers does it
+        wavelen = 2 * math.pi / inv_freq
+        low, high = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+        smooth = (cfg.rope_original_context / wavelen - low) / (high - low)
+        blended = (1 - smooth) * inv_freq / f + smooth * inv_freq
+        long, short = wavelen > cfg.rope_original_context / low, wavelen < cfg.rope_original_context / high
+        return torch.where(long, inv_freq / f, torch.where(short, inv_freq, blended))
+    return inv_freq
+
+
+def rotary(positions: torch.Tensor, cfg: GPTConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin (B, 1, T, head_dim) of RoPE's angles for `positions` (B, T) or (T,): channel
-    pair i turns by position x theta^(-2i/head_dim) (Su et al. 2021), in fp32."""
-    inv_freq = theta ** -(torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
-    angles = positions.float()[..., None] * inv_freq
+    pair i turns by position x its frequency (`rope_frequencies`), in fp32."""
+    angles = positions.float()[..., None] * rope_frequencies(cfg, positions.device)
     angles = torch.cat([angles, angles], dim=-1)  # the half-split layout Llama checkpoints use
     if angles.dim() == 2:
         angles = angles[None]
@@ -219,7 +260,7 @@ class CausalSelfAttention(nn.Module):
         q, k, v = (t.view(B, T, -1, hd).transpose(1, 2) for t in (q, k, v))
         if self.cfg.arch == "llama":
             if rope is None:  # called alone (a pipeline stage's block): positions 0..T-1
-                rope = rotary(torch.arange(T, device=x.device), hd, self.cfg.rope_theta)
+                rope = rotary(torch.arange(T, device=x.device), self.cfg)
             q, k = rotate(q, *rope), rotate(k, *rope)
         if cache is not None:
             k, v = cache.append(self.layer, k, v)
@@ -339,7 +380,7 @@ class GPT(nn.Module):
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """cos/sin once per forward for all blocks (llama); None for gpt."""
-        return rotary(positions, self.cfg.head_dim, self.cfg.rope_theta) if self.cfg.arch == "llama" else None
+        return rotary(positions, self.cfg) if self.cfg.arch == "llama" else None
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         """Logits for `idx` (B, T); with `targets`, also the mean next-token cross-entropy."""

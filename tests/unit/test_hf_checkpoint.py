@@ -32,11 +32,11 @@ def _model(kind: str, seed: int = 0):
     if kind == "gpt2":
         model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_positions=64, n_embd=32, n_layer=2, n_head=4, **ids))
     else:
-        gqa = kind == "llama-gqa"
+        gqa = kind != "llama-tied"
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
             hidden_size=32, intermediate_size=88, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2 if gqa else 4, max_position_embeddings=64, tie_word_embeddings=not gqa,
-            rms_norm_eps=1e-6, rope_theta=500.0, **ids))
+            rms_norm_eps=1e-6, rope_parameters=ROPE.get(kind, {"rope_type": "default", "rope_theta": 500.0}), **ids))
     model.eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -45,7 +45,14 @@ def _model(kind: str, seed: int = 0):
     return model
 
 
-@pytest.fixture(scope="module", params=["gpt2", "llama-gqa", "llama-tied"])
+# Llama 3.1's scaling with its context cut to 32 tokens, so that on 8-wide heads (wavelengths
+# 6.3, 30, 140 and 660 tokens at theta 500) one pair is kept, one blended and two divided.
+ROPE = {"llama3-rope": {"rope_type": "llama3", "rope_theta": 500.0, "factor": 4.0, "low_freq_factor": 1.0,
+                        "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
+        "llama-linear-rope": {"rope_type": "linear", "rope_theta": 500.0, "factor": 2.0}}
+
+
+@pytest.fixture(scope="module", params=["gpt2", "llama-gqa", "llama-tied", *ROPE])
 def checkpoint(request, tmp_path_factory, corpus):
     """A transformers model saved in several shards, with a BPE tokenizer of its vocab."""
     from pathlib import Path
