@@ -52,7 +52,7 @@ prometheus-tools:
 		|| { $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq --no-install-recommends prometheus; }; }
 
 test: $(TEST_STAMP) prometheus-tools lint
-	$(BIN)/python -m pytest tests --durations=12
+	$(BIN)/python -m pytest tests --durations=40
 
 # ruff, then the architecture contracts of pyproject.toml's [tool.importlinter] (ARCHITECTURE.md).
 lint: $(TEST_STAMP)

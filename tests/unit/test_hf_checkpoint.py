@@ -29,8 +29,15 @@ def _model(kind: str, seed: int = 0):
     embeddings, and plain multi-head attention with tied ones."""
     torch.manual_seed(seed)
     ids = dict(vocab_size=VOCAB, bos_token_id=0, eos_token_id=0, initializer_range=0.2)
-    if kind == "gpt2":
-        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_positions=64, n_embd=32, n_layer=2, n_head=4, **ids))
+    if kind.startswith("gpt2"):
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            n_positions=64, n_embd=32, n_layer=2, n_head=4, tie_word_embeddings=kind == "gpt2", **ids))
+    elif kind in FAMILIES:
+        config_class, extra = FAMILIES[kind]
+        model = transformers.AutoModelForCausalLM.from_config(config_class(
+            hidden_size=32, intermediate_size=88, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=64, tie_word_embeddings=False, rms_norm_eps=1e-6, rope_theta=500.0, **extra,
+            **ids))
     else:
         gqa = kind != "llama-tied"
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
@@ -52,7 +59,14 @@ ROPE = {"llama3-rope": {"rope_type": "llama3", "rope_theta": 500.0, "factor": 4.
         "llama-linear-rope": {"rope_type": "linear", "rope_theta": 500.0, "factor": 2.0}}
 
 
-@pytest.fixture(scope="module", params=["gpt2", "llama-gqa", "llama-tied", *ROPE])
+# Qwen2 (q/k/v biases), Mistral (a sliding window of 48 tokens, wider than what the tests feed:
+# Kiln's context is the window) and a Llama whose heads are 16 wide on a 32-wide model.
+FAMILIES = {"qwen2": (transformers.Qwen2Config, {}),
+            "mistral": (transformers.MistralConfig, {"sliding_window": 48}),
+            "llama-head-dim": (transformers.LlamaConfig, {"head_dim": 16})}
+
+
+@pytest.fixture(scope="module", params=["gpt2", "gpt2-untied", "llama-gqa", "llama-tied", *ROPE, *FAMILIES])
 def checkpoint(request, tmp_path_factory, corpus):
     """A transformers model saved in several shards, with a BPE tokenizer of its vocab."""
     from pathlib import Path
@@ -136,7 +150,7 @@ def test_bad_checkpoints_are_one_clear_error_each(checkpoint, tmp_path):
     bert = _copy(d, tmp_path / "bert")
     raw = json.loads((bert / "config.json").read_text())
     (bert / "config.json").write_text(json.dumps(raw | {"model_type": "bert"}))
-    with pytest.raises(ConfigError, match="model_type 'bert' is not supported; expected 'gpt2' or 'llama'"):
+    with pytest.raises(ConfigError, match=r"model_type 'bert' is not supported; expected one of \['gpt2', 'llama', "):
         load_model(str(bert))
 
     missing = _copy(d, tmp_path / "missing")
