@@ -174,7 +174,7 @@ def _export(args: argparse.Namespace) -> int:
     max_shard = shard_size(args.max_shard_size)
     with _local_model(args.model, args.tracking_uri) as local:
         loaded, files = export(local, args.output, args.overwrite, args.s3_endpoint, args.dtype, max_shard)
-    arch = {"gpt": "GPT-2", "llama": "Llama"}[loaded.cfg.arch]
+    arch = "GPT-2" if loaded.cfg.arch == "gpt" else "Qwen2" if loaded.cfg.qkv_bias else "Llama"
     print(f"exported {loaded.source} -> {args.output}: {arch} architecture, {num_params(loaded.cfg):,} "
           f"non-embedding params, vocab {loaded.vocab_size}, {len(files)} files")
     return 0

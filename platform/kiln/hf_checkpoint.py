@@ -59,9 +59,13 @@ class _LlamaFields(TypedDict, total=False):
     rope_scaling: dict | None
     rope_parameters: dict | None
     rms_norm_eps: float
+    sliding_window: int | None
+    use_sliding_window: bool
 
 
-_FIELDS = {"gpt2": pydantic.TypeAdapter(_GPT2Fields), "llama": pydantic.TypeAdapter(_LlamaFields)}
+# model_type -> its fields; Qwen2 (q/k/v biases) and Mistral (a sliding window) are Llamas to Kiln
+_LLAMA = pydantic.TypeAdapter(_LlamaFields)
+_FIELDS = {"gpt2": pydantic.TypeAdapter(_GPT2Fields), "llama": _LLAMA, "qwen2": _LLAMA, "mistral": _LLAMA}
 
 
 class _IndexFile(TypedDict):
@@ -144,6 +148,8 @@ def name_table(cfg: GPTConfig) -> dict[str, tuple[list[str], bool]]:
         for i in range(cfg.n_layer):
             for k, v in block.items():
                 table[f"blocks.{i}.{k}"] = ([f"transformer.h.{i}.{v}"], k.endswith(".weight") and "ln_" not in k)
+        if not cfg.tie_embeddings:
+            table["lm_head.weight"] = (["lm_head.weight"], False)
         return table
     table = {"wte.weight": (["model.embed_tokens.weight"], False), "ln_f.weight": (["model.norm.weight"], False)}
     if not cfg.tie_embeddings:
@@ -155,6 +161,8 @@ def name_table(cfg: GPTConfig) -> dict[str, tuple[list[str], bool]]:
             f"blocks.{i}.ln_2.weight": ([p + "post_attention_layernorm.weight"], False),
             f"blocks.{i}.attn.qkv.weight": ([p + f"self_attn.{x}_proj.weight" for x in "qkv"], False),
             f"blocks.{i}.attn.proj.weight": ([p + "self_attn.o_proj.weight"], False),
+            **({f"blocks.{i}.attn.qkv.bias": ([p + f"self_attn.{x}_proj.bias" for x in "qkv"], False)}
+               if cfg.qkv_bias else {}),
             f"blocks.{i}.mlp.fc.weight": ([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], False),
             f"blocks.{i}.mlp.proj.weight": ([p + "mlp.down_proj.weight"], False),
         }
@@ -174,12 +182,12 @@ def read_config(directory: Path) -> GPTConfig:
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a JSON object")
     kind = raw.get("model_type")
-    if kind not in ("gpt2", "llama"):
-        raise ConfigError(f"{path}: model_type {kind!r} is not supported; expected 'gpt2' or 'llama'")
+    if kind not in _FIELDS:
+        raise ConfigError(f"{path}: model_type {kind!r} is not supported; expected one of {sorted(_FIELDS)}")
     problems = type_problems(_FIELDS[kind], raw)
     if problems:
         raise ConfigError(f"{path}: {problems[0]}")
-    cfg = _gpt2_config(raw, path) if kind == "gpt2" else _llama_config(raw, path)
+    cfg = _gpt2_config(raw, path) if kind == "gpt2" else _llama_config(raw, path, kind)
     problem = shape_problem(cfg)
     if problem:
         raise ConfigError(f"{path}: {problem}")
@@ -194,13 +202,24 @@ def _refuse(raw: dict, path: Path, want: dict[str, tuple]) -> None:
 
 def _gpt2_config(raw: dict, path: Path) -> GPTConfig:
     _refuse(raw, path, {"activation_function": _GELU_TANH, "scale_attn_weights": (True,),
-                        "scale_attn_by_inverse_layer_idx": (False,), "tie_word_embeddings": (True,)})
+                        "scale_attn_by_inverse_layer_idx": (False,)})
     d = int(raw["n_embd"])
     if raw.get("n_inner") not in (None, 4 * d):
         raise ConfigError(f"{path}: n_inner = {raw['n_inner']} is not supported; expected {4 * d} (4 x n_embd)")
     return GPTConfig(vocab_size=int(raw["vocab_size"]), seq_len=int(raw["n_positions"]), n_layer=int(raw["n_layer"]),
                      n_head=int(raw["n_head"]), d_model=d, bias=True,
-                     norm_eps=float(raw.get("layer_norm_epsilon", 1e-5)))
+                     norm_eps=float(raw.get("layer_norm_epsilon", 1e-5)),
+                     tie_embeddings=bool(raw.get("tie_word_embeddings", True)))
+
+
+def _context(raw: dict, kind: str) -> int:
+    """The context Kiln gives a checkpoint: its own, or a sliding window's width where one
+    applies (Mistral's sliding_window, Qwen2's with use_sliding_window). Within the window,
+    attention over every earlier token is exactly the sliding attention, so nothing changes; a
+    longer row is refused before launch, as any row longer than a checkpoint's context is."""
+    context = int(raw["max_position_embeddings"])
+    window = raw.get("sliding_window") if kind == "mistral" or raw.get("use_sliding_window") else None
+    return min(context, int(window)) if window else context
 
 
 # RoPE scaling kinds Kiln's model computes (kiln.model.rope_frequencies), by transformers' name
@@ -236,16 +255,16 @@ def _rope_parameters(cfg: GPTConfig) -> dict:
     return out
 
 
-def _llama_config(raw: dict, path: Path) -> GPTConfig:
+def _llama_config(raw: dict, path: Path, kind: str) -> GPTConfig:
     rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}  # transformers 5 / 4 spelling
-    _refuse(raw, path, {"hidden_act": ("silu",), "attention_bias": (False,), "mlp_bias": (False,),
-                        "pretraining_tp": (1,)})
+    # Qwen2 has q/k/v biases and no attention_bias key; a Llama's attention_bias would bias o_proj too.
+    _refuse(raw, path, {"hidden_act": ("silu",), "mlp_bias": (False,), "pretraining_tp": (1,),
+                        **({} if kind == "qwen2" else {"attention_bias": (False,)})})
     d, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
-    if raw.get("head_dim") not in (None, d // heads):
-        raise ConfigError(f"{path}: head_dim = {raw['head_dim']} is not supported; expected hidden_size / "
-                          f"num_attention_heads = {d // heads}")
+    head = int(raw.get("head_dim") or d // heads)
     return GPTConfig(
-        arch="llama", vocab_size=int(raw["vocab_size"]), seq_len=int(raw["max_position_embeddings"]),
+        arch="llama", vocab_size=int(raw["vocab_size"]), seq_len=_context(raw, kind),
+        head_size=0 if head * heads == d else head, qkv_bias=kind == "qwen2",
         n_layer=int(raw["num_hidden_layers"]), n_head=heads, n_kv_head=int(raw.get("num_key_value_heads") or heads),
         d_model=d, ffn_hidden=int(raw["intermediate_size"]), tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
         rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 10000.0))),
@@ -361,7 +380,7 @@ def hf_state(cfg: GPTConfig, state: dict[str, torch.Tensor], vocab_size: int) ->
 def _split_sizes(cfg: GPTConfig, ours: str, parts: int) -> list[int] | None:
     if parts == 1:
         return None
-    if ours.endswith("attn.qkv.weight"):
+    if ours.endswith(("attn.qkv.weight", "attn.qkv.bias")):
         return [cfg.n_head * cfg.head_dim, cfg.kv_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim]
     return [cfg.hidden, cfg.hidden]  # mlp.fc: gate, up
 
@@ -376,11 +395,15 @@ def hf_config(cfg: GPTConfig, vocab_size: int, eot_id: int) -> dict:
             "activation_function": "gelu_new", "layer_norm_epsilon": cfg.norm_eps, "scale_attn_weights": True,
             "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,  # inference: dropout off
         }
-    return common | {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "max_position_embeddings": cfg.seq_len,
+    # q/k/v biases are Qwen2's; any other Kiln Llama (a Mistral within its window too) is a Llama
+    family = {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "use_sliding_window": False} \
+        if cfg.qkv_bias else {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "attention_bias": False,
+                              "mlp_bias": False}
+    return common | family | {
+        "max_position_embeddings": cfg.seq_len,
         "hidden_size": cfg.d_model, "intermediate_size": cfg.hidden, "num_hidden_layers": cfg.n_layer,
         "num_attention_heads": cfg.n_head, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
-        "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps, "attention_bias": False, "mlp_bias": False,
+        "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps,
         "rope_parameters": _rope_parameters(cfg), "rope_theta": cfg.rope_theta,
         "attention_dropout": 0.0,
     }

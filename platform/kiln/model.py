@@ -50,6 +50,12 @@ class GPTConfig:
     tie_embeddings: bool = True
     """The output projection shares the token embedding's matrix (fewer params, and better
     perplexity at small scale; Press & Wolf 2017). Large Llamas untie them."""
+    head_size: int = 0
+    """Width of one attention head; 0: d_model / n_head. Checkpoints whose heads are wider or
+    narrower than that (Qwen3, Gemma) set it."""
+    qkv_bias: bool = False
+    """Biases on the query, key and value projections only, with `bias` off elsewhere (Qwen2):
+    they let a head shift its queries and keys, which Qwen's training used."""
     rope_theta: float = 10000.0
     """RoPE's base: the wavelengths of the rotary frequencies (10k in Llama 2, 500k in Llama 3)."""
     norm_eps: float = 1e-5
@@ -74,7 +80,7 @@ class GPTConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_head
+        return self.head_size or self.d_model // self.n_head
 
     @property
     def hidden(self) -> int:
@@ -91,9 +97,9 @@ def shape_problem(cfg: GPTConfig) -> str | None:
     for name in ("n_layer", "n_head", "d_model"):
         if getattr(cfg, name) < 1:
             return f"{name} = {getattr(cfg, name)}: expected a positive integer"
-    if cfg.n_kv_head < 0 or cfg.ffn_hidden < 0:
-        return "n_kv_head and ffn_hidden must be 0 (the default) or positive"
-    if cfg.d_model % cfg.n_head:
+    if cfg.n_kv_head < 0 or cfg.ffn_hidden < 0 or cfg.head_size < 0:
+        return "n_kv_head, ffn_hidden and head_size must be 0 (the default) or positive"
+    if not cfg.head_size and cfg.d_model % cfg.n_head:
         return f"d_model = {cfg.d_model} is not divisible by n_head = {cfg.n_head}: each head needs a whole share"
     if cfg.n_head % cfg.kv_heads:
         return f"n_head = {cfg.n_head} is not a multiple of n_kv_head = {cfg.kv_heads}"
@@ -242,8 +248,8 @@ class CausalSelfAttention(nn.Module):
         self.cfg, self.layer = cfg, layer  # layer: which of a KVCache's slots is this block's
         hd = cfg.head_dim
         # One matmul for queries, keys and values (faster than three).
-        self.qkv = nn.Linear(cfg.d_model, (cfg.n_head + 2 * cfg.kv_heads) * hd, bias=cfg.bias)
-        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
+        self.qkv = nn.Linear(cfg.d_model, (cfg.n_head + 2 * cfg.kv_heads) * hd, bias=cfg.bias or cfg.qkv_bias)
+        self.proj = nn.Linear(cfg.n_head * hd, cfg.d_model, bias=cfg.bias)
         self.proj.is_residual_projection = True
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -440,8 +446,8 @@ def _projection_params(cfg: GPTConfig) -> int:
     MLP-in (the output projections' biases are counted with the norms)."""
     d, qkv_out = cfg.d_model, (cfg.n_head + 2 * cfg.kv_heads) * cfg.head_dim
     mlp_in = (2 if cfg.arch == "llama" else 1) * cfg.hidden
-    weights = d * qkv_out + d * d + d * mlp_in + cfg.hidden * d
-    return weights + (qkv_out + mlp_in if cfg.bias else 0)
+    weights = d * qkv_out + cfg.n_head * cfg.head_dim * d + d * mlp_in + cfg.hidden * d
+    return weights + (qkv_out if cfg.bias or cfg.qkv_bias else 0) + (mlp_in if cfg.bias else 0)
 
 
 def largest_layer_params(cfg: GPTConfig) -> int:

@@ -104,7 +104,10 @@ def test_export_loads_in_transformers_and_greedy_text_is_the_same(checkpoint, tm
     ref = theirs.generate(torch.tensor([prompt]), max_new_tokens=24, min_new_tokens=24, do_sample=False)
     assert mine == ref[0, len(prompt):].tolist()
     assert len(set(mine)) >= 3  # the model is not stuck on one token: the comparison means something
-    tok = transformers.AutoTokenizer.from_pretrained(out)
+    # transformers gives a qwen2 model its Qwen2Tokenizer, with Qwen's own pre-tokenizer (right for
+    # Qwen's tokenizer.json, not for this test's BPE): the file itself is read as it is.
+    auto = transformers.PreTrainedTokenizerFast if d.name == "qwen2" else transformers.AutoTokenizer
+    tok = auto.from_pretrained(out)
     text = "def f(x):\n    return x  # é ☃"
     assert tok(text).input_ids == loaded.tokenizer.encode_batch([text])[0].tolist()
 
@@ -251,3 +254,27 @@ def test_eval_scores_every_row_of_the_split_the_last_partial_batch_included(chec
     expected = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), rows[:, 1:].reshape(-1)).item()
     assert tokens == rows[:, 1:].numel()
     assert abs(loss - expected) <= 1e-4
+
+
+def test_a_sliding_window_becomes_the_models_context_and_qwen2_keeps_its_family(checkpoint, tmp_path):
+    """Mistral's 48-token window is Kiln's context (within it sliding attention is full attention);
+    Qwen2 exports as Qwen2 with its q/k/v biases; an explicit head_dim and an untied GPT-2 head
+    round-trip."""
+    d, model = checkpoint
+    loaded = load_model(str(d))
+    out = tmp_path / "export"
+    export(str(d), str(out))
+    config = json.loads((out / "config.json").read_text())
+    if d.name == "mistral":
+        assert loaded.cfg.seq_len == 48 and config["max_position_embeddings"] == 48
+    if d.name == "qwen2":
+        assert loaded.cfg.qkv_bias and config["model_type"] == "qwen2"
+        from safetensors import safe_open
+
+        with safe_open(str(out / "model.safetensors"), "pt") as f:
+            assert "model.layers.0.self_attn.q_proj.bias" in f.keys()  # noqa: SIM118
+    if d.name == "llama-head-dim":
+        assert loaded.cfg.head_dim == 16 != loaded.cfg.d_model // loaded.cfg.n_head and config["head_dim"] == 16
+    if d.name == "gpt2-untied":
+        assert not loaded.cfg.tie_embeddings and config["tie_word_embeddings"] is False
+        assert not torch.equal(loaded.state["lm_head.weight"], loaded.state["wte.weight"])
