@@ -118,7 +118,9 @@ def _token_streams(unit: Unit, job: UnitJob, tok, stats: ReadStats) -> tuple[dic
     def flush(split: str) -> None:
         docs, pending[split] = pending[split], []
         if docs and not isinstance(docs[0], str):
-            prompts, responses = tok.encode_batch([d[0] for d in docs]), tok.encode_batch([d[1] for d in docs])
+            # BOS (where the tokenizer adds one) once, at the start of the example: not before its response
+            prompts = tok.encode_batch([d[0] for d in docs])
+            responses = tok.encode_batch([d[1] for d in docs], special=False)
             for p, r in zip(prompts, responses):
                 pieces[split].extend((-p - 1, r, eot))
         else:

@@ -19,7 +19,7 @@ class ByteTokenizer:
     vocab_size = 257
     eot_id = 256
 
-    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+    def encode_batch(self, texts: Sequence[str], special: bool = True) -> list[np.ndarray]:
         return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8).astype(np.int32) for t in texts]
 
     def decode(self, ids: Iterable[int]) -> str:
@@ -80,8 +80,11 @@ class BPETokenizer:
 
         return cls(Tokenizer.from_str(text), eot_id)
 
-    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
-        return [np.asarray(e.ids, dtype=np.int32) for e in self._tok.encode_batch(list(texts))]
+    def encode_batch(self, texts: Sequence[str], special: bool = True) -> list[np.ndarray]:
+        """Each text's ids; `special`: with what the tokenizer's post-processor adds around a
+        text (a Llama 3 tokenizer's BOS), as at the start of a document or an example."""
+        return [np.asarray(e.ids, dtype=np.int32)
+                for e in self._tok.encode_batch(list(texts), add_special_tokens=special)]
 
     def decode(self, ids: Iterable[int]) -> str:
         return self._tok.decode(list(ids))

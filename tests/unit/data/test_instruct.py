@@ -81,3 +81,34 @@ def test_instruction_records_are_checked(tmp_path):
     with pytest.raises(ConfigError, match="--prompt-field and --response-field go together"):
         prepare(PrepareConfig(inputs=[str(bad)], output=str(tmp_path / "o"), tokenizer="byte", prompt_field="prompt"))
     assert not (tmp_path / "o").exists()
+
+
+def test_a_tokenizer_that_adds_bos_puts_one_at_the_start_of_each_example(corpus, tmp_path):
+    """A Llama-3-style tokenizer (its post-processor puts <|begin_of_text|> before every text it
+    encodes): one BOS per example, its first token, never one before the response."""
+    from pathlib import Path
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    tok.train_from_iterator([p.read_text() for p in sorted(Path(corpus[0]).glob("*.py"))], trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<|endoftext|>", "<|begin_of_text|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    bos, eot = tok.token_to_id("<|begin_of_text|>"), tok.token_to_id("<|endoftext|>")
+    tok.post_processor = processors.TemplateProcessing(single="<|begin_of_text|> $A", special_tokens=[
+        ("<|begin_of_text|>", bos)])
+    (tmp_path / "tok").mkdir()
+    tok.save(str(tmp_path / "tok" / "tokenizer.json"))
+    records = _records(corpus)[:200]
+    (tmp_path / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    prepare(PrepareConfig(inputs=[str(tmp_path / "sft.jsonl")], output=str(tmp_path / "ds"),
+                          tokenizer=str(tmp_path / "tok"), seq_len=32, val_fraction=0.5,
+                          prompt_field="prompt", response_field="response"))
+    manifest = load_manifest(resolve(str(tmp_path / "ds")))
+    rows = torch.cat([r for _, r in ParquetSource(manifest, 0, 1, 4).epoch("val")]).reshape(-1)
+    ids = torch.where(rows < 0, -rows - 1, rows).tolist()
+    ends = [i for i, t in enumerate(ids) if t == eot]
+    examples = [ids[a + 1:b] for a, b in zip(ends, ends[1:])]
+    assert len(examples) > 5
+    assert all(e.count(bos) == 1 and e[0] == bos and rows[ends[0] + 1] < 0 for e in examples)
