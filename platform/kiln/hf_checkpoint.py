@@ -423,12 +423,14 @@ def write(cfg: GPTConfig, state: dict[str, torch.Tensor], tokenizer, vocab: int,
     names. `tokenizer` is one of kiln.data.tokenizer's."""
     eot = int(tokenizer.eot_id)
     eot_text = tokenizer.id_to_token(eot)
+    base = dict(getattr(tokenizer, "companions", {}))  # a pretrained tokenizer's own files, kept as they are
+    bos = _base_bos(tokenizer, base.get("tokenizer_config.json"), eot)
     cast, dtype_name = EXPORT_DTYPES[dtype]
     weights = {k: v.to(cast) if v.is_floating_point() else v for k, v in hf_state(cfg, state, vocab).items()}
     weight_files = _save_sharded(weights, directory, max_shard_size)
     files = {
-        CONFIG: hf_config(cfg, vocab, eot) | {"dtype": dtype_name},
-        "generation_config.json": {"bos_token_id": eot, "eos_token_id": eot, "pad_token_id": eot},
+        CONFIG: hf_config(cfg, vocab, eot) | {"dtype": dtype_name, "bos_token_id": bos},
+        "generation_config.json": {"bos_token_id": bos, "eos_token_id": eot, "pad_token_id": eot},
         "tokenizer_config.json": {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": eot_text,
                                   "eos_token": eot_text, "unk_token": eot_text, "pad_token": eot_text,
                                   "model_max_length": cfg.seq_len},
@@ -436,9 +438,23 @@ def write(cfg: GPTConfig, state: dict[str, torch.Tensor], tokenizer, vocab: int,
                                     "pad_token": eot_text},
     }
     for name, body in files.items():
-        (directory / name).write_text(json.dumps(body, indent=2) + "\n")
+        (directory / name).write_text(base[name] if name in base else json.dumps(body, indent=2) + "\n")
+    for name in set(base) - set(files):  # the chat template
+        (directory / name).write_text(base[name])
     (directory / "tokenizer.json").write_text(tokenizer.hf_json())
-    return [*weight_files, *files, "tokenizer.json"]
+    return [*weight_files, *files, *sorted(set(base) - set(files)), "tokenizer.json"]
+
+
+def _base_bos(tokenizer, config_text: str | None, eot: int) -> int:
+    """The BOS id the base tokenizer's tokenizer_config.json names, else the end-of-text id (as
+    GPT-2's, where they are one token)."""
+    try:
+        named = json.loads(config_text).get("bos_token") if config_text else None
+    except ValueError:
+        return eot
+    text = named.get("content") if isinstance(named, dict) else named
+    found = tokenizer.token_to_id(text) if isinstance(text, str) and hasattr(tokenizer, "token_to_id") else None
+    return eot if found is None else int(found)
 
 
 def _save_sharded(weights: dict[str, torch.Tensor], directory: Path, max_shard_size: int | str) -> list[str]:

@@ -278,3 +278,39 @@ def test_a_sliding_window_becomes_the_models_context_and_qwen2_keeps_its_family(
     if d.name == "gpt2-untied":
         assert not loaded.cfg.tie_embeddings and config["tie_word_embeddings"] is False
         assert not torch.equal(loaded.state["lm_head.weight"], loaded.state["wte.weight"])
+
+
+CHAT = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|endoftext|>{% endfor %}"
+
+
+def test_an_export_keeps_the_base_tokenizers_config_and_chat_template(corpus, tmp_path):
+    """A checkpoint whose tokenizer came with tokenizer_config.json and a chat template: its
+    export writes both back as they were, so transformers formats chats as the base did; a
+    dataset prepared with that tokenizer keeps them too, for the exports of what trains on it."""
+    from pathlib import Path
+
+    from kiln.data.manifest import load_manifest
+    from kiln.data.prepare import PrepareConfig, prepare
+    from kiln.storage import resolve
+
+    base = tmp_path / "base"
+    _model("llama-gqa").save_pretrained(base)
+    texts = [p.read_text() for p in sorted(Path(corpus[0]).glob("*.py"))]
+    (base / "tokenizer.json").write_text(BPETokenizer.train(texts, VOCAB).to_json())
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|endoftext|>",
+              "eos_token": "<|endoftext|>", "model_max_length": 64, "clean_up_tokenization_spaces": False}
+    (base / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+    (base / "chat_template.jinja").write_text(CHAT)
+    out = tmp_path / "export"
+    export(str(base), str(out))
+    for name in ("tokenizer_config.json", "chat_template.jinja"):
+        assert (out / name).read_text() == (base / name).read_text(), name
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "def f():"}]
+    assert tok.apply_chat_template(chat, tokenize=False) == "<|user|>hi<|endoftext|><|assistant|>def f():<|endoftext|>"
+
+    data = tmp_path / "data"
+    prepare(PrepareConfig(inputs=corpus[:1], output=str(data), tokenizer=str(base), seq_len=32))
+    manifest = load_manifest(resolve(str(data)))
+    assert manifest.raw["tokenizer"]["companions"] == ["chat_template.jinja", "tokenizer_config.json"]
+    assert manifest.tokenizer().companions == {n: (base / n).read_text() for n in manifest.raw["tokenizer"]["companions"]}

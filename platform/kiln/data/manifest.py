@@ -49,7 +49,8 @@ class Manifest:
         """The tokenizer the shards were written with (byte, or BPE from its tokenizer.json)."""
         desc = self.raw["tokenizer"]
         text = self.location.join(desc["file"]).read_bytes().decode() if desc.get("file") else None
-        return from_description(desc, text)
+        companions = {name: self.location.join(name).read_bytes().decode() for name in desc.get("companions", [])}
+        return from_description(desc, text, companions)
 
     def split(self, name: str) -> dict[str, Any]:
         return self.raw["splits"][name]

@@ -262,6 +262,9 @@ def _build(cfg: PrepareConfig, units: Units, staged: Location, key: str, executo
     tok = _tokenizer(cfg, units, opts, staged)
     if tok.to_json() and not staged.join(TOKENIZER_FILE).exists():  # before any unit: a resume reuses it,
         write_once(staged.join(TOKENIZER_FILE), tok.to_json().encode())  # so whole or not at all
+    for name, text in getattr(tok, "companions", {}).items():
+        if not staged.join(name).exists():
+            write_once(staged.join(name), text.encode())
     job = UnitJob("byte" if tok.kind == "byte" else tok.to_json(), tok.eot_id, cfg.seq_len,
                   _rows_per_shard(cfg), row_group_rows(cfg.seq_len), opts, staged.uri,
                   cfg.s3_endpoint, key)
@@ -352,7 +355,8 @@ def _manifest(cfg: PrepareConfig, tok, records: list[dict], counts: np.ndarray, 
         "created_unix": int(time.time()),
         "sources": [s if s.startswith("s3://") else str(Path(s).expanduser()) for s in cfg.inputs],
         "documents": stats.documents,
-        "tokenizer": describe(tok) | ({"file": TOKENIZER_FILE} if tok.to_json() else {}) | pretrained_path,
+        "tokenizer": describe(tok) | ({"file": TOKENIZER_FILE} if tok.to_json() else {}) | pretrained_path
+        | ({"companions": sorted(tok.companions)} if getattr(tok, "companions", None) else {}),
         "seq_len": cfg.seq_len,
         "row_group_rows": row_group_rows(cfg.seq_len),
         "columns": {SAMPLE_ID: "int64", TOKENS: f"fixed_size_list<int32>[{cfg.seq_len + 1}]"},

@@ -41,7 +41,7 @@ def kiln_manifest(out: Location) -> dict | None:
 def owned_files(manifest: dict) -> list[str]:
     """The files a Kiln manifest makes its own, relative to the dataset: shards, tokenizer, manifest."""
     shards = [s["path"] for split in manifest["splits"].values() for s in split["shards"]]
-    return [*shards, TOKENIZER_FILE, MANIFEST]
+    return [*shards, TOKENIZER_FILE, *manifest.get("tokenizer", {}).get("companions", []), MANIFEST]
 
 
 def refuse_protected(out: Location) -> None:

@@ -10,6 +10,9 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 EOT = "<|endoftext|>"
+# A pretrained tokenizer's files beside its tokenizer.json that tell transformers how to use it
+# (special tokens, the chat template): a dataset keeps them, and an export writes them back.
+COMPANIONS = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
 class ByteTokenizer:
@@ -57,6 +60,10 @@ class BPETokenizer:
         self._tok = tok
         self.vocab_size = tok.get_vocab_size()
         self.eot_id = tok.token_to_id(EOT) if eot_id is None else eot_id
+        self.companions: dict[str, str] = {}  # COMPANIONS' texts, where it came with them
+
+    def token_to_id(self, text: str) -> int | None:
+        return self._tok.token_to_id(text)
 
     @classmethod
     def train(cls, texts: Iterable[str], vocab_size: int) -> BPETokenizer:
@@ -149,6 +156,8 @@ def pretrained(path: str) -> BPETokenizer:
         raise ConfigError(f"tokenizer {file}: has no end-of-text token (none of {list(EOT_NAMES)}, and no "
                           "eos_token_id in a config.json beside it)")
     tok.eot_id = eos
+    if p.is_dir():
+        tok.companions = {name: (p / name).read_text() for name in COMPANIONS if (p / name).is_file()}
     return tok
 
 
@@ -166,13 +175,16 @@ def _bytes_to_unicode() -> dict[int, str]:
     return table
 
 
-def from_description(desc: dict, tokenizer_json: str | None):
-    """The tokenizer a manifest describes (`describe`'s dict), with its file's text for BPE."""
+def from_description(desc: dict, tokenizer_json: str | None, companions: dict[str, str] | None = None):
+    """The tokenizer a manifest describes (`describe`'s dict), with its file's text for BPE and
+    the COMPANIONS it came with."""
     if desc["type"] == "byte":
         return ByteTokenizer()
     if tokenizer_json is None:
         raise ValueError("a BPE tokenizer needs its tokenizer.json")
-    return BPETokenizer.from_json(tokenizer_json, desc.get("eot_id"))
+    tok = BPETokenizer.from_json(tokenizer_json, desc.get("eot_id"))
+    tok.companions = dict(companions or {})
+    return tok
 
 
 def token_bytes(tok) -> np.ndarray:
