@@ -195,7 +195,7 @@ def _generate(args: argparse.Namespace) -> int:
         sys.stdout.flush()
 
     with _local_model(args.model, args.tracking_uri) as local:
-        result = run_generate(local, prompts, s, args.batch_size, device, write)
+        result = run_generate(local, prompts, s, args.batch_size, device, write, chat=args.chat)
     print(f"{result.new_tokens} tokens in {result.seconds:.2f} s: "
           f"{result.new_tokens / max(result.seconds, 1e-9):,.1f} tokens/s", file=sys.stderr)
     return 0

@@ -180,6 +180,9 @@ def _generate_parser(sub) -> None:
     gen.add_argument("--seed", type=int, default=d.seed, help=f"sampling seed (default {d.seed})")
     gen.add_argument("--no-stop", action="store_true", help="do not stop at end-of-text")
     gen.add_argument("--batch-size", type=int, default=1, help="prompts decoded together (default 1: streamed)")
+    gen.add_argument("--chat", action="store_true",
+                     help="each prompt is a user turn in the model's chat template (its tokenizer's), and the "
+                          "template's end of turn stops the reply")
     gen.add_argument("--device", default="auto", help="torch device: auto (a GPU where there is one, else the CPU; "
                      "the default), cpu, cuda or cuda:N")
     gen.add_argument("--tracking-uri", default="", help=_TRACKING_HELP)

@@ -314,3 +314,38 @@ def test_an_export_keeps_the_base_tokenizers_config_and_chat_template(corpus, tm
     manifest = load_manifest(resolve(str(data)))
     assert manifest.raw["tokenizer"]["companions"] == ["chat_template.jinja", "tokenizer_config.json"]
     assert manifest.tokenizer().companions == {n: (base / n).read_text() for n in manifest.raw["tokenizer"]["companions"]}
+
+
+# A ChatML-like template that uses the special tokens and the generation cue, as Llama 3's and Qwen's do.
+CUE_CHAT = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] | trim }}{{ eos_token }}"
+            "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def test_generate_chat_tokenizes_the_prompt_as_transformers_and_replies_as_it_does(corpus, tmp_path, capsys):
+    from pathlib import Path
+
+    from kiln.infer.commands import chat_encoder
+
+    base = tmp_path / "chat"
+    model = _model("llama-gqa")
+    model.save_pretrained(base)
+    texts = [p.read_text() for p in sorted(Path(corpus[0]).glob("*.py"))]
+    (base / "tokenizer.json").write_text(BPETokenizer.train(texts, VOCAB).to_json())
+    (base / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>",
+        "chat_template": CUE_CHAT}))
+    prompt = "  write a parser "
+    tok = load_model(str(base)).tokenizer
+    encode, stops = chat_encoder(tok)
+    theirs = transformers.AutoTokenizer.from_pretrained(base).apply_chat_template(
+        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
+    theirs = theirs["input_ids"] if hasattr(theirs, "keys") else theirs
+    ids = encode(prompt)
+    assert ids == list(theirs) and ids[0] == tok.eot_id  # the template's own BOS, once
+    assert stops == (tok.token_to_id("<|endoftext|>"),)  # its end of turn
+    assert main(["generate", "--model", str(base), "--chat", "--prompt", prompt, "--temperature", "0",
+                 "--max-new-tokens", "12"]) == 0
+    printed = capsys.readouterr().out
+    ref = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=tok.eot_id)
+    expected = tok.decode([t for t in ref[0, len(ids):].tolist() if t != tok.eot_id])
+    assert printed == prompt + expected + "\n", (printed, expected)

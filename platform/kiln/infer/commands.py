@@ -147,23 +147,46 @@ def check_device(device: str) -> str:
 
 
 def run_generate(spec: str, prompts: list[str], s: Sampling, batch_size: int, device: str,
-                 write: Callable[[str], object]) -> GenerateResult:
+                 write: Callable[[str], object], chat: bool = False) -> GenerateResult:
     """Complete each prompt, streaming text to `write` as it decodes. With batch_size 1 each
-    completion streams token by token; a batch's completions are written as the batch ends."""
+    completion streams token by token; a batch's completions are written as the batch ends.
+    `chat`: each prompt is a user turn in the model's chat template, and the template's end of
+    turn (its eos_token) stops a completion too."""
     loaded = load_model(spec)
+    turns = chat_encoder(loaded.tokenizer) if chat else None
     model = loaded.build(device)
     result = GenerateResult([], [])
     for start in range(0, len(prompts), batch_size):
-        texts, generated = _complete(model, loaded, prompts[start:start + batch_size], s, write)
+        texts, generated = _complete(model, loaded, prompts[start:start + batch_size], s, write, turns)
         result.completions += texts
         result.generated.append(generated)
     return result
 
 
-def _complete(model, loaded: LoadedModel, batch: list[str], s: Sampling,
-              write: Callable[[str], object]) -> tuple[list[str], Generated]:
+def chat_encoder(tok) -> tuple[Callable[[str], list[int]], tuple[int, ...]]:
+    """(a prompt as the ids of a user turn and the assistant's cue, the template's end-of-turn
+    ids), as transformers' apply_chat_template(add_generation_prompt=True) tokenizes it."""
+    from kiln.data.chat import render, special_tokens, template_of
+
+    companions = getattr(tok, "companions", {})
+    template = template_of(companions)
+    if template is None:
+        raise ConfigError("--chat: the model's tokenizer has no chat template (a chat_template in its "
+                          "tokenizer_config.json, or chat_template.jinja)")
+    end = special_tokens(companions).get("eos_token")
+    stops = tuple(i for i in [tok.token_to_id(end) if isinstance(end, str) else None] if i is not None)
+
+    def encode(prompt: str) -> list[int]:
+        text = render(template, [{"role": "user", "content": prompt}], companions, add_generation_prompt=True)
+        return list(map(int, tok.encode_batch([text], special=False)[0]))  # the template placed them
+
+    return encode, stops
+
+
+def _complete(model, loaded: LoadedModel, batch: list[str], s: Sampling, write: Callable[[str], object],
+              chat: tuple[Callable[[str], list[int]], tuple[int, ...]] | None = None) -> tuple[list[str], Generated]:
     tok = loaded.tokenizer
-    ids = [list(map(int, row)) for row in tok.encode_batch(batch)]
+    ids = ([chat[0](p) for p in batch] if chat else [list(map(int, row)) for row in tok.encode_batch(batch)])
     s = fit_to_context(s, max(map(len, ids)), loaded.cfg.seq_len)
     streams = [TextStream(tok.decode) for _ in batch]
     texts = [""] * len(batch)
@@ -180,7 +203,8 @@ def _complete(model, loaded: LoadedModel, batch: list[str], s: Sampling,
                     write(piece)
 
     try:
-        generated = generate(model, ids, s, tok.eot_id, loaded.vocab_size, on_tokens)
+        generated = generate(model, ids, s, tok.eot_id, loaded.vocab_size, on_tokens,
+                             stop_ids=chat[1] if chat else ())
     except ValueError as e:  # a prompt too long for the model's context
         raise ConfigError(f"--max-new-tokens {s.max_new_tokens}: {e}") from None
     for row, prompt in enumerate(batch):

@@ -79,13 +79,15 @@ def _left_pad(prompts: Sequence[Sequence[int]], pad: int, device) -> tuple[torch
 
 
 def generate(model: GPT, prompts: Sequence[Sequence[int]], s: Sampling, eot_id: int, vocab_size: int,
-             on_tokens: Callable[[list[int | None]], None] | None = None, use_cache: bool = True) -> Generated:
+             on_tokens: Callable[[list[int | None]], None] | None = None, use_cache: bool = True,
+             stop_ids: Sequence[int] = ()) -> Generated:
     """New tokens for each prompt (a batch, left-padded to one length).
 
     `vocab_size` is the tokenizer's: ids above it (the model's padding to a multiple of 64) are
     never sampled. `on_tokens` gets each step's token per row (None for a finished row), for
     streaming. `use_cache=False` recomputes every position at each step: the baseline the KV
-    cache is measured against."""
+    cache is measured against. `stop_ids`: tokens that end a row as end-of-text does (a chat
+    template's end of turn)."""
     if any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     if max(len(p) for p in prompts) + s.max_new_tokens > model.cfg.seq_len:
@@ -97,6 +99,7 @@ def generate(model: GPT, prompts: Sequence[Sequence[int]], s: Sampling, eot_id: 
     idx, valid = _left_pad(prompts, eot_id, device)
     history = torch.where(valid, idx, -1)[:, -s.repetition_window:] if s.repetition_window else idx[:, :0]
     done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
+    stops = torch.tensor(list(stop_ids), dtype=torch.long, device=device)
     out: list[list[int]] = [[] for _ in prompts]
     cache, feed, feed_valid = KVCache(model.cfg.n_layer), idx, valid
     start = time.perf_counter()
@@ -109,7 +112,7 @@ def generate(model: GPT, prompts: Sequence[Sequence[int]], s: Sampling, eot_id: 
             prefill_s = time.perf_counter() - start
         token = next_tokens(logits, history, s, generator)
         token = torch.where(done, torch.full_like(token, eot_id), token)
-        finished_now = (token == eot_id) & s.stop_at_eot
+        finished_now = ((token == eot_id) | torch.isin(token, stops)) & s.stop_at_eot
         emitted = [None if (d or f) else t for d, f, t in zip(done.tolist(), finished_now.tolist(), token.tolist())]
         for row, t in enumerate(emitted):
             if t is not None:
