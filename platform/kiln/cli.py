@@ -83,6 +83,7 @@ def _data(args: argparse.Namespace) -> int:
         inputs=args.input, output=args.output, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
         seq_len=args.seq_len, val_fraction=args.val_fraction, shard_tokens=args.shard_tokens,
         text_field=args.text_field, prompt_field=args.prompt_field, response_field=args.response_field,
+        chat_field=args.chat_field, chat_template=args.chat_template,
         seed=args.seed, if_exists=args.if_exists, s3_endpoint=args.s3_endpoint, on_binary=args.on_binary,
         on_bad_record=args.on_bad_record, unit_bytes=args.unit_bytes, bpe_sample_bytes=args.bpe_sample_bytes)
     validate_config(cfg)  # the flags first, whatever the Ray address says

@@ -103,6 +103,11 @@ def _data_parser(sub) -> None:
     prep.add_argument("--prompt-field", default="", help="instruction data: the field holding each prompt "
                       "(with --response-field; only responses are scored)")
     prep.add_argument("--response-field", default="", help="instruction data: the field holding each response")
+    prep.add_argument("--chat-field", default="", help="chat data: the field holding each conversation, a list of "
+                      "{role, content} messages, rendered with the tokenizer's chat template (only assistant turns "
+                      "are scored)")
+    prep.add_argument("--chat-template", default="", help="with --chat-field: a Jinja chat template file to use "
+                      "instead of the tokenizer's")
     prep.add_argument("--seed", type=int, default=1234, help="seeds the train/val split and the row shuffle")
     prep.add_argument("--if-exists", choices=["error", "reuse", "overwrite"], default="error",
                       help="if the output already holds a dataset (default: error)")

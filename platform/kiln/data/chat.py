@@ -60,3 +60,47 @@ def render(template: str, messages: list[dict], companions: dict[str, str], add_
                                                 **tokens)
     except TemplateError as e:
         raise ConfigError(f"the tokenizer's chat template does not render: {e}") from None
+
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def message_problem(messages) -> str | None:
+    """Why a record's messages are not a conversation Kiln can render, in words, or None."""
+    if not isinstance(messages, list) or not messages:
+        return "expected a non-empty list of {role, content} messages"
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            return f"message {i} is not an object with string fields 'role' and 'content'"
+        if m["role"] not in ROLES:
+            return f"message {i} has role {m['role']!r}; expected one of {list(ROLES)}"
+    if not any(m["role"] == "assistant" for m in messages):
+        return "no assistant message: nothing to learn from"
+    return None
+
+
+def encode_chat(tok, template: str, companions: dict[str, str], messages: list[dict]):
+    """The conversation's ids as transformers' apply_chat_template(messages, tokenize=True) gives
+    them, each token the model is not to be scored on (all but the assistant turns, each with
+    the template's end of turn) stored as -(id + 1).
+
+    An assistant turn's text is what rendering through it adds to rendering up to its cue
+    (add_generation_prompt): the template places it, whatever its markup. A template whose
+    renders are not prefixes of one another cannot be cut so, and is refused."""
+    import numpy as np
+
+    full = render(template, messages, companions, add_generation_prompt=False)
+    spans = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        before = render(template, messages[:i], companions, add_generation_prompt=True)
+        through = render(template, messages[: i + 1], companions, add_generation_prompt=False)
+        if not (full.startswith(through) and through.startswith(before)):
+            raise ConfigError("the chat template renders a conversation's beginning differently from the whole "
+                              "conversation, so its assistant turns cannot be found; give another with --chat-template")
+        spans.append((len(before), len(through)))
+    encoding = tok.encode_with_offsets(full)
+    ids = np.asarray(encoding[0], dtype=np.int32)
+    scored = np.array([any(a <= start < b for a, b in spans) for start, _ in encoding[1]], dtype=bool)
+    return np.where(scored, ids, -ids - 1).astype(np.int32)

@@ -83,6 +83,7 @@ class ReadOptions:
     text_field: str = "text"
     prompt_field: str = ""
     response_field: str = ""
+    chat_field: str = ""
     val_fraction: float = 0.1
     seed: int = 1234
     on_binary: str = "error"
@@ -113,7 +114,14 @@ class BinaryInput(DataError):
 
 
 # ---- reading a unit -----------------------------------------------------------------------------
-Document = str | tuple[str, str]  # a text, or an instruction example's (prompt, response)
+Document = str | tuple[str, str] | list  # a text, an instruction example's (prompt, response), a chat's messages
+
+
+def document_text(doc: Document) -> str:
+    """A document's text, for its digest and counts (a chat's as its messages' JSON)."""
+    if isinstance(doc, str):
+        return doc
+    return f"{doc[0]}\x1f{doc[1]}" if isinstance(doc, tuple) else json.dumps(doc, ensure_ascii=False)
 
 
 def read_unit(unit: Unit, opts: ReadOptions, stats: ReadStats) -> Iterator[tuple[str, Document]]:
@@ -130,9 +138,9 @@ def read_unit(unit: Unit, opts: ReadOptions, stats: ReadStats) -> Iterator[tuple
                 raise DataError(f"{e}; leave it out of --input, or pass --on-binary skip") from None
             log.warning("%s: skipped", e)
             stats.binary_files_skipped += 1
-    docs = [d for d in docs if (d if isinstance(d, str) else d[1]).strip()]
+    docs = [d for d in docs if isinstance(d, list) or (d if isinstance(d, str) else d[1]).strip()]
     for doc in docs:
-        stats.invalid_utf8_chars += (doc if isinstance(doc, str) else doc[0] + doc[1]).count("\ufffd")
+        stats.invalid_utf8_chars += document_text(doc).count("\ufffd")
     if unit.tail_split and len(docs) == 1 and isinstance(docs[0], str):
         cut = int(len(docs[0]) * (1 - opts.val_fraction))  # one document: its tail is held out
         labelled = [("train", docs[0][:cut]), ("val", docs[0][cut:])]
@@ -152,7 +160,20 @@ def _val_draw(n: int, opts: ReadOptions, unit: int) -> list[str]:
 
 
 def _fields(opts: ReadOptions) -> tuple[str, ...]:
+    if opts.chat_field:
+        return (opts.chat_field,)
     return (opts.prompt_field, opts.response_field) if opts.prompt_field else (opts.text_field,)
+
+
+def _record_problem(rec, fields: tuple[str, ...], chat: bool) -> str | None:
+    """Why a JSONL record is not one document of the kind asked for, or None."""
+    from kiln.data.chat import message_problem
+
+    if chat:
+        problem = message_problem(rec.get(fields[0]) if isinstance(rec, dict) else None)
+        return None if problem is None else f"field {fields[0]!r}: {problem}"
+    missing = [n for n in fields if not isinstance(rec, dict) or not isinstance(rec.get(n), str)]
+    return f"expected an object with a string field {missing[0]!r}" if missing else None
 
 
 def _read_piece(piece: Piece, opts: ReadOptions, stats: ReadStats) -> Iterator[Document]:
@@ -161,9 +182,9 @@ def _read_piece(piece: Piece, opts: ReadOptions, stats: ReadStats) -> Iterator[D
         yield from _jsonl(piece, opts, stats)
     elif kind == "parquet":
         yield from _parquet(piece, opts)
-    elif opts.prompt_field:
-        raise DataError(f"input {piece.file.uri}: instruction data (--prompt-field/--response-field) is read from "
-                        ".jsonl or .parquet files")
+    elif opts.prompt_field or opts.chat_field:
+        raise DataError(f"input {piece.file.uri}: instruction and chat data (--prompt-field/--response-field, "
+                        "--chat-field) are read from .jsonl or .parquet files")
     else:
         data = _read(piece.file, 0, -1)
         if b"\0" in data[:BINARY_SNIFF]:
@@ -255,9 +276,7 @@ def _jsonl(piece: Piece, opts: ReadOptions, stats: ReadStats) -> Iterator[Docume
         except json.JSONDecodeError as e:
             problem = f"not valid JSON ({e.msg})"
         else:
-            missing = [n for n in fields if not isinstance(rec, dict) or not isinstance(rec.get(n), str)]
-            if missing:
-                problem = f"expected an object with a string field {missing[0]!r}"
+            problem = _record_problem(rec, fields, bool(opts.chat_field))
         if problem is None:
             yield rec[fields[0]] if len(fields) == 1 else (rec[fields[0]], rec[fields[1]])
         elif opts.on_bad_record == "skip":
@@ -294,6 +313,8 @@ def _parquet(piece: Piece, opts: ReadOptions) -> Iterator[Document]:
             if name not in names:  # a DataError: not retried, not taken for an unreadable file
                 raise DataError(f"input {f.uri} has no column {name!r} (columns: {names})")
             kind = pf.schema_arrow.field(name).type
+            if opts.chat_field and (pa.types.is_list(kind) or pa.types.is_large_list(kind)):
+                continue  # a list of {role, content} structs, each row checked as it is read
             if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
                 raise DataError(f"input {f.uri}: column {name!r} holds {kind}, not text; expected a string column")
         groups = [i for i in range(pf.num_row_groups) if piece.start <= _group_start(pf.metadata, i) < piece.stop]
@@ -304,6 +325,15 @@ def _parquet(piece: Piece, opts: ReadOptions) -> Iterator[Document]:
     except (OSError, pa.ArrowInvalid) as e:
         raise DataError(f"input {f.uri} is not a readable Parquet file: {e}") from None
     columns = [table.column(n).to_pylist() for n in fields]
+    if opts.chat_field:
+        from kiln.data.chat import message_problem
+
+        for i, messages in enumerate(columns[0]):
+            problem = message_problem(messages)
+            if problem:
+                raise DataError(f"input {f.uri}: row {i} of its row groups: column {fields[0]!r}: {problem}")
+        yield from columns[0]
+        return
     if len(fields) == 1:
         yield from (c for c in columns[0] if c)
     else:

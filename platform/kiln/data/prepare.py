@@ -86,6 +86,8 @@ def settings(cfg: PrepareConfig, tok) -> dict:
         out["bpe_sample_bytes"] = cfg.bpe_sample_bytes
     if cfg.prompt_field:  # the same records packed with a loss mask are another dataset
         out["loss_mask"] = [cfg.prompt_field, cfg.response_field]
+    if cfg.chat_field:
+        out["loss_mask"] = ["chat", cfg.chat_field, hashlib.sha256(_chat(cfg, tok)[0].encode()).hexdigest()]
     return out
 
 
@@ -128,13 +130,32 @@ def _tokenizer(cfg: PrepareConfig, units: Units, opts: ReadOptions, staged: Loca
     return BPETokenizer.train(texts, cfg.vocab_size)
 
 
+def _chat(cfg: PrepareConfig, tok) -> tuple[str, dict[str, str]]:
+    """(the chat template, the tokenizer's companion files) of chat data; ('', {}) otherwise."""
+    if not cfg.chat_field:
+        return "", {}
+    from kiln.data.chat import template_of
+
+    companions = getattr(tok, "companions", {})
+    template = Path(cfg.chat_template).read_text() if cfg.chat_template else template_of(companions)
+    if tok.kind == "byte":
+        raise ConfigError(f"--chat-field {cfg.chat_field}: the byte tokenizer has no special tokens for chat turns; "
+                          "prepare chat data with --tokenizer bpe or a pretrained tokenizer")
+    if not template:
+        raise ConfigError(f"--chat-field {cfg.chat_field}: the tokenizer {cfg.tokenizer!r} has no chat template; "
+                          "prepare with a pretrained tokenizer that has one (--tokenizer DIR), or give one with "
+                          "--chat-template FILE")
+    return template, companions
+
+
 def _bpe_sample(units: Units, opts: ReadOptions, budget: int) -> Iterator[str]:
     held = 0
     for unit in units:
         for split, doc in read_unit(unit, opts, ReadStats()):
             if split != "train":
                 continue
-            text = doc if isinstance(doc, str) else doc[0] + doc[1]
+            text = doc if isinstance(doc, str) else doc[0] + doc[1] if isinstance(doc, tuple) else \
+                " ".join(m["content"] for m in doc)
             yield text
             held += len(text)
             if held >= budget:
@@ -257,8 +278,8 @@ def prepare(cfg: PrepareConfig | None = None, /, *, executor: Executor | None = 
 
 def _build(cfg: PrepareConfig, units: Units, staged: Location, key: str, executor: Executor) -> dict:
     """Run every unit not finished before; the manifest of them all."""
-    opts = ReadOptions(cfg.text_field, cfg.prompt_field, cfg.response_field, cfg.val_fraction, cfg.seed,
-                       cfg.on_binary, cfg.on_bad_record)
+    opts = ReadOptions(cfg.text_field, cfg.prompt_field, cfg.response_field, cfg.chat_field, cfg.val_fraction,
+                       cfg.seed, cfg.on_binary, cfg.on_bad_record)
     tok = _tokenizer(cfg, units, opts, staged)
     if tok.to_json() and not staged.join(TOKENIZER_FILE).exists():  # before any unit: a resume reuses it,
         write_once(staged.join(TOKENIZER_FILE), tok.to_json().encode())  # so whole or not at all
@@ -267,7 +288,7 @@ def _build(cfg: PrepareConfig, units: Units, staged: Location, key: str, executo
             write_once(staged.join(name), text.encode())
     job = UnitJob("byte" if tok.kind == "byte" else tok.to_json(), tok.eot_id, cfg.seq_len,
                   _rows_per_shard(cfg), row_group_rows(cfg.seq_len), opts, staged.uri,
-                  cfg.s3_endpoint, key)
+                  cfg.s3_endpoint, key, *_chat(cfg, tok))
     # A record's token counts (a vocab's worth of numbers) are summed as it arrives, not kept:
     # the driver's memory must not grow with units x vocab.
     counts = np.zeros(tok.vocab_size, dtype=np.int64)
@@ -363,6 +384,9 @@ def _manifest(cfg: PrepareConfig, tok, records: list[dict], counts: np.ndarray, 
         **({"loss_mask": {"scored": "response", "prompt_field": cfg.prompt_field, "response_field": cfg.response_field,
                           "encoding": "a prompt token is stored as -(id + 1): read, not scored"}}
            if cfg.prompt_field else {}),
+        **({"loss_mask": {"scored": "assistant", "chat_field": cfg.chat_field,
+                          "encoding": "the chat template's text; all but the assistant turns stored as -(id + 1)"}}
+           if cfg.chat_field else {}),
         "unigram_entropy_bits": unigram_entropy_bits(counts),
         "input": {k: v for k, v in dataclasses.asdict(stats).items() if k != "documents"},
         "units": len(records),

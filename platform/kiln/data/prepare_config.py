@@ -44,6 +44,13 @@ class PrepareConfig:
     """Instruction data: with both set, each JSONL record (or Parquet row) holds a prompt and a
     response, packed as prompt + response + EOT, and only the response and its EOT are scored
     (a prompt token is stored as -(id + 1): `kiln.model.inputs_and_targets`)."""
+    chat_field: str = ""
+    """Chat data: the field (JSONL) or column (Parquet) of each record holding a conversation,
+    a list of {role, content} messages (roles system, user, assistant, tool). It is rendered with
+    the tokenizer's chat template as transformers' apply_chat_template renders it, and only the
+    assistant turns (each with the template's end of turn) are scored."""
+    chat_template: str = ""
+    """With chat_field: a Jinja chat template file to use instead of the tokenizer's own."""
     seed: int = 1234
     """Seeds the train/val split, the order of the inputs and the row shuffle."""
     if_exists: str = "error"
@@ -90,6 +97,12 @@ def validate_config(cfg: PrepareConfig) -> None:
     """Every flag's rule, before any listing, Ray or output is touched."""
     if bool(cfg.prompt_field) != bool(cfg.response_field):
         raise ConfigError("--prompt-field and --response-field go together: give both for instruction data, or neither")
+    if cfg.chat_field and cfg.prompt_field:
+        raise ConfigError("--chat-field and --prompt-field/--response-field are two kinds of data: give one")
+    if cfg.chat_template and not cfg.chat_field:
+        raise ConfigError("--chat-template is for chat data: give --chat-field too")
+    if cfg.chat_template and not Path(cfg.chat_template).is_file():
+        raise ConfigError(f"--chat-template {cfg.chat_template!r}: no such file; expected a Jinja chat template")
     if cfg.tokenizer not in ("byte", "bpe") and not Path(cfg.tokenizer).exists():
         raise ConfigError(f"--tokenizer {cfg.tokenizer!r}: expected 'byte', 'bpe', or the path of a tokenizer.json "
                           "or of a Hugging Face directory holding one")

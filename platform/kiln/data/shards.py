@@ -14,13 +14,14 @@ import hashlib
 import io
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from kiln.data.inputs import ReadOptions, ReadStats, Unit, read_unit
+from kiln.data.chat import encode_chat
+from kiln.data.inputs import ReadOptions, ReadStats, Unit, document_text, read_unit
 from kiln.data.manifest import SAMPLE_ID, TOKENS
 from kiln.storage import resolve, write_once
 
@@ -55,11 +56,19 @@ class UnitJob:
     key: str = ""
     """The prepare's key (inputs and settings): a record carries it, and a resume keeps only
     the records of its own key."""
+    chat_template: str = ""
+    """Chat data's template (kiln.data.chat); empty for other data."""
+    companions: dict = field(default_factory=dict)
+    """The tokenizer's companion files, whose special tokens the template uses."""
 
     def make_tokenizer(self):
         from kiln.data.tokenizer import BPETokenizer, ByteTokenizer
 
-        return ByteTokenizer() if self.tokenizer == "byte" else BPETokenizer.from_json(self.tokenizer, self.eot_id)
+        if self.tokenizer == "byte":
+            return ByteTokenizer()
+        tok = BPETokenizer.from_json(self.tokenizer, self.eot_id)
+        tok.companions = dict(self.companions)
+        return tok
 
 
 class UnitWorker:
@@ -117,7 +126,10 @@ def _token_streams(unit: Unit, job: UnitJob, tok, stats: ReadStats) -> tuple[dic
 
     def flush(split: str) -> None:
         docs, pending[split] = pending[split], []
-        if docs and not isinstance(docs[0], str):
+        if docs and isinstance(docs[0], list):  # chat: the template's text, then an unscored end
+            for messages in docs:
+                pieces[split].extend((encode_chat(tok, job.chat_template, job.companions, messages), -eot - 1))
+        elif docs and not isinstance(docs[0], str):
             # BOS (where the tokenizer adds one) once, at the start of the example: not before its response
             prompts = tok.encode_batch([d[0] for d in docs])
             responses = tok.encode_batch([d[1] for d in docs], special=False)
@@ -128,8 +140,7 @@ def _token_streams(unit: Unit, job: UnitJob, tok, stats: ReadStats) -> tuple[dic
                 pieces[split].extend((ids, eot))
 
     for split, doc in read_unit(unit, job.read, stats):
-        text = doc if isinstance(doc, str) else f"{doc[0]}\x1f{doc[1]}"  # a separator no text holds
-        digest.update(f"{split}\0{text}\0".encode("utf-8", errors="replace"))
+        digest.update(f"{split}\0{document_text(doc)}\0".encode("utf-8", errors="replace"))
         pending[split].append(doc)
         if len(pending[split]) >= ENCODE_BATCH:
             flush(split)

@@ -65,6 +65,11 @@ class BPETokenizer:
     def token_to_id(self, text: str) -> int | None:
         return self._tok.token_to_id(text)
 
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """A text's ids (no special tokens added around it) and each one's character span."""
+        e = self._tok.encode(text, add_special_tokens=False)
+        return e.ids, e.offsets
+
     @classmethod
     def train(cls, texts: Iterable[str], vocab_size: int) -> BPETokenizer:
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
