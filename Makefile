@@ -9,7 +9,7 @@ STDLIB := $(shell $(PY) -c 'import sysconfig; print(sysconfig.get_paths()["stdli
 
 DEMO_DATA := data/stdlib-bpe/manifest.json
 
-.PHONY: install install-test demo test lint bench clean prometheus-tools
+.PHONY: install install-test demo test test-fast lint bench clean prometheus-tools
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -53,6 +53,11 @@ prometheus-tools:
 
 test: $(TEST_STAMP) prometheus-tools lint
 	$(BIN)/python -m pytest tests --durations=40
+
+# The inner loop: everything but the integration tests (a Ray cluster) and the `slow` ones
+# (whole training jobs and engines), which `make test` runs.
+test-fast: $(TEST_STAMP) prometheus-tools
+	$(BIN)/python -m pytest tests -m "not integration and not slow" -q
 
 # ruff, then the architecture contracts of pyproject.toml's [tool.importlinter] (ARCHITECTURE.md).
 lint: $(TEST_STAMP)

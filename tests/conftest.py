@@ -103,3 +103,11 @@ def tiny_hf(tmp_path_factory, corpus) -> Path:
     texts = [p.read_text() for p in sorted(Path(corpus[0]).glob("*.py"))]
     (d / "tokenizer.json").write_text(BPETokenizer.train(texts, 300).to_json())
     return d
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test under tests/integration carries the `integration` marker (`make test-fast`
+    leaves them out with the `slow` ones)."""
+    for item in items:
+        if "integration" in item.path.parts:
+            item.add_marker(pytest.mark.integration)

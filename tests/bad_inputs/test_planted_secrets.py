@@ -10,10 +10,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).parent))
 from cases import DS_SECRET, DS_SET, ENV_SECRETS, PW, TOKEN_USER  # noqa: E402
 
 from kiln.launch.local import free_port  # noqa: E402
+
+pytestmark = pytest.mark.slow  # whole training jobs or engines: not in `make test-fast`
 
 KILN = str(Path(sys.executable).parent / "kiln")
 REPO = Path(__file__).resolve().parents[2]

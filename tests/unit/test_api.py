@@ -7,6 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # whole training jobs or engines: not in `make test-fast`
+
 REPO = Path(__file__).resolve().parents[2]
 
 SCRIPT = """

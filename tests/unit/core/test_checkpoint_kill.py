@@ -13,7 +13,11 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from kiln.core import checkpoint
+
+pytestmark = pytest.mark.slow  # whole training jobs or engines: not in `make test-fast`
 
 WRITER = str(Path(__file__).with_name("checkpoint_writer.py"))
 TRIALS = 10

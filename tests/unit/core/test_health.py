@@ -17,6 +17,8 @@ from kiln.core import checkpoint
 from kiln.core.health import MIN_HISTORY, BadLoss, HealthConfig, HealthGuard
 from kiln.errors import ConfigError
 
+pytestmark = pytest.mark.slow  # whole training jobs or engines: not in `make test-fast`
+
 REPO = Path(__file__).resolve().parents[3]
 CPU = torch.device("cpu")
 

@@ -16,6 +16,8 @@ import pytest
 from kiln.core import checkpoint
 from kiln.launch.local import free_port
 
+pytestmark = pytest.mark.slow  # whole training jobs or engines: not in `make test-fast`
+
 REPO = Path(__file__).resolve().parents[3]
 # Credentials as users hand them over: in the environment, and inside a URL in the config.
 PLANTED_ENV = {"AWS_SECRET_ACCESS_KEY": "planted-aws-secret-0001", "AWS_SESSION_TOKEN": "planted-aws-session-0002",

@@ -10,8 +10,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bad_inputs"))
 from cases import DS_SECRET, DS_SET, ENV_SECRETS, TOKEN_USER  # noqa: E402
+
+pytestmark = pytest.mark.slow  # whole training jobs or engines: not in `make test-fast`
 
 REPO = Path(__file__).resolve().parents[3]
 KILN = str(Path(sys.executable).parent / "kiln")

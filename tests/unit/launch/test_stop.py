@@ -8,7 +8,10 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 from mlflow.tracking import MlflowClient
+
+pytestmark = pytest.mark.slow  # whole training jobs or engines: not in `make test-fast`
 
 REPO = Path(__file__).resolve().parents[3]
 

@@ -9,6 +9,8 @@ import pytest
 
 from kiln.launch.local import free_port
 
+pytestmark = pytest.mark.slow  # whole training jobs or engines: not in `make test-fast`
+
 # One process, world size 1: two ZeRO-0 engines from the same seed, one as Kiln builds it (no
 # gradient all-reduce) and one with DeepSpeed's all-reduce forced back on; 3 optimizer steps of
 # 2 micro-batches each on the same batches. Then a ZeRO-1 engine, which must keep its own reduce.

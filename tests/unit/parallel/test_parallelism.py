@@ -15,6 +15,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from parallel_harness import launch as _harness  # noqa: E402
 
+pytestmark = pytest.mark.slow  # whole training jobs or engines: not in `make test-fast`
+
 STEPS = 20
 
 # Every optimizer under every ZeRO stage, 8 steps each (lr per optimizer: what trains the debug GPT).

@@ -17,6 +17,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from parallel_harness import launch  # noqa: E402
 
+pytestmark = pytest.mark.slow  # whole training jobs or engines: not in `make test-fast`
+
 SAVED, STEPS, MICRO = 8, 12, 2
 SEQUENCES = 12  # per step, on any of 1, 2 or 3 ranks
 STAGES = {

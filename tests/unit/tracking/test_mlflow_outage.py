@@ -15,6 +15,7 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 from mlflow.entities import Metric
 from mlflow.tracking import MlflowClient
 
@@ -22,6 +23,8 @@ from kiln.launch.local import free_port
 from kiln.tracking import services
 from kiln.tracking.mlflow_run import MLflowLogger
 from kiln.tracking.sender import Sender, undelivered
+
+pytestmark = pytest.mark.slow  # whole training jobs or engines: not in `make test-fast`
 
 REPO = Path(__file__).resolve().parents[3]
 STEPS = 600  # about 40 ms each: the outage falls inside training
