@@ -29,7 +29,7 @@ from typing import Any
 import yaml
 
 from kiln import knobs, yamlfile
-from kiln.core.config import EXPERIMENT_ENV, LoggingConfig, TrainConfig
+from kiln.core.config import LoggingConfig, TrainConfig, default_experiment
 from kiln.core.health import HealthConfig  # noqa: F401  (a section, importable from here)
 from kiln.core.optim import OptimConfig
 from kiln.core.profiling import ProfileConfig  # noqa: F401  (a section, importable from here)
@@ -188,11 +188,12 @@ def _deepspeed_from_file(tree: dict[str, Any]) -> None:
 
 
 def _experiment_from_environment(tree: dict[str, Any]) -> None:
-    """MLflow's own $MLFLOW_EXPERIMENT_NAME names the experiment of a config that names none."""
+    """A config that names no experiment gets `default_experiment()` (MLflow's own
+    $MLFLOW_EXPERIMENT_NAME, else the field's default)."""
     section = tree.get("logging")
     named = isinstance(section, dict) and "experiment" in section
-    if not named and os.environ.get(EXPERIMENT_ENV) and (section is None or isinstance(section, dict)):
-        tree["logging"] = {**(section or {}), "experiment": os.environ[EXPERIMENT_ENV]}
+    if not named and (section is None or isinstance(section, dict)):
+        tree["logging"] = {**(section or {}), "experiment": default_experiment()}
 
 
 def annotated_yaml(cfg: RunConfig | None = None) -> str:

@@ -23,7 +23,7 @@ import torch
 from typing_extensions import Required, TypedDict
 
 from kiln.errors import ConfigError, KilnError
-from kiln.model import GPTConfig, shape_problem
+from kiln.model import ROPE_SCALINGS, GPTConfig, shape_problem
 from kiln.schemas import type_problems, validated
 
 CONFIG = "config.json"
@@ -222,8 +222,8 @@ def _context(raw: dict, kind: str) -> int:
     return min(context, int(window)) if window else context
 
 
-# RoPE scaling kinds Kiln's model computes (kiln.model.rope_frequencies), by transformers' name
-ROPE_TYPES = {"default": "", "linear": "linear", "llama3": "llama3"}
+# RoPE scaling kinds Kiln's model computes (kiln.model.ROPE_SCALINGS), by transformers' name
+ROPE_TYPES = {kind or "default": kind for kind in ROPE_SCALINGS}
 
 
 def _rope_fields(rope: dict, path: Path) -> dict:
@@ -424,7 +424,8 @@ def write(cfg: GPTConfig, state: dict[str, torch.Tensor], tokenizer, vocab: int,
     eot = int(tokenizer.eot_id)
     eot_text = tokenizer.id_to_token(eot)
     base = dict(getattr(tokenizer, "companions", {}))  # a pretrained tokenizer's own files, kept as they are
-    bos = _base_bos(tokenizer, base.get("tokenizer_config.json"), eot)
+    named = tokenizer.special_id("bos_token")  # the base tokenizer's, else end-of-text (as GPT-2's)
+    bos = eot if named is None else int(named)
     cast, dtype_name = EXPORT_DTYPES[dtype]
     weights = {k: v.to(cast) if v.is_floating_point() else v for k, v in hf_state(cfg, state, vocab).items()}
     weight_files = _save_sharded(weights, directory, max_shard_size)
@@ -443,18 +444,6 @@ def write(cfg: GPTConfig, state: dict[str, torch.Tensor], tokenizer, vocab: int,
         (directory / name).write_text(base[name])
     (directory / "tokenizer.json").write_text(tokenizer.hf_json())
     return [*weight_files, *files, *sorted(set(base) - set(files)), "tokenizer.json"]
-
-
-def _base_bos(tokenizer, config_text: str | None, eot: int) -> int:
-    """The BOS id the base tokenizer's tokenizer_config.json names, else the end-of-text id (as
-    GPT-2's, where they are one token)."""
-    try:
-        named = json.loads(config_text).get("bos_token") if config_text else None
-    except ValueError:
-        return eot
-    text = named.get("content") if isinstance(named, dict) else named
-    found = tokenizer.token_to_id(text) if isinstance(text, str) and hasattr(tokenizer, "token_to_id") else None
-    return eot if found is None else int(found)
 
 
 def _save_sharded(weights: dict[str, torch.Tensor], directory: Path, max_shard_size: int | str) -> list[str]:

@@ -108,9 +108,12 @@ def shape_problem(cfg: GPTConfig) -> str | None:
     return _rope_problem(cfg)
 
 
+ROPE_SCALINGS = ("", "linear", "llama3")  # what rope_frequencies computes
+
+
 def _rope_problem(cfg: GPTConfig) -> str | None:
-    if cfg.rope_scaling not in ("", "linear", "llama3"):
-        return f"rope_scaling = {cfg.rope_scaling!r}: expected '', 'linear' or 'llama3'"
+    if cfg.rope_scaling not in ROPE_SCALINGS:
+        return f"rope_scaling = {cfg.rope_scaling!r}: expected one of {list(ROPE_SCALINGS)}"
     if cfg.rope_scaling and not cfg.rope_factor > 0:
         return f"rope_factor = {cfg.rope_factor}: expected a positive number"
     if cfg.rope_scaling == "llama3" and not (0 < cfg.rope_low_freq_factor < cfg.rope_high_freq_factor

@@ -76,9 +76,13 @@ class SecondNode:
         return len(victims)
 
 
+def _s3(endpoint: str):
+    return boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
+                        aws_access_key_id="testing", aws_secret_access_key="testing")  # conftest's S3_ENV
+
+
 def _keys(endpoint: str, prefix: str) -> list[str]:
-    s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
-                      aws_access_key_id="testing", aws_secret_access_key="testing")  # conftest's S3_ENV
+    s3 = _s3(endpoint)
     return [o["Key"] for page in s3.get_paginator("list_objects_v2").paginate(Bucket="kiln-test", Prefix=prefix)
             for o in page.get("Contents", [])]
 
@@ -93,8 +97,7 @@ def _wait_for_a_registered_checkpoint(endpoint: str, job: subprocess.Popen, log:
     """Until Ray Train's checkpoint-manager snapshot on S3 lists a checkpoint written by `ranks`
     ranks: a directory alone may still be uploading, and an unregistered checkpoint is not one a
     restart resumes from."""
-    s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
-                      aws_access_key_id="testing", aws_secret_access_key="testing")  # conftest's S3_ENV
+    s3 = _s3(endpoint)
     deadline = time.time() + 600
     while True:
         assert job.poll() is None, log.read_text()[-4000:]
@@ -147,8 +150,7 @@ def _check_each_row_once_an_epoch(indices: Path, endpoint: str) -> None:
 
     steps = trained_ids(indices)
     assert sorted(steps) == list(range(1, STEPS + 1)) and {len(v) for v in steps.values()} == {16}
-    s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
-                      aws_access_key_id="testing", aws_secret_access_key="testing")  # conftest's S3_ENV
+    s3 = _s3(endpoint)
     manifest = json.loads(s3.get_object(Bucket="kiln-test", Key="stdlib-bpe/manifest.json")["Body"].read())
     rows = {i for shard in manifest["splits"]["train"]["shards"]
             for i in range(shard["first_id"], shard["first_id"] + shard["rows"])}

@@ -69,14 +69,19 @@ FAMILIES = {"qwen2": (transformers.Qwen2Config, {}),
 @pytest.fixture(scope="module", params=["gpt2", "gpt2-untied", "llama-gqa", "llama-tied", *ROPE, *FAMILIES])
 def checkpoint(request, tmp_path_factory, corpus):
     """A transformers model saved in several shards, with a BPE tokenizer of its vocab."""
+    d = tmp_path_factory.mktemp("hf") / request.param
+    return d, _saved(request.param, d, corpus, max_shard_size="40KB")
+
+
+def _saved(kind: str, d, corpus, **save):
+    """`_model(kind)` saved at `d` with a BPE tokenizer of its vocab, trained on the corpus; the model."""
     from pathlib import Path
 
-    d = tmp_path_factory.mktemp("hf") / request.param
-    model = _model(request.param)
-    model.save_pretrained(d, max_shard_size="40KB")
+    model = _model(kind)
+    model.save_pretrained(d, **save)
     texts = [p.read_text() for p in sorted(Path(corpus[0]).glob("*.py"))]
     (d / "tokenizer.json").write_text(BPETokenizer.train(texts, VOCAB).to_json())
-    return d, model
+    return model
 
 
 def test_a_sharded_checkpoint_loads_with_transformers_logits(checkpoint):
@@ -287,16 +292,13 @@ def test_an_export_keeps_the_base_tokenizers_config_and_chat_template(corpus, tm
     """A checkpoint whose tokenizer came with tokenizer_config.json and a chat template: its
     export writes both back as they were, so transformers formats chats as the base did; a
     dataset prepared with that tokenizer keeps them too, for the exports of what trains on it."""
-    from pathlib import Path
 
     from kiln.data.manifest import load_manifest
     from kiln.data.prepare import PrepareConfig, prepare
     from kiln.storage import resolve
 
     base = tmp_path / "base"
-    _model("llama-gqa").save_pretrained(base)
-    texts = [p.read_text() for p in sorted(Path(corpus[0]).glob("*.py"))]
-    (base / "tokenizer.json").write_text(BPETokenizer.train(texts, VOCAB).to_json())
+    _saved("llama-gqa", base, corpus)
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|endoftext|>",
               "eos_token": "<|endoftext|>", "model_max_length": 64, "clean_up_tokenization_spaces": False}
     (base / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
@@ -322,15 +324,11 @@ CUE_CHAT = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['cont
 
 
 def test_generate_chat_tokenizes_the_prompt_as_transformers_and_replies_as_it_does(corpus, tmp_path, capsys):
-    from pathlib import Path
 
     from kiln.infer.commands import chat_encoder
 
     base = tmp_path / "chat"
-    model = _model("llama-gqa")
-    model.save_pretrained(base)
-    texts = [p.read_text() for p in sorted(Path(corpus[0]).glob("*.py"))]
-    (base / "tokenizer.json").write_text(BPETokenizer.train(texts, VOCAB).to_json())
+    model = _saved("llama-gqa", base, corpus)
     (base / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>",
         "chat_template": CUE_CHAT}))

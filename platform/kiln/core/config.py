@@ -9,6 +9,7 @@ the parallel layout) are `kiln.config`'s.
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Literal
@@ -146,3 +147,9 @@ class LoggingConfig:
 
     def check(self) -> None:
         check_ranges(self, "logging")
+
+
+def default_experiment() -> str:
+    """The experiment where neither a config nor a flag names one: $MLFLOW_EXPERIMENT_NAME,
+    else LoggingConfig's default (kiln)."""
+    return os.environ.get(EXPERIMENT_ENV) or LoggingConfig.experiment

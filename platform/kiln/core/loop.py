@@ -44,7 +44,7 @@ from kiln.core.remote_checkpoint import copy_to
 from kiln.core.resize import Regroup, sized_for, with_micro_batches
 from kiln.core.sinks import Fetch, MetricLogger, Sinks
 from kiln.core.step import PhaseTimer, StepResult, train_step
-from kiln.data.indices import TRAINED, IndexLog
+from kiln.data.indices import DROPPED, SKIPPED, TRAINED, IndexLog
 from kiln.data.sources import BatchSource
 from kiln.errors import KilnError
 from kiln.guard import discard
@@ -168,13 +168,13 @@ class _Training:
                 result = train_step(self.engine, self.batches, self.cfg.micro_batches_per_step, self.guard,
                                     self.gate, self.timer, step)
             except BadLoss as bad:
-                self._record_indices(bad.step, "dropped")
+                self._record_indices(bad.step, DROPPED)
                 step = _after_bad_loss(bad, self.guard, self.engine, self.policy.last_good, self.world.rank,
                                        self.sinks.logger)
                 continue
             if self.guard.events:
                 _record_health(self.guard, self.sinks.logger, step, self.world.rank)
-            self._record_indices(step, TRAINED if result.skipped is None else "skipped")
+            self._record_indices(step, TRAINED if result.skipped is None else SKIPPED)
             if result.skipped is not None:
                 step -= 1  # the same step again, on the next micro-batches
                 continue

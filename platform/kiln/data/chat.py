@@ -10,6 +10,7 @@ classes, which Kiln's `tokenizers` files do not use.
 
 from __future__ import annotations
 
+import functools
 import json
 from datetime import datetime
 
@@ -31,9 +32,16 @@ def template_of(companions: dict[str, str]) -> str | None:
 
 
 def special_tokens(companions: dict[str, str]) -> dict:
-    """tokenizer_config.json's settings, its special tokens as plain strings (bos_token, ...)."""
+    """tokenizer_config.json's settings, its special tokens as plain strings (bos_token, ...).
+    Not to be changed: one dict per config text (a Llama 3 config is ~50 KB of JSON, read
+    once rather than at every render)."""
+    return _settings(companions.get(CONFIG_FILE) or "{}")
+
+
+@functools.lru_cache(maxsize=8)
+def _settings(config_text: str) -> dict:
     try:
-        config = json.loads(companions.get(CONFIG_FILE) or "{}")
+        config = json.loads(config_text)
     except ValueError:
         return {}
     if not isinstance(config, dict):
@@ -41,23 +49,34 @@ def special_tokens(companions: dict[str, str]) -> dict:
     return {k: v.get("content") if isinstance(v, dict) and k.endswith("_token") else v for k, v in config.items()}
 
 
-def render(template: str, messages: list[dict], companions: dict[str, str], add_generation_prompt: bool) -> str:
-    """The text `template` makes of `messages` ([{role, content}, ...])."""
+def _raise_exception(message: str):
+    raise ConfigError(f"the chat template refuses these messages: {message}")
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled(template: str):
+    """The template compiled once (a conversation renders it 2 x its assistant turns + 1 times)."""
     from jinja2 import TemplateError
     from jinja2.ext import loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    def raise_exception(message: str):
-        raise ConfigError(f"the chat template refuses these messages: {message}")
-
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
     env.filters["tojson"] = lambda x, indent=None, separators=None, sort_keys=False: json.dumps(
         x, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys)
-    env.globals |= {"raise_exception": raise_exception, "strftime_now": lambda f: datetime.now().strftime(f)}
+    env.globals |= {"raise_exception": _raise_exception, "strftime_now": lambda f: datetime.now().strftime(f)}
+    try:
+        return env.from_string(template)
+    except TemplateError as e:
+        raise ConfigError(f"the tokenizer's chat template does not render: {e}") from None
+
+
+def render(template: str, messages: list[dict], companions: dict[str, str], add_generation_prompt: bool) -> str:
+    """The text `template` makes of `messages` ([{role, content}, ...])."""
+    from jinja2 import TemplateError
+
     tokens = {k: v for k, v in special_tokens(companions).items() if k.endswith("_token") and isinstance(v, str)}
     try:
-        return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                                **tokens)
+        return _compiled(template).render(messages=messages, add_generation_prompt=add_generation_prompt, **tokens)
     except TemplateError as e:
         raise ConfigError(f"the tokenizer's chat template does not render: {e}") from None
 

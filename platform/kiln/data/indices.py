@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-TRAINED = "trained"
+TRAINED, SKIPPED, DROPPED = "trained", "skipped", "dropped"  # a step's fate: kept, or the health guard's
 _NAME = re.compile(r"group-(\d+)\.replica(\d+)\.jsonl")
 
 

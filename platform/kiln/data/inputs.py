@@ -23,6 +23,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from kiln.data.chat import message_problem
 from kiln.errors import DataError
 from kiln.storage import resolve, retry_transient
 
@@ -167,8 +168,6 @@ def _fields(opts: ReadOptions) -> tuple[str, ...]:
 
 def _record_problem(rec, fields: tuple[str, ...], chat: bool) -> str | None:
     """Why a JSONL record is not one document of the kind asked for, or None."""
-    from kiln.data.chat import message_problem
-
     if chat:
         problem = message_problem(rec.get(fields[0]) if isinstance(rec, dict) else None)
         return None if problem is None else f"field {fields[0]!r}: {problem}"
@@ -326,8 +325,6 @@ def _parquet(piece: Piece, opts: ReadOptions) -> Iterator[Document]:
         raise DataError(f"input {f.uri} is not a readable Parquet file: {e}") from None
     columns = [table.column(n).to_pylist() for n in fields]
     if opts.chat_field:
-        from kiln.data.chat import message_problem
-
         for i, messages in enumerate(columns[0]):
             problem = message_problem(messages)
             if problem:

@@ -31,6 +31,9 @@ class ByteTokenizer:
     def id_to_token(self, i: int) -> str:
         return EOT if i == self.eot_id else _bytes_to_unicode()[i]
 
+    def special_id(self, name: str) -> int | None:
+        return None  # no companion files name special tokens for raw bytes
+
     def vocab(self) -> dict[str, int]:
         return {self.id_to_token(i): i for i in range(self.vocab_size)}
 
@@ -64,6 +67,14 @@ class BPETokenizer:
 
     def token_to_id(self, text: str) -> int | None:
         return self._tok.token_to_id(text)
+
+    def special_id(self, name: str) -> int | None:
+        """The id of the special token its tokenizer_config.json names `name` (bos_token,
+        eos_token, ...), or None."""
+        from kiln.data.chat import special_tokens
+
+        text = special_tokens(self.companions).get(name)
+        return self.token_to_id(text) if isinstance(text, str) else None
 
     def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
         """A text's ids (no special tokens added around it) and each one's character span."""

@@ -166,15 +166,14 @@ def run_generate(spec: str, prompts: list[str], s: Sampling, batch_size: int, de
 def chat_encoder(tok) -> tuple[Callable[[str], list[int]], tuple[int, ...]]:
     """(a prompt as the ids of a user turn and the assistant's cue, the template's end-of-turn
     ids), as transformers' apply_chat_template(add_generation_prompt=True) tokenizes it."""
-    from kiln.data.chat import render, special_tokens, template_of
+    from kiln.data.chat import render, template_of
 
     companions = getattr(tok, "companions", {})
     template = template_of(companions)
     if template is None:
         raise ConfigError("--chat: the model's tokenizer has no chat template (a chat_template in its "
                           "tokenizer_config.json, or chat_template.jinja)")
-    end = special_tokens(companions).get("eos_token")
-    stops = tuple(i for i in [tok.token_to_id(end) if isinstance(end, str) else None] if i is not None)
+    stops = tuple(i for i in [tok.special_id("eos_token")] if i is not None)
 
     def encode(prompt: str) -> list[int]:
         text = render(template, [{"role": "user", "content": prompt}], companions, add_generation_prompt=True)

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
-from kiln.core.config import EXPERIMENT_ENV, LoggingConfig
+from kiln.core.config import default_experiment
 from kiln.errors import ConfigError, KilnError
 from kiln.tracking.server import check_store, resolve_tracking_uri
 from kiln.ui.table import format_table
@@ -19,7 +18,7 @@ def fetch_runs(experiment: str = "", tracking_uri: str = "", sort: str | None = 
     per-step metrics) are left out of a ranking; `sweep` keeps only that sweep's trials."""
     from mlflow.tracking import MlflowClient
 
-    experiment = experiment or os.environ.get(EXPERIMENT_ENV) or LoggingConfig.experiment
+    experiment = experiment or default_experiment()
     if limit < 1:
         raise ConfigError(f"--limit {limit}: expected a positive number of runs")
     for flag, text in (("--sweep", sweep), ("--sort", sort)):
