@@ -30,7 +30,7 @@ from kiln.clock import startup_breakdown
 PLAIN = "Plain PyTorch loop, 1 process"
 
 
-def run_kiln(args, overrides: list[str], out_json: str) -> dict:
+def run_kiln(args, overrides: list[str], out_json: str) -> dict | None:
     sets = [a for o in overrides for a in ("--set", o)]
     if args.launcher == "ray":
         cmd = [str(BIN / "kiln"), "train", "--config", args.config, *sets, "--summary-json", out_json]
@@ -39,6 +39,9 @@ def run_kiln(args, overrides: list[str], out_json: str) -> dict:
     print("+", " ".join(cmd), flush=True)
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     if proc.returncode != 0:
+        if args.keep_going:  # its row says so; the other rows still measure
+            print(f"kiln run failed:\n{proc.stderr[-4000:]}", flush=True)
+            return None
         sys.exit(f"kiln run failed:\n{proc.stderr[-4000:]}")
     return json.loads(Path(out_json).read_text())
 
@@ -67,11 +70,19 @@ def main() -> None:
     p.add_argument("--launcher", choices=["ray", "local"], default="ray")
     p.add_argument("--device", default="cpu")
     p.add_argument("--precision", default="fp32")
-    p.add_argument("--zero-stages", default="2", help="with --launcher local: ZeRO stages to run")
+    p.add_argument("--zero-stages", default="2",
+                   help="with --launcher local: ZeRO stages to run, DeepSpeed's (0-3) or FSDP2's (fsdp2-2, fsdp2-3); "
+                        "empty: only the --run rows")
+    p.add_argument("--run", dest="runs", action="append", default=[], metavar="LABEL|KEY=VALUE ...",
+                   help="with --launcher local: one more Kiln row, its label and its overrides (space-separated), "
+                        "e.g. 'ZeRO-2, no overlap|parallel.zero_stage=2 "
+                        "parallel.deepspeed.zero_optimization.overlap_comm=false'; repeatable")
     p.add_argument("--compile", action="store_true", help="train.compile for Kiln, model.compile() for the plain loop")
     p.add_argument("--plain-host-malloc", choices=["default", "keep"], default="default",
                    help="the plain loop's malloc: glibc's defaults, as a user's loop has them, or set as Kiln's "
                         "parallel.host_malloc=keep sets it (to compare the rest of Kiln's path alike)")
+    p.add_argument("--keep-going", action="store_true",
+                   help="a Kiln run that fails gets a 'failed' row instead of ending the benchmark (for a lent GPU)")
     p.add_argument("--set", dest="sets", action="append", default=[], help="extra Kiln override, repeatable")
     p.add_argument("--results", default=results_file("throughput"))
     p.add_argument("--repeats", type=int, default=3,
@@ -93,10 +104,12 @@ def kiln_configs(args, tmp: str) -> list[tuple[str, list[str]]]:
               f"logging.tracking_uri=sqlite:///{tmp}/mlflow.db", f"train.storage_path={tmp}/runs",
               f"train.compile={args.compile}", *args.sets]
     if args.launcher == "local":
-        return [(f"Kiln: local launcher (no Ray), 1 {args.device} worker, ZeRO-{z}, {args.precision}",
-                 common + ["parallel.num_workers=1", f"parallel.zero_stage={z}", f"parallel.use_gpu={args.device == 'cuda'}",
-                           f"parallel.cpus_per_worker={cores if args.device == 'cpu' else 1}"])
-                for z in (int(s) for s in args.zero_stages.split(","))]
+        local = common + ["parallel.num_workers=1", f"parallel.use_gpu={args.device == 'cuda'}",
+                          f"parallel.cpus_per_worker={cores if args.device == 'cpu' else 1}"]
+        rows = [stage_row(z) for z in args.zero_stages.split(",") if z]
+        rows += [(label, over.split()) for label, over in (r.split("|", 1) for r in args.runs)]
+        return [(f"Kiln: local launcher (no Ray), 1 {args.device} worker, {label}, {args.precision}", local + over)
+                for label, over in rows]
     configs = []
     for n in (int(w) for w in args.workers.split(",")):
         cpus, zero, micro = max(1, cores // n), 2 if n > 1 else 0, global_batch(args) // n
@@ -104,6 +117,17 @@ def kiln_configs(args, tmp: str) -> list[tuple[str, list[str]]]:
                         common + [f"parallel.num_workers={n}", f"parallel.cpus_per_worker={cpus}",
                                   f"parallel.zero_stage={zero}", f"train.micro_batch_size={micro}"]))
     return configs
+
+
+FAILED = {"tok": None, "first": None, "first_s": None, "wait": None, "mfu": None, "mem": None, "startup": []}
+
+
+def stage_row(entry: str) -> tuple[str, list[str]]:
+    """`--zero-stages` entry -> (label, overrides): '2' is DeepSpeed's ZeRO-2, 'fsdp2-3' FSDP2's."""
+    engine, _, stage = entry.rpartition("-")
+    engine = engine or "deepspeed"
+    over = [f"parallel.engine={engine}", f"parallel.zero_stage={stage}"]
+    return (f"ZeRO-{stage}" if engine == "deepspeed" else f"FSDP2 (ZeRO-{stage})"), over
 
 
 def global_batch(args) -> int:
@@ -126,6 +150,9 @@ def bracketed_rounds(args, tmp: str) -> list[dict[str, dict]]:
         out: dict[str, dict] = {}
         for i, (label, over) in enumerate(kiln_configs(args, tmp)):
             s = run_kiln(args, over, f"{tmp}/r{r}k{i}.json")
+            if s is None:
+                out[label] = FAILED
+                continue
             m = s["metrics"]
             out[label] = {"tok": m["throughput/tokens_per_s"], "first": s["seconds_to_first_step"],
                           "first_s": m.get("time/first_step_s"), "wait": m["time/data_wait_share"],
@@ -158,7 +185,10 @@ def report(args, rounds: list[dict[str, dict]]) -> str:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for label in [PLAIN, *(k for k in rounds[0] if k != PLAIN)]:
-        ratios = [r[label]["tok"] / r[PLAIN]["tok"] for r in rounds]
+        ratios = [r[label]["tok"] / r[PLAIN]["tok"] for r in rounds if r[label]["tok"] is not None]
+        if not ratios:
+            lines.append(f"| {label} | failed (see the benchmark's log) | - | - | - | - | - | - | - |")
+            continue
         shown = label + (", malloc as Kiln's host_malloc=keep" if label == PLAIN and args.plain_host_malloc == "keep"
                          else "")
         lines.append(f"| {shown} | {med(label, 'tok'):,.0f} | {statistics.median(ratios):.3f} "

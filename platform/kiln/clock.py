@@ -21,7 +21,7 @@ MARKS = (
     ("fit", "trainer set-up"),
     ("worker_process", "Train controller and worker start"),
     ("worker_entry", "worker imports"),
-    ("engine", "data source, tracking and DeepSpeed engine"),
+    ("engine", "data source, tracking and engine"),
     ("first_step", "first batch and first step"),
 )
 

@@ -54,8 +54,17 @@ class ParallelConfig:
     """How Ray places the workers' bundles on nodes. PACK (Ray's default) fills few nodes, so
     ranks talk over shared memory; STRICT_SPREAD puts every worker on its own node, and waits
     until the cluster has that many nodes."""
+    engine: Literal["deepspeed", "fsdp2"] = "deepspeed"
+    """What shards and steps the model. deepspeed: DeepSpeed's engine, every ZeRO stage, offload,
+    pipelines and tensor parallelism. fsdp2: torch's `fully_shard`, one unit per transformer
+    block (`kiln.parallel.fsdp2_engine`), for ZeRO-2/3-style sharding with far less host work
+    per step than DeepSpeed's ZeRO-3 hooks, and `train.compile` at ZeRO-3; zero_stage 2 or 3,
+    no offload, pipeline or tensor parallelism, bf16 or fp32. A checkpoint resumes in the
+    engine that wrote it."""
     zero_stage: int = knob(2, lambda v: v in (0, 1, 2, 3), "one of 0, 1, 2, 3")
-    """DeepSpeed ZeRO stage 0-3: 1 shards optimizer state, 2 also gradients, 3 also weights."""
+    """DeepSpeed ZeRO stage 0-3: 1 shards optimizer state, 2 also gradients, 3 also weights.
+    Under engine fsdp2: 2 keeps a block's weights gathered from its forward to its backward
+    (FSDP2's reshard_after_forward=False), 3 frees them after the forward and gathers again."""
     offload_optimizer: Literal["none", "cpu", "nvme"] = "none"
     """ZeRO-Offload (stages 1-3): optimizer state and fp32 master weights live in CPU RAM (or on
     NVMe) and the optimizer step runs on the CPU (DeepSpeedCPUAdam for adam/adamw)."""
@@ -134,7 +143,7 @@ class ParallelConfig:
         if problem:
             raise ConfigError(problem)
         refusal = deepspeed_refusal(self.zero_stage, self.offload_optimizer, self.offload_params,
-                                    self.pipeline_stages, self.tensor_parallel)
+                                    self.pipeline_stages, self.tensor_parallel, engine=self.engine)
         if refusal:
             raise ConfigError(refusal)
         if "nvme" in (self.offload_optimizer, self.offload_params) and not self.nvme_path:
@@ -228,12 +237,20 @@ class ParallelDims:
         return " x ".join(parts)
 
 
+def sharding(p: ParallelConfig) -> str:
+    """The engine and stage in a few words, for logs and dry runs: 'ZeRO-2', 'FSDP2 (ZeRO-3)'."""
+    return f"ZeRO-{p.zero_stage}" if p.engine == "deepspeed" else f"FSDP2 (ZeRO-{p.zero_stage})"
+
+
 def deepspeed_refusal(zero_stage: int, offload_optimizer: str, offload_params: str, pipeline_stages: int,
-                      tensor_parallel: int = 1, name: Callable[[str], str] = _field) -> str | None:
-    """Why DeepSpeed would reject (or silently mishandle) this ZeRO / offload / pipeline /
-    tensor-parallel combination, naming each setting through `name`; None where it is legal. The
-    one statement of these limits: `kiln train` validates with it, `kiln plan` checks its flags
-    and lists only the options it allows."""
+                      tensor_parallel: int = 1, name: Callable[[str], str] = _field,
+                      engine: str = "deepspeed") -> str | None:
+    """Why the engine (DeepSpeed, or FSDP2) would reject (or silently mishandle) this ZeRO /
+    offload / pipeline / tensor-parallel combination, naming each setting through `name`; None
+    where it is legal. The one statement of these limits: `kiln train` validates with it, `kiln
+    plan` checks its flags and lists only the options it allows."""
+    if engine == "fsdp2":
+        return _fsdp2_refusal(zero_stage, offload_optimizer, offload_params, pipeline_stages, tensor_parallel, name)
     if tensor_parallel > 1:
         refusal = _tensor_parallel_refusal(zero_stage, offload_optimizer, offload_params, pipeline_stages, name)
         if refusal:
@@ -250,6 +267,24 @@ def deepspeed_refusal(zero_stage: int, offload_optimizer: str, offload_params: s
     if offload_params != "none" and zero_stage != 3:
         return (f"{name('offload_params')} = {offload_params!r} needs {name('zero_stage')} = 3 (only stage 3 "
                 "partitions parameters)")
+    return None
+
+
+def _fsdp2_refusal(zero_stage: int, offload_optimizer: str, offload_params: str, pipeline_stages: int,
+                   tensor_parallel: int, name: Callable[[str], str]) -> str | None:
+    """What Kiln's FSDP2 engine serves: sharded weights, gradients and optimizer state, nothing
+    layered on them yet."""
+    engine = f"{name('engine')} = 'fsdp2'"
+    if zero_stage not in (2, 3):
+        return (f"{engine} with {name('zero_stage')} = {zero_stage}: FSDP2 shards gradients and optimizer state "
+                "always; expected zero_stage 2 (weights kept gathered from forward to backward) or 3 (freed after "
+                "the forward), or engine 'deepspeed' for ZeRO 0-1")
+    if pipeline_stages > 1 or tensor_parallel > 1:
+        return (f"{engine} with {name('pipeline_stages')} = {pipeline_stages} and {name('tensor_parallel')} = "
+                f"{tensor_parallel}: Kiln's FSDP2 engine is data-parallel only; expected both 1, or engine 'deepspeed'")
+    if offload_optimizer != "none" or offload_params != "none":
+        return (f"{engine} with {name('offload_*')}: Kiln's FSDP2 engine does not offload; expected offload "
+                "'none', or engine 'deepspeed'")
     return None
 
 

@@ -25,11 +25,13 @@ PLANTS = {
     "generation": ("infer/generate.py", None),  # and generate.py `import mlflow`
     "mlflow-owner": ("launch/_planted_mlflow.py", "import mlflow\n"),
     "deepspeed-owner": ("infer/_planted_deepspeed.py", "import deepspeed\n"),
+    "fsdp2-torch-only": ("parallel/fsdp2_engine.py", None),  # and the FSDP2 engine `import deepspeed`
     "ray-owner": ("plan/_planted_ray.py", "import ray\n"),
     "layers": ("data/_planted_layer.py", "import kiln.launch.preflight\n"),
     "acyclic": ("ui/_planted_a.py", "import kiln.ui._planted_b\n"),
 }
-APPENDED = {"model.py": "import numpy\n", "infer/generate.py": "import mlflow\n"}
+APPENDED = {"model.py": "import numpy\n", "infer/generate.py": "import mlflow\n",
+            "parallel/fsdp2_engine.py": "import deepspeed\n"}
 
 
 def _plant(root: Path) -> None:

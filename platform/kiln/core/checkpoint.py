@@ -71,8 +71,8 @@ def model_card(cfg: RunConfig, mcfg: GPTConfig) -> dict:
 def layout_card(cfg: RunConfig) -> dict:
     """The part of the card a resume is judged by: how the state was sharded, its precision
     layout and its batch."""
-    return {"parallel": {"zero_stage": cfg.parallel.zero_stage, "pipeline_stages": cfg.parallel.pipeline_stages,
-                         "tensor_parallel": cfg.parallel.tensor_parallel},
+    return {"parallel": {"engine": cfg.parallel.engine, "zero_stage": cfg.parallel.zero_stage,
+                         "pipeline_stages": cfg.parallel.pipeline_stages, "tensor_parallel": cfg.parallel.tensor_parallel},
             "precision": precision_record(cfg), "batch": batch_card(cfg), "optimizer": cfg.optim.name}
 
 
@@ -261,6 +261,7 @@ def resolve_resume(path: str, world_size: int, card: dict | None = None, allow_b
     directory, marker = find_checkpoint(path)
     card = card or {}
     had = _read_marker(os.path.join(directory, CARD)) or {}
+    _check_engine(directory, had, card)
     if card.get("precision") is not None:
         _check_precision(directory, had.get("precision"), card["precision"])
     if had.get("optimizer") and card.get("optimizer") and had["optimizer"] != card["optimizer"]:
@@ -287,6 +288,23 @@ def find_checkpoint(path: str) -> tuple[str, dict]:
         raise ConfigError(f"train.resume_from = {directory!r} is incomplete: its writer died before every "
                           "rank's kiln_complete marker was written; pick an earlier checkpoint")
     return directory, marker
+
+
+def engine_of(card: dict) -> str:
+    """The engine a checkpoint card (or a run's `layout_card`) names; cards from before
+    `parallel.engine` were DeepSpeed's."""
+    return (card.get("parallel") or {}).get("engine", "deepspeed")
+
+
+def _check_engine(directory: str, had: dict, card: dict) -> None:
+    """Refuse a resume across engines: each writes its own checkpoint format (DeepSpeed's
+    per-rank files, torch's distributed checkpoint)."""
+    if not had or not card.get("parallel") or engine_of(had) == engine_of(card):
+        return
+    raise ConfigError(f"train.resume_from = {directory!r} was written by parallel.engine = {engine_of(had)!r}; this "
+                      f"run has {engine_of(card)!r}, and each engine loads its own checkpoint format: set "
+                      f"parallel.engine = {engine_of(had)!r}, or start from its weights with model.init_from after "
+                      "kiln export")
 
 
 def _read_marker(path: str) -> dict | None:

@@ -2,9 +2,10 @@
 
 The loop, the step, the meter and the checkpoint policy talk to an `Engine` and to nothing
 else of the parallel machinery, in the style of `kiln.core.sinks`. DeepSpeed's implementation,
-and every read of DeepSpeed's own attributes, is `kiln.parallel.deepspeed_engine`. A later
-engine (FSDP2), or a communication step of Kiln's own (gradient compression, local SGD), is
-another implementation of this protocol; the loop does not change.
+and every read of DeepSpeed's own attributes, is `kiln.parallel.deepspeed_engine`; torch's
+FSDP2 is `kiln.parallel.fsdp2_engine`. A communication step of Kiln's own (gradient
+compression, local SGD) would be another implementation of this protocol; the loop does not
+change.
 """
 
 from __future__ import annotations

@@ -29,6 +29,7 @@ from kiln.data.tokenizer import pretrained
 from kiln.devices import name_deepspeed_accelerator
 from kiln.errors import ConfigError, KilnError
 from kiln.model import GPT, GPTConfig, shape_problem
+from kiln.parallel.fsdp2_engine import is_fsdp2_checkpoint, merged_state
 from kiln.parallel.zero_checkpoint import is_zero_sharded, merged_fp32_state
 from kiln.schemas import validated
 from kiln.storage import resolve
@@ -84,7 +85,7 @@ def load_model(spec: str) -> LoadedModel:
     try:
         state = consolidate(ckpt, cfg, card["parallel"]["pipeline_stages"], card["parallel"].get("tensor_parallel", 1))
     except (OSError, EOFError, RuntimeError, ValueError, KeyError, pickle.UnpicklingError) as e:
-        raise KilnError(f"{ckpt}: its shards cannot be read (truncated or not DeepSpeed's): "
+        raise KilnError(f"{ckpt}: its shards cannot be read (truncated, or not DeepSpeed's or torch's): "
                         f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
     tokenizer = _dataset_tokenizer(card, ckpt)
     return LoadedModel(cfg, state, tokenizer, ckpt, int(tokenizer.vocab_size))
@@ -156,6 +157,8 @@ def consolidate(ckpt: str, cfg: GPTConfig, pipeline_stages: int, tensor_parallel
         state = _tensor_parallel_weights(state_dir, cfg, tensor_parallel)
     elif pipeline_stages > 1:
         state = _pipeline_layers(state_dir, cfg)
+    elif is_fsdp2_checkpoint(state_dir):
+        state = merged_state(state_dir)  # torch's distributed checkpoint: every shard of each weight, read whole
     elif is_zero_sharded(state_dir):
         name_deepspeed_accelerator(torch.cuda.is_available())  # merging is host work where no GPU is
         state = merged_fp32_state(ckpt, TAG)  # ZeRO 1-3: the fp32 master weights, from every rank's partition

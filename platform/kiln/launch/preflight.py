@@ -30,6 +30,7 @@ from kiln.parallel.pipeline import check_partition
 from kiln.plan.memory import plan_input, refuse_if_too_big
 from kiln.redact import scrub
 from kiln.storage import absolute, durable, is_url, resolve
+from kiln.topology import sharding
 from kiln.tracking.server import check_store, resolve_tracking_uri
 
 log = logging.getLogger(__name__)
@@ -67,7 +68,7 @@ class Checked:
             ("model", f"{c.model.display_name}: {mcfg.n_layer} layers x d_model {mcfg.d_model}, "
                       f"{num_params(mcfg, non_embedding=False) / 1e6:.2f}M params, vocab {mcfg.vocab_size}, "
                       f"{'GPT-2' if mcfg.arch == 'gpt' else 'Llama'} architecture"),
-            ("parallel", f"{p.num_workers} worker(s) ({c.dims.describe()}), ZeRO-{p.zero_stage}, offload {p.offload_optimizer}/{p.offload_params}, "
+            ("parallel", f"{p.num_workers} worker(s) ({c.dims.describe()}), {sharding(p)}, offload {p.offload_optimizer}/{p.offload_params}, "
                          f"{t.precision}{precision_flavour(c)}, {'GPU' if p.use_gpu else 'CPU'}"),
             ("steps", f"{t.max_steps} x {c.tokens_per_step():,} tokens (micro-batch {t.micro_batch_size} x "
                       f"{c.micro_batches_per_step} per replica), {c.optim.name} lr {c.optim.lr:g}, {c.schedule.name}"),
@@ -130,6 +131,8 @@ def precision_flavour(cfg: RunConfig) -> str:
     """How bf16 runs, for the pre-launch table (`train.mixed_precision`'s `auto` resolved)."""
     if cfg.train.precision != "bf16":
         return ""
+    if cfg.parallel.engine == "fsdp2":
+        return " (FSDP2 mixed precision: fp32 weights, bf16 compute)"
     return " (autocast, fp32 weights)" if cfg.autocast else " (DeepSpeed bf16 weights)"
 
 

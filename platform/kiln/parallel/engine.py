@@ -30,6 +30,7 @@ from kiln.hf_checkpoint import init_from_dir
 from kiln.model import GPT, GPTConfig
 from kiln.parallel.comm_timer import CollectiveTimer
 from kiln.parallel.deepspeed_engine import DeepSpeedEngine
+from kiln.parallel.fsdp2_engine import FSDP2Engine, ensure_process_group, shard
 from kiln.parallel.ops import init_distributed
 from kiln.parallel.pipeline import check_coords, to_pipeline
 from kiln.parallel.tensor_parallel import partition_config
@@ -237,20 +238,8 @@ def build_model(cfg: RunConfig, mcfg: GPTConfig, ds_config: dict, device: torch.
     With model.init_from, the checkpoint's weights then replace the random ones.
     """
     pretrained = _pretrained_weights(cfg, mcfg)
-    if cfg.parallel.zero_stage != 3:
-        with torch.device("meta"):
-            model = GPT(mcfg, init_weights=False)
-        model.to_empty(device=device)  # uninitialized memory: every tensor is filled below
-        model.tie()  # materializing makes new tensors: tie them again
-        if pretrained is not None:
-            model.load_state_dict(pretrained, strict=True)
-            return model
-        for module in model.modules():  # the modules' own defaults (norms' ones and zeros)
-            if hasattr(module, "reset_parameters"):
-                module.reset_parameters()
-        torch.manual_seed(cfg.train.seed)
-        model.apply(model.init_module)
-        return model
+    if not _partitioned_build(cfg):
+        return build_whole_model(cfg, mcfg, device, pretrained)
     import deepspeed
 
     remote = "cpu" if cfg.parallel.offload_params == "cpu" else None
@@ -273,6 +262,31 @@ def build_model(cfg: RunConfig, mcfg: GPTConfig, ds_config: dict, device: torch.
     return model
 
 
+def build_whole_model(cfg: RunConfig, mcfg: GPTConfig, device: torch.device,
+                      pretrained: dict[str, torch.Tensor] | None) -> nn.Module:
+    """The whole model on `device`: built on the meta device (shapes only), materialized there,
+    then given `pretrained`'s weights or the seeded init."""
+    with torch.device("meta"):
+        model = GPT(mcfg, init_weights=False)
+    model.to_empty(device=device)  # uninitialized memory: every tensor is filled below
+    model.tie()  # materializing makes new tensors: tie them again
+    if pretrained is not None:
+        model.load_state_dict(pretrained, strict=True)
+        return model
+    for module in model.modules():  # the modules' own defaults (norms' ones and zeros)
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+    torch.manual_seed(cfg.train.seed)
+    model.apply(model.init_module)
+    return model
+
+
+def _partitioned_build(cfg: RunConfig) -> bool:
+    """DeepSpeed's ZeRO-3 builds the model partitioned (`deepspeed.zero.Init`); every other
+    layout, FSDP2's too (it shards a whole model), builds it whole on each rank."""
+    return cfg.parallel.engine == "deepspeed" and cfg.parallel.zero_stage == 3
+
+
 def _rank() -> int:
     return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
@@ -280,7 +294,7 @@ def _rank() -> int:
 def _pretrained_weights(cfg: RunConfig, mcfg: GPTConfig) -> dict[str, torch.Tensor] | None:
     """model.init_from's weights in Kiln's names; under ZeRO-3 only rank 0 reads them (it
     scatters each weight as the partitioned model is filled)."""
-    if not cfg.model.init_from or (cfg.parallel.zero_stage == 3 and _rank() != 0):
+    if not cfg.model.init_from or (_partitioned_build(cfg) and _rank() != 0):
         return None
     from kiln.hf_checkpoint import load
 
@@ -310,7 +324,7 @@ def _full_shape(p: nn.Parameter) -> tuple:
     return getattr(p, "ds_shape", p.shape)
 
 
-def build_engine(cfg: RunConfig, mcfg: GPTConfig, world: WorldInfo) -> tuple[DeepSpeedEngine, object]:
+def build_engine(cfg: RunConfig, mcfg: GPTConfig, world: WorldInfo) -> tuple[DeepSpeedEngine | FSDP2Engine, object]:
     """(engine, scheduler) for `train_loop` on this rank: the process seeded first (the model's
     init draws from it), then a GPT of shape `mcfg` wrapped as `parallel.*` says."""
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)  # Kiln logs its own progress
@@ -320,10 +334,10 @@ def build_engine(cfg: RunConfig, mcfg: GPTConfig, world: WorldInfo) -> tuple[Dee
     problem = dims.node_problem(world.local_world_size, cfg.parallel.tp_within_node)
     if problem:
         raise ConfigError(problem)
-    engine, scheduler = initialize(
-        cfg, mcfg, dims.data_parallel_size, device=world.device,
-        scheduler_fn=lambda opt: build_scheduler(gate_optimizer(opt, gate), cfg.schedule, cfg.train.max_steps, gate),
-    )
+    scheduler_fn = lambda opt: build_scheduler(gate_optimizer(opt, gate), cfg.schedule, cfg.train.max_steps, gate)  # noqa: E731
+    if cfg.parallel.engine == "fsdp2":
+        return initialize_fsdp2(cfg, mcfg, world.device, scheduler_fn)
+    engine, scheduler = initialize(cfg, mcfg, dims.data_parallel_size, device=world.device, scheduler_fn=scheduler_fn)
     if dims.pipeline_stages > 1:
         check_coords(engine, world.rank, dims)
     timer = None
@@ -331,6 +345,18 @@ def build_engine(cfg: RunConfig, mcfg: GPTConfig, world: WorldInfo) -> tuple[Dee
         timer = CollectiveTimer(engine.mpu.get_tensor_model_parallel_group(), world.device.type == "cuda")
         timer.install()
     return DeepSpeedEngine(engine, pipeline=dims.pipeline_stages > 1, comm_timer=timer), scheduler
+
+
+def initialize_fsdp2(cfg: RunConfig, mcfg: GPTConfig, device: torch.device, scheduler_fn) -> tuple[FSDP2Engine, object]:
+    """(engine, scheduler) under `parallel.engine: fsdp2`: the whole model built and seeded as
+    for DeepSpeed's ZeRO 0-2 (so both engines start from the same weights), then sharded."""
+    on_cuda = device.type == "cuda"
+    ensure_process_group(on_cuda)
+    model = build_whole_model(cfg, mcfg, device, _pretrained_weights(cfg, mcfg))
+    shard(model, cfg.parallel.zero_stage, cfg.train.precision, device, cfg.train.compile)
+    optimizer = build_optimizer(model, cfg.optim, on_cuda=on_cuda)
+    scheduler = scheduler_fn(optimizer)
+    return FSDP2Engine(model, optimizer, scheduler, cfg.micro_batches_per_step, cfg.train.grad_clip), scheduler
 
 
 def initialize(cfg: RunConfig, mcfg: GPTConfig, data_parallel_size: int, device: torch.device, scheduler_fn):

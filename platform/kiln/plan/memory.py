@@ -94,6 +94,8 @@ class PlanInput:
     mixed_precision: str = "weights"
     """train.mixed_precision; `plan_input` passes the run's (whose default is `auto`)."""
     use_gpu: bool = True
+    engine: str = "deepspeed"
+    """parallel.engine: DeepSpeed's ZeRO (above), or FSDP2 (`fsdp2_states`)."""
 
     @property
     def dims(self) -> ParallelDims:
@@ -105,7 +107,8 @@ class PlanInput:
 
     @property
     def autocast(self) -> bool:
-        return bf16_autocast(self.precision, self.mixed_precision, self.use_gpu, self.zero_stage, self.pipeline_stages)
+        return bf16_autocast(self.precision, self.mixed_precision, self.use_gpu, self.zero_stage, self.pipeline_stages,
+                             self.engine)
 
 
 @dataclass(frozen=True)
@@ -149,6 +152,8 @@ def estimate(p: PlanInput) -> Estimate:
     psi = params_per_rank(m, p.tensor_parallel) // P  # one stage's share (the embedding split is approximate)
     s = p.zero_stage
     k = OPTIMIZERS[p.optimizer].states  # optimizer state tensors per parameter (fp32 each)
+    if p.engine == "fsdp2":
+        return fsdp2_states(p, psi, k)
 
     params = e * psi / (n if s == 3 else 1)
     grads = e * psi / (n if s >= 2 else 1)
@@ -176,6 +181,31 @@ def estimate(p: PlanInput) -> Estimate:
         gathered=int(gathered), activations=activation_bytes(p), host=int(host),
         device_memory=int(p.device_memory_gib * GIB),
     )
+
+
+def fsdp2_states(p: PlanInput, psi: int, k: int) -> Estimate:
+    """FSDP2 (`kiln.parallel.fsdp2_engine`) over N ranks: the fp32 weights, their fp32
+    gradients and the optimizer state sharded (4 + 4 + 4k bytes per parameter / N; the weights
+    are what the optimizer steps, so no master copy), plus what is gathered in the compute
+    precision (c bytes: 2 in bf16): the root's weights (embeddings, head, final norm) for the
+    whole step, and at ZeRO-3 two blocks (the one computing and the next, prefetched), at ZeRO-2
+    every block from its forward to its backward; and one block's gradients before their
+    reduce-scatter, in c bytes and again in fp32 (the reduce precision)."""
+    m, n = p.model, max(1, p.data_parallel)
+    c = bytes_per_element(p.precision)
+    block = (num_params(m) - _root_params(m)) // m.n_layer
+    held = (2 if p.zero_stage == 3 else m.n_layer) * block
+    return Estimate(
+        params=int(4 * psi / n), grads=int(4 * psi / n), master=0, optimizer_states=int(4 * k * psi / n),
+        gathered=int(c * (_root_params(m) + held) + (c + 4) * block), activations=activation_bytes(p), host=0,
+        device_memory=int(p.device_memory_gib * GIB),
+    )
+
+
+def _root_params(m: GPTConfig) -> int:
+    """What is not in a block: the token embedding, an untied head and the final norm (at most
+    a weight and a bias)."""
+    return m.vocab_size * m.d_model * (1 if m.tie_embeddings else 2) + 2 * m.d_model
 
 
 def params_per_rank(m: GPTConfig, tensor_parallel: int) -> int:
@@ -238,7 +268,8 @@ def options(base: PlanInput) -> list[Option]:
     out = []
     offloads = (("none", "none"), ("cpu", "none"), ("cpu", "cpu"))
     for stage, ckpt, (opt_off, par_off) in itertools.product((0, 1, 2, 3), (False, True), offloads):
-        if deepspeed_refusal(stage, opt_off, par_off, base.pipeline_stages, base.tensor_parallel) is None:
+        if deepspeed_refusal(stage, opt_off, par_off, base.pipeline_stages, base.tensor_parallel,
+                             engine=base.engine) is None:
             p = dataclasses.replace(base, zero_stage=stage, activation_checkpointing=ckpt,
                                     offload_optimizer=opt_off, offload_params=par_off)
             out.append(Option(p, estimate(p)))
@@ -340,7 +371,7 @@ def plan_input(cfg, mcfg: GPTConfig, device_memory_gib: float) -> PlanInput:
         offload_params=p.offload_params, activation_checkpointing=mcfg.activation_checkpointing,
         precision=t.precision, pipeline_stages=p.pipeline_stages, micro_batches=p.micro_batches,
         tensor_parallel=p.tensor_parallel,
-        optimizer=cfg.optim.name, mixed_precision=t.mixed_precision, use_gpu=p.use_gpu,
+        optimizer=cfg.optim.name, mixed_precision=t.mixed_precision, use_gpu=p.use_gpu, engine=p.engine,
     )
 
 

@@ -175,3 +175,26 @@ def test_resume_across_precision_layouts_is_refused_naming_both(tmp_path, card):
         resume(WEIGHTS if card == "autocast" else AUTOCAST)
     assert f"written with train.precision = 'bf16' as {card}; this run has" in str(e.value)
     assert "train.mixed_precision" in str(e.value)
+
+
+def test_resume_across_engines_is_refused_naming_both(tmp_path):
+    """DeepSpeed's per-rank files and FSDP2's distributed checkpoint load in their own engine
+    only: a resume across them is one line naming both. A card from before `parallel.engine`
+    was DeepSpeed's."""
+    from kiln.config import load_config
+
+    def card(*sets: str) -> dict:
+        return checkpoint.layout_card(load_config(None, ["parallel.zero_stage=3", *sets]))
+
+    ours, fsdp2 = card(), card("parallel.engine=fsdp2")
+    d = _fake(tmp_path, 10, world=1)
+    old = {k: v for k, v in ours.items() if k != "parallel"} | {"parallel": {"zero_stage": 3, "pipeline_stages": 1}}
+    (d / checkpoint.CARD).write_text(json.dumps(old))
+    assert checkpoint.resolve_resume(str(d), 1, ours).step == 10  # an old card: DeepSpeed's, as this run
+    with pytest.raises(ConfigError) as e:
+        checkpoint.resolve_resume(str(d), 1, fsdp2)
+    assert "was written by parallel.engine = 'deepspeed'; this run has 'fsdp2'" in str(e.value)
+    (d / checkpoint.CARD).write_text(json.dumps(fsdp2))
+    assert checkpoint.resolve_resume(str(d), 1, fsdp2).step == 10
+    with pytest.raises(ConfigError, match="set parallel.engine = 'fsdp2'"):
+        checkpoint.resolve_resume(str(d), 1, ours)

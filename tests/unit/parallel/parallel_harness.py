@@ -31,6 +31,7 @@ from kiln.data.sources import ParquetSource
 from kiln.launch.local import _world_from_env
 from kiln.parallel.deepspeed_engine import inner_optimizer
 from kiln.parallel.engine import build_engine
+from kiln.parallel.fsdp2_engine import gathered_state as fsdp2_gathered_state
 from kiln.parallel.zero_checkpoint import gathered_state
 from kiln.plan.memory import estimate, plan_input
 from kiln.topology import ParallelDims
@@ -73,7 +74,7 @@ def run_one(spec: dict, data: str, root: str, world) -> dict:
     if spec.get("state"):
         engine, _ = build_engine(cfg, mcfg, world)
         CheckpointPolicy(cfg.train, None, world.rank, world.world_size, model_card(cfg, mcfg)).resume(engine)
-        full = gathered_state(engine.ds)
+        full = gathered_state(engine.ds) if hasattr(engine, "ds") else fsdp2_gathered_state(engine)
         if world.rank == 0:
             torch.save(full, os.path.join(root, spec["name"] + ".pt"))
         return {"state": sorted(full)}
@@ -83,7 +84,7 @@ def run_one(spec: dict, data: str, root: str, world) -> dict:
         loss = engine.forward(batch[:, :-1], batch[:, 1:])
         engine.backward(loss)
         engine.step()
-        return {"dtypes": {k: sorted(v) for k, v in state_dtypes(engine.ds).items()}}
+        return {"dtypes": {k: sorted(v) for k, v in state_dtypes(engine).items()}}
     capture = Capture()
     engine, scheduler = build_engine(cfg, mcfg, world)
     source = RecordingSource(source)
@@ -127,10 +128,11 @@ def all_ranks(obj) -> list:
 
 
 def state_dtypes(engine) -> dict[str, set[str]]:
-    """dtypes of the model weights, the stepped (master) weights and the optimizer state."""
-    opt = inner_optimizer(engine)
+    """dtypes of the model weights at rest, the stepped (master) weights and the optimizer state."""
+    opt = inner_optimizer(engine.ds) if hasattr(engine, "ds") else engine.optimizer
+    module = engine.ds.module if hasattr(engine, "ds") else engine.model
     return {
-        "params": {str(p.dtype) for p in engine.module.parameters()},
+        "params": {str(p.dtype) for p in module.parameters()},
         "stepped": {str(p.dtype) for g in opt.param_groups for p in g["params"]},
         "optimizer_state": {str(v.dtype) for s in opt.state.values() for v in s.values()
                             if torch.is_tensor(v) and v.dim() > 0},

@@ -1,5 +1,5 @@
-"""ZeRO 0-3, offload, pipeline stages and bf16 compute the same thing, and save the memory they
-promise. Real DeepSpeed engines on CPU/gloo with the debug flavour, fp32, fixed seeds and data
+"""ZeRO 0-3, offload, pipeline stages, bf16 and FSDP2 compute the same thing, and save the memory
+they promise. Real DeepSpeed and FSDP2 engines on CPU/gloo with the debug flavour, fp32, fixed seeds and data
 order; no Ray (tests/integration runs a pipeline on a Ray cluster).
 
 All configurations run in one torchrun process group (tests/unit/parallel/parallel_harness.py), so
@@ -30,7 +30,12 @@ OPTIMIZERS = {
 OPTIMIZER_RUNS = [
     {"name": f"{opt}-zero{stage}", "set": [*sets, f"parallel.zero_stage={stage}", f"train.max_steps={OPTIMIZER_STEPS}"]}
     for opt, sets in OPTIMIZERS.items() for stage in (0, 1, 2, 3)
+] + [
+    {"name": f"{opt}-fsdp2", "set": [*sets, "parallel.engine=fsdp2", "parallel.zero_stage=3",
+                                     f"train.max_steps={OPTIMIZER_STEPS}"]}
+    for opt, sets in OPTIMIZERS.items()
 ]
+FSDP2 = ["parallel.engine=fsdp2", "parallel.zero_stage=3"]
 
 # Same global batch everywhere: 8 sequences per step, as 2 ranks x 4, or 2 micro-batches x 4.
 REFERENCE = [{"name": "reference", "set": ["parallel.zero_stage=0", "train.grad_accum_steps=2"]}]
@@ -47,6 +52,14 @@ TWO_RANKS = [
     {"name": "bf16-zero0-dtypes", "set": ["parallel.zero_stage=0", "train.precision=bf16"], "dtypes": True},
     {"name": "bf16-zero2-dtypes", "set": ["parallel.zero_stage=2", "train.precision=bf16"], "dtypes": True},
     *OPTIMIZER_RUNS,
+    # torch's FSDP2 behind the same seam (parallel.engine: fsdp2): the same losses, memory, resume
+    # and export as DeepSpeed's stages.
+    {"name": "fsdp2-zero2", "set": ["parallel.engine=fsdp2", "parallel.zero_stage=2"]},
+    {"name": "fsdp2-zero3", "set": [*FSDP2, "train.checkpoint_every=10"]},
+    {"name": "fsdp2-resumed", "set": [*FSDP2, "train.resume_from={root}/fsdp2-zero3/step_00000010"]},
+    {"name": "fsdp2-bf16", "set": [*FSDP2, "train.precision=bf16"]},
+    {"name": "fsdp2-bf16-dtypes", "set": [*FSDP2, "train.precision=bf16"], "dtypes": True},
+    {"name": "llama-fsdp2-ckpt", "set": ["model.flavour=llama-debug", *FSDP2, "model.activation_checkpointing=true"]},
     # The Llama family (RoPE, RMSNorm, SwiGLU, GQA, untied head) under the same machinery.
     {"name": "llama-zero2-ckpt", "set": ["model.flavour=llama-debug", "parallel.zero_stage=2",
                                          "model.activation_checkpointing=true"]},
@@ -99,7 +112,7 @@ def _max_rel(a: list[float], b: list[float]) -> float:
 
 
 @pytest.mark.parametrize("name", ["zero0", "zero1", "zero2", "zero3", "pp2", "zero2-offload", "zero3-offload",
-                                  "zero2-ckpt"])
+                                  "zero2-ckpt", "fsdp2-zero2", "fsdp2-zero3"])
 def test_matches_single_worker_reference(runs, name):
     ref, run = runs["reference"]["loss"], runs[name]["loss"]
     assert len(run) == STEPS
@@ -117,6 +130,9 @@ def test_every_optimizer_under_every_zero_stage(runs, opt):
         if opt != "lamb":  # element-wise rules: ZeRO's partitioning changes nothing
             assert _max_rel(loss, base) <= 1e-4, (stage, loss, base)
         # LAMB's trust ratio is per tensor; under ZeRO it sees flat partitions (kiln.core.lamb).
+    # FSDP2 shards each tensor as a DTensor, whose norms are the whole tensor's: even LAMB's
+    # layer-wise trust ratio is exactly ZeRO-0's.
+    assert _max_rel(runs[f"{opt}-fsdp2"]["loss"], base) <= 1e-4, (runs[f"{opt}-fsdp2"]["loss"], base)
 
 
 def test_zero_saves_the_memory_it_promises(runs):
@@ -129,11 +145,29 @@ def test_zero_saves_the_memory_it_promises(runs):
     assert held("zero3", "optimizer_state") <= 0.55 * base_state
     assert held("zero3", "params") <= 0.55 * base_params
     assert held("zero1", "params") == base_params  # ZeRO-1/2 keep every weight on every rank
-    # The planner, from shapes alone, within 10% of what DeepSpeed actually holds.
-    for name in ("zero0", "zero1", "zero2", "zero3"):
+    # FSDP2 shards the fp32 weights themselves (no separate master copy) and the optimizer state.
+    assert held("fsdp2-zero3", "params") <= 0.55 * base_params
+    assert held("fsdp2-zero3", "optimizer_state") <= 0.55 * base_state
+    assert held("fsdp2-zero3", "master_params") == 0
+    # The planner, from shapes alone, within 10% of what each engine actually holds.
+    for name in ("zero0", "zero1", "zero2", "zero3", "fsdp2-zero2", "fsdp2-zero3"):
         planned = runs[name]["planned"]
         assert held(name, "optimizer_state") == pytest.approx(planned["optimizer_states"], rel=0.10), name
         assert held(name, "params") == pytest.approx(planned["params"], rel=0.10), name
+
+
+def test_fsdp2_resumes_exactly_and_keeps_fp32_weights_under_bf16(runs):
+    """A resume from FSDP2's distributed checkpoint at step 10 goes on as the run that wrote it;
+    in bf16 the weights at rest and the optimizer state stay fp32 (the bf16 copies are made per
+    block at each gather), and the run follows the fp32 reference within bf16's rounding."""
+    full, resumed = runs["fsdp2-zero3"], runs["fsdp2-resumed"]
+    assert resumed["steps"] == list(range(11, STEPS + 1))
+    assert _max_rel(resumed["loss"], full["loss"][10:]) <= 1e-6
+    dtypes = runs["fsdp2-bf16-dtypes"]["dtypes"]
+    assert dtypes["params"] == dtypes["stepped"] == dtypes["optimizer_state"] == ["torch.float32"]
+    loss = runs["fsdp2-bf16"]["loss"]
+    assert sum(loss[-5:]) < sum(loss[:5]) - 2.5
+    assert _max_rel(loss, runs["reference"]["loss"]) < 0.2
 
 
 def test_pipeline_resumes_exactly(runs):
@@ -161,13 +195,14 @@ def test_hybrid_two_replicas_by_two_stages(byte_dataset, tmp_path):
 def test_the_llama_family_trains_alike_under_zero_pipeline_and_recompute(runs):
     ref = runs["llama-zero2-ckpt"]["loss"]
     assert sum(ref[-5:]) < sum(ref[:5]) - 2.5  # it learns
-    for name in ("llama-zero3", "llama-pp2"):
+    for name in ("llama-zero3", "llama-pp2", "llama-fsdp2-ckpt"):
         assert _max_rel(runs[name]["loss"], ref) <= 1e-4, name
 
 
 @pytest.mark.parametrize("name,replicas", [("zero0", 2), ("zero1", 2), ("zero2", 2), ("zero3", 2),
                                            ("zero3-offload", 2), ("pp2", 1), ("llama-zero2-ckpt", 2),
-                                           ("llama-zero3", 2), ("llama-pp2", 1), ("tp2-zero0", 1),
+                                           ("llama-zero3", 2), ("llama-pp2", 1), ("fsdp2-zero3", 2),
+                                           ("llama-fsdp2-ckpt", 2), ("tp2-zero0", 1),
                                            ("tp2-zero2", 1), ("llama-tp2-zero1", 1)])
 def test_a_checkpoint_consolidates_to_the_model_that_was_evaluated(runs, tmp, byte_dataset, name, replicas):
     """`kiln export`'s reader merges every sharding (ZeRO partitions, pipeline layer files) into

@@ -1,6 +1,7 @@
 """A checkpoint written by N data-parallel ranks resumes on M: 2 -> 1, 1 -> 2 and 2 -> 3, at
-ZeRO-0 to ZeRO-3 and ZeRO-2 with the optimizer offloaded, through the same `train_loop` that
-Ray Train and the local launcher call (real DeepSpeed engines on CPU/gloo, fp32, debug flavour).
+ZeRO-0 to ZeRO-3, ZeRO-2 with the optimizer offloaded and FSDP2 (ZeRO-3), through the same
+`train_loop` that Ray Train and the local launcher call (real DeepSpeed and FSDP2 engines on
+CPU/gloo, fp32, debug flavour).
 
 Every run trains on 12 sequences a step (2 per micro-batch: 1 rank x 6, 2 x 3, 3 x 2) and saves
 at step 8. A resumed run must go on as the run that wrote the checkpoint did: the same losses
@@ -27,6 +28,7 @@ STAGES = {
     "zero2": ["parallel.zero_stage=2"],
     "zero3": ["parallel.zero_stage=3"],
     "zero2-offload": ["parallel.zero_stage=2", "parallel.offload_optimizer=cpu"],
+    "fsdp2": ["parallel.engine=fsdp2", "parallel.zero_stage=3"],  # DCP re-slices its shards on load
 }
 SHARDED = [s for s in STAGES if s != "zero0"]  # whose optimizer state is cut per rank
 
