@@ -164,9 +164,13 @@ class KVCache:
     so a padding row's softmax is never empty (its output is unused). Without padding, no mask is
     built: a new token sees every cached key, and a first batch is plainly causal."""
 
-    def __init__(self, n_layer: int):
-        self.k: list[torch.Tensor | None] = [None] * n_layer
+    def __init__(self, n_layer: int, capacity: int = 0):
+        """`capacity`: the tokens a row will hold at most (prompt + new tokens), allocated at the
+        first token, so that decoding writes each key in place instead of copying the whole cache
+        every step; 0, or too few, grows by doubling."""
+        self.k: list[torch.Tensor | None] = [None] * n_layer  # (B, KV heads, allocated, head_dim)
         self.v: list[torch.Tensor | None] = [None] * n_layer
+        self.capacity = capacity
         self.length = 0  # tokens cached so far, S
         self.valid: torch.Tensor | None = None  # (B, S) bool, once any row has had padding
 
@@ -195,11 +199,20 @@ class KVCache:
         return positions, mask[:, None]
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.k[layer] is not None:
-            k = torch.cat([self.k[layer], k], dim=2)
-            v = torch.cat([self.v[layer], v], dim=2)
-        self.k[layer], self.v[layer] = k, v
-        return k, v
+        """Write this forward's T keys and values (B, KV heads, T, head_dim) after the cached ones
+        (`extend` has counted them already); return all S so far, as views of the buffers."""
+        end = self.length
+        start = end - k.shape[2]
+        held = self.k[layer]
+        if held is None or held.shape[2] < end:
+            size = max(self.capacity, end, 2 * (held.shape[2] if held is not None else 0))
+            grown_k, grown_v = (t.new_empty(*t.shape[:2], size, t.shape[3]) for t in (k, v))
+            if held is not None:
+                grown_k[:, :, :start], grown_v[:, :, :start] = held[:, :, :start], self.v[layer][:, :, :start]
+            self.k[layer], self.v[layer] = grown_k, grown_v
+        self.k[layer][:, :, start:end] = k
+        self.v[layer][:, :, start:end] = v
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
 
 def norm(cfg: GPTConfig) -> nn.Module:
@@ -358,6 +371,7 @@ class GPT(nn.Module):
         model already partitioned must gather each weight before `init_module` can fill it."""
         super().__init__()
         self.cfg = cfg
+        self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # see `_decode_rope`
         self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.wpe = nn.Embedding(cfg.seq_len, cfg.d_model) if cfg.arch == "gpt" else None
         self.drop = nn.Dropout(cfg.dropout)
@@ -391,6 +405,21 @@ class GPT(nn.Module):
         """cos/sin once per forward for all blocks (llama); None for gpt."""
         return rotary(positions, self.cfg) if self.cfg.arch == "llama" else None
 
+    def _decode_rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`_rope` for a decode step, looked up in a table of every position's cos/sin computed
+        once per device (the same values: each position's angles are computed alike). Training
+        keeps computing them per forward, so a compiled training graph never reads this state."""
+        if self.cfg.arch != "llama":
+            return None
+        table = self._rope_table
+        if table is None or table[0].device != positions.device:
+            cos, sin = rotary(torch.arange(self.cfg.seq_len, device=positions.device), self.cfg)
+            self._rope_table = table = (cos[0, 0], sin[0, 0])  # (seq_len, head_dim) each
+        cos, sin = table[0][positions], table[1][positions]
+        if cos.dim() == 2:  # positions (T,): one row of angles for the whole batch
+            cos, sin = cos[None], sin[None]
+        return cos[:, None], sin[:, None]
+
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         """Logits for `idx` (B, T); with `targets`, also the mean next-token cross-entropy."""
         T = idx.shape[1]
@@ -417,7 +446,7 @@ class GPT(nn.Module):
             raise ValueError(f"{cache.length + idx.shape[1]} tokens exceed the model's seq_len {self.cfg.seq_len}")
         positions, mask = cache.extend(idx.shape[1], valid, idx.device)
         x = embed(self.wte, self.wpe, self.drop, idx, positions)
-        rope = self._rope(positions)
+        rope = self._decode_rope(positions)
         for block in self.blocks:
             x = block(x, rope, cache, mask)
         return self.lm_head(self.ln_f(x[:, -1]))

@@ -101,7 +101,8 @@ def generate(model: GPT, prompts: Sequence[Sequence[int]], s: Sampling, eot_id: 
     done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
     stops = torch.tensor(list(stop_ids), dtype=torch.long, device=device)
     out: list[list[int]] = [[] for _ in prompts]
-    cache, feed, feed_valid = KVCache(model.cfg.n_layer), idx, valid
+    capacity = idx.shape[1] + s.max_new_tokens  # the most a row will hold: the cache is allocated once
+    cache, feed, feed_valid = KVCache(model.cfg.n_layer, capacity), idx, valid
     start = time.perf_counter()
     prefill_s = 0.0
     for step in range(s.max_new_tokens):
@@ -123,7 +124,8 @@ def generate(model: GPT, prompts: Sequence[Sequence[int]], s: Sampling, eot_id: 
         if bool(done.all()):
             break
         feed, feed_valid = token[:, None], None  # all real: a finished row's filler is ignored
-        idx, valid = torch.cat([idx, feed], 1), torch.cat([valid, torch.ones_like(feed, dtype=torch.bool)], 1)
+        if not use_cache:  # only a recompute reads the whole sequence back
+            idx, valid = torch.cat([idx, feed], 1), torch.cat([valid, torch.ones_like(feed, dtype=torch.bool)], 1)
         if s.repetition_window:
             history = torch.cat([history, feed], 1)[:, -s.repetition_window:]
     total = time.perf_counter() - start

@@ -59,6 +59,29 @@ def test_a_cache_fed_in_chunks_gives_the_logits_of_one_forward(model):
     torch.testing.assert_close(torch.stack([first, rest], 1), full[:, [6, 13]], atol=1e-4, rtol=1e-4)
 
 
+def test_a_cache_sized_ahead_is_allocated_once_and_gives_the_same_logits(model):
+    """Sized for the whole generation, the cache writes each step's keys in place (its buffers
+    never move); grown by doubling, or sized exactly, the logits are the same. The decode's RoPE
+    table holds, bitwise, the angles a forward computes for those positions."""
+    from kiln.model import KVCache, rotary
+
+    idx = torch.tensor([PROMPTS[2] + PROMPTS[0]])
+    runs = {}
+    for capacity in (0, idx.shape[1]):
+        cache = KVCache(model.cfg.n_layer, capacity)
+        logits = [model.decode(idx[:, :5], cache)]
+        buffers = (cache.k[0].data_ptr(), cache.v[-1].data_ptr())
+        logits += [model.decode(idx[:, t:t + 1], cache) for t in range(5, idx.shape[1])]
+        moved = (cache.k[0].data_ptr(), cache.v[-1].data_ptr()) != buffers
+        assert moved == (capacity == 0), capacity  # 5 slots, doubled to 10 and to 20
+        runs[capacity] = torch.stack(logits, 1)
+    torch.testing.assert_close(runs[0], runs[idx.shape[1]], atol=0, rtol=0)
+    if model.cfg.arch == "llama":
+        positions = torch.tensor([[0, 5, 17, 95], [3, 3, 40, 2]])
+        for got, want in zip(model._decode_rope(positions), rotary(positions, model.cfg)):
+            assert torch.equal(got, want)
+
+
 def test_a_seed_reproduces_a_sample_and_another_seed_differs(model):
     runs = {seed: generate(model, PROMPTS, Sampling(max_new_tokens=40, temperature=1.0, seed=seed), 0, VOCAB).tokens
             for seed in (1, 1, 2)}
