@@ -32,7 +32,7 @@ from kiln.launch.console import run_reporting_errors
 from kiln.launch.preflight import preflight
 from kiln.launch.resume import lineage, record_run
 from kiln.launch.summary import Summary
-from kiln.parallel.ops import init_distributed
+from kiln.parallel.ops import init_distributed, shutdown_distributed
 from kiln.parallel.worker import run_worker
 from kiln.ports import free_port  # noqa: F401 (tests and benches take it from here too)
 from kiln.redact import configure_logging
@@ -120,6 +120,7 @@ def run_local(cfg: RunConfig, started: float | None = None) -> Summary | None:
         progress = sink_for(sys.stderr, cfg.logging.progress_every)
         final = run_worker(cfg, checked.model, world, source, Sinks(logger=logger, progress=progress), ckpt_root,
                            marks)
+        shutdown_distributed()
         if world.rank != 0:
             return None
         checkpoint = f"{ckpt_root}/step_{final['step']:08d}"

@@ -58,6 +58,18 @@ def init_distributed(on_cuda: bool) -> None:
     deepspeed.init_distributed(dist_backend="nccl" if on_cuda else "gloo")
 
 
+def shutdown_distributed() -> None:
+    """After a run that every rank finished: wait for all, then tear the process group down
+    before the interpreter exits. Left to the interpreter's exit, gloo's threads can be
+    destroyed while still joinable, and a rank aborts (SIGABRT, "terminate called without an
+    active exception") after its work is done, failing the whole torchrun launch."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def prebuild() -> None:
     """Build (or find built) the ops Kiln's CPU runs load. A failure is logged, not raised: the
     shm allreduce falls back to gloo, and an optimizer offload tries to build cpu_adam again when

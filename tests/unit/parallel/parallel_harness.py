@@ -168,7 +168,7 @@ def launch(tmp: Path, name: str, specs: list, ranks: int, data: Path, timeout: i
 
 
 def main(out_path: str, data: str, root: str, specs_path: str) -> int:
-    from kiln.parallel.ops import init_distributed
+    from kiln.parallel.ops import init_distributed, shutdown_distributed
 
     logging.basicConfig(level=logging.WARNING)
     world = _world_from_env(use_gpu=False)
@@ -180,6 +180,7 @@ def main(out_path: str, data: str, root: str, specs_path: str) -> int:
         with open(out_path + ".tmp", "w") as f:
             json.dump(results, f)
         os.replace(out_path + ".tmp", out_path)
+    shutdown_distributed()
     return 0
 
 
