@@ -78,8 +78,10 @@ def layout_card(cfg: RunConfig) -> dict:
 
 def precision_record(cfg: RunConfig) -> dict:
     """What decides the layout of DeepSpeed's optimizer state: the precision, and for bf16
-    whether it ran as autocast over fp32 weights or as DeepSpeed's bf16 weights."""
-    return {"precision": cfg.train.precision, "bf16_autocast": cfg.autocast}
+    whether it ran as autocast over fp32 weights or as DeepSpeed's bf16 weights. FSDP2 keeps fp32
+    weights and state in every precision (`fp32_weights`)."""
+    record = {"precision": cfg.train.precision, "bf16_autocast": cfg.autocast}
+    return record | ({"fp32_weights": True} if cfg.parallel.engine == "fsdp2" else {})
 
 
 def _check_precision(directory: str, had: dict | None, want: dict) -> None:
@@ -95,7 +97,8 @@ def _check_precision(directory: str, had: dict | None, want: dict) -> None:
 
 
 def _layout(record: dict) -> str:
-    return "fp32 weights" if record["precision"] == "fp32" or record["bf16_autocast"] else record["precision"]
+    fp32 = record["precision"] == "fp32" or record["bf16_autocast"] or record.get("fp32_weights", False)
+    return "fp32 weights" if fp32 else record["precision"]
 
 
 def _words(record: dict) -> str:

@@ -186,7 +186,7 @@ def test_resume_across_engines_is_refused_naming_both(tmp_path):
     def card(*sets: str) -> dict:
         return checkpoint.layout_card(load_config(None, ["parallel.zero_stage=3", *sets]))
 
-    ours, fsdp2 = card(), card("parallel.engine=fsdp2")
+    ours, fsdp2 = card(), card("parallel.engine=fsdp2", "train.precision=fp32")
     d = _fake(tmp_path, 10, world=1)
     old = {k: v for k, v in ours.items() if k != "parallel"} | {"parallel": {"zero_stage": 3, "pipeline_stages": 1}}
     (d / checkpoint.CARD).write_text(json.dumps(old))
@@ -196,5 +196,7 @@ def test_resume_across_engines_is_refused_naming_both(tmp_path):
     assert "was written by parallel.engine = 'deepspeed'; this run has 'fsdp2'" in str(e.value)
     (d / checkpoint.CARD).write_text(json.dumps(fsdp2))
     assert checkpoint.resolve_resume(str(d), 1, fsdp2).step == 10
+    # FSDP2 keeps fp32 weights and state in bf16 too: bf16 and fp32 runs resume each other.
+    assert checkpoint.resolve_resume(str(d), 1, card("parallel.engine=fsdp2", "train.precision=bf16")).step == 10
     with pytest.raises(ConfigError, match="set parallel.engine = 'fsdp2'"):
         checkpoint.resolve_resume(str(d), 1, ours)
