@@ -114,7 +114,7 @@ def _host_tracker(path: Path):
     try:
         import memray
     except ImportError:
-        log.warning("memray is not installed: no host memory profile (pip install memray)")
+        log.warning("memray is not installed: no host memory profile (pip install -e '.[profile]', or memray)")
         return None
     return memray.Tracker(str(path), follow_fork=False)
 

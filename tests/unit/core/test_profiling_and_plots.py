@@ -79,3 +79,16 @@ def test_training_plots_from_a_history(tmp_path):
     # a pipeline run logs no forward/backward split: that plot is left out, not drawn empty
     only_loss = training_plots({"loss/train": history["loss/train"]}, tmp_path / "b")
     assert [p.name for p in only_loss] == ["loss.png"]
+
+
+def test_without_memray_a_profile_warns_and_leaves_the_host_part_out(monkeypatch, caplog, tmp_path):
+    """memray is the `profile` extra, not a dependency: where it is missing, the host memory
+    profile is left out with one warning naming the extra's package, and nothing is written."""
+    import sys
+
+    from kiln.core import profiling
+
+    monkeypatch.setitem(sys.modules, "memray", None)  # as if not installed: its import fails
+    with caplog.at_level("WARNING", logger="kiln.core.profiling"):
+        assert profiling._host_tracker(tmp_path / "host.bin") is None
+    assert "memray is not installed" in caplog.text and not list(tmp_path.iterdir())
