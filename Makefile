@@ -91,4 +91,4 @@ bench: $(DEMO_DATA)
 	$(BIN)/python -m bench.sweep_asha
 
 clean:
-	rm -rf $(VENV) $(LINT_VENV) data runs mlflow.db mlartifacts
+	rm -rf $(VENV) $(LINT_VENV) data runs mlflow.db mlruns mlartifacts
