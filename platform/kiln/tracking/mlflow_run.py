@@ -212,6 +212,14 @@ class Run:
         self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()])
 
     def finish(self, ok: bool, status: str | None = None) -> None:
+        """End the run, unless another process has ended it already: the first verdict stands.
+        A sweep's driver marks a trial that ASHA stopped KILLED while the trial's own process may
+        still be being torn down, and that process's FAILED, coming after, would overwrite it."""
+        try:
+            if self.client.get_run(self.run_id).info.status != "RUNNING":
+                return
+        except Exception:  # noqa: BLE001 - the store's errors are many; ending the run matters more
+            pass
         self.client.set_terminated(self.run_id, status or ("FINISHED" if ok else "FAILED"))
 
     @contextlib.contextmanager

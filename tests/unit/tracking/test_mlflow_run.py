@@ -40,3 +40,24 @@ def test_url_passwords_and_environment_secrets_are_scrubbed(monkeypatch):
             "data": {"s3_endpoint": "http://u:pw123456@minio:9000"}, "list": ["wJalrXUtnFEMI/K7MDENG"]}
     assert redact_tree(tree) == {"parallel": {"deepspeed": {"wandb": {"api_key": REDACTED, "project": "p"}}},
                                  "data": {"s3_endpoint": "http://u:***@minio:9000"}, "list": [REDACTED]}
+
+
+def test_the_first_process_to_end_a_run_decides_its_status(tmp_path):
+    """A sweep's driver ends a stopped trial's run KILLED; the trial's own process, torn down
+    after, must not turn it FAILED. A run still running is ended as its process says."""
+    from mlflow import MlflowClient
+
+    from kiln.tracking.mlflow_run import Run
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    stopped, failed = Run(uri, "e", "stopped"), Run(uri, "e", "failed")
+    MlflowClient(uri).set_terminated(stopped.run_id, "KILLED")  # the driver, first
+    for run in (stopped, failed):
+        try:
+            with run.finishing():
+                raise RuntimeError("the trial's workers were torn down")
+        except RuntimeError:
+            pass
+    client = MlflowClient(uri)
+    assert client.get_run(stopped.run_id).info.status == "KILLED"
+    assert client.get_run(failed.run_id).info.status == "FAILED"
