@@ -37,14 +37,17 @@ def test_asha_sweep_four_trials_parent_and_children_in_mlflow(ray_cluster, byte_
             "train.eval_batches": 2, "train.micro_batch_size": 8, "schedule.warmup_steps": 2,
             "logging.tracking_uri": db, "logging.experiment": "sweep-it", "logging.progress_every": 10,
         },
-        # adamw/cosine first (the grid's first point): later trials have a bar to clear; SGD at
-        # lr 0.01 trails everything, so ASHA has something to stop.
+        # adamw/cosine first (the grid's first point), then sgd/cosine: SGD at lr 0.01 trails
+        # everything, so ASHA has something to stop.
         "space": {"optim.name": {"grid": ["adamw", "sgd"]}, "schedule.name": {"grid": ["cosine", "constant"]}},
         "conditional": {"optim.name=sgd": {"optim.lr": 0.01}},
         "search": "grid",
         "scheduler": {"name": "asha", "grace_period": 5, "reduction_factor": 2},
-        # Two trials at a time, 2 workers each at half a logical CPU: 4 workers on 2 cores.
-        "max_concurrent_trials": 2,
+        # One trial at a time, so adamw/cosine sets each rung's bar before SGD reaches it and ASHA
+        # stops SGD whatever the timing (two at a time raced to the rungs, and a run where SGD
+        # reported first stopped nothing). 2 workers each at half a logical CPU; the PBT test
+        # below runs trials side by side.
+        "max_concurrent_trials": 1,
         "resources_per_trial": {"num_workers": 2, "cpus_per_worker": 0.5},
         "storage_path": str(tmp_path / "sweeps"),
     }
