@@ -26,6 +26,7 @@ from pathlib import Path
 
 from bench.common import BIN, REPO, machine, publish, results_file
 from kiln.clock import startup_breakdown
+from kiln.topology import ParallelConfig, sharding
 
 PLAIN = "Plain PyTorch loop, 1 process"
 
@@ -127,7 +128,7 @@ def stage_row(entry: str) -> tuple[str, list[str]]:
     engine, _, stage = entry.rpartition("-")
     engine = engine or "deepspeed"
     over = [f"parallel.engine={engine}", f"parallel.zero_stage={stage}"]
-    return (f"ZeRO-{stage}" if engine == "deepspeed" else f"FSDP2 (ZeRO-{stage})"), over
+    return sharding(ParallelConfig(engine=engine, zero_stage=int(stage))), over
 
 
 def global_batch(args) -> int:

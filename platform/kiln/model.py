@@ -457,13 +457,20 @@ def num_params(cfg: GPTConfig, non_embedding: bool = True) -> int:
     leaves out the learned position table only: the token embedding is also the output
     projection's matmul (or an untied head is counted beside it)."""
     d = cfg.d_model
-    norm_size = d * (2 if cfg.bias and cfg.arch == "gpt" else 1)
-    # the projections, their two norms, and the output projections' biases
-    per_block = _projection_params(cfg) + 2 * norm_size + (2 * d if cfg.bias else 0)
-    n = cfg.n_layer * per_block + norm_size + cfg.vocab_size * d * (1 if cfg.tie_embeddings else 2)
+    n = cfg.n_layer * block_params(cfg) + _norm_size(cfg) + cfg.vocab_size * d * (1 if cfg.tie_embeddings else 2)
     if not non_embedding and cfg.arch == "gpt":
         n += cfg.seq_len * d
     return n
+
+
+def block_params(cfg: GPTConfig) -> int:
+    """One transformer block's parameters: the projections, their two norms, and the output
+    projections' biases (what FSDP2 gathers as one unit)."""
+    return _projection_params(cfg) + 2 * _norm_size(cfg) + (2 * cfg.d_model if cfg.bias else 0)
+
+
+def _norm_size(cfg: GPTConfig) -> int:
+    return cfg.d_model * (2 if cfg.bias and cfg.arch == "gpt" else 1)  # LayerNorm's bias too
 
 
 def split_params(cfg: GPTConfig) -> int:

@@ -57,7 +57,7 @@ from dataclasses import dataclass
 
 from kiln.config import bf16_autocast
 from kiln.core.optim import OPTIMIZERS
-from kiln.model import GPTConfig, largest_layer_params, num_params, split_params
+from kiln.model import GPTConfig, block_params, largest_layer_params, num_params, split_params
 from kiln.topology import ParallelDims, deepspeed_refusal
 from kiln.ui import table
 
@@ -193,19 +193,14 @@ def fsdp2_states(p: PlanInput, psi: int, k: int) -> Estimate:
     reduce-scatter, in c bytes and again in fp32 (the reduce precision)."""
     m, n = p.model, max(1, p.data_parallel)
     c = bytes_per_element(p.precision)
-    block = (num_params(m) - _root_params(m)) // m.n_layer
+    block = block_params(m)
+    root = num_params(m, non_embedding=False) - m.n_layer * block  # embeddings, head, final norm
     held = (2 if p.zero_stage == 3 else m.n_layer) * block
     return Estimate(
         params=int(4 * psi / n), grads=int(4 * psi / n), master=0, optimizer_states=int(4 * k * psi / n),
-        gathered=int(c * (_root_params(m) + held) + (c + 4) * block), activations=activation_bytes(p), host=0,
+        gathered=int(c * (root + held) + (c + 4) * block), activations=activation_bytes(p), host=0,
         device_memory=int(p.device_memory_gib * GIB),
     )
-
-
-def _root_params(m: GPTConfig) -> int:
-    """What is not in a block: the token embedding, an untied head and the final norm (at most
-    a weight and a bias)."""
-    return m.vocab_size * m.d_model * (1 if m.tie_embeddings else 2) + 2 * m.d_model
 
 
 def params_per_rank(m: GPTConfig, tensor_parallel: int) -> int:
