@@ -20,7 +20,8 @@ import time
 from pathlib import Path
 
 from bench.common import REPO, machine, publish, results_file
-from kiln.model import config_for, num_params  # noqa: E402
+from kiln.model import config_for  # noqa: E402
+from kiln.model_size import num_params  # noqa: E402
 
 MODELS = [  # (label, flavour, layers (0: the flavour's), micro-batch)
     ("debug", "debug", 0, 16),

@@ -25,7 +25,8 @@ from bench.common import machine, publish, results_file
 from kiln import hf_checkpoint
 from kiln.data.tokenizer import ByteTokenizer
 from kiln.infer.generate import Sampling, generate
-from kiln.model import GPT, GPTConfig, num_params
+from kiln.model import GPT, GPTConfig
+from kiln.model_size import num_params
 
 SHAPES = {
     "gpt small (debug)": GPTConfig(vocab_size=320, seq_len=256, n_layer=2, n_head=4, d_model=128),

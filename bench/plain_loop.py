@@ -24,7 +24,8 @@ from kiln.core.optim import OptimConfig, build_optimizer, lr_multiplier
 from kiln.core.schedule import ScheduleConfig
 from kiln.data.manifest import load_manifest
 from kiln.data.sources import ParquetSource
-from kiln.model import GPT, config_for, flops_per_token, padded_vocab
+from kiln.model import GPT, config_for, padded_vocab
+from kiln.model_size import flops_per_token
 from kiln.storage import resolve
 
 STARTED = process_start()

@@ -170,7 +170,7 @@ def _sweep(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     from kiln.hf_checkpoint import shard_size
     from kiln.infer.commands import export
-    from kiln.model import num_params
+    from kiln.model_size import num_params
 
     max_shard = shard_size(args.max_shard_size)
     with _local_model(args.model, args.tracking_uri) as local:

@@ -3,7 +3,8 @@ import math
 import pytest
 import torch
 
-from kiln.model import FLAVOURS, GPT, config_for, flops_per_token, num_params, padded_vocab
+from kiln.model import FLAVOURS, GPT, config_for, padded_vocab
+from kiln.model_size import flops_per_token, num_params
 
 
 def test_flavours_exist():

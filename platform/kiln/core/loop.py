@@ -48,7 +48,8 @@ from kiln.data.indices import DROPPED, SKIPPED, TRAINED, IndexLog
 from kiln.data.sources import BatchSource
 from kiln.errors import KilnError
 from kiln.guard import discard
-from kiln.model import GPTConfig, inputs_and_targets, num_params
+from kiln.model import GPTConfig, inputs_and_targets
+from kiln.model_size import num_params
 from kiln.topology import ParallelDims
 from kiln.ui.progress import LogLines, Progress, ProgressSink, console
 

@@ -16,7 +16,8 @@ import torch
 
 from kiln.core.engine import Engine
 from kiln.devices import by_cuda_name
-from kiln.model import GPTConfig, flops_per_token
+from kiln.model import GPTConfig
+from kiln.model_size import flops_per_token
 
 if TYPE_CHECKING:  # the config composes the core's sections: a type here, never an import
     from kiln.config import RunConfig

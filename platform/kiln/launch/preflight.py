@@ -24,7 +24,8 @@ from kiln.data.mixture import Dataset
 from kiln.errors import ConfigError, StorageError
 from kiln.guard import writable_ancestor
 from kiln.hf_checkpoint import check_weights, init_from_dir, pretrained_shape
-from kiln.model import GPTConfig, num_params
+from kiln.model import GPTConfig
+from kiln.model_size import num_params
 from kiln.parallel.engine import check_offload_ops, check_passthrough, check_with_deepspeed
 from kiln.parallel.pipeline import check_partition
 from kiln.plan.memory import plan_input, refuse_if_too_big

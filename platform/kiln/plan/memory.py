@@ -42,7 +42,7 @@ A pipeline stage holds 1/P of the layers, and its first stage holds up to min(P,
 in flight under DeepSpeed's 1F1B schedule.
 
 Tensor parallelism over t ranks (Megatron-LM, Shoeybi et al. 2019) divides the blocks'
-projections (`kiln.model.split_params`) and so their gradients and optimizer state by t; ZeRO
+projections (`kiln.model_size.split_params`) and so their gradients and optimizer state by t; ZeRO
 then shards over the N = world / (P x t) data-parallel replicas. Of a block's activations the
 ones inside the split (q k v, attention out, proj in, GELU in, proj in: 13 of 15 e-byte terms)
 divide by t; the norms' inputs and the projections' inputs stay whole (no sequence parallelism;
@@ -57,7 +57,8 @@ from dataclasses import dataclass
 
 from kiln.config import bf16_autocast
 from kiln.core.optim import OPTIMIZERS
-from kiln.model import GPTConfig, block_params, largest_layer_params, num_params, split_params
+from kiln.model import GPTConfig
+from kiln.model_size import block_params, largest_layer_params, num_params, split_params
 from kiln.topology import ParallelDims, deepspeed_refusal
 from kiln.ui import table
 

@@ -35,7 +35,8 @@ from pathlib import Path
 
 from kiln.devices import DEVICES
 from kiln.errors import ConfigError
-from kiln.model import GPTConfig, flops_per_token, num_params
+from kiln.model import GPTConfig
+from kiln.model_size import flops_per_token, num_params
 from kiln.plan.memory import PlanInput, params_per_rank, state_bytes
 from kiln.schemas import Launcher, type_problems
 from kiln.yamlfile import read_mapping

@@ -241,7 +241,8 @@ def test_tensor_parallel_matches_one_rank(runs, name):
 def test_tensor_parallel_holds_half_the_split_weights_and_resumes_exactly(runs):
     """Each rank holds 1/2 of the blocks' projections (and their optimizer state) and all of the
     embeddings and norms, as the planner says; a resume from step 10 continues exactly."""
-    from kiln.model import config_for, split_params
+    from kiln.model import config_for
+    from kiln.model_size import split_params
 
     whole = runs["zero0"]["final"]["memory/params_bytes"]  # fp32, every weight on every rank
     split = 4 * split_params(config_for("debug"))  # the projections' shapes need no vocab or seq_len

@@ -5,7 +5,8 @@ import dataclasses
 import pytest
 
 from kiln.errors import ConfigError
-from kiln.model import config_for, largest_layer_params, num_params
+from kiln.model import config_for
+from kiln.model_size import largest_layer_params, num_params
 from kiln.plan.memory import (
     GIB,
     PlanInput,
@@ -117,7 +118,7 @@ def test_autocast_keeps_fp32_states_and_residual_stream():
 
 
 def test_tensor_parallel_divides_the_split_weights_and_most_activations():
-    from kiln.model import split_params
+    from kiln.model_size import split_params
 
     m = config_for("llama-7b", vocab_size=32000)
     one = estimate(PlanInput(model=m, world_size=2, micro_batch=1, precision="bf16"))

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from kiln.errors import ConfigError
-from kiln.model import config_for, flops_per_token, num_params
+from kiln.model import config_for
+from kiln.model_size import flops_per_token, num_params
 from kiln.plan.memory import PlanInput
 from kiln.plan.throughput import INSTANCES, Cluster, cluster_from_yaml, throughput
 
