@@ -181,25 +181,34 @@ def up(root: str | Path = "runs/services", host: str = "127.0.0.1", port: int = 
         started.append(Service("mlflow", proc.pid, url, str(mlflow_log), _started(proc.pid) or 0.0))
         _wait_http(f"{url}/health", proc, timeout, mlflow_log)
         if prometheus:
-            cfg = root / "prometheus.yml"
-            alerts = Path(__file__).resolve().parents[2] / "dashboards" / "alerts.yml"  # in a checkout
-            cfg.write_text(
-                "global: {scrape_interval: 5s, evaluation_interval: 15s}\n"
-                + (f"rule_files: ['{alerts}']\n" if alerts.is_file() else "")
-                + "scrape_configs:\n"
-                "  - job_name: ray\n"
-                f"    file_sd_configs: [{{files: ['{RAY_SD_FILE}']}}]\n")
-            prom_log = root / "prometheus.log"
-            proc = _spawn([prom_bin, f"--config.file={cfg}", f"--storage.tsdb.path={root / 'prometheus-data'}",
-                           f"--web.listen-address={host}:{prometheus_port}"], prom_log)
-            purl = f"http://{host}:{prometheus_port}"
-            started.append(Service("prometheus", proc.pid, purl, str(prom_log), _started(proc.pid) or 0.0))
-            _wait_http(f"{purl}/-/ready", proc, timeout, prom_log)
+            started.append(_start_prometheus(prom_bin, root, host, prometheus_port, timeout))
     except BaseException:
         _stop(started)
         raise
     _save(root, started)
     return started
+
+
+def _start_prometheus(binary: str, root: Path, host: str, port: int, timeout: float) -> Service:
+    """Prometheus scraping Ray's service discovery file, with Kiln's alert rules in a checkout."""
+    cfg = root / "prometheus.yml"
+    alerts = Path(__file__).resolve().parents[2] / "dashboards" / "alerts.yml"  # in a checkout
+    cfg.write_text(
+        "global: {scrape_interval: 5s, evaluation_interval: 15s}\n"
+        + (f"rule_files: ['{alerts}']\n" if alerts.is_file() else "")
+        + "scrape_configs:\n"
+        "  - job_name: ray\n"
+        f"    file_sd_configs: [{{files: ['{RAY_SD_FILE}']}}]\n")
+    prom_log = root / "prometheus.log"
+    proc = _spawn([binary, f"--config.file={cfg}", f"--storage.tsdb.path={root / 'prometheus-data'}",
+                   f"--web.listen-address={host}:{port}"], prom_log)
+    service = Service("prometheus", proc.pid, f"http://{host}:{port}", str(prom_log), _started(proc.pid) or 0.0)
+    try:
+        _wait_http(f"{service.url}/-/ready", proc, timeout, prom_log)
+    except BaseException:
+        _stop([service])
+        raise
+    return service
 
 
 def _stop(services: list[Service], timeout: float = 30.0) -> None:
