@@ -36,8 +36,19 @@ def burn(burst_s: float, stop) -> None:
 
 
 def plain(args) -> float:
-    cmd = [str(BIN / "python"), "-m", "bench.plain_loop", "--data", args.data,
-           "--batch", str(args.batch), "--steps", str(args.steps), "--threads", str(args.threads)]
+    cmd = [
+        str(BIN / "python"),
+        "-m",
+        "bench.plain_loop",
+        "--data",
+        args.data,
+        "--batch",
+        str(args.batch),
+        "--steps",
+        str(args.steps),
+        "--threads",
+        str(args.threads),
+    ]
     out = subprocess.run(cmd, cwd=REPO, check=True, capture_output=True, text=True)
     return json.loads(out.stdout.splitlines()[-1])["tokens_per_s"]
 
@@ -75,15 +86,18 @@ def main() -> None:
     rows = [(plain(args), *with_load(args)) for _ in range(args.rounds)]
     ratios = [loaded / alone for alone, loaded, _ in rows]
     threads = args.threads or psutil.cpu_count(logical=False)
-    text = "\n".join([
-        f"\n## Background load against the plain loop, {time.strftime('%Y-%m-%d %H:%M')} ({machine()})\n",
-        f"`python -m bench.background_cost --share {args.share} --processes {args.processes} --rounds "
-        f"{args.rounds} --threads {args.threads}`: {threads} thread(s), micro-batch {args.batch}, "
-        f"{args.steps} steps; the load is {args.share:.0%} of the machine in {args.processes} processes.\n",
-        "| round | alone, tokens/s | beside the load, tokens/s | ratio | the load's measured share |",
-        "|---|---:|---:|---:|---:|",
-        *[f"| {i + 1} | {a:,.0f} | {b:,.0f} | {b / a:.3f} | {took:.1%} |" for i, (a, b, took) in enumerate(rows)],
-        f"\nMedian ratio {statistics.median(ratios):.3f} (range {min(ratios):.3f}-{max(ratios):.3f}).\n"])
+    text = "\n".join(
+        [
+            f"\n## Background load against the plain loop, {time.strftime('%Y-%m-%d %H:%M')} ({machine()})\n",
+            f"`python -m bench.background_cost --share {args.share} --processes {args.processes} --rounds "
+            f"{args.rounds} --threads {args.threads}`: {threads} thread(s), micro-batch {args.batch}, "
+            f"{args.steps} steps; the load is {args.share:.0%} of the machine in {args.processes} processes.\n",
+            "| round | alone, tokens/s | beside the load, tokens/s | ratio | the load's measured share |",
+            "|---|---:|---:|---:|---:|",
+            *[f"| {i + 1} | {a:,.0f} | {b:,.0f} | {b / a:.3f} | {took:.1%} |" for i, (a, b, took) in enumerate(rows)],
+            f"\nMedian ratio {statistics.median(ratios):.3f} (range {min(ratios):.3f}-{max(ratios):.3f}).\n",
+        ]
+    )
     publish(text, args.results)
 
 

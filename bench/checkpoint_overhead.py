@@ -32,8 +32,16 @@ WARMUP_STEPS_EXCLUDED = 5  # kiln.core.loop's: saves within the first steps are 
 
 def run(overrides: list[str], tmp: str, name: str) -> dict:
     out = f"{tmp}/{name}.json"
-    cmd = [sys.executable, "-m", "kiln.launch.local", "--config", str(REPO / "jobs/configs/debug.yaml"),
-           *[a for o in overrides for a in ("--set", o)], "--summary-json", out]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kiln.launch.local",
+        "--config",
+        str(REPO / "jobs/configs/debug.yaml"),
+        *[a for o in overrides for a in ("--set", o)],
+        "--summary-json",
+        out,
+    ]
     print("+", " ".join(cmd), flush=True)
     proc = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -56,20 +64,40 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="kiln-ckpt-bench-") as tmp:
         data = json.loads((Path(args.data) / "manifest.json").read_text())
         for label, flavour, layers, micro in MODELS:
-            shape = config_for(flavour, vocab_size=data["tokenizer"]["vocab_size"], seq_len=data["seq_len"],
-                               **({"n_layer": layers} if layers else {}))
+            shape = config_for(
+                flavour,
+                vocab_size=data["tokenizer"]["vocab_size"],
+                seq_len=data["seq_len"],
+                **({"n_layer": layers} if layers else {}),
+            )
             label = f"{label} ({num_params(shape, non_embedding=False) / 1e6:.1f}M params)"
             model = [f"model.flavour={flavour}", f"train.micro_batch_size={micro}"] + (
-                [f"model.n_layer={layers}"] if layers else [])
-            common = [f"data.path={args.data}", f"train.max_steps={args.steps}", "train.eval_every=0",
-                      "parallel.zero_stage=0", "parallel.cpus_per_worker=2", "logging.progress_every=1000",
-                      f"logging.tracking_uri=sqlite:///{tmp}/mlflow.db", f"train.storage_path={tmp}/runs", *model]
+                [f"model.n_layer={layers}"] if layers else []
+            )
+            common = [
+                f"data.path={args.data}",
+                f"train.max_steps={args.steps}",
+                "train.eval_every=0",
+                "parallel.zero_stage=0",
+                "parallel.cpus_per_worker=2",
+                "logging.progress_every=1000",
+                f"logging.tracking_uri=sqlite:///{tmp}/mlflow.db",
+                f"train.storage_path={tmp}/runs",
+                *model,
+            ]
             for every in (0, args.every):
                 name = f"{len(rows)}"
                 s = run([*common, f"train.checkpoint_every={every}", f"logging.run_name=ckpt-{name}"], tmp, name)
                 m = s["metrics"]
-                rows.append((label, every, m["throughput/tokens_per_s"], m["throughput/tokens_per_s_with_checkpoints"],
-                             size_gib(s["checkpoint"])))
+                rows.append(
+                    (
+                        label,
+                        every,
+                        m["throughput/tokens_per_s"],
+                        m["throughput/tokens_per_s_with_checkpoints"],
+                        size_gib(s["checkpoint"]),
+                    )
+                )
     base = {label: with_ckpt for label, every, _, with_ckpt, _ in rows if every == 0}
     saves = len([s for s in range(args.every, args.steps, args.every) if s > WARMUP_STEPS_EXCLUDED])
     lines = [

@@ -30,7 +30,7 @@ def publish(text: str, results: str) -> None:
     path = Path(results)
     old = path.read_text() if path.exists() else f"# {path.stem}\n\n"
     cut = old.find("\n## ")
-    head, rest = (old, "") if cut < 0 else (old[: cut + 1], old[cut + 1:])
+    head, rest = (old, "") if cut < 0 else (old[: cut + 1], old[cut + 1 :])
     section = text.strip("\n") + "\n\n"
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     with os.fdopen(fd, "w") as f:

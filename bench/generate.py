@@ -31,8 +31,9 @@ from kiln.model_size import num_params
 SHAPES = {
     "gpt small (debug)": GPTConfig(vocab_size=320, seq_len=256, n_layer=2, n_head=4, d_model=128),
     "gpt 8x512": GPTConfig(vocab_size=320, seq_len=256, n_layer=8, n_head=8, d_model=512),
-    "llama 8x512, GQA 8/2": GPTConfig(arch="llama", vocab_size=320, seq_len=256, n_layer=8, n_head=8, n_kv_head=2,
-                                      d_model=512, tie_embeddings=False),
+    "llama 8x512, GQA 8/2": GPTConfig(
+        arch="llama", vocab_size=320, seq_len=256, n_layer=8, n_head=8, n_kv_head=2, d_model=512, tie_embeddings=False
+    ),
 }
 
 
@@ -54,8 +55,9 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def measure(cfg: GPTConfig, batch: int, prompt_len: int, new: int, rounds: int, device: str = "cpu",
-            dtype: str = "fp32") -> dict[str, float]:
+def measure(
+    cfg: GPTConfig, batch: int, prompt_len: int, new: int, rounds: int, device: str = "cpu", dtype: str = "fp32"
+) -> dict[str, float]:
     torch.manual_seed(0)
     model = GPT(cfg).eval()
     prompts = torch.randint(0, 256, (batch, prompt_len))
@@ -68,8 +70,9 @@ def measure(cfg: GPTConfig, batch: int, prompt_len: int, new: int, rounds: int, 
     runs = {
         "kiln, KV cache": lambda: generate(model, ids, s, 256, 257),
         "kiln, no cache": lambda: generate(model, ids, s, 256, 257, use_cache=False),
-        "transformers": lambda: theirs.generate(prompts, max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                                                pad_token_id=256),
+        "transformers": lambda: theirs.generate(
+            prompts, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=256
+        ),
     }
     with torch.no_grad():
         mine = generate(model, ids, s, 256, 257).tokens
@@ -105,23 +108,28 @@ def main() -> int:
     for name, cfg in SHAPES.items():
         for batch in (1, 8):
             tps = measure(cfg, batch, args.prompt_len, args.new_tokens, args.rounds, args.device, args.dtype)
-            rows.append(f"| {name} | {num_params(cfg) / 1e6:.1f}M | {batch} | {tps['kiln, KV cache']:,.0f} | "
-                        f"{tps['kiln, no cache']:,.0f} | {tps['transformers']:,.0f} | "
-                        f"{tps['kiln, KV cache'] / tps['kiln, no cache']:.2f} | "
-                        f"{tps['kiln, KV cache'] / tps['transformers']:.2f} |")
+            rows.append(
+                f"| {name} | {num_params(cfg) / 1e6:.1f}M | {batch} | {tps['kiln, KV cache']:,.0f} | "
+                f"{tps['kiln, no cache']:,.0f} | {tps['transformers']:,.0f} | "
+                f"{tps['kiln, KV cache'] / tps['kiln, no cache']:.2f} | "
+                f"{tps['kiln, KV cache'] / tps['transformers']:.2f} |"
+            )
             print(rows[-1], flush=True)
-    table = "\n".join([
-        f"## Generation on {args.device}, {args.dtype}, {time.strftime('%Y-%m-%d %H:%M')} ({machine()}, "
-        f"{args.threads} threads)",
-        "",
-        f"Command: `python -m bench.generate {' '.join(sys.argv[1:])}`. Greedy, {args.prompt_len}-token prompts, {args.new_tokens} new tokens each; "
-        "tokens/s of new tokens (prompt processing included), medians of the rounds. Each row first checks that "
-        "Kiln's and transformers' tokens are identical (in fp32).",
-        "",
-        "| model | params | prompts | Kiln, KV cache | Kiln, no cache | transformers | cache speed-up | Kiln / transformers |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
-        *rows, "",
-    ])
+    table = "\n".join(
+        [
+            f"## Generation on {args.device}, {args.dtype}, {time.strftime('%Y-%m-%d %H:%M')} ({machine()}, "
+            f"{args.threads} threads)",
+            "",
+            f"Command: `python -m bench.generate {' '.join(sys.argv[1:])}`. Greedy, {args.prompt_len}-token prompts, {args.new_tokens} new tokens each; "
+            "tokens/s of new tokens (prompt processing included), medians of the rounds. Each row first checks that "
+            "Kiln's and transformers' tokens are identical (in fp32).",
+            "",
+            "| model | params | prompts | Kiln, KV cache | Kiln, no cache | transformers | cache speed-up | Kiln / transformers |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|",
+            *rows,
+            "",
+        ]
+    )
     if not args.no_write:
         publish(table, args.results)
     return 0

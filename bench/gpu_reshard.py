@@ -31,10 +31,17 @@ log = logging.getLogger("bench.gpu_reshard")
 
 
 def _config(args, stage: int):
-    sets = [f"model.flavour={args.flavour}", f"model.vocab_size={args.vocab}", f"model.seq_len={args.seq_len}",
-            f"train.precision={args.precision}", f"parallel.zero_stage={stage}", f"train.micro_batch_size={args.batch}",
-            f"parallel.use_gpu={'true' if args.device == 'cuda' else 'false'}", "train.max_steps=100",
-            "schedule.warmup_steps=2"]
+    sets = [
+        f"model.flavour={args.flavour}",
+        f"model.vocab_size={args.vocab}",
+        f"model.seq_len={args.seq_len}",
+        f"train.precision={args.precision}",
+        f"parallel.zero_stage={stage}",
+        f"train.micro_batch_size={args.batch}",
+        f"parallel.use_gpu={'true' if args.device == 'cuda' else 'false'}",
+        "train.max_steps=100",
+        "schedule.warmup_steps=2",
+    ]
     if args.precision == "bf16":
         sets.append("train.mixed_precision=weights")  # DeepSpeed's bf16 weights: the layout that needs converting
     return load_config(None, sets)
@@ -64,10 +71,12 @@ def one_stage(args, stage: int, world) -> dict:
     cfg = _config(args, stage)
     mcfg = cfg.model.shape()
     gen = torch.Generator().manual_seed(stage)
-    batches = [torch.randint(0, args.vocab, (args.batch, args.seq_len + 1), generator=gen).to(world.device)
-               for _ in range(args.steps * 2)]
+    batches = [
+        torch.randint(0, args.vocab, (args.batch, args.seq_len + 1), generator=gen).to(world.device)
+        for _ in range(args.steps * 2)
+    ]
     engine, _ = build_engine(cfg, mcfg, world)
-    _steps(engine, batches[:args.steps])
+    _steps(engine, batches[: args.steps])
     with tempfile.TemporaryDirectory(prefix="kiln-reshard-bench-") as root:
         engine.save(root, {})
         size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(root) for f in fs)
@@ -76,11 +85,21 @@ def one_stage(args, stage: int, world) -> dict:
         want = gathered_state(plain.ds)
         resharded, reshard_s = _timed_load(cfg, mcfg, world, root, reshard=True)
         got = gathered_state(resharded.ds)
-    diff = max((got[k].float() - want[k].float()).abs().max().item() for k in want) if got.keys() == want.keys() \
+    diff = (
+        max((got[k].float() - want[k].float()).abs().max().item() for k in want)
+        if got.keys() == want.keys()
         else float("inf")
-    after = [abs(a - b) for a, b in zip(_steps(plain, batches[args.steps:]), _steps(resharded, batches[args.steps:]))]
-    return {"stage": stage, "checkpoint_mb": size / 2**20, "plain_load_s": plain_s, "reshard_load_s": reshard_s,
-            "state_max_diff": diff, "states": len(want), "loss_max_diff": max(after)}
+    )
+    after = [abs(a - b) for a, b in zip(_steps(plain, batches[args.steps :]), _steps(resharded, batches[args.steps :]))]
+    return {
+        "stage": stage,
+        "checkpoint_mb": size / 2**20,
+        "plain_load_s": plain_s,
+        "reshard_load_s": reshard_s,
+        "state_max_diff": diff,
+        "states": len(want),
+        "loss_max_diff": max(after),
+    }
 
 
 def main() -> int:
@@ -100,11 +119,18 @@ def main() -> int:
     init_distributed(on_cuda=args.device == "cuda")
     rows = [one_stage(args, int(s), world) for s in args.stages.split(",")]
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    lines = [f"{args.flavour}, {args.precision}, micro-batch {args.batch} x {args.seq_len}, {args.steps} steps, {device}",
-             "", "| ZeRO | checkpoint MB | plain load s | resharding load s | gathered state max diff | "
-             "loss max diff, next steps |", "|---|---|---|---|---|---|"]
-    lines += [f"| {r['stage']} | {r['checkpoint_mb']:,.0f} | {r['plain_load_s']:.2f} | {r['reshard_load_s']:.2f} | "
-              f"{r['state_max_diff']:.3g} ({r['states']} tensors) | {r['loss_max_diff']:.3g} |" for r in rows]
+    lines = [
+        f"{args.flavour}, {args.precision}, micro-batch {args.batch} x {args.seq_len}, {args.steps} steps, {device}",
+        "",
+        "| ZeRO | checkpoint MB | plain load s | resharding load s | gathered state max diff | "
+        "loss max diff, next steps |",
+        "|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['stage']} | {r['checkpoint_mb']:,.0f} | {r['plain_load_s']:.2f} | {r['reshard_load_s']:.2f} | "
+        f"{r['state_max_diff']:.3g} ({r['states']} tensors) | {r['loss_max_diff']:.3g} |"
+        for r in rows
+    ]
     text = "\n".join(lines) + "\n"
     log.warning("\n%s", text)
     if args.out:

@@ -43,9 +43,13 @@ def main() -> None:
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     p.add_argument("--compile", action="store_true", help="torch.compile the model (inductor)")
     p.add_argument("--threads", type=int, default=0, help="torch threads on CPU; 0: all cores")
-    p.add_argument("--host-malloc", choices=["default", "keep"], default="default",
-                   help="keep: glibc's malloc set as Kiln's parallel.host_malloc=keep sets it (a user's loop "
-                        "leaves it at its defaults)")
+    p.add_argument(
+        "--host-malloc",
+        choices=["default", "keep"],
+        default="default",
+        help="keep: glibc's malloc set as Kiln's parallel.host_malloc=keep sets it (a user's loop "
+        "leaves it at its defaults)",
+    )
     args = p.parse_args()
     if args.host_malloc == "keep":
         applied, how = keep_freed_memory()
@@ -83,9 +87,13 @@ def main() -> None:
             steady_time += time.perf_counter() - start
     tok_s = (args.steps - WARMUP) * args.batch * cfg.seq_len / steady_time
     peak = datasheet_peak_flops(device, args.precision)
-    out = {"tokens_per_s": tok_s, "seconds_to_first_step": first_step - STARTED, "first_step_s": first_step_s,
-           "final_loss": loss_value,
-           "mfu": flops_per_token(cfg) * tok_s / peak if peak else None}
+    out = {
+        "tokens_per_s": tok_s,
+        "seconds_to_first_step": first_step - STARTED,
+        "first_step_s": first_step_s,
+        "final_loss": loss_value,
+        "mfu": flops_per_token(cfg) * tok_s / peak if peak else None,
+    }
     if device.type == "cuda":
         out["max_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
     assert math.isfinite(loss_value)

@@ -43,11 +43,21 @@ def main() -> None:
     from kiln.parallel.ops import init_distributed
 
     init_distributed(on_cuda=args.device == "cuda")
-    cfg = load_config(None, [f"model.flavour={args.flavour}", f"model.vocab_size={args.vocab}",
-                             f"model.seq_len={args.seq_len}", f"parallel.zero_stage={args.zero_stage}",
-                             f"train.micro_batch_size={args.batch}", f"train.precision={args.precision}",
-                             f"parallel.use_gpu={args.device == 'cuda'}", "parallel.num_workers=1",
-                             f"train.mixed_precision={args.mixed_precision}", f"train.compile={args.compile}"])
+    cfg = load_config(
+        None,
+        [
+            f"model.flavour={args.flavour}",
+            f"model.vocab_size={args.vocab}",
+            f"model.seq_len={args.seq_len}",
+            f"parallel.zero_stage={args.zero_stage}",
+            f"train.micro_batch_size={args.batch}",
+            f"train.precision={args.precision}",
+            f"parallel.use_gpu={args.device == 'cuda'}",
+            "parallel.num_workers=1",
+            f"train.mixed_precision={args.mixed_precision}",
+            f"train.compile={args.compile}",
+        ],
+    )
     device = torch.device(args.device)
     batch = torch.randint(0, args.vocab, (args.batch, args.seq_len + 1), device=device)
     if args.plain:
@@ -88,9 +98,11 @@ def main() -> None:
     # Kernels are events of their own; an op's self device time repeats its kernels', so count kernels only.
     busy = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA) / 5e3
     host = events.self_cpu_time_total / 5e3
-    print(f"RESULT {'plain' if args.plain else f'zero-{args.zero_stage} {args.mixed_precision}'} {args.flavour} "
-          f"mb{args.batch}: wall {wall_ms:.1f} ms/step, device busy {busy:.1f} ms/step, host ops {host:.1f} ms/step "
-          "(the last two under the profiler)")
+    print(
+        f"RESULT {'plain' if args.plain else f'zero-{args.zero_stage} {args.mixed_precision}'} {args.flavour} "
+        f"mb{args.batch}: wall {wall_ms:.1f} ms/step, device busy {busy:.1f} ms/step, host ops {host:.1f} ms/step "
+        "(the last two under the profiler)"
+    )
     key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
     print(prof.key_averages().table(sort_by=key, row_limit=args.top, max_name_column_width=60))
     if device.type == "cuda":

@@ -47,12 +47,15 @@ def _registered(run_dir: Path, ranks: int) -> bool:
         text = (run_dir / "checkpoint_manager_snapshot.json").read_text()
     except OSError:
         return False
-    return any((run_dir / name / f"kiln_complete.rank{ranks - 1}.json").exists()
-               for name in set(re.findall(r"checkpoint_[0-9_.-]+", text)))
+    return any(
+        (run_dir / name / f"kiln_complete.rank{ranks - 1}.json").exists()
+        for name in set(re.findall(r"checkpoint_[0-9_.-]+", text))
+    )
 
 
 def _drive(cluster, run_dir: Path, events: dict, done: threading.Event) -> None:
     """Add a node once one worker has a checkpoint; kill it once two have."""
+
     def wait(ranks: int) -> bool:
         while not done.is_set():
             if _registered(run_dir, ranks):
@@ -72,6 +75,7 @@ def _drive(cluster, run_dir: Path, events: dict, done: threading.Event) -> None:
 
 def _split(client, run_id: str, since: float) -> dict[str, float]:
     """The restart that followed `since`: its parts in seconds, from what it logged."""
+
     def history(key):
         return client.get_metric_history(run_id, key)
 
@@ -84,8 +88,14 @@ def _split(client, run_id: str, since: float) -> dict[str, float]:
         return next(m.value for m in history(key) if m.step == step)
 
     engine, load, first = at_step(RESTART_ENGINE), at_step(RESTART_LOAD), at_step(RESTART_FIRST_STEP)
-    return {"detect_restart_s": starts[0].value - since, "setup_s": engine - starts[0].value, "load_s": load,
-            "first_step_s": max(0.0, first - engine - load), "total_s": first - since, "first_step": step}
+    return {
+        "detect_restart_s": starts[0].value - since,
+        "setup_s": engine - starts[0].value,
+        "load_s": load,
+        "first_step_s": max(0.0, first - engine - load),
+        "total_s": first - since,
+        "first_step": step,
+    }
 
 
 def main() -> int:
@@ -103,11 +113,24 @@ def main() -> int:
     from kiln.launch.on_ray import train
 
     tmp = Path(tempfile.mkdtemp(prefix="kiln-resize-bench-"))
-    sets = [f"data.path={args.data}", "parallel.num_workers=[1, 2]", "parallel.cpus_per_worker=3",
-            "parallel.zero_stage=2", "parallel.resize_check_s=5", f"parallel.start_timeout_s={args.start_timeout_s}",
-            f"train.max_steps={args.steps}", "train.checkpoint_every=10", "train.eval_every=0", "train.eval_batches=2",
-            "train.micro_batch_size=8", f"train.storage_path={tmp}/runs", f"logging.tracking_uri=sqlite:///{tmp}/mlflow.db",
-            "logging.experiment=bench-resize", f"logging.run_name={RUN}", "logging.log_model=false"]
+    sets = [
+        f"data.path={args.data}",
+        "parallel.num_workers=[1, 2]",
+        "parallel.cpus_per_worker=3",
+        "parallel.zero_stage=2",
+        "parallel.resize_check_s=5",
+        f"parallel.start_timeout_s={args.start_timeout_s}",
+        f"train.max_steps={args.steps}",
+        "train.checkpoint_every=10",
+        "train.eval_every=0",
+        "train.eval_batches=2",
+        "train.micro_batch_size=8",
+        f"train.storage_path={tmp}/runs",
+        f"logging.tracking_uri=sqlite:///{tmp}/mlflow.db",
+        "logging.experiment=bench-resize",
+        f"logging.run_name={RUN}",
+        "logging.log_model=false",
+    ]
     cfg = load_config(str(REPO / "jobs/configs/debug.yaml"), sets)
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 4})
     events: dict[str, float] = {}
@@ -145,15 +168,19 @@ def main() -> int:
 
 
 def _section(args, sets: list[str], grow: dict, shrink: dict) -> str:
-    rows = [("a node lost (SIGKILL): 2 -> 1 workers", shrink, "detection and restart"),
-            ("a node joined: 1 -> 2 workers", grow, "Ray's resize check and restart")]
+    rows = [
+        ("a node lost (SIGKILL): 2 -> 1 workers", shrink, "detection and restart"),
+        ("a node joined: 1 -> 2 workers", grow, "Ray's resize check and restart"),
+    ]
     table = "\n".join(
         f"| {what} | {r['total_s']:.1f} | {r['detect_restart_s']:.1f} ({first}) | {r['setup_s']:.1f} | {r['load_s']:.2f} "
-        f"| {r['first_step_s']:.1f} |" for what, r, first in rows)
-    return f"""## {time.strftime('%Y-%m-%d %H:%M')} — an elastic run's resize on a two-node local cluster
+        f"| {r['first_step_s']:.1f} |"
+        for what, r, first in rows
+    )
+    return f"""## {time.strftime("%Y-%m-%d %H:%M")} — an elastic run's resize on a two-node local cluster
 
 Command: `python -m bench.resize --steps {args.steps} --start-timeout-s {args.start_timeout_s}`
-(settings: `{' '.join(s for s in sets if not s.startswith(('data.path', 'train.storage', 'logging.tracking')))}`,
+(settings: `{" ".join(s for s in sets if not s.startswith(("data.path", "train.storage", "logging.tracking")))}`,
 the debug flavour on `data/stdlib-bpe`)
 Machine: {machine()}
 

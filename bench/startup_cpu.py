@@ -56,8 +56,18 @@ def kind(cmdline: list[str], name: str) -> str:
     line = " ".join(cmdline)
     if name.startswith("ray::") or line.startswith("ray::"):
         return re.sub(r"[ .].*", "", (line if line.startswith("ray::") else name))
-    for tag in ("kiln train", "gcs_server", "raylet", "dashboard.py", "dashboard_agent", "runtime_env",
-                "log_monitor", "monitor.py", "default_worker.py", "ray-dashboard"):
+    for tag in (
+        "kiln train",
+        "gcs_server",
+        "raylet",
+        "dashboard.py",
+        "dashboard_agent",
+        "runtime_env",
+        "log_monitor",
+        "monitor.py",
+        "default_worker.py",
+        "ray-dashboard",
+    ):
         if tag in line or tag in name:
             return tag
     return "other: " + os.path.basename(cmdline[0])[:40]
@@ -77,8 +87,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         out = f"{tmp}/summary.json"
         sets = [f"train.max_steps={args.steps}", f"logging.run_name=startup-{int(before)}", *args.sets]
-        cmd = [str(BIN / "kiln"), "train", "--config", args.config, "--summary-json", out,
-               *[a for s in sets for a in ("--set", s)]]
+        cmd = [
+            str(BIN / "kiln"),
+            "train",
+            "--config",
+            args.config,
+            "--summary-json",
+            out,
+            *[a for s in sets for a in ("--set", s)],
+        ]
         sampler = threading.Thread(target=sample, args=(stop, seen, busy), daemon=True)
         sampler.start()
         subprocess.run(cmd, cwd=REPO, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -112,13 +129,17 @@ def role_of(kinds: list[str]) -> str:
 def report(args, metrics: dict, by_kind: collections.Counter) -> None:
     wall = sum(s for _, s in startup_breakdown(metrics))
     total, cores = sum(by_kind.values()), psutil.cpu_count()
-    lines = [f"\n## Start-up CPU, {time.strftime('%Y-%m-%d %H:%M')} ({machine()})\n",
-             f"`python -m bench.startup_cpu --config {args.config} --steps {args.steps}"
-             + "".join(f" --set {s}" for s in args.sets) + "`\n",
-             f"Command start to first step: {wall:.1f} s wall; {total:.1f} CPU-s over all processes, "
-             f"{total / cores:.1f} s on {cores} cores if perfectly spread.\n",
-             "wall: " + ", ".join(f"{what} {s:.1f} s" for what, s in startup_breakdown(metrics)) + "\n",
-             "| process | CPU-s by the first step |", "|---|---:|"]
+    lines = [
+        f"\n## Start-up CPU, {time.strftime('%Y-%m-%d %H:%M')} ({machine()})\n",
+        f"`python -m bench.startup_cpu --config {args.config} --steps {args.steps}"
+        + "".join(f" --set {s}" for s in args.sets)
+        + "`\n",
+        f"Command start to first step: {wall:.1f} s wall; {total:.1f} CPU-s over all processes, "
+        f"{total / cores:.1f} s on {cores} cores if perfectly spread.\n",
+        "wall: " + ", ".join(f"{what} {s:.1f} s" for what, s in startup_breakdown(metrics)) + "\n",
+        "| process | CPU-s by the first step |",
+        "|---|---:|",
+    ]
     lines += [f"| {k.replace('|', '/')} | {v:.1f} |" for k, v in by_kind.most_common() if v >= 0.1]
     publish("\n".join(lines) + "\n", args.results)
 
@@ -127,11 +148,17 @@ def report_timeline(args, started: list, busy: list, bin_s: float = 2.0) -> None
     """The processes that used at least 0.3 CPU-s by the first step, in the order they
     started, and the machine's busy share per `bin_s`."""
     cores = psutil.cpu_count()
-    lines = ["\nTimeline (s after the command started; a Ray worker process takes its role once it has "
-             "started and imported what the role needs):\n",
-             "| process | started | role taken | CPU-s by the first step |", "|---|---:|---:|---:|"]
-    lines += [f"| {role.replace('|', '/')} | {at:.1f} | {took:.1f} | {cpu:.1f} |"
-              for at, took, role, cpu in started if cpu >= 0.3]
+    lines = [
+        "\nTimeline (s after the command started; a Ray worker process takes its role once it has "
+        "started and imported what the role needs):\n",
+        "| process | started | role taken | CPU-s by the first step |",
+        "|---|---:|---:|---:|",
+    ]
+    lines += [
+        f"| {role.replace('|', '/')} | {at:.1f} | {took:.1f} | {cpu:.1f} |"
+        for at, took, role, cpu in started
+        if cpu >= 0.3
+    ]
     shares, mark = [], None
     for t, b in busy:
         if mark is None or t - mark[0] >= bin_s:

@@ -52,13 +52,26 @@ def main() -> None:
     p.add_argument("--results", default=results_file("throughput"))
     args = p.parse_args()
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    cfg = load_config(None, [f"model.flavour={args.flavour}", f"model.vocab_size={args.vocab}",
-                             f"model.seq_len={args.seq_len}", "parallel.zero_stage=0", "parallel.num_workers=1",
-                             f"parallel.cpus_per_worker={args.threads}", f"train.micro_batch_size={args.batch}",
-                             "train.max_steps=100000", "parallel.pin_cpu_threads=false"])
-    steps = {"plain": plain_stepper(cfg), "DeepSpeed engine, bare": bare_stepper(cfg),
-             "Kiln train_step": kiln_stepper(cfg),
-             "Kiln train_step, all-reduce kept": kiln_stepper(cfg, allreduce=True)}
+    cfg = load_config(
+        None,
+        [
+            f"model.flavour={args.flavour}",
+            f"model.vocab_size={args.vocab}",
+            f"model.seq_len={args.seq_len}",
+            "parallel.zero_stage=0",
+            "parallel.num_workers=1",
+            f"parallel.cpus_per_worker={args.threads}",
+            f"train.micro_batch_size={args.batch}",
+            "train.max_steps=100000",
+            "parallel.pin_cpu_threads=false",
+        ],
+    )
+    steps = {
+        "plain": plain_stepper(cfg),
+        "DeepSpeed engine, bare": bare_stepper(cfg),
+        "Kiln train_step": kiln_stepper(cfg),
+        "Kiln train_step, all-reduce kept": kiln_stepper(cfg, allreduce=True),
+    }
     torch.set_num_threads(args.threads)
     batches = [torch.randint(0, args.vocab, (args.batch, args.seq_len + 1)) for _ in range(8)]
     feed = itertools.cycle(batches)
@@ -70,7 +83,7 @@ def main() -> None:
     ms: dict[str, list[float]] = {n: [] for n in names}
     for r in range(args.rounds):
         rate = {}
-        for name in names[r % len(names):] + names[:r % len(names)]:
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             start = time.perf_counter()
             for _ in range(args.steps):
                 steps[name](next(feed))
@@ -78,12 +91,21 @@ def main() -> None:
             rate[name], ms[name] = 1 / seconds, ms[name] + [seconds * 1e3]
         for name in names:
             ratios[name].append(rate[name] / rate["plain"])
-    lines = [f"## {time.strftime('%Y-%m-%d %H:%M')} — step A/B in one process: {args.flavour}, micro-batch "
-             f"{args.batch}, seq {args.seq_len}, {args.threads} threads, {args.rounds} rounds x {args.steps} steps",
-             "", f"Command: `python -m bench.step_ab {' '.join(sys.argv[1:])}`  ", f"Machine: {machine()}", "",
-             "| step | ms/step (median) | ratio vs plain (median) | range |", "|---|---|---|---|"]
-    lines += [f"| {name} | {statistics.median(ms[name]):.1f} | {statistics.median(ratios[name]):.3f} "
-              f"| {min(ratios[name]):.3f}-{max(ratios[name]):.3f} |" for name in names]
+    lines = [
+        f"## {time.strftime('%Y-%m-%d %H:%M')} — step A/B in one process: {args.flavour}, micro-batch "
+        f"{args.batch}, seq {args.seq_len}, {args.threads} threads, {args.rounds} rounds x {args.steps} steps",
+        "",
+        f"Command: `python -m bench.step_ab {' '.join(sys.argv[1:])}`  ",
+        f"Machine: {machine()}",
+        "",
+        "| step | ms/step (median) | ratio vs plain (median) | range |",
+        "|---|---|---|---|",
+    ]
+    lines += [
+        f"| {name} | {statistics.median(ms[name]):.1f} | {statistics.median(ratios[name]):.3f} "
+        f"| {min(ratios[name]):.3f}-{max(ratios[name]):.3f} |"
+        for name in names
+    ]
     publish("\n".join(lines) + "\n\n", args.results)  # a blank line after the section, on both
 
 
@@ -104,8 +126,12 @@ def bare_stepper(cfg):
     torch.manual_seed(cfg.train.seed)
     model = GPT(cfg.model.shape())
     opt = build_optimizer(model, cfg.optim, on_cuda=False)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=deepspeed_config(cfg, 1),
-                                      lr_scheduler=build_scheduler(opt, cfg.schedule, cfg.train.max_steps))
+    engine, *_ = deepspeed.initialize(
+        model=model,
+        optimizer=opt,
+        config=deepspeed_config(cfg, 1),
+        lr_scheduler=build_scheduler(opt, cfg.schedule, cfg.train.max_steps),
+    )
 
     def step(batch):
         _, loss = engine(batch[:, :-1], batch[:, 1:])

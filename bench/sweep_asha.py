@@ -26,10 +26,23 @@ KILN = str(Path(sys.executable).parent / "kiln")
 
 def run_sweep(sweep: str, scheduler: str, extra: list[str], tmp: Path, tracking: str) -> tuple[dict, float]:
     out = tmp / f"{scheduler}.json"
-    cmd = [KILN, "sweep", "--config", sweep, "--summary-json", str(out),
-           "--set", f"name=bench-{scheduler}-{int(time.time())}", "--set", f"scheduler.name={scheduler}",
-           "--set", f"storage_path={tmp}/sweeps",
-           "--set", f"overrides.logging.tracking_uri={tracking}", *extra]
+    cmd = [
+        KILN,
+        "sweep",
+        "--config",
+        sweep,
+        "--summary-json",
+        str(out),
+        "--set",
+        f"name=bench-{scheduler}-{int(time.time())}",
+        "--set",
+        f"scheduler.name={scheduler}",
+        "--set",
+        f"storage_path={tmp}/sweeps",
+        "--set",
+        f"overrides.logging.tracking_uri={tracking}",
+        *extra,
+    ]
     start = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
     if proc.returncode != 0:
@@ -40,12 +53,21 @@ def run_sweep(sweep: str, scheduler: str, extra: list[str], tmp: Path, tracking:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=str(REPO / "jobs/configs/sweeps/optimizers-x-schedules.yaml"))
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a sweep-file field in both sweeps")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a sweep-file field in both sweeps",
+    )
     p.add_argument("--results", default=results_file("sweeps"))
     p.add_argument("--tracking-uri", default="", help="keep both sweeps' MLflow runs here (default: a temp store)")
-    p.add_argument("--asha-only", action="store_true",
-                   help="skip the FIFO sweep: report ASHA's trial-steps against the full budget, no quality comparison")
+    p.add_argument(
+        "--asha-only",
+        action="store_true",
+        help="skip the FIFO sweep: report ASHA's trial-steps against the full budget, no quality comparison",
+    )
     args = p.parse_args()
     extra = [x for o in args.overrides for x in ("--set", o)]
     with tempfile.TemporaryDirectory(prefix="kiln-bench-sweep-") as tmp:
@@ -88,26 +110,31 @@ def main() -> None:
 def report_asha_only(args: argparse.Namespace, asha: dict, asha_s: float) -> None:
     share = asha["trial_steps_run"] / asha["trial_steps_full"]
     best = asha["best"]
-    rows = "\n".join(f"| {i} | {', '.join(str(v) for _, v in sorted(t['params'].items()))} | {t['metric']:.4f} | "
-                     f"{t['steps']} | {t['status']} |" for i, t in enumerate(asha["trials"], 1))
-    text = "\n".join([
-        f"## {time.strftime('%Y-%m-%d %H:%M')} — sweep: the example sweep with ASHA ({len(asha['trials'])} trials)",
-        "",
-        f"Command: `python -m bench.sweep_asha {' '.join(sys.argv[1:])}`  ",
-        f"Machine: {machine()}",
-        "",
-        f"ASHA ran {asha['trial_steps_run']:,} of {asha['trial_steps_full']:,} trial-steps ({share:.2f} of the "
-        f"full budget) in {asha_s:.0f} s, stopping {sum(t['status'] == 'stopped early' for t in asha['trials'])} of "
-        f"{len(asha['trials'])} trials early. Best loss/val {best['metric']:.4f}: "
-        f"{', '.join(str(v) for _, v in sorted(best['params'].items()))}. Trial-steps count what each trial "
-        "really trained (read back from its MLflow run). The FIFO half was not run (`--asha-only`), so "
-        "this does not say how close ASHA's best is to the best with every trial run to the end.",
-        "",
-        "| rank | optimizer, schedule | best loss/val | steps | status |",
-        "|---:|---|---:|---:|---|",
-        rows,
-        "",
-    ])
+    rows = "\n".join(
+        f"| {i} | {', '.join(str(v) for _, v in sorted(t['params'].items()))} | {t['metric']:.4f} | "
+        f"{t['steps']} | {t['status']} |"
+        for i, t in enumerate(asha["trials"], 1)
+    )
+    text = "\n".join(
+        [
+            f"## {time.strftime('%Y-%m-%d %H:%M')} — sweep: the example sweep with ASHA ({len(asha['trials'])} trials)",
+            "",
+            f"Command: `python -m bench.sweep_asha {' '.join(sys.argv[1:])}`  ",
+            f"Machine: {machine()}",
+            "",
+            f"ASHA ran {asha['trial_steps_run']:,} of {asha['trial_steps_full']:,} trial-steps ({share:.2f} of the "
+            f"full budget) in {asha_s:.0f} s, stopping {sum(t['status'] == 'stopped early' for t in asha['trials'])} of "
+            f"{len(asha['trials'])} trials early. Best loss/val {best['metric']:.4f}: "
+            f"{', '.join(str(v) for _, v in sorted(best['params'].items()))}. Trial-steps count what each trial "
+            "really trained (read back from its MLflow run). The FIFO half was not run (`--asha-only`), so "
+            "this does not say how close ASHA's best is to the best with every trial run to the end.",
+            "",
+            "| rank | optimizer, schedule | best loss/val | steps | status |",
+            "|---:|---|---:|---:|---|",
+            rows,
+            "",
+        ]
+    )
     publish(text, args.results)
 
 

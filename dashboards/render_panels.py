@@ -21,8 +21,14 @@ from pathlib import Path
 from build_dashboard import OUT as DASHBOARD  # the committed dashboard JSON (beside this file)
 
 # Grafana units -> (scale, axis label)
-UNITS = {"percentunit": (100.0, "%"), "percent": (1.0, "%"), "bytes": (1 / 2**30, "GiB"),
-         "s": (1.0, "s"), "Bps": (1 / 2**20, "MiB/s"), "none": (1.0, "")}
+UNITS = {
+    "percentunit": (100.0, "%"),
+    "percent": (1.0, "%"),
+    "bytes": (1 / 2**30, "GiB"),
+    "s": (1.0, "s"),
+    "Bps": (1 / 2**20, "MiB/s"),
+    "none": (1.0, ""),
+}
 
 
 def query_range(prom: str, expr: str, start: float, end: float, step: str = "2s") -> list:
@@ -58,13 +64,18 @@ def render(prom: str, run: str, start: float, end: float, out: str | Path, step:
     plt.style.use("dark_background")
     fig = plt.figure(figsize=(24, rows * 0.55), facecolor="#111217")
     grid = fig.add_gridspec(rows, 24, hspace=2.2, wspace=1.6, left=0.03, right=0.99, top=0.95, bottom=0.03)
-    fig.suptitle(f"{dashboard['title']} — run {run}   ({time.strftime('%Y-%m-%d %H:%M', time.localtime(start))}"
-                 f" to {time.strftime('%H:%M', time.localtime(end))}, from Prometheus)", color="#d8d9da",
-                 fontsize=14, x=0.03, ha="left")
+    fig.suptitle(
+        f"{dashboard['title']} — run {run}   ({time.strftime('%Y-%m-%d %H:%M', time.localtime(start))}"
+        f" to {time.strftime('%H:%M', time.localtime(end))}, from Prometheus)",
+        color="#d8d9da",
+        fontsize=14,
+        x=0.03,
+        ha="left",
+    )
     drawn: dict[str, int] = {}
     for p in panels:
         g = p["gridPos"]
-        ax = fig.add_subplot(grid[g["y"]:g["y"] + g["h"] - 1, g["x"]:g["x"] + g["w"]])
+        ax = fig.add_subplot(grid[g["y"] : g["y"] + g["h"] - 1, g["x"] : g["x"] + g["w"]])
         ax.set_facecolor("#181b1f")
         scale, unit = UNITS.get(p["fieldConfig"]["defaults"]["unit"], (1.0, ""))
         count = 0
@@ -72,8 +83,14 @@ def render(prom: str, run: str, start: float, end: float, out: str | Path, step:
             for series in query_range(prom, panel_expr(target["expr"], run), start, end, step):
                 t = [float(ts) - start for ts, _ in series["values"]]
                 v = [float(val) * scale for _, val in series["values"]]
-                ax.plot(t, v, linewidth=1.4, marker="o" if len(v) < 30 else None, markersize=3,
-                        label=legend(target["legendFormat"], series["metric"])[:40])
+                ax.plot(
+                    t,
+                    v,
+                    linewidth=1.4,
+                    marker="o" if len(v) < 30 else None,
+                    markersize=3,
+                    label=legend(target["legendFormat"], series["metric"])[:40],
+                )
                 count += 1
         drawn[p["title"]] = count
         ax.set_title(p["title"] + (f" ({unit})" if unit else ""), color="#d8d9da", fontsize=11, loc="left")
@@ -110,8 +127,10 @@ def main() -> None:
     start = a.start or end - _seconds(a.last)
     drawn = render(a.prometheus, a.run, start, end, a.out)
     empty = [t for t, n in drawn.items() if not n]
-    print(f"wrote {a.out}: {len(drawn) - len(empty)} of {len(drawn)} panels with data"
-          + (f" (no data: {', '.join(empty)})" if empty else ""))
+    print(
+        f"wrote {a.out}: {len(drawn) - len(empty)} of {len(drawn)} panels with data"
+        + (f" (no data: {', '.join(empty)})" if empty else "")
+    )
 
 
 if __name__ == "__main__":

@@ -43,15 +43,28 @@ def prose_dataset(tmp_path_factory) -> Path:
     from kiln.data.prepare import PrepareConfig, prepare
 
     out = tmp_path_factory.mktemp("data") / "prose"
-    prepare(PrepareConfig(inputs=[str(STDLIB / "xml"), str(STDLIB / "html")], output=str(out), tokenizer="byte",
-                          seq_len=64, shard_tokens=1 << 16))
+    prepare(
+        PrepareConfig(
+            inputs=[str(STDLIB / "xml"), str(STDLIB / "html")],
+            output=str(out),
+            tokenizer="byte",
+            seq_len=64,
+            shard_tokens=1 << 16,
+        )
+    )
     return out
 
 
 @pytest.fixture
 def clean_env(monkeypatch, tmp_path):
     """Run with the cwd in a temp dir and no inherited MLflow/S3 settings."""
-    for var in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "RAY_ADDRESS"):
+    for var in (
+        "MLFLOW_TRACKING_URI",
+        "MLFLOW_EXPERIMENT_NAME",
+        "AWS_ENDPOINT_URL",
+        "AWS_ENDPOINT_URL_S3",
+        "RAY_ADDRESS",
+    ):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.chdir(tmp_path)
     return tmp_path
@@ -80,8 +93,9 @@ def checkpoint_tensors():
     def load(directory) -> dict:
         files = sorted(Path(directory).rglob("*.pt"))
         assert files, f"no .pt files under {directory}"
-        return {f"{f.name}{k}": t for f in files
-                for k, t in _tensors(torch.load(f, map_location="cpu", weights_only=False))}
+        return {
+            f"{f.name}{k}": t for f in files for k, t in _tensors(torch.load(f, map_location="cpu", weights_only=False))
+        }
 
     return load
 
@@ -97,8 +111,9 @@ def tiny_hf(tmp_path_factory, corpus) -> Path:
 
     torch.manual_seed(0)
     d = tmp_path_factory.mktemp("hf") / "tiny-gpt2"
-    config = transformers.GPT2Config(n_positions=64, n_embd=32, n_layer=2, n_head=4, vocab_size=300,
-                                     bos_token_id=0, eos_token_id=0)
+    config = transformers.GPT2Config(
+        n_positions=64, n_embd=32, n_layer=2, n_head=4, vocab_size=300, bos_token_id=0, eos_token_id=0
+    )
     transformers.GPT2LMHeadModel(config).save_pretrained(d)
     texts = [p.read_text() for p in sorted(Path(corpus[0]).glob("*.py"))]
     (d / "tokenizer.json").write_text(BPETokenizer.train(texts, 300).to_json())

@@ -26,8 +26,7 @@ from kiln.errors import ConfigError
 from kiln.launch.summary import Summary
 
 
-def load_config(config: str | os.PathLike | dict | RunConfig | None = None,
-                overrides: Iterable[str] = ()) -> RunConfig:
+def load_config(config: str | os.PathLike | dict | RunConfig | None = None, overrides: Iterable[str] = ()) -> RunConfig:
     """A validated run config from a YAML path, a dict shaped like one, a `RunConfig`, or None
     (the defaults), with `a.b=c` overrides applied as `--set` applies them."""
     if config is None or isinstance(config, (str, os.PathLike)):
@@ -39,8 +38,14 @@ def load_config(config: str | os.PathLike | dict | RunConfig | None = None,
     return config_from_dict(config, overrides)
 
 
-def train(config: str | os.PathLike | dict | RunConfig | None = None, overrides: Iterable[str] = (), *,
-          address: str | None = None, progress: bool = True, verbose: bool = False) -> Summary:
+def train(
+    config: str | os.PathLike | dict | RunConfig | None = None,
+    overrides: Iterable[str] = (),
+    *,
+    address: str | None = None,
+    progress: bool = True,
+    verbose: bool = False,
+) -> Summary:
     """Train one run, as `kiln train` does, and return its summary. `progress`: a tqdm.auto
     bar while it trains; `verbose`: Ray's and DeepSpeed's output on the console too."""
     from kiln.launch.on_ray import train as train_on_ray
@@ -50,15 +55,21 @@ def train(config: str | os.PathLike | dict | RunConfig | None = None, overrides:
     return train_on_ray(cfg, address=address, bar=TqdmBar() if progress else None, verbose=verbose)
 
 
-def runs(experiment: str, tracking_uri: str = "", sort: str | None = None, limit: int = 50,
-         descending: bool = False) -> list[dict[str, Any]]:
+def runs(
+    experiment: str, tracking_uri: str = "", sort: str | None = None, limit: int = 50, descending: bool = False
+) -> list[dict[str, Any]]:
     """An experiment's runs, newest first or ranked by the metric `sort`: one dict a run, with
     its id, name, status, params and final metrics (the rows `kiln runs` prints)."""
     from kiln.schemas import validated
     from kiln.tracking.runs import fetch_runs, run_record
 
-    for name, value, kind in (("experiment", experiment, str), ("tracking_uri", tracking_uri, str),
-                              ("sort", sort, str | None), ("limit", limit, int), ("descending", descending, bool)):
+    for name, value, kind in (
+        ("experiment", experiment, str),
+        ("tracking_uri", tracking_uri, str),
+        ("sort", sort, str | None),
+        ("limit", limit, int),
+        ("descending", descending, bool),
+    ):
         validated(kind, value, f"runs: {name}")
 
     return [run_record(r) for r in fetch_runs(experiment, tracking_uri, sort, limit, descending=descending)]

@@ -38,8 +38,6 @@ def _output_file(path: str | None, flag: str, kind: str, inputs: list[str] | tup
     return Path(path)
 
 
-
-
 def _tracking_uri(given: str) -> str:
     from kiln.tracking.server import check_store, resolve_tracking_uri
 
@@ -65,9 +63,20 @@ def _local_model(spec: str, tracking_uri: str) -> Iterator[str]:
 
 def run(args: argparse.Namespace) -> int:
     """Carry out a parsed command; its handler prints the result and returns the exit code."""
-    handlers = {"data": _data, "train": _train, "runs": _runs, "sweep": _sweep, "lr": _lr, "plan": _plan,
-                "cluster": _cluster, "services": _services, "config": _config, "export": _export,
-                "generate": _generate, "eval": _eval}
+    handlers = {
+        "data": _data,
+        "train": _train,
+        "runs": _runs,
+        "sweep": _sweep,
+        "lr": _lr,
+        "plan": _plan,
+        "cluster": _cluster,
+        "services": _services,
+        "config": _config,
+        "export": _export,
+        "generate": _generate,
+        "eval": _eval,
+    }
     return handlers[args.command](args)
 
 
@@ -80,12 +89,26 @@ def _data(args: argparse.Namespace) -> int:
     if args.workers is not None and args.workers < 0:
         raise ConfigError(f"--workers {args.workers}: expected 0 (no Ray) or a number of tokenizer actors")
     cfg = PrepareConfig(
-        inputs=args.input, output=args.output, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
-        seq_len=args.seq_len, val_fraction=args.val_fraction, shard_tokens=args.shard_tokens,
-        text_field=args.text_field, prompt_field=args.prompt_field, response_field=args.response_field,
-        chat_field=args.chat_field, chat_template=args.chat_template,
-        seed=args.seed, if_exists=args.if_exists, s3_endpoint=args.s3_endpoint, on_binary=args.on_binary,
-        on_bad_record=args.on_bad_record, unit_bytes=args.unit_bytes, bpe_sample_bytes=args.bpe_sample_bytes)
+        inputs=args.input,
+        output=args.output,
+        tokenizer=args.tokenizer,
+        vocab_size=args.vocab_size,
+        seq_len=args.seq_len,
+        val_fraction=args.val_fraction,
+        shard_tokens=args.shard_tokens,
+        text_field=args.text_field,
+        prompt_field=args.prompt_field,
+        response_field=args.response_field,
+        chat_field=args.chat_field,
+        chat_template=args.chat_template,
+        seed=args.seed,
+        if_exists=args.if_exists,
+        s3_endpoint=args.s3_endpoint,
+        on_binary=args.on_binary,
+        on_bad_record=args.on_bad_record,
+        unit_bytes=args.unit_bytes,
+        bpe_sample_bytes=args.bpe_sample_bytes,
+    )
     validate_config(cfg)  # the flags first, whatever the Ray address says
     executor = None
     if args.workers != 0:
@@ -98,17 +121,23 @@ def _data(args: argparse.Namespace) -> int:
         executor = on_ray(address, args.workers or 0)
     m = prepare(cfg, executor=executor)
     tr, va = m["splits"]["train"], m["splits"]["val"]
-    print(f"dataset {args.output}: {tr['tokens']:,} train / {va['tokens']:,} val tokens, "
-          f"{len(tr['shards'])} + {len(va['shards'])} shards, vocab {m['tokenizer']['vocab_size']}, "
-          f"seq_len {m['seq_len']}, unigram entropy {m['unigram_entropy_bits']:.3f} bits/token")
+    print(
+        f"dataset {args.output}: {tr['tokens']:,} train / {va['tokens']:,} val tokens, "
+        f"{len(tr['shards'])} + {len(va['shards'])} shards, vocab {m['tokenizer']['vocab_size']}, "
+        f"seq_len {m['seq_len']}, unigram entropy {m['unigram_entropy_bits']:.3f} bits/token"
+    )
     found, rate = m.get("input", {}), m.get("throughput")
     if any(found.values()):
-        print(f"  input: {found.get('binary_files_skipped', 0)} binary file(s) skipped, "
-              f"{found.get('invalid_utf8_chars', 0)} invalid UTF-8 sequence(s) replaced, "
-              f"{found.get('bad_records_skipped', 0)} bad record(s) skipped")
+        print(
+            f"  input: {found.get('binary_files_skipped', 0)} binary file(s) skipped, "
+            f"{found.get('invalid_utf8_chars', 0)} invalid UTF-8 sequence(s) replaced, "
+            f"{found.get('bad_records_skipped', 0)} bad record(s) skipped"
+        )
     if rate and rate.get("units"):
-        print(f"  {rate['mb']:,.1f} MB in {rate['seconds']:.1f} s: {rate['mb_per_s']:.2f} MB/s, "
-              f"{rate['tokens_per_s']:,.0f} tokens/s, {rate['units']} unit(s) on {rate['workers']} worker(s)")
+        print(
+            f"  {rate['mb']:,.1f} MB in {rate['seconds']:.1f} s: {rate['mb_per_s']:.2f} MB/s, "
+            f"{rate['tokens_per_s']:,.0f} tokens/s, {rate['units']} unit(s) on {rate['workers']} worker(s)"
+        )
     return 0
 
 
@@ -130,8 +159,10 @@ def _train(args: argparse.Namespace) -> int:
         from kiln.launch.preflight import preflight
 
         address = args.address or os.environ.get("RAY_ADDRESS")
-        print("kiln train --dry-run: every pre-launch check passed; nothing was started.\n"
-              + preflight(cfg, remote_cluster=bool(address)).describe())
+        print(
+            "kiln train --dry-run: every pre-launch check passed; nothing was started.\n"
+            + preflight(cfg, remote_cluster=bool(address)).describe()
+        )
         return 0
     summary = train(cfg, address=args.address, started=_STARTED, verbose=args.verbose)
     print(summary.render())
@@ -143,8 +174,14 @@ def _train(args: argparse.Namespace) -> int:
 def _runs(args: argparse.Namespace) -> int:
     from kiln.tracking.runs import fetch_runs, run_record, runs_table
 
-    runs = fetch_runs(args.experiment, args.tracking_uri, getattr(args, "sort", None), args.limit,
-                      sweep=args.sweep, descending=getattr(args, "desc", False))
+    runs = fetch_runs(
+        args.experiment,
+        args.tracking_uri,
+        getattr(args, "sort", None),
+        args.limit,
+        sweep=args.sweep,
+        descending=getattr(args, "desc", False),
+    )
     print(json.dumps([run_record(r) for r in runs], indent=1) if args.json else runs_table(runs))
     return 0
 
@@ -176,8 +213,10 @@ def _export(args: argparse.Namespace) -> int:
     with _local_model(args.model, args.tracking_uri) as local:
         loaded, files = export(local, args.output, args.overwrite, args.s3_endpoint, args.dtype, max_shard)
     arch = "GPT-2" if loaded.cfg.arch == "gpt" else "Qwen2" if loaded.cfg.qkv_bias else "Llama"
-    print(f"exported {loaded.source} -> {args.output}: {arch} architecture, {num_params(loaded.cfg):,} "
-          f"non-embedding params, vocab {loaded.vocab_size}, {len(files)} files")
+    print(
+        f"exported {loaded.source} -> {args.output}: {arch} architecture, {num_params(loaded.cfg):,} "
+        f"non-embedding params, vocab {loaded.vocab_size}, {len(files)} files"
+    )
     return 0
 
 
@@ -185,8 +224,16 @@ def _generate(args: argparse.Namespace) -> int:
     from kiln.infer.commands import check_device, read_prompts, run_generate
     from kiln.infer.sampling import Sampling
 
-    s = Sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.repetition_penalty,
-                 args.repetition_window, args.seed, not args.no_stop)
+    s = Sampling(
+        args.max_new_tokens,
+        args.temperature,
+        args.top_k,
+        args.top_p,
+        args.repetition_penalty,
+        args.repetition_window,
+        args.seed,
+        not args.no_stop,
+    )
     check_sampling(s, args.batch_size)
     device = check_device(args.device)
     prompts = read_prompts(args.prompt, args.prompts)
@@ -197,8 +244,11 @@ def _generate(args: argparse.Namespace) -> int:
 
     with _local_model(args.model, args.tracking_uri) as local:
         result = run_generate(local, prompts, s, args.batch_size, device, write, chat=args.chat)
-    print(f"{result.new_tokens} tokens in {result.seconds:.2f} s: "
-          f"{result.new_tokens / max(result.seconds, 1e-9):,.1f} tokens/s", file=sys.stderr)
+    print(
+        f"{result.new_tokens} tokens in {result.seconds:.2f} s: "
+        f"{result.new_tokens / max(result.seconds, 1e-9):,.1f} tokens/s",
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -211,24 +261,29 @@ def _eval(args: argparse.Namespace) -> int:
     from kiln.storage import is_mlflow_model
 
     uri = _tracking_uri(args.tracking_uri) if is_mlflow_model(args.model) or args.run_id else ""
-    result, logged_to = evaluate_model(args.model, args.data, args.split, args.batch_size, args.max_batches,
-                                       args.s3_endpoint, uri, args.run_id)
-    print(f"eval {args.data} ({result.split}): loss {result.loss:.4f} nats/token, {result.bits_per_byte:.4f} "
-          f"bits/byte over {result.tokens:,} tokens ({result.bytes:,} bytes)"
-          + (f"; logged to MLflow run {logged_to}" if logged_to else ""))
+    result, logged_to = evaluate_model(
+        args.model, args.data, args.split, args.batch_size, args.max_batches, args.s3_endpoint, uri, args.run_id
+    )
+    print(
+        f"eval {args.data} ({result.split}): loss {result.loss:.4f} nats/token, {result.bits_per_byte:.4f} "
+        f"bits/byte over {result.tokens:,} tokens ({result.bytes:,} bytes)"
+        + (f"; logged to MLflow run {logged_to}" if logged_to else "")
+    )
     return 0
 
 
 def check_sampling(s, batch_size: int) -> None:
     """Each sampling control's range, named by its flag."""
-    checks = [("--max-new-tokens", s.max_new_tokens, 1 <= s.max_new_tokens <= 1_000_000, "an integer >= 1"),
-              ("--temperature", s.temperature, 0 <= s.temperature <= 100, "a number in [0, 100]"),
-              ("--top-k", s.top_k, s.top_k >= 0, "an integer >= 0"),
-              ("--top-p", s.top_p, 0 < s.top_p <= 1, "a number in (0, 1]"),
-              ("--repetition-penalty", s.repetition_penalty, 0 < s.repetition_penalty <= 100, "a number in (0, 100]"),
-              ("--repetition-window", s.repetition_window, s.repetition_window >= 0, "an integer >= 0"),
-              ("--seed", s.seed, 0 <= s.seed < 2**63, "an integer >= 0"),
-              ("--batch-size", batch_size, 1 <= batch_size <= 4096, "an integer in 1..4096")]
+    checks = [
+        ("--max-new-tokens", s.max_new_tokens, 1 <= s.max_new_tokens <= 1_000_000, "an integer >= 1"),
+        ("--temperature", s.temperature, 0 <= s.temperature <= 100, "a number in [0, 100]"),
+        ("--top-k", s.top_k, s.top_k >= 0, "an integer >= 0"),
+        ("--top-p", s.top_p, 0 < s.top_p <= 1, "a number in (0, 1]"),
+        ("--repetition-penalty", s.repetition_penalty, 0 < s.repetition_penalty <= 100, "a number in (0, 100]"),
+        ("--repetition-window", s.repetition_window, s.repetition_window >= 0, "an integer >= 0"),
+        ("--seed", s.seed, 0 <= s.seed < 2**63, "an integer >= 0"),
+        ("--batch-size", batch_size, 1 <= batch_size <= 4096, "an integer in 1..4096"),
+    ]
     for flag, value, ok, expected in checks:
         if not ok:
             raise ConfigError(f"{flag} {value}: expected {expected}")
@@ -270,8 +325,15 @@ def _services(args: argparse.Namespace) -> int:
     from kiln.tracking import services
 
     if args.services_cmd == "up":
-        started = services.up(args.dir, args.host, args.port, args.backend_store_uri,
-                              args.artifacts_destination, args.prometheus, args.prometheus_port)
+        started = services.up(
+            args.dir,
+            args.host,
+            args.port,
+            args.backend_store_uri,
+            args.artifacts_destination,
+            args.prometheus,
+            args.prometheus_port,
+        )
         for s in started:
             print(f"{s.name}: {s.url} (pid {s.pid}, log {s.log})")
         print(f"point runs at it: export MLFLOW_TRACKING_URI={started[0].url}")

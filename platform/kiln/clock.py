@@ -54,8 +54,9 @@ def startup_mark(name: str, when: float | None = None) -> dict[str, float]:
 
 def _spans(metrics: dict[str, float]) -> list[tuple[str, str, float]]:
     """[(mark, what the time up to it went on, seconds)] between consecutive marks in `metrics`."""
-    present = [(name, what, metrics[f"{STARTUP}{name}_unix"]) for name, what in MARKS
-               if f"{STARTUP}{name}_unix" in metrics]
+    present = [
+        (name, what, metrics[f"{STARTUP}{name}_unix"]) for name, what in MARKS if f"{STARTUP}{name}_unix" in metrics
+    ]
     return [(name, what, max(0.0, t - before)) for (_, _, before), (name, what, t) in zip(present, present[1:])]
 
 

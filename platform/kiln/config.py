@@ -128,14 +128,18 @@ def _check_across(cfg: RunConfig) -> None:
             "accumulates over parallel.micro_batches; expected train.grad_accum_steps = 1"
         )
     if t.mixed_precision == "autocast" and (t.precision != "bf16" or p.pipeline_stages > 1):  # explicit only
-        raise ConfigError(f"train.mixed_precision = 'autocast' with train.precision = {t.precision!r} and "
-                          f"parallel.pipeline_stages = {p.pipeline_stages}: autocast is for bf16 without a pipeline")
+        raise ConfigError(
+            f"train.mixed_precision = 'autocast' with train.precision = {t.precision!r} and "
+            f"parallel.pipeline_stages = {p.pipeline_stages}: autocast is for bf16 without a pipeline"
+        )
     if p.engine == "fsdp2":
         _check_fsdp2(cfg)
     elif t.compile and (p.zero_stage == 3 or p.pipeline_stages > 1):
-        raise ConfigError(f"train.compile = true with parallel.zero_stage = {p.zero_stage} and parallel.pipeline_stages "
-                          f"= {p.pipeline_stages}: compile works with ZeRO 0-2 and no pipeline (ZeRO-3's "
-                          "parameter gathering and the pipeline's schedule break the compiled graph)")
+        raise ConfigError(
+            f"train.compile = true with parallel.zero_stage = {p.zero_stage} and parallel.pipeline_stages "
+            f"= {p.pipeline_stages}: compile works with ZeRO 0-2 and no pipeline (ZeRO-3's "
+            "parameter gathering and the pipeline's schedule break the compiled graph)"
+        )
     problem = elastic_batch_problem(cfg)
     if problem:
         raise ConfigError(problem)
@@ -146,19 +150,31 @@ def _check_fsdp2(cfg: RunConfig) -> None:
     `kiln.topology.deepspeed_refusal`)."""
     p, t = cfg.parallel, cfg.train
     if t.precision == "fp16":
-        raise ConfigError("train.precision = 'fp16' with parallel.engine = 'fsdp2': Kiln's FSDP2 engine has no loss "
-                          "scaler; expected 'bf16' or 'fp32', or engine 'deepspeed'")
+        raise ConfigError(
+            "train.precision = 'fp16' with parallel.engine = 'fsdp2': Kiln's FSDP2 engine has no loss "
+            "scaler; expected 'bf16' or 'fp32', or engine 'deepspeed'"
+        )
     if t.mixed_precision != "auto":
-        raise ConfigError(f"train.mixed_precision = {t.mixed_precision!r} with parallel.engine = 'fsdp2': FSDP2 keeps "
-                          "fp32 weights and computes bf16 copies of each block's (its MixedPrecisionPolicy), and "
-                          "the setting chooses between DeepSpeed's layouts only; expected 'auto'")
+        raise ConfigError(
+            f"train.mixed_precision = {t.mixed_precision!r} with parallel.engine = 'fsdp2': FSDP2 keeps "
+            "fp32 weights and computes bf16 copies of each block's (its MixedPrecisionPolicy), and "
+            "the setting chooses between DeepSpeed's layouts only; expected 'auto'"
+        )
     if p.deepspeed:
-        raise ConfigError("parallel.deepspeed with parallel.engine = 'fsdp2': that passthrough configures DeepSpeed, "
-                          "which this run does not use; expected it empty")
+        raise ConfigError(
+            "parallel.deepspeed with parallel.engine = 'fsdp2': that passthrough configures DeepSpeed, "
+            "which this run does not use; expected it empty"
+        )
 
 
-def bf16_autocast(precision: str, mixed_precision: str, use_gpu: bool, zero_stage: int, pipeline_stages: int,
-                  engine: str = "deepspeed") -> bool:
+def bf16_autocast(
+    precision: str,
+    mixed_precision: str,
+    use_gpu: bool,
+    zero_stage: int,
+    pipeline_stages: int,
+    engine: str = "deepspeed",
+) -> bool:
     """Whether a run computes in bf16 through torch.autocast over fp32 weights (else, in bf16,
     through DeepSpeed's bf16 weights): `train.mixed_precision`, with `auto` resolved. FSDP2 runs
     neither: its bf16 is a mixed-precision policy (`kiln.parallel.fsdp2_engine`)."""

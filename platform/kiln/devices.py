@@ -30,14 +30,17 @@ class Device:
 
 
 # Order matters for `by_cuda_name`: "A100" must be tried before "A10".
-DEVICES: dict[str, Device] = {d.name: d for d in (
-    Device("H200-141GB", "H200", 989, 494, 141, 450),
-    Device("H100-80GB", "H100", 989, 494, 80, 450),  # NVLink 4: 900 GB/s bidirectional
-    Device("A100-40GB", "A100", 312, 156, 40, 300),  # NVLink 3: 600 GB/s bidirectional
-    Device("A100-80GB", "A100", 312, 156, 80, 300),
-    Device("L4-24GB", "L4", 121, 60, 24, 32),  # PCIe 4 x16, no NVLink
-    Device("A10-24GB", "A10", 125, 62, 24, 32),  # PCIe 4 x16, no NVLink
-)}
+DEVICES: dict[str, Device] = {
+    d.name: d
+    for d in (
+        Device("H200-141GB", "H200", 989, 494, 141, 450),
+        Device("H100-80GB", "H100", 989, 494, 80, 450),  # NVLink 4: 900 GB/s bidirectional
+        Device("A100-40GB", "A100", 312, 156, 40, 300),  # NVLink 3: 600 GB/s bidirectional
+        Device("A100-80GB", "A100", 312, 156, 80, 300),
+        Device("L4-24GB", "L4", 121, 60, 24, 32),  # PCIe 4 x16, no NVLink
+        Device("A10-24GB", "A10", 125, 62, 24, 32),  # PCIe 4 x16, no NVLink
+    )
+}
 
 
 def by_cuda_name(cuda_name: str) -> Device | None:

@@ -54,12 +54,18 @@ def protected_reason(path: str | os.PathLike) -> str | None:
     if p.is_symlink():
         return "is a symbolic link: Kiln never replaces one; name the directory itself"
     real = p.resolve()
-    for place, what in ((Path("/"), "the filesystem root"), (Path.home(), "your home directory"),
-                        (Path.cwd(), "the current directory")):
+    for place, what in (
+        (Path("/"), "the filesystem root"),
+        (Path.home(), "your home directory"),
+        (Path.cwd(), "the current directory"),
+    ):
         place = place.resolve()
         if real == place or real in place.parents:
-            return f"is {what}" + ("" if real == place else " or a folder above it") + \
-                ": Kiln never overwrites it; choose a directory of its own"
+            return (
+                f"is {what}"
+                + ("" if real == place else " or a folder above it")
+                + ": Kiln never overwrites it; choose a directory of its own"
+            )
     if (real / ".git").exists():
         return "is the root of a repository: Kiln never overwrites it; choose a directory of its own"
     return None
@@ -94,8 +100,10 @@ def refuse_inputs(out: Path, inputs: Iterable[str | os.PathLike], named: str, er
     """Refuse an output that is, holds or lies inside one of the command's local inputs."""
     for given in inputs:
         if given and "://" not in str(given) and _overlaps(out.resolve(), local_path(given).resolve()):
-            raise error(f"{named}: is, holds or lies inside the command's own input {str(given)!r}; "
-                        "Kiln never writes over its input")
+            raise error(
+                f"{named}: is, holds or lies inside the command's own input {str(given)!r}; "
+                "Kiln never writes over its input"
+            )
 
 
 def writable_ancestor(path: str | os.PathLike, named: str, error: type[KilnError] = ConfigError) -> Path:
@@ -118,8 +126,16 @@ def _check_parent(out: Path, named: str, error: type[KilnError], make_parents: b
     writable_ancestor(out.parent, named, error)
 
 
-def check_dir_target(path: str | os.PathLike, kind: str, named: str, *, inputs: Iterable = (),
-                     replace: bool = False, error: type[KilnError] = ConfigError, make_parents: bool = False) -> bool:
+def check_dir_target(
+    path: str | os.PathLike,
+    kind: str,
+    named: str,
+    *,
+    inputs: Iterable = (),
+    replace: bool = False,
+    error: type[KilnError] = ConfigError,
+    make_parents: bool = False,
+) -> bool:
     """Before any work: whether a directory output `path` may be written. True when it exists
     and is an earlier output of `kind` that `replace` lets this command replace; False when
     it is absent or empty. Anything else is refused with one line that starts with `named`."""
@@ -136,15 +152,18 @@ def check_dir_target(path: str | os.PathLike, kind: str, named: str, *, inputs: 
     if not any(out.iterdir()):
         return False
     if not owns_dir(out, kind):
-        raise error(f"{named}: exists and has no {MARKER} marker of a Kiln {kind}, so Kiln did not write it "
-                    "and never overwrites it: choose a new directory")
+        raise error(
+            f"{named}: exists and has no {MARKER} marker of a Kiln {kind}, so Kiln did not write it "
+            "and never overwrites it: choose a new directory"
+        )
     if not replace:
         raise error(f"{named}: already holds an earlier {kind}; pass --overwrite to replace it")
     return True
 
 
-def check_file_target(path: str | os.PathLike, kind: str, named: str, *, inputs: Iterable = (),
-                      error: type[KilnError] = ConfigError) -> None:
+def check_file_target(
+    path: str | os.PathLike, kind: str, named: str, *, inputs: Iterable = (), error: type[KilnError] = ConfigError
+) -> None:
     """Before any work: a file output `path` may be written: absent, or an earlier `kind` Kiln wrote."""
     out = local_path(path)
     if out.is_symlink():
@@ -182,8 +201,12 @@ def mark(directory: str | os.PathLike, kind: str) -> None:
 def temp_dir(parent: str | os.PathLike | None, name: str, kind: str = "temp") -> Path:
     """A new, marked directory for work in progress: hidden beside the output in `parent`, or
     in the system's temp directory (parent None)."""
-    made = Path(tempfile.mkdtemp(prefix=f".{name}{TEMP_TAG}" if parent else f"kiln-{name}-",
-                                 dir=None if parent is None else os.fspath(parent)))
+    made = Path(
+        tempfile.mkdtemp(
+            prefix=f".{name}{TEMP_TAG}" if parent else f"kiln-{name}-",
+            dir=None if parent is None else os.fspath(parent),
+        )
+    )
     mark(made, kind)
     return made
 
@@ -219,8 +242,9 @@ def replace_dir(staged: str | os.PathLike, out: str | os.PathLike, kind: str, re
         os.rename(staged, out)
         return
     if not _exchange(staged, out):
-        raise KilnError(f"{out}: this filesystem cannot swap directories atomically; remove the old {kind} "
-                        "yourself and run again")
+        raise KilnError(
+            f"{out}: this filesystem cannot swap directories atomically; remove the old {kind} yourself and run again"
+        )
     remove_tree(staged, kind)
 
 
@@ -258,8 +282,7 @@ def remove_tree(path: str | os.PathLike, kinds: str | tuple[str, ...], proofs: I
     if p.is_symlink() or not p.is_dir():
         raise KilnError(f"{p}: not removed: not a directory Kiln wrote")
     kinds = (kinds,) if isinstance(kinds, str) else kinds
-    if not (any(owns_dir(p, k) for k in kinds) or any((p / name).is_file() for name in proofs)
-            or not any(p.iterdir())):
+    if not (any(owns_dir(p, k) for k in kinds) or any((p / name).is_file() for name in proofs) or not any(p.iterdir())):
         raise KilnError(f"{p}: not removed: it has no {MARKER} marker of a Kiln {' or '.join(kinds)}")
     shutil.rmtree(p)
 

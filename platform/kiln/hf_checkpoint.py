@@ -137,14 +137,29 @@ def pretrained_shape(init_from: str, s3_endpoint: str = "", region: str = "us-ea
 def name_table(cfg: GPTConfig) -> dict[str, tuple[list[str], bool]]:
     """Kiln name -> (the Hugging Face names concatenated along dim 0, stored transposed?)."""
     if cfg.arch == "gpt":
-        block = {"ln_1.weight": "ln_1.weight", "ln_1.bias": "ln_1.bias", "ln_2.weight": "ln_2.weight",
-                 "ln_2.bias": "ln_2.bias", "attn.qkv.weight": "attn.c_attn.weight", "attn.qkv.bias": "attn.c_attn.bias",
-                 "attn.proj.weight": "attn.c_proj.weight", "attn.proj.bias": "attn.c_proj.bias",
-                 "mlp.fc.weight": "mlp.c_fc.weight", "mlp.fc.bias": "mlp.c_fc.bias",
-                 "mlp.proj.weight": "mlp.c_proj.weight", "mlp.proj.bias": "mlp.c_proj.bias"}
-        table = {k: ([f"transformer.{v}"], False) for k, v in
-                 {"wte.weight": "wte.weight", "wpe.weight": "wpe.weight", "ln_f.weight": "ln_f.weight",
-                  "ln_f.bias": "ln_f.bias"}.items()}
+        block = {
+            "ln_1.weight": "ln_1.weight",
+            "ln_1.bias": "ln_1.bias",
+            "ln_2.weight": "ln_2.weight",
+            "ln_2.bias": "ln_2.bias",
+            "attn.qkv.weight": "attn.c_attn.weight",
+            "attn.qkv.bias": "attn.c_attn.bias",
+            "attn.proj.weight": "attn.c_proj.weight",
+            "attn.proj.bias": "attn.c_proj.bias",
+            "mlp.fc.weight": "mlp.c_fc.weight",
+            "mlp.fc.bias": "mlp.c_fc.bias",
+            "mlp.proj.weight": "mlp.c_proj.weight",
+            "mlp.proj.bias": "mlp.c_proj.bias",
+        }
+        table = {
+            k: ([f"transformer.{v}"], False)
+            for k, v in {
+                "wte.weight": "wte.weight",
+                "wpe.weight": "wpe.weight",
+                "ln_f.weight": "ln_f.weight",
+                "ln_f.bias": "ln_f.bias",
+            }.items()
+        }
         for i in range(cfg.n_layer):
             for k, v in block.items():
                 table[f"blocks.{i}.{k}"] = ([f"transformer.h.{i}.{v}"], k.endswith(".weight") and "ln_" not in k)
@@ -161,8 +176,11 @@ def name_table(cfg: GPTConfig) -> dict[str, tuple[list[str], bool]]:
             f"blocks.{i}.ln_2.weight": ([p + "post_attention_layernorm.weight"], False),
             f"blocks.{i}.attn.qkv.weight": ([p + f"self_attn.{x}_proj.weight" for x in "qkv"], False),
             f"blocks.{i}.attn.proj.weight": ([p + "self_attn.o_proj.weight"], False),
-            **({f"blocks.{i}.attn.qkv.bias": ([p + f"self_attn.{x}_proj.bias" for x in "qkv"], False)}
-               if cfg.qkv_bias else {}),
+            **(
+                {f"blocks.{i}.attn.qkv.bias": ([p + f"self_attn.{x}_proj.bias" for x in "qkv"], False)}
+                if cfg.qkv_bias
+                else {}
+            ),
             f"blocks.{i}.mlp.fc.weight": ([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], False),
             f"blocks.{i}.mlp.proj.weight": ([p + "mlp.down_proj.weight"], False),
         }
@@ -201,15 +219,24 @@ def _refuse(raw: dict, path: Path, want: dict[str, tuple]) -> None:
 
 
 def _gpt2_config(raw: dict, path: Path) -> GPTConfig:
-    _refuse(raw, path, {"activation_function": _GELU_TANH, "scale_attn_weights": (True,),
-                        "scale_attn_by_inverse_layer_idx": (False,)})
+    _refuse(
+        raw,
+        path,
+        {"activation_function": _GELU_TANH, "scale_attn_weights": (True,), "scale_attn_by_inverse_layer_idx": (False,)},
+    )
     d = int(raw["n_embd"])
     if raw.get("n_inner") not in (None, 4 * d):
         raise ConfigError(f"{path}: n_inner = {raw['n_inner']} is not supported; expected {4 * d} (4 x n_embd)")
-    return GPTConfig(vocab_size=int(raw["vocab_size"]), seq_len=int(raw["n_positions"]), n_layer=int(raw["n_layer"]),
-                     n_head=int(raw["n_head"]), d_model=d, bias=True,
-                     norm_eps=float(raw.get("layer_norm_epsilon", 1e-5)),
-                     tie_embeddings=bool(raw.get("tie_word_embeddings", True)))
+    return GPTConfig(
+        vocab_size=int(raw["vocab_size"]),
+        seq_len=int(raw["n_positions"]),
+        n_layer=int(raw["n_layer"]),
+        n_head=int(raw["n_head"]),
+        d_model=d,
+        bias=True,
+        norm_eps=float(raw.get("layer_norm_epsilon", 1e-5)),
+        tie_embeddings=bool(raw.get("tie_word_embeddings", True)),
+    )
 
 
 def _context(raw: dict, kind: str) -> int:
@@ -236,9 +263,11 @@ def _rope_fields(rope: dict, path: Path) -> dict:
         if kind != "default":
             fields["rope_factor"] = float(rope["factor"])
         if kind == "llama3":
-            fields |= {"rope_low_freq_factor": float(rope["low_freq_factor"]),
-                       "rope_high_freq_factor": float(rope["high_freq_factor"]),
-                       "rope_original_context": int(rope["original_max_position_embeddings"])}
+            fields |= {
+                "rope_low_freq_factor": float(rope["low_freq_factor"]),
+                "rope_high_freq_factor": float(rope["high_freq_factor"]),
+                "rope_original_context": int(rope["original_max_position_embeddings"]),
+            }
     except (KeyError, TypeError, ValueError) as e:
         raise ConfigError(f"{path}: its {kind} RoPE scaling lacks a numeric {e}") from None
     return fields
@@ -250,25 +279,44 @@ def _rope_parameters(cfg: GPTConfig) -> dict:
     if cfg.rope_scaling:
         out["factor"] = cfg.rope_factor
     if cfg.rope_scaling == "llama3":
-        out |= {"low_freq_factor": cfg.rope_low_freq_factor, "high_freq_factor": cfg.rope_high_freq_factor,
-                "original_max_position_embeddings": cfg.rope_original_context}
+        out |= {
+            "low_freq_factor": cfg.rope_low_freq_factor,
+            "high_freq_factor": cfg.rope_high_freq_factor,
+            "original_max_position_embeddings": cfg.rope_original_context,
+        }
     return out
 
 
 def _llama_config(raw: dict, path: Path, kind: str) -> GPTConfig:
     rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}  # transformers 5 / 4 spelling
     # Qwen2 has q/k/v biases and no attention_bias key; a Llama's attention_bias would bias o_proj too.
-    _refuse(raw, path, {"hidden_act": ("silu",), "mlp_bias": (False,), "pretraining_tp": (1,),
-                        **({} if kind == "qwen2" else {"attention_bias": (False,)})})
+    _refuse(
+        raw,
+        path,
+        {
+            "hidden_act": ("silu",),
+            "mlp_bias": (False,),
+            "pretraining_tp": (1,),
+            **({} if kind == "qwen2" else {"attention_bias": (False,)}),
+        },
+    )
     d, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
     head = int(raw.get("head_dim") or d // heads)
     return GPTConfig(
-        arch="llama", vocab_size=int(raw["vocab_size"]), seq_len=_context(raw, kind),
-        head_size=0 if head * heads == d else head, qkv_bias=kind == "qwen2",
-        n_layer=int(raw["num_hidden_layers"]), n_head=heads, n_kv_head=int(raw.get("num_key_value_heads") or heads),
-        d_model=d, ffn_hidden=int(raw["intermediate_size"]), tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        arch="llama",
+        vocab_size=int(raw["vocab_size"]),
+        seq_len=_context(raw, kind),
+        head_size=0 if head * heads == d else head,
+        qkv_bias=kind == "qwen2",
+        n_layer=int(raw["num_hidden_layers"]),
+        n_head=heads,
+        n_kv_head=int(raw.get("num_key_value_heads") or heads),
+        d_model=d,
+        ffn_hidden=int(raw["intermediate_size"]),
+        tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
         rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 10000.0))),
-        norm_eps=float(raw.get("rms_norm_eps", 1e-6)), **_rope_fields(rope, path),
+        norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        **_rope_fields(rope, path),
     )
 
 
@@ -337,8 +385,10 @@ def kiln_state(cfg: GPTConfig, theirs: dict[str, torch.Tensor], source: str) -> 
         t = torch.cat(parts, dim=0) if len(parts) > 1 else parts[0]
         if tuple(t.shape) != expected[ours]:
             got = ", ".join(f"{n} {tuple(theirs[n].shape)}" for n in names)
-            raise ConfigError(f"{source}: weight shapes ({got}) do not fit config.json, which implies "
-                              f"{expected[ours]} for Kiln's {ours}")
+            raise ConfigError(
+                f"{source}: weight shapes ({got}) do not fit config.json, which implies "
+                f"{expected[ours]} for Kiln's {ours}"
+            )
         state[ours] = t.float().contiguous()
     if cfg.tie_embeddings:
         state["lm_head.weight"] = state["wte.weight"]
@@ -386,37 +436,74 @@ def _split_sizes(cfg: GPTConfig, ours: str, parts: int) -> list[int] | None:
 
 
 def hf_config(cfg: GPTConfig, vocab_size: int, eot_id: int) -> dict:
-    common = {"vocab_size": vocab_size, "bos_token_id": eot_id, "eos_token_id": eot_id,
-              "tie_word_embeddings": cfg.tie_embeddings, "dtype": "float32", "initializer_range": 0.02}
+    common = {
+        "vocab_size": vocab_size,
+        "bos_token_id": eot_id,
+        "eos_token_id": eot_id,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "dtype": "float32",
+        "initializer_range": 0.02,
+    }
     if cfg.arch == "gpt":
         return common | {
-            "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_positions": cfg.seq_len,
-            "n_embd": cfg.d_model, "n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_inner": None,
-            "activation_function": "gelu_new", "layer_norm_epsilon": cfg.norm_eps, "scale_attn_weights": True,
-            "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,  # inference: dropout off
+            "architectures": ["GPT2LMHeadModel"],
+            "model_type": "gpt2",
+            "n_positions": cfg.seq_len,
+            "n_embd": cfg.d_model,
+            "n_layer": cfg.n_layer,
+            "n_head": cfg.n_head,
+            "n_inner": None,
+            "activation_function": "gelu_new",
+            "layer_norm_epsilon": cfg.norm_eps,
+            "scale_attn_weights": True,
+            "resid_pdrop": 0.0,
+            "embd_pdrop": 0.0,
+            "attn_pdrop": 0.0,  # inference: dropout off
         }
     # q/k/v biases are Qwen2's; any other Kiln Llama (a Mistral within its window too) is a Llama
-    family = {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "use_sliding_window": False} \
-        if cfg.qkv_bias else {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "attention_bias": False,
-                              "mlp_bias": False}
-    return common | family | {
-        "max_position_embeddings": cfg.seq_len,
-        "hidden_size": cfg.d_model, "intermediate_size": cfg.hidden, "num_hidden_layers": cfg.n_layer,
-        "num_attention_heads": cfg.n_head, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
-        "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps,
-        "rope_parameters": _rope_parameters(cfg), "rope_theta": cfg.rope_theta,
-        "attention_dropout": 0.0,
-    }
+    family = (
+        {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "use_sliding_window": False}
+        if cfg.qkv_bias
+        else {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "attention_bias": False, "mlp_bias": False}
+    )
+    return (
+        common
+        | family
+        | {
+            "max_position_embeddings": cfg.seq_len,
+            "hidden_size": cfg.d_model,
+            "intermediate_size": cfg.hidden,
+            "num_hidden_layers": cfg.n_layer,
+            "num_attention_heads": cfg.n_head,
+            "num_key_value_heads": cfg.kv_heads,
+            "head_dim": cfg.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": cfg.norm_eps,
+            "rope_parameters": _rope_parameters(cfg),
+            "rope_theta": cfg.rope_theta,
+            "attention_dropout": 0.0,
+        }
+    )
 
 
 # `kiln export --dtype`: the names transformers' config.json gives each
-EXPORT_DTYPES = {"fp32": (torch.float32, "float32"), "bf16": (torch.bfloat16, "bfloat16"),
-                 "fp16": (torch.float16, "float16")}
+EXPORT_DTYPES = {
+    "fp32": (torch.float32, "float32"),
+    "bf16": (torch.bfloat16, "bfloat16"),
+    "fp16": (torch.float16, "float16"),
+}
 MAX_SHARD_SIZE = "5GB"  # transformers' save_pretrained default: shards a loader streams one at a time
 
 
-def write(cfg: GPTConfig, state: dict[str, torch.Tensor], tokenizer, vocab: int, directory: Path,
-          dtype: str = "fp32", max_shard_size: int | str = MAX_SHARD_SIZE) -> list[str]:
+def write(
+    cfg: GPTConfig,
+    state: dict[str, torch.Tensor],
+    tokenizer,
+    vocab: int,
+    directory: Path,
+    dtype: str = "fp32",
+    max_shard_size: int | str = MAX_SHARD_SIZE,
+) -> list[str]:
     """Write a complete checkpoint of the first `vocab` rows into `directory` (which the caller
     stages and renames), its weights in `dtype` (an EXPORT_DTYPES name), in shards of at most
     `max_shard_size` with transformers' index where there is more than one; return the file
@@ -432,11 +519,20 @@ def write(cfg: GPTConfig, state: dict[str, torch.Tensor], tokenizer, vocab: int,
     files = {
         CONFIG: hf_config(cfg, vocab, eot) | {"dtype": dtype_name, "bos_token_id": bos},
         "generation_config.json": {"bos_token_id": bos, "eos_token_id": eot, "pad_token_id": eot},
-        "tokenizer_config.json": {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": eot_text,
-                                  "eos_token": eot_text, "unk_token": eot_text, "pad_token": eot_text,
-                                  "model_max_length": cfg.seq_len},
-        "special_tokens_map.json": {"bos_token": eot_text, "eos_token": eot_text, "unk_token": eot_text,
-                                    "pad_token": eot_text},
+        "tokenizer_config.json": {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": eot_text,
+            "eos_token": eot_text,
+            "unk_token": eot_text,
+            "pad_token": eot_text,
+            "model_max_length": cfg.seq_len,
+        },
+        "special_tokens_map.json": {
+            "bos_token": eot_text,
+            "eos_token": eot_text,
+            "unk_token": eot_text,
+            "pad_token": eot_text,
+        },
     }
     for name, body in files.items():
         (directory / name).write_text(base[name] if name in base else json.dumps(body, indent=2) + "\n")
@@ -452,8 +548,9 @@ def _save_sharded(weights: dict[str, torch.Tensor], directory: Path, max_shard_s
     from huggingface_hub import split_torch_state_dict_into_shards
     from safetensors.torch import save_file
 
-    split = split_torch_state_dict_into_shards(weights, max_shard_size=max_shard_size,
-                                               filename_pattern="model{suffix}.safetensors")
+    split = split_torch_state_dict_into_shards(
+        weights, max_shard_size=max_shard_size, filename_pattern="model{suffix}.safetensors"
+    )
     for name, keys in split.filename_to_tensors.items():
         save_file({k: weights[k].contiguous() for k in keys}, str(directory / name), metadata={"format": "pt"})
     files = list(split.filename_to_tensors)

@@ -48,10 +48,12 @@ def choice(default: str, table: Mapping[str, Any]) -> Any:
     return field(default=default, metadata={CHOICE: table})
 
 
-def span(lo: float, hi: float, what: str = "an integer", note: str = "", *, lo_open: bool = False,
-         ) -> tuple[Callable[[Any], bool], str]:
+def span(
+    lo: float, hi: float, what: str = "an integer", note: str = "", *, lo_open: bool = False
+) -> tuple[Callable[[Any], bool], str]:
     """`knob`'s (ok, allowed) for a number in [lo, hi] ((lo, hi] with lo_open): every numeric
     field states its sane maximum, and the check and its message come from the same numbers."""
+
     def ok(v: float) -> bool:
         return (lo < v if lo_open else lo <= v) and v <= hi
 
@@ -95,8 +97,9 @@ def check_ranges(section: Any, where: str) -> None:
     for f in dataclasses.fields(section):
         value = getattr(section, f.name)
         if CHOICE in f.metadata and value not in f.metadata[CHOICE]:
-            raise ConfigError(f"{where}.{f.name} = {value!r} is not allowed: expected one of "
-                              f"{list(f.metadata[CHOICE])}")
+            raise ConfigError(
+                f"{where}.{f.name} = {value!r} is not allowed: expected one of {list(f.metadata[CHOICE])}"
+            )
         if RANGE in f.metadata:
             ok, allowed = f.metadata[RANGE]
             if not ok(value):
@@ -186,8 +189,12 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         if not isinstance(value, list):
             raise ConfigError(f"{where} = {value!r} is not a list")
         (item,) = typing.get_args(tp)
-        return [build_section(item, v, f"{where}[{i}]") if dataclasses.is_dataclass(item)
-                else _coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+        return [
+            build_section(item, v, f"{where}[{i}]")
+            if dataclasses.is_dataclass(item)
+            else _coerce(v, item, f"{where}[{i}]")
+            for i, v in enumerate(value)
+        ]
     if tp is dict or origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{where} = {value!r} is not a mapping")
@@ -261,8 +268,9 @@ def parse_override(text: str) -> tuple[str, Any]:
         raise ConfigError(f"--set {text!r}: expected KEY=VALUE, e.g. --set optim.lr=3e-4")
     key, raw = text.split("=", 1)
     if not key.strip() or "" in key.strip().split("."):
-        raise ConfigError(f"--set {text!r}: {key.strip()!r} is not a field name; expected KEY=VALUE, "
-                          "e.g. --set optim.lr=3e-4")
+        raise ConfigError(
+            f"--set {text!r}: {key.strip()!r} is not a field name; expected KEY=VALUE, e.g. --set optim.lr=3e-4"
+        )
     try:
         value = yamlfile.load_text(raw, f"--set {key.strip()}") if raw.strip() else ""
     except yaml.YAMLError:

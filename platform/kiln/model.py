@@ -116,10 +116,13 @@ def _rope_problem(cfg: GPTConfig) -> str | None:
         return f"rope_scaling = {cfg.rope_scaling!r}: expected one of {list(ROPE_SCALINGS)}"
     if cfg.rope_scaling and not cfg.rope_factor > 0:
         return f"rope_factor = {cfg.rope_factor}: expected a positive number"
-    if cfg.rope_scaling == "llama3" and not (0 < cfg.rope_low_freq_factor < cfg.rope_high_freq_factor
-                                             and cfg.rope_original_context > 0):
-        return ("llama3 RoPE scaling needs 0 < rope_low_freq_factor < rope_high_freq_factor and a positive "
-                "rope_original_context")
+    if cfg.rope_scaling == "llama3" and not (
+        0 < cfg.rope_low_freq_factor < cfg.rope_high_freq_factor and cfg.rope_original_context > 0
+    ):
+        return (
+            "llama3 RoPE scaling needs 0 < rope_low_freq_factor < rope_high_freq_factor and a positive "
+            "rope_original_context"
+        )
     return None
 
 
@@ -135,12 +138,20 @@ FLAVOURS: dict[str, dict] = {
     "2.7b": dict(n_layer=32, n_head=32, d_model=2560, seq_len=2048),
     "6.7b": dict(n_layer=32, n_head=32, d_model=4096, seq_len=2048),
     "13b": dict(n_layer=40, n_head=40, d_model=5120, seq_len=2048),
-    "llama-debug": dict(arch="llama", n_layer=2, n_head=4, n_kv_head=2, d_model=128, seq_len=128,
-                        tie_embeddings=False),
-    "llama-1b": dict(arch="llama", n_layer=16, n_head=32, n_kv_head=8, d_model=2048, ffn_hidden=8192,
-                     seq_len=2048, rope_theta=500000.0),
-    "llama-7b": dict(arch="llama", n_layer=32, n_head=32, d_model=4096, ffn_hidden=11008, seq_len=4096,
-                     tie_embeddings=False),
+    "llama-debug": dict(arch="llama", n_layer=2, n_head=4, n_kv_head=2, d_model=128, seq_len=128, tie_embeddings=False),
+    "llama-1b": dict(
+        arch="llama",
+        n_layer=16,
+        n_head=32,
+        n_kv_head=8,
+        d_model=2048,
+        ffn_hidden=8192,
+        seq_len=2048,
+        rope_theta=500000.0,
+    ),
+    "llama-7b": dict(
+        arch="llama", n_layer=32, n_head=32, d_model=4096, ffn_hidden=11008, seq_len=4096, tie_embeddings=False
+    ),
 }
 
 
@@ -174,7 +185,9 @@ class KVCache:
         self.length = 0  # tokens cached so far, S
         self.valid: torch.Tensor | None = None  # (B, S) bool, once any row has had padding
 
-    def extend(self, T: int, valid: torch.Tensor | None, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def extend(
+        self, T: int, valid: torch.Tensor | None, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Register T new tokens per row (`valid`: (B, T) bool, False for left padding; None: all
         real); return their positions ((B, T), or (T,) when every row has the same) and the
         attention mask (B, 1, T, S) for this forward, or None: see `CausalSelfAttention`."""
@@ -187,8 +200,9 @@ class KVCache:
             return positions, (positions[:, None] >= torch.arange(S, device=positions.device))[None, None]
         if valid is None:
             valid = torch.ones(self.valid.shape[0], T, dtype=torch.bool, device=device)
-        past = self.valid if self.valid is not None else torch.ones(valid.shape[0], start, dtype=torch.bool,
-                                                                   device=device)
+        past = (
+            self.valid if self.valid is not None else torch.ones(valid.shape[0], start, dtype=torch.bool, device=device)
+        )
         self.valid = torch.cat([past, valid], dim=1)
         counted = self.valid.long().cumsum(1) - 1  # a token's position counts only real tokens
         positions = counted[:, start:].clamp(min=0)
@@ -268,8 +282,13 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(cfg.n_head * hd, cfg.d_model, bias=cfg.bias)
         self.proj.is_residual_projection = True
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-                cache: KVCache | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        cache: KVCache | None = None,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         B, T, _ = x.shape
         H, KV, hd = self.cfg.n_head, self.cfg.kv_heads, self.cfg.head_dim
         qkv = self.qkv(x)
@@ -290,7 +309,12 @@ class CausalSelfAttention(nn.Module):
         # one query (a decode step) every cached key; a KVCache gives one where rows are padded
         # or the queries are the last T of S > T positions.
         y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None and T > 1, enable_gqa=KV != H,
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            is_causal=mask is None and T > 1,
+            enable_gqa=KV != H,
             dropout_p=self.cfg.dropout if self.training else 0.0,
         )
         return self.proj(y.transpose(1, 2).contiguous().view(B, T, H * hd))
@@ -325,14 +349,24 @@ class Block(nn.Module):
         self.ln_2 = norm(cfg)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-                cache: KVCache | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        cache: KVCache | None = None,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x), rope, cache, mask)
         return x + self.mlp(self.ln_2(x))
 
 
-def embed(wte: nn.Embedding, wpe: nn.Embedding | None, drop: nn.Dropout, idx: torch.Tensor,
-          positions: torch.Tensor | None = None) -> torch.Tensor:
+def embed(
+    wte: nn.Embedding,
+    wpe: nn.Embedding | None,
+    drop: nn.Dropout,
+    idx: torch.Tensor,
+    positions: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Token embeddings, plus learned position embeddings where the model has them (gpt; llama
     rotates queries and keys instead), then dropout: the input of the first block (of the model,
     and of a pipeline's first stage). `positions` (B, T) default to 0..T-1."""
@@ -450,4 +484,3 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x, rope, cache, mask)
         return self.lm_head(self.ln_f(x[:, -1]))
-

@@ -50,12 +50,17 @@ class ModelConfig:
         if self.init_from:
             if pretrained is None:
                 raise ValueError("model.init_from's shape is read before launch: pass it as `pretrained`")
-            return dataclasses.replace(pretrained, dropout=self.dropout,
-                                       activation_checkpointing=self.activation_checkpointing)
+            return dataclasses.replace(
+                pretrained, dropout=self.dropout, activation_checkpointing=self.activation_checkpointing
+            )
         depth = {"n_layer": self.n_layer} if self.n_layer else {}
         return config_for(
-            self.flavour, vocab_size=self.vocab_size, seq_len=self.seq_len, dropout=self.dropout,
-            activation_checkpointing=self.activation_checkpointing, **depth,
+            self.flavour,
+            vocab_size=self.vocab_size,
+            seq_len=self.seq_len,
+            dropout=self.dropout,
+            activation_checkpointing=self.activation_checkpointing,
+            **depth,
         )
 
     @property

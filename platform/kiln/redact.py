@@ -13,8 +13,11 @@ import re
 from typing import Any
 
 # "token" as in a credential, not the tokenizer or a count of tokens (data.tokenizer, data.train_tokens).
-SECRET_PATTERN = re.compile(r"(secret|token(?!izer|s(?![a-z]))|password|passwd|credential|api[_-]?key|"
-                            r"access[_-]?key|auth)", re.I)
+SECRET_PATTERN = re.compile(
+    r"(secret|token(?!izer|s(?![a-z]))|password|passwd|credential|api[_-]?key|"
+    r"access[_-]?key|auth)",
+    re.I,
+)
 REDACTED = "***"
 
 # The userinfo of any URL, whatever its scheme (a misspelt one too): `user:password@` or a bare
@@ -28,26 +31,34 @@ BARE_USERINFO = re.compile(r"(?<![\w.:/@%+-])(?P<scheme>)(?P<userinfo>[\w.~%+-]+
 # A credential-named key and its value, as Python, JSON and YAML print a mapping and as a shell
 # or `--set` assigns it: `'aws_secret_access_key': '...'`, `"token": "..."`, `API_KEY=...`.
 _KEY = r"[\w.-]*" + SECRET_PATTERN.pattern + r"[\w.-]*"
-KEY_VALUE = re.compile(r"(?P<key>(?P<q>['\"]?)" + _KEY + r"(?P=q)\s*(?::\s*|=))"
-                       r"(?P<value>'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"|[^\s,;}\]&|'\"]+)", re.I)
+KEY_VALUE = re.compile(
+    r"(?P<key>(?P<q>['\"]?)" + _KEY + r"(?P=q)\s*(?::\s*|=))"
+    r"(?P<value>'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"|[^\s,;}\]&|'\"]+)",
+    re.I,
+)
 SETTING_WORDS = {"token", "true", "false", "none", "null", "''", '""', REDACTED}  # values that are settings
 # Credentials recognisable by their shape wherever they appear: AWS access key ids, GitHub and
 # Hugging Face tokens.
-TOKEN_SHAPES = re.compile(r"\b(?:(?:AKIA|ASIA)[0-9A-Z]{16}|gh[pousr]_[A-Za-z0-9]{20,}|github_pat_[A-Za-z0-9_]{20,}"
-                          r"|hf_[A-Za-z0-9]{20,})\b")
+TOKEN_SHAPES = re.compile(
+    r"\b(?:(?:AKIA|ASIA)[0-9A-Z]{16}|gh[pousr]_[A-Za-z0-9]{20,}|github_pat_[A-Za-z0-9_]{20,}"
+    r"|hf_[A-Za-z0-9]{20,})\b"
+)
 
 
 def redact(params: dict[str, Any]) -> dict[str, Any]:
     """Drop the value of any key that looks like a credential; scrub the rest (`scrub`)."""
-    return {k: (REDACTED if SECRET_PATTERN.search(k) else scrub(v) if isinstance(v, str) else v)
-            for k, v in params.items()}
+    return {
+        k: (REDACTED if SECRET_PATTERN.search(k) else scrub(v) if isinstance(v, str) else v) for k, v in params.items()
+    }
 
 
 def redact_tree(tree: Any) -> Any:
     """`redact` through nested dicts and lists: a config as a whole, before it becomes YAML."""
     if isinstance(tree, dict):
-        return {k: (REDACTED if isinstance(k, str) and SECRET_PATTERN.search(k) else redact_tree(v))
-                for k, v in tree.items()}
+        return {
+            k: (REDACTED if isinstance(k, str) and SECRET_PATTERN.search(k) else redact_tree(v))
+            for k, v in tree.items()
+        }
     if isinstance(tree, list):
         return [redact_tree(v) for v in tree]
     return scrub(tree) if isinstance(tree, str) else tree
@@ -100,8 +111,9 @@ def _mask_value(m: re.Match) -> str:
 
 def _environment_secrets() -> list[str]:
     # Short values ("1", "true", "token" as RAY_AUTH_MODE) are settings, not secrets.
-    return sorted({v for k, v in _environment().items() if SECRET_PATTERN.search(k) and len(v) >= 8},
-                  key=len, reverse=True)
+    return sorted(
+        {v for k, v in _environment().items() if SECRET_PATTERN.search(k) and len(v) >= 8}, key=len, reverse=True
+    )
 
 
 def _environment() -> dict[str, str]:

@@ -124,8 +124,14 @@ def type_problems(model: type[BaseModel] | pydantic.TypeAdapter, doc: Any) -> li
     return []
 
 
-def validated(schema: type | pydantic.TypeAdapter | Any, value: Any, where: str, *, json: bool = False,
-              error: type[KilnError] = ConfigError) -> Any:
+def validated(
+    schema: type | pydantic.TypeAdapter | Any,
+    value: Any,
+    where: str,
+    *,
+    json: bool = False,
+    error: type[KilnError] = ConfigError,
+) -> Any:
     """`value` checked strictly against `schema` (a dataclass, TypedDict, type or TypeAdapter;
     with `json`, `value` is a JSON document's bytes); the validated value, or the first problem
     as an `error` that starts with `where`, e.g. `prepare: seq_len: expected an integer`."""
@@ -143,11 +149,20 @@ def _problems(e: pydantic.ValidationError) -> list[str]:
 
 _MEMBERS = {"str", "int", "float", "bool", "dict", "list"}  # pydantic's names for a union's members
 # pydantic's error types in words; any other is pydantic's own message, shortened.
-_WORDS = {"int_type": "expected an integer", "float_type": "expected a number", "bool_type": "expected true or false",
-          "string_type": "expected a string", "list_type": "expected a list", "dict_type": "expected a mapping",
-          "model_type": "expected a mapping", "model_attributes_type": "expected a mapping",
-          "dataclass_type": "expected a mapping", "missing": "required", "extra_forbidden": "not a known field",
-          "json_invalid": "not valid JSON"}
+_WORDS = {
+    "int_type": "expected an integer",
+    "float_type": "expected a number",
+    "bool_type": "expected true or false",
+    "string_type": "expected a string",
+    "list_type": "expected a list",
+    "dict_type": "expected a mapping",
+    "model_type": "expected a mapping",
+    "model_attributes_type": "expected a mapping",
+    "dataclass_type": "expected a mapping",
+    "missing": "required",
+    "extra_forbidden": "not a known field",
+    "json_invalid": "not valid JSON",
+}
 
 
 def _path(loc: tuple) -> str:

@@ -29,9 +29,13 @@ T = TypeVar("T")
 # S3 errors that pass: throttling, a dropped connection, a 5xx. Every shard read retries them in
 # `retry_transient`, in the local launcher and in Kiln's Ray Data read tasks alike.
 TRANSIENT_ERRORS = (
-    "AWS Error INTERNAL_FAILURE", "AWS Error NETWORK_CONNECTION", "AWS Error SLOW_DOWN",
-    "AWS Error UNKNOWN (HTTP status 500)", "AWS Error UNKNOWN (HTTP status 502)",
-    "AWS Error UNKNOWN (HTTP status 503)", "AWS Error SERVICE_UNAVAILABLE",
+    "AWS Error INTERNAL_FAILURE",
+    "AWS Error NETWORK_CONNECTION",
+    "AWS Error SLOW_DOWN",
+    "AWS Error UNKNOWN (HTTP status 500)",
+    "AWS Error UNKNOWN (HTTP status 502)",
+    "AWS Error UNKNOWN (HTTP status 503)",
+    "AWS Error SERVICE_UNAVAILABLE",
 )
 
 
@@ -83,9 +87,16 @@ def durable(path: str, field: str, env: str = "") -> str:
     if is_url(path) or os.path.isabs(os.path.expanduser(path)) or not job_working_copy():
         return path
     moved = os.path.join(durable_home(), path)
-    log.warning("%s = %r is relative, and this job runs in Ray's temporary copy of its working dir, which "
-                "Ray deletes with the session: writing to %s instead (set %s%s to an absolute or s3:// path, "
-                "or KILN_HOME, to choose)", field, path, moved, field, f" or ${env}" if env else "")
+    log.warning(
+        "%s = %r is relative, and this job runs in Ray's temporary copy of its working dir, which "
+        "Ray deletes with the session: writing to %s instead (set %s%s to an absolute or s3:// path, "
+        "or KILN_HOME, to choose)",
+        field,
+        path,
+        moved,
+        field,
+        f" or ${env}" if env else "",
+    )
     return moved
 
 
@@ -220,8 +231,10 @@ def resolve(uri: str, s3_endpoint_url: str = "", region: str = "us-east-1") -> L
         if not bucket_path:
             raise ConfigError(f"{uri!r}: expected s3://bucket/prefix")
         if "@" in bucket_path.split("/", 1)[0]:  # the console masks the userinfo in this line
-            raise ConfigError(f"{uri!r}: credentials never go in an s3:// path; set AWS_ACCESS_KEY_ID and "
-                              "AWS_SECRET_ACCESS_KEY in the environment and name just s3://bucket/prefix")
+            raise ConfigError(
+                f"{uri!r}: credentials never go in an s3:// path; set AWS_ACCESS_KEY_ID and "
+                "AWS_SECRET_ACCESS_KEY in the environment and name just s3://bucket/prefix"
+            )
         endpoint = s3_endpoint(s3_endpoint_url)
         return Location(s3_filesystem(endpoint, region), bucket_path, uri.rstrip("/"), endpoint)
     if is_url(uri):
@@ -241,8 +254,9 @@ def is_transient(error: BaseException) -> bool:
     return isinstance(error, OSError) and any(marker in str(error) for marker in TRANSIENT_ERRORS)
 
 
-def retry_transient(read: Callable[[], T], what: str, attempts: int = 6, first_wait_s: float = 1.0,
-                    max_wait_s: float = 16.0) -> T:
+def retry_transient(
+    read: Callable[[], T], what: str, attempts: int = 6, first_wait_s: float = 1.0, max_wait_s: float = 16.0
+) -> T:
     """`read()`, again after 1, 2, 4, ... s (at most `max_wait_s`) while it fails with a transient
     S3 error; any other error, or the last attempt's, is raised at once."""
     wait = first_wait_s
@@ -252,8 +266,14 @@ def retry_transient(read: Callable[[], T], what: str, attempts: int = 6, first_w
         except OSError as e:
             if not is_transient(e):
                 raise
-            log.warning("%s failed (attempt %d of %d), retrying in %.1f s: %s", what, attempt, attempts, wait,
-                        str(e).splitlines()[0])
+            log.warning(
+                "%s failed (attempt %d of %d), retrying in %.1f s: %s",
+                what,
+                attempt,
+                attempts,
+                wait,
+                str(e).splitlines()[0],
+            )
             time.sleep(wait)
             wait = min(2 * wait, max_wait_s)
     return read()  # the last attempt: whatever it raises is raised

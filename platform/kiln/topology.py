@@ -32,8 +32,11 @@ def _pair(workers: int | list[int]) -> list[int]:
 
 @dataclass
 class ParallelConfig:
-    num_workers: int | list[int] = knob(2, lambda v: all(1 <= n <= MAX_WORKERS for n in _pair(v)),
-                                        f"an integer in [1, {MAX_WORKERS}], or [min, max] of them")
+    num_workers: int | list[int] = knob(
+        2,
+        lambda v: all(1 <= n <= MAX_WORKERS for n in _pair(v)),
+        f"an integer in [1, {MAX_WORKERS}], or [min, max] of them",
+    )
     """Ray Train workers (ranks): pipeline stages x tensor-parallel ranks x data-parallel replicas.
     [min, max] makes the run elastic: it starts with what the cluster fits (not below min), grows
     when nodes join and shrinks when they die, each time resuming its newest checkpoint on the
@@ -132,18 +135,28 @@ class ParallelConfig:
         """This section's own rules: ranges, a layout that divides the workers, and what
         DeepSpeed allows."""
         if isinstance(self.num_workers, list) and (len(self.num_workers) != 2 or self.min_workers > self.max_workers):
-            raise ConfigError(f"parallel.num_workers = {self.num_workers}: expected [min, max] with min <= max "
-                              "(an elastic run), or one number")
+            raise ConfigError(
+                f"parallel.num_workers = {self.num_workers}: expected [min, max] with min <= max "
+                "(an elastic run), or one number"
+            )
         check_ranges(self, "parallel")
         if self.elastic and (self.pipeline_stages > 1 or self.tensor_parallel > 1):
-            raise ConfigError(f"parallel.num_workers = {self.num_workers} (elastic) needs parallel.pipeline_stages = 1 "
-                              "and parallel.tensor_parallel = 1: a pipeline's or tensor-parallel ranks' checkpoint "
-                              "resumes only on as many replicas")
+            raise ConfigError(
+                f"parallel.num_workers = {self.num_workers} (elastic) needs parallel.pipeline_stages = 1 "
+                "and parallel.tensor_parallel = 1: a pipeline's or tensor-parallel ranks' checkpoint "
+                "resumes only on as many replicas"
+            )
         problem = ParallelDims.of(self).problem()
         if problem:
             raise ConfigError(problem)
-        refusal = deepspeed_refusal(self.zero_stage, self.offload_optimizer, self.offload_params,
-                                    self.pipeline_stages, self.tensor_parallel, engine=self.engine)
+        refusal = deepspeed_refusal(
+            self.zero_stage,
+            self.offload_optimizer,
+            self.offload_params,
+            self.pipeline_stages,
+            self.tensor_parallel,
+            engine=self.engine,
+        )
         if refusal:
             raise ConfigError(refusal)
         if "nvme" in (self.offload_optimizer, self.offload_params) and not self.nvme_path:
@@ -184,8 +197,9 @@ class ParallelDims:
         pipeline, ranks 0..D-1 are stage 0 of replicas 0..D-1 (PipeDataParallelTopology;
         `kiln.parallel.pipeline.check_coords` checks this against the engine's own grid)."""
         tp, dp = self.tensor_parallel, self.data_parallel_size
-        return Coords(data_parallel_rank=(rank // tp) % dp, pipeline_stage=rank // (tp * dp),
-                      tensor_parallel_rank=rank % tp)
+        return Coords(
+            data_parallel_rank=(rank // tp) % dp, pipeline_stage=rank // (tp * dp), tensor_parallel_rank=rank % tp
+        )
 
     def most_layers_per_stage(self, n_layer: int) -> int:
         """Transformer blocks on the fullest pipeline stage (the planner's activation memory)."""
@@ -196,24 +210,35 @@ class ParallelDims:
         and `name` (as `deepspeed_refusal` does); None where they do."""
         if self.world_size % (self.pipeline_stages * self.tensor_parallel):
             if self.tensor_parallel == 1:
-                return (f"{workers} = {self.world_size} is not a multiple of {name('pipeline_stages')} = "
-                        f"{self.pipeline_stages}: expected workers = stages x data-parallel replicas")
-            return (f"{workers} = {self.world_size} is not a multiple of {name('pipeline_stages')} x "
-                    f"{name('tensor_parallel')} = {self.pipeline_stages} x {self.tensor_parallel}: expected "
-                    "workers = stages x tensor-parallel ranks x data-parallel replicas")
+                return (
+                    f"{workers} = {self.world_size} is not a multiple of {name('pipeline_stages')} = "
+                    f"{self.pipeline_stages}: expected workers = stages x data-parallel replicas"
+                )
+            return (
+                f"{workers} = {self.world_size} is not a multiple of {name('pipeline_stages')} x "
+                f"{name('tensor_parallel')} = {self.pipeline_stages} x {self.tensor_parallel}: expected "
+                "workers = stages x tensor-parallel ranks x data-parallel replicas"
+            )
         return None
 
-    def model_problem(self, n_head: int, kv_heads: int, ffn_hidden: int,
-                      name: Callable[[str], str] = _field) -> str | None:
+    def model_problem(
+        self, n_head: int, kv_heads: int, ffn_hidden: int, name: Callable[[str], str] = _field
+    ) -> str | None:
         """Why this model's layers do not split over the tensor-parallel ranks: each rank takes
         whole attention heads (and whole key/value heads under GQA) and an equal share of the
         MLP's hidden units. None where they split."""
         k = self.tensor_parallel
-        for what, n in (("n_head", n_head), ("n_kv_head (key/value heads)", kv_heads), ("the MLP's hidden width", ffn_hidden)):
+        for what, n in (
+            ("n_head", n_head),
+            ("n_kv_head (key/value heads)", kv_heads),
+            ("the MLP's hidden width", ffn_hidden),
+        ):
             if n % k:
-                return (f"{name('tensor_parallel')} = {k} does not divide model {what} = {n}: each "
-                        "tensor-parallel rank takes an equal share of whole heads and hidden units; "
-                        f"expected a divisor of {n}")
+                return (
+                    f"{name('tensor_parallel')} = {k} does not divide model {what} = {n}: each "
+                    "tensor-parallel rank takes an equal share of whole heads and hidden units; "
+                    f"expected a divisor of {n}"
+                )
         return None
 
     def node_problem(self, ranks_per_node: int, tp_within_node: bool = True) -> str | None:
@@ -223,9 +248,11 @@ class ParallelDims:
         k = self.tensor_parallel
         if not tp_within_node or k == 1 or (ranks_per_node >= k and ranks_per_node % k == 0):
             return None
-        return (f"parallel.tensor_parallel = {self.tensor_parallel} with {ranks_per_node} rank(s) per node: "
-                "a tensor-parallel group would span nodes, and its per-layer all-reduces would cross the "
-                f"network; expected a divisor of {ranks_per_node} (or parallel.tp_within_node = false)")
+        return (
+            f"parallel.tensor_parallel = {self.tensor_parallel} with {ranks_per_node} rank(s) per node: "
+            "a tensor-parallel group would span nodes, and its per-layer all-reduces would cross the "
+            f"network; expected a divisor of {ranks_per_node} (or parallel.tp_within_node = false)"
+        )
 
     def describe(self) -> str:
         """The layout in words, for logs and the pre-launch summary: data x pipeline x tensor."""
@@ -242,9 +269,15 @@ def sharding(p: ParallelConfig) -> str:
     return f"ZeRO-{p.zero_stage}" if p.engine == "deepspeed" else f"FSDP2 (ZeRO-{p.zero_stage})"
 
 
-def deepspeed_refusal(zero_stage: int, offload_optimizer: str, offload_params: str, pipeline_stages: int,
-                      tensor_parallel: int = 1, name: Callable[[str], str] = _field,
-                      engine: str = "deepspeed") -> str | None:
+def deepspeed_refusal(
+    zero_stage: int,
+    offload_optimizer: str,
+    offload_params: str,
+    pipeline_stages: int,
+    tensor_parallel: int = 1,
+    name: Callable[[str], str] = _field,
+    engine: str = "deepspeed",
+) -> str | None:
     """Why the engine (DeepSpeed, or FSDP2) would reject (or silently mishandle) this ZeRO /
     offload / pipeline / tensor-parallel combination, naming each setting through `name`; None
     where it is legal. The one statement of these limits: `kiln train` validates with it, `kiln
@@ -256,50 +289,77 @@ def deepspeed_refusal(zero_stage: int, offload_optimizer: str, offload_params: s
         if refusal:
             return refusal
     if pipeline_stages > 1 and zero_stage > 1:
-        return (f"{name('zero_stage')} = {zero_stage} with {name('pipeline_stages')} = {pipeline_stages}: "
-                "DeepSpeed's pipeline engine supports ZeRO stage 0 or 1 only; expected 0 or 1")
+        return (
+            f"{name('zero_stage')} = {zero_stage} with {name('pipeline_stages')} = {pipeline_stages}: "
+            "DeepSpeed's pipeline engine supports ZeRO stage 0 or 1 only; expected 0 or 1"
+        )
     if pipeline_stages > 1 and (offload_optimizer != "none" or offload_params != "none"):
-        return (f"{name('offload_*')} with {name('pipeline_stages')} > 1: DeepSpeed's pipeline engine does "
-                "not offload; expected offload 'none'")
+        return (
+            f"{name('offload_*')} with {name('pipeline_stages')} > 1: DeepSpeed's pipeline engine does "
+            "not offload; expected offload 'none'"
+        )
     if offload_optimizer != "none" and zero_stage == 0:
-        return (f"{name('offload_optimizer')} = {offload_optimizer!r} needs {name('zero_stage')} >= 1 (ZeRO "
-                "partitions what it offloads); expected zero_stage 1, 2 or 3")
+        return (
+            f"{name('offload_optimizer')} = {offload_optimizer!r} needs {name('zero_stage')} >= 1 (ZeRO "
+            "partitions what it offloads); expected zero_stage 1, 2 or 3"
+        )
     if offload_params != "none" and zero_stage != 3:
-        return (f"{name('offload_params')} = {offload_params!r} needs {name('zero_stage')} = 3 (only stage 3 "
-                "partitions parameters)")
+        return (
+            f"{name('offload_params')} = {offload_params!r} needs {name('zero_stage')} = 3 (only stage 3 "
+            "partitions parameters)"
+        )
     return None
 
 
-def _fsdp2_refusal(zero_stage: int, offload_optimizer: str, offload_params: str, pipeline_stages: int,
-                   tensor_parallel: int, name: Callable[[str], str]) -> str | None:
+def _fsdp2_refusal(
+    zero_stage: int,
+    offload_optimizer: str,
+    offload_params: str,
+    pipeline_stages: int,
+    tensor_parallel: int,
+    name: Callable[[str], str],
+) -> str | None:
     """What Kiln's FSDP2 engine serves: sharded weights, gradients and optimizer state, nothing
     layered on them yet."""
     engine = f"{name('engine')} = 'fsdp2'"
     if zero_stage not in (2, 3):
-        return (f"{engine} with {name('zero_stage')} = {zero_stage}: FSDP2 shards gradients and optimizer state "
-                "always; expected zero_stage 2 (weights kept gathered from forward to backward) or 3 (freed after "
-                "the forward), or engine 'deepspeed' for ZeRO 0-1")
+        return (
+            f"{engine} with {name('zero_stage')} = {zero_stage}: FSDP2 shards gradients and optimizer state "
+            "always; expected zero_stage 2 (weights kept gathered from forward to backward) or 3 (freed after "
+            "the forward), or engine 'deepspeed' for ZeRO 0-1"
+        )
     if pipeline_stages > 1 or tensor_parallel > 1:
-        return (f"{engine} with {name('pipeline_stages')} = {pipeline_stages} and {name('tensor_parallel')} = "
-                f"{tensor_parallel}: Kiln's FSDP2 engine is data-parallel only; expected both 1, or engine 'deepspeed'")
+        return (
+            f"{engine} with {name('pipeline_stages')} = {pipeline_stages} and {name('tensor_parallel')} = "
+            f"{tensor_parallel}: Kiln's FSDP2 engine is data-parallel only; expected both 1, or engine 'deepspeed'"
+        )
     if offload_optimizer != "none" or offload_params != "none":
-        return (f"{engine} with {name('offload_*')}: Kiln's FSDP2 engine does not offload; expected offload "
-                "'none', or engine 'deepspeed'")
+        return (
+            f"{engine} with {name('offload_*')}: Kiln's FSDP2 engine does not offload; expected offload "
+            "'none', or engine 'deepspeed'"
+        )
     return None
 
 
-def _tensor_parallel_refusal(zero_stage: int, offload_optimizer: str, offload_params: str, pipeline_stages: int,
-                             name: Callable[[str], str]) -> str | None:
+def _tensor_parallel_refusal(
+    zero_stage: int, offload_optimizer: str, offload_params: str, pipeline_stages: int, name: Callable[[str], str]
+) -> str | None:
     """AutoTP's limits as Kiln serves them (DeepSpeed 0.19, measured on CPU/gloo)."""
     tp = name("tensor_parallel")
     if pipeline_stages > 1:
-        return (f"{tp} > 1 with {name('pipeline_stages')} = {pipeline_stages}: DeepSpeed's pipeline engine "
-                "does not apply AutoTP; expected one of them to be 1")
+        return (
+            f"{tp} > 1 with {name('pipeline_stages')} = {pipeline_stages}: DeepSpeed's pipeline engine "
+            "does not apply AutoTP; expected one of them to be 1"
+        )
     if zero_stage == 3:
-        return (f"{tp} > 1 with {name('zero_stage')} = 3: a tensor-parallel ZeRO-3 checkpoint cannot be "
-                "consolidated for export yet; expected zero_stage 0, 1 or 2 (tensor parallelism already "
-                "divides the weights)")
+        return (
+            f"{tp} > 1 with {name('zero_stage')} = 3: a tensor-parallel ZeRO-3 checkpoint cannot be "
+            "consolidated for export yet; expected zero_stage 0, 1 or 2 (tensor parallelism already "
+            "divides the weights)"
+        )
     if offload_optimizer != "none" or offload_params != "none":
-        return (f"{tp} > 1 with {name('offload_*')}: Kiln does not run AutoTP with ZeRO-Offload (an untested "
-                "combination); expected offload 'none'")
+        return (
+            f"{tp} > 1 with {name('offload_*')}: Kiln does not run AutoTP with ZeRO-Offload (an untested "
+            "combination); expected offload 'none'"
+        )
     return None

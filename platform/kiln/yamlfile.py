@@ -45,8 +45,9 @@ def _mapping(loader: StrictLoader, node: yaml.MappingNode) -> dict:
         try:
             duplicate = key in seen
         except TypeError:
-            raise yaml.constructor.ConstructorError(None, None, "a mapping key that is a list or mapping",
-                                                    key_node.start_mark) from None
+            raise yaml.constructor.ConstructorError(
+                None, None, "a mapping key that is a list or mapping", key_node.start_mark
+            ) from None
         if duplicate:
             raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
         seen.add(key)
@@ -57,7 +58,8 @@ StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _ma
 # YAML 1.1 (PyYAML) needs a dot in a float, so `lr: 3e-4` would load as the string "3e-4";
 # YAML 1.2 and every user read it as a number, and so does Kiln.
 StrictLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+$"), list("-+0123456789"))
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+$"), list("-+0123456789")
+)
 
 
 def check_bounds(text: str, what: str) -> None:
@@ -94,8 +96,10 @@ def check_bounds(text: str, what: str) -> None:
             expanded += size
         budget = max(MIN_BUDGET, MAX_EXPANSION * written)
         if expanded + sum(frame[1] for frame in stack) > budget:
-            raise ConfigError(f"{what}: its aliases expand to over {budget:,} values from {written:,} written "
-                              "(an alias bomb?); write the values out")
+            raise ConfigError(
+                f"{what}: its aliases expand to over {budget:,} values from {written:,} written "
+                "(an alias bomb?); write the values out"
+            )
 
 
 def load_text(text: str, what: str) -> Any:

@@ -109,8 +109,11 @@ def run_cases(cases: list[dict], parallel: int = 2) -> dict[str, dict]:
                 results[case_id] = {"code": "timeout", "seconds": CASE_TIMEOUT_S, "peak_mb": 0}
                 del running[pid]
             elif done:
-                results[case_id] = {"code": os.waitstatus_to_exitcode(status), "seconds": round(time.time() - t0, 2),
-                                    "peak_mb": round(usage.ru_maxrss / 1024, 1)}
+                results[case_id] = {
+                    "code": os.waitstatus_to_exitcode(status),
+                    "seconds": round(time.time() - t0, 2),
+                    "peak_mb": round(usage.ru_maxrss / 1024, 1),
+                }
                 del running[pid]
         time.sleep(0.005)
     return results

@@ -29,10 +29,12 @@ MAX_PEAK_MB = 1024  # nor gigabytes (an alias bomb, a 50 MB file): the peak of t
 
 def _edit_json(name: str, change):
     """An edit of the JSON file `name` in a copied dataset or model: `change` mutates its object."""
+
     def edit(folder: Path) -> None:
         obj = json.loads((folder / name).read_text())
         change(obj)
         (folder / name).write_text(json.dumps(obj))
+
     return edit
 
 
@@ -52,7 +54,7 @@ def _truncate(ds: Path) -> None:
 def _corrupt(ds: Path) -> None:
     shard = _first_shard(ds)
     raw = bytearray(shard.read_bytes())
-    raw[len(raw) // 3: len(raw) // 3 + 512] = bytes(512)
+    raw[len(raw) // 3 : len(raw) // 3 + 512] = bytes(512)
     shard.write_bytes(bytes(raw))
 
 
@@ -142,8 +144,12 @@ def _store(path: Path) -> bytes:
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory, byte_dataset, corpus, tiny_hf):
     root = tmp_path_factory.mktemp("bad-inputs")
-    specials = {"STORE": _store(root / "store.db"), "APPDB": _app_db(root / "app.db"),
-                "PARQUET_INT": _int_parquet(root / "int.parquet"), "BIG": b"a: 1\n" * (10 << 20)}  # 50 MB
+    specials = {
+        "STORE": _store(root / "store.db"),
+        "APPDB": _app_db(root / "app.db"),
+        "PARQUET_INT": _int_parquet(root / "int.parquet"),
+        "BIG": b"a: 1\n" * (10 << 20),
+    }  # 50 MB
     sleeper = subprocess.Popen(["sleep", "600"])  # a live process a services file records as Kiln's
     todo, before = [], {}
     for case in CASES:
@@ -156,8 +162,17 @@ def outcomes(tmp_path_factory, byte_dataset, corpus, tiny_hf):
         for rel, content in case.files.items():
             (ws / rel).parent.mkdir(parents=True, exist_ok=True)
             if content == "RUNNING":
-                content = json.dumps([{"name": "mlflow", "pid": sleeper.pid, "url": "http://127.0.0.1:1",
-                                       "log": "l", "started": psutil.Process(sleeper.pid).create_time()}])
+                content = json.dumps(
+                    [
+                        {
+                            "name": "mlflow",
+                            "pid": sleeper.pid,
+                            "url": "http://127.0.0.1:1",
+                            "log": "l",
+                            "started": psutil.Process(sleeper.pid).create_time(),
+                        }
+                    ]
+                )
             if isinstance(content, str) and content.startswith("SYMLINK:"):
                 (ws / rel).symlink_to(content.removeprefix("SYMLINK:"))
                 continue
@@ -166,28 +181,68 @@ def outcomes(tmp_path_factory, byte_dataset, corpus, tiny_hf):
         if case.dataset:
             shutil.copytree(byte_dataset, ws / "ds")
             DATASET_EDITS.get(case.id, lambda ds: None)(ws / "ds")
-        env = {"PATH": os.environ["PATH"], "LANG": "C.UTF-8", "HOME": str(ws / "home"), "TMPDIR": str(ws / "tmp"),
-               "RAY_AUTH_MODE": "token", **ENV_SECRETS}
+        env = {
+            "PATH": os.environ["PATH"],
+            "LANG": "C.UTF-8",
+            "HOME": str(ws / "home"),
+            "TMPDIR": str(ws / "tmp"),
+            "RAY_AUTH_MODE": "token",
+            **ENV_SECRETS,
+        }
         env.update(case.env)
         argv = [a.format(ws=ws, corpus=corpus[0], ds=ws / "ds", hf=ws / "hf", repo=REPO) for a in case.argv]
         before[case.id] = snapshot(ws)
-        todo.append({"id": case.id, "argv": argv, "cwd": str(ws), "env": env,
-                     "stdout": str(root / f"{case.id}.out"), "stderr": str(root / f"{case.id}.err")})
+        todo.append(
+            {
+                "id": case.id,
+                "argv": argv,
+                "cwd": str(ws),
+                "env": env,
+                "stdout": str(root / f"{case.id}.out"),
+                "stderr": str(root / f"{case.id}.err"),
+            }
+        )
     (root / "cases.json").write_text(json.dumps(todo))
     try:
-        subprocess.run([sys.executable, str(Path(__file__).parent / "harness.py"), str(root / "cases.json"),
-                        str(root / "results.json")], check=True, timeout=1500, cwd=root)
+        subprocess.run(
+            [
+                sys.executable,
+                str(Path(__file__).parent / "harness.py"),
+                str(root / "cases.json"),
+                str(root / "results.json"),
+            ],
+            check=True,
+            timeout=1500,
+            cwd=root,
+        )
     finally:
         sleeper.kill()
     return root, before, json.loads((root / "results.json").read_text())
 
 
 def test_the_table_covers_every_command_with_at_least_150_cases():
-    commands = {" ".join(c.argv[:2]) if c.argv[:1] in (["data"], ["lr"], ["runs"], ["cluster"], ["services"])
-                else (c.argv[:1] or ["(none)"])[0] for c in CASES}
+    commands = {
+        " ".join(c.argv[:2])
+        if c.argv[:1] in (["data"], ["lr"], ["runs"], ["cluster"], ["services"])
+        else (c.argv[:1] or ["(none)"])[0]
+        for c in CASES
+    }
     assert len(CASES) >= 150
-    assert {"data prepare", "data verify", "train", "sweep", "lr plot", "runs list", "runs compare", "plan",
-            "cluster check", "services up", "services down", "services status", "config"} <= commands
+    assert {
+        "data prepare",
+        "data verify",
+        "train",
+        "sweep",
+        "lr plot",
+        "runs list",
+        "runs compare",
+        "plan",
+        "cluster check",
+        "services up",
+        "services down",
+        "services status",
+        "config",
+    } <= commands
 
 
 def _verdict(case, root: Path, before: dict, results: dict) -> dict:
@@ -201,11 +256,16 @@ def _verdict(case, root: Path, before: dict, results: dict) -> dict:
     changed = {p for p, st in after.items() if before[case.id].get(p) != st}
     named = {p for p in changed if re.fullmatch(r"tmp/kiln-error-\w+\.log", p) and str(ws / p) in "".join(errors)}
     written = [out, err, *((ws / p).read_text(errors="replace") for p in named)]
-    return {"result": result, "out": out, "err": err, "errors": errors,
-            "added": sorted(set(after) - set(before[case.id]) - named),
-            "changed": sorted(p for p in changed - named if p in before[case.id]),
-            "removed": sorted(set(before[case.id]) - set(after)),
-            "secrets": [s[:12] for s in [*ENV_SECRETS.values(), *case.secrets] if any(s in t for t in written)]}
+    return {
+        "result": result,
+        "out": out,
+        "err": err,
+        "errors": errors,
+        "added": sorted(set(after) - set(before[case.id]) - named),
+        "changed": sorted(p for p in changed - named if p in before[case.id]),
+        "removed": sorted(set(before[case.id]) - set(after)),
+        "secrets": [s[:12] for s in [*ENV_SECRETS.values(), *case.secrets] if any(s in t for t in written)],
+    }
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
@@ -226,8 +286,18 @@ def test_the_table_s_counts(outcomes):
     """The counts a closing note reports, in one file beside the cases (counts.json): every one
     but the number of cases is zero."""
     root = outcomes[0]
-    counts = dict.fromkeys(["tracebacks", "internal errors", "partial outputs", "secrets", "data destroyed",
-                            "foreign stores changed", "over time or memory"], 0)
+    counts = dict.fromkeys(
+        [
+            "tracebacks",
+            "internal errors",
+            "partial outputs",
+            "secrets",
+            "data destroyed",
+            "foreign stores changed",
+            "over time or memory",
+        ],
+        0,
+    )
     for case in CASES:
         v = _verdict(case, *outcomes)
         counts["tracebacks"] += "Traceback" in v["out"] + v["err"]
@@ -240,7 +310,15 @@ def test_the_table_s_counts(outcomes):
         counts["over time or memory"] += not (r["seconds"] < MAX_SECONDS and r["peak_mb"] < MAX_PEAK_MB)
     slowest = max(CASES, key=lambda c: outcomes[2][c.id]["seconds"])
     largest = max(CASES, key=lambda c: outcomes[2][c.id]["peak_mb"])
-    (root / "counts.json").write_text(json.dumps({"cases": len(CASES), **counts, "slowest": [
-        slowest.id, outcomes[2][slowest.id]["seconds"]], "largest_peak_mb": [largest.id, outcomes[2][largest.id]["peak_mb"]]},
-        indent=2))
+    (root / "counts.json").write_text(
+        json.dumps(
+            {
+                "cases": len(CASES),
+                **counts,
+                "slowest": [slowest.id, outcomes[2][slowest.id]["seconds"]],
+                "largest_peak_mb": [largest.id, outcomes[2][largest.id]["peak_mb"]],
+            },
+            indent=2,
+        )
+    )
     assert counts == dict.fromkeys(counts, 0), counts

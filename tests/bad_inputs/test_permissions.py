@@ -43,11 +43,19 @@ def _skip_unless_reachable(drop: list[str]) -> None:
     """A clone inside a directory only its owner may enter (`mktemp -d`, root's home) holds a
     .venv that `nobody` cannot reach: nothing the test could prepare short of a second
     environment, so it says so and skips."""
-    probe = subprocess.run([*drop, KILN, "--version"], capture_output=True, text=True, timeout=120,
-                           env={"PATH": os.environ["PATH"], "HOME": "/", "LANG": "C.UTF-8"}, cwd="/")
+    probe = subprocess.run(
+        [*drop, KILN, "--version"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PATH": os.environ["PATH"], "HOME": "/", "LANG": "C.UTF-8"},
+        cwd="/",
+    )
     if probe.returncode != 0 and "Permission denied" in probe.stderr:
-        pytest.skip(f"user nobody cannot run {KILN} (a directory above it admits its owner only), "
-                    "so the commands cannot be tried as an ordinary user; clone into a world-readable directory")
+        pytest.skip(
+            f"user nobody cannot run {KILN} (a directory above it admits its owner only), "
+            "so the commands cannot be tried as an ordinary user; clone into a world-readable directory"
+        )
 
 
 def _error_line(out) -> str:
@@ -80,8 +88,9 @@ def test_unreadable_input_directory_and_read_only_output_are_named(unprivileged,
     corpus.chmod(0o755)
 
     # A read-only output is found before any tokenizing, and nothing is left in or beside it.
-    out = run("data", "prepare", "--input", "text.txt", "--output", "ro/ds/deeper", "--tokenizer", "byte",
-              "--seq-len", "8")
+    out = run(
+        "data", "prepare", "--input", "text.txt", "--output", "ro/ds/deeper", "--tokenizer", "byte", "--seq-len", "8"
+    )
     assert out.returncode == 1 and f"cannot write in {ws / 'ro'}" in _error_line(out)
     out = run("lr", "plot", "--out", "ro/lr.png")
     assert out.returncode == 2 and "--out ro/lr.png" in _error_line(out)

@@ -28,16 +28,35 @@ def test_no_command_prints_or_writes_a_planted_secret(tmp_path, corpus):
     ws, home = tmp_path / "ws", tmp_path / "home"
     ws.mkdir()
     home.mkdir()
-    env = {"PATH": os.environ["PATH"], "HOME": str(home), "TMPDIR": str(home), "LANG": "C.UTF-8",
-           "RAY_AUTH_MODE": "token", **ENV_SECRETS}
+    env = {
+        "PATH": os.environ["PATH"],
+        "HOME": str(home),
+        "TMPDIR": str(home),
+        "LANG": "C.UTF-8",
+        "RAY_AUTH_MODE": "token",
+        **ENV_SECRETS,
+    }
     (ws / "c.yaml").write_text(
         "data:\n  path: ds\n  s3_endpoint: http://" + TOKEN_USER + "@127.0.0.1:9\n"
         "logging:\n  tracking_uri: sqlite:///m.db\n  run_name: planted\n"
         "parallel:\n  deepspeed:\n    aws_secret_access_key: " + DS_SECRET + "\n"
-        "train:\n  max_steps: 50\n")
+        "train:\n  max_steps: 50\n"
+    )
     commands = [
-        ["data", "prepare", "--input", corpus[0], "--output", "ds", "--tokenizer", "byte", "--seq-len", "32",
-         "--s3-endpoint", f"http://kiln:{PW}@127.0.0.1:9"],
+        [
+            "data",
+            "prepare",
+            "--input",
+            corpus[0],
+            "--output",
+            "ds",
+            "--tokenizer",
+            "byte",
+            "--seq-len",
+            "32",
+            "--s3-endpoint",
+            f"http://kiln:{PW}@127.0.0.1:9",
+        ],
         ["data", "verify", "ds", "--s3-endpoint", f"http://{TOKEN_USER}@127.0.0.1:9"],
         ["config", "--config", "c.yaml", "--set", f"logging.tracking_uri=http://kiln:{PW}@127.0.0.1:9"],
         ["plan", "--config", "c.yaml", "--set", DS_SET],

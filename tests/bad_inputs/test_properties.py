@@ -17,17 +17,36 @@ from hypothesis import strategies as st
 from kiln.config import RunConfig, load_config
 from kiln.errors import KilnError
 
-SETTINGS = settings(max_examples=150, deadline=None, database=None, derandomize=True,
-                    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+SETTINGS = settings(
+    max_examples=150,
+    deadline=None,
+    database=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 
-scalars = (st.none() | st.booleans() | st.integers(min_value=-(10**30), max_value=10**30)
-           | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=12)
-           | st.sampled_from(["3e-4", "1e400", "-1", "0", "inf", "nan", "", "debug", "adamw", "s3://b/p", "~"]))
-values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner,
-                                                                                           max_size=3), max_leaves=8)
-SECTIONS = {f.name: [g.name for g in dataclasses.fields(f.type if not isinstance(f.type, str)
-                                                         else RunConfig.__dataclass_fields__[f.name].default_factory)]
-            for f in dataclasses.fields(RunConfig)}
+scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(10**30), max_value=10**30)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=12)
+    | st.sampled_from(["3e-4", "1e400", "-1", "0", "inf", "nan", "", "debug", "adamw", "s3://b/p", "~"])
+)
+values = st.recursive(
+    scalars,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=8,
+)
+SECTIONS = {
+    f.name: [
+        g.name
+        for g in dataclasses.fields(
+            f.type if not isinstance(f.type, str) else RunConfig.__dataclass_fields__[f.name].default_factory
+        )
+    ]
+    for f in dataclasses.fields(RunConfig)
+}
 sections = st.sampled_from(sorted(SECTIONS)) | st.text(max_size=8)
 field_names = st.sampled_from(sorted({n for names in SECTIONS.values() for n in names})) | st.text(max_size=8)
 config_trees = st.dictionaries(sections, st.dictionaries(field_names, values, max_size=4) | values, max_size=4)
@@ -58,9 +77,19 @@ def test_any_config_bytes_are_a_config_or_a_kiln_error(tmp_path, raw):
 
 
 @SETTINGS
-@given(overrides=st.lists(st.text(max_size=30) | st.builds("{}={}".format, st.sampled_from(
-    ["optim.lr", "train.max_steps", "parallel.deepspeed", "model", "model.flavour.x", "", "a..b"]), st.text(max_size=10)),
-    max_size=3))
+@given(
+    overrides=st.lists(
+        st.text(max_size=30)
+        | st.builds(
+            "{}={}".format,
+            st.sampled_from(
+                ["optim.lr", "train.max_steps", "parallel.deepspeed", "model", "model.flavour.x", "", "a..b"]
+            ),
+            st.text(max_size=10),
+        ),
+        max_size=3,
+    )
+)
 def test_any_overrides_are_a_config_or_a_kiln_error(overrides):
     _refused_or_valid(load_config, None, overrides)
 
@@ -112,13 +141,24 @@ def test_any_edit_of_a_manifest_is_read_or_refused(dataset_copy, data):
 KINDS = ["choice", "grid", "uniform", "loguniform", "randint"]
 space_entries = st.dictionaries(
     st.sampled_from(["optim.lr", "train.max_steps", "optim.name", "model.dropout", "nope.field"]) | st.text(max_size=8),
-    st.dictionaries(st.sampled_from(KINDS) | st.text(max_size=6), values, min_size=1, max_size=2) | values, max_size=3)
+    st.dictionaries(st.sampled_from(KINDS) | st.text(max_size=6), values, min_size=1, max_size=2) | values,
+    max_size=3,
+)
 sweep_trees = st.fixed_dictionaries(
-    {}, optional={"name": values | st.just("s"), "base": st.just("base.yaml") | values, "space": space_entries | values,
-                  "num_samples": values, "search": st.sampled_from(["random", "grid", "optuna"]) | values,
-                  "scheduler": st.dictionaries(st.sampled_from(["name", "grace_period", "reduction_factor"]), values),
-                  "overrides": st.dictionaries(st.sampled_from(["optim.lr", "train.max_steps"]) | st.text(max_size=6),
-                                               values), "conditional": values, "metric": values, "mode": values})
+    {},
+    optional={
+        "name": values | st.just("s"),
+        "base": st.just("base.yaml") | values,
+        "space": space_entries | values,
+        "num_samples": values,
+        "search": st.sampled_from(["random", "grid", "optuna"]) | values,
+        "scheduler": st.dictionaries(st.sampled_from(["name", "grace_period", "reduction_factor"]), values),
+        "overrides": st.dictionaries(st.sampled_from(["optim.lr", "train.max_steps"]) | st.text(max_size=6), values),
+        "conditional": values,
+        "metric": values,
+        "mode": values,
+    },
+)
 
 
 @SETTINGS

@@ -17,13 +17,38 @@ from hypothesis import strategies as st
 from kiln.cli import main
 
 USER_FILES = {
-    "notes.txt": "mine", "todo.md": "- [ ] ship", ".ssh/id_ed25519": "PRIVATE KEY", "proj/train.py": "print(1)",
-    "proj/data/x.txt": "some text\n" * 20, "proj/lr.png": "\x89PNG not Kiln's", "cfg.yaml": "train:\n  max_steps: 20\n",
-    "hub-model/config.json": '{"model_type": "gpt2"}', "hub-model/model.safetensors": "w",
-    "hub-model/README.md": "# card", "ds/manifest.json": "{}", "ds/notes.md": "keep", "svc/services.json": "[]",
+    "notes.txt": "mine",
+    "todo.md": "- [ ] ship",
+    ".ssh/id_ed25519": "PRIVATE KEY",
+    "proj/train.py": "print(1)",
+    "proj/data/x.txt": "some text\n" * 20,
+    "proj/lr.png": "\x89PNG not Kiln's",
+    "cfg.yaml": "train:\n  max_steps: 20\n",
+    "hub-model/config.json": '{"model_type": "gpt2"}',
+    "hub-model/model.safetensors": "w",
+    "hub-model/README.md": "# card",
+    "ds/manifest.json": "{}",
+    "ds/notes.md": "keep",
+    "svc/services.json": "[]",
 }
-TARGETS = [".", "~", "..", "notes.txt", "proj", "proj/train.py", "proj/lr.png", "cfg.yaml", "hub-model", "ds", "svc",
-           ".ssh", "link", "proj/new-out", "new-out", "new-out/inner"]
+TARGETS = [
+    ".",
+    "~",
+    "..",
+    "notes.txt",
+    "proj",
+    "proj/train.py",
+    "proj/lr.png",
+    "cfg.yaml",
+    "hub-model",
+    "ds",
+    "svc",
+    ".ssh",
+    "link",
+    "proj/new-out",
+    "new-out",
+    "new-out/inner",
+]
 
 
 def _fingerprint(root: Path, skip: set[Path]) -> dict[str, str]:
@@ -45,8 +70,22 @@ def _argv(command: str, target: str, flag: str, model: str, corpus: str) -> list
     if command == "lr":
         return ["lr", "plot", "--out", target, *(["--config", "cfg.yaml"] if flag else [])]
     if command == "prepare":
-        return ["data", "prepare", "--input", corpus, "--output", target, "--tokenizer", "byte", "--seq-len", "16",
-                "--workers", "0", "--if-exists", "overwrite" if flag else "error"]
+        return [
+            "data",
+            "prepare",
+            "--input",
+            corpus,
+            "--output",
+            target,
+            "--tokenizer",
+            "byte",
+            "--seq-len",
+            "16",
+            "--workers",
+            "0",
+            "--if-exists",
+            "overwrite" if flag else "error",
+        ]
     return ["services", command.split("-")[1], "--dir", target]
 
 
@@ -65,12 +104,24 @@ def small_corpus(tmp_path_factory) -> str:
     return str(d)
 
 
-COMMANDS = st.lists(st.tuples(st.sampled_from(["export", "lr", "prepare", "services-down", "services-up"]),
-                              st.sampled_from(TARGETS), st.booleans()), min_size=2, max_size=5)
+COMMANDS = st.lists(
+    st.tuples(
+        st.sampled_from(["export", "lr", "prepare", "services-down", "services-up"]),
+        st.sampled_from(TARGETS),
+        st.booleans(),
+    ),
+    min_size=2,
+    max_size=5,
+)
 
 
-@settings(max_examples=25, deadline=None, database=None, derandomize=True,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=25,
+    deadline=None,
+    database=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
 @given(commands=COMMANDS)
 def test_writes_never_touch_what_kiln_did_not_create(commands, tmp_path_factory, model, small_corpus):
     root = tmp_path_factory.mktemp("user")

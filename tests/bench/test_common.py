@@ -24,4 +24,3 @@ def test_every_topic_has_its_results_file_and_every_file_a_topic():
     assert files == set(TOPICS)
     for topic in TOPICS:
         assert Path(results_file(topic)).read_text().startswith("# ")
-

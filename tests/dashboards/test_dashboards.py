@@ -20,10 +20,32 @@ from build_dashboard import OUT, build, render  # noqa: E402
 
 # Ray's own node series the dashboard uses (checked against a live endpoint in the integration
 # test; the GPU ones appear on GPU nodes only).
-RAY_NODE = {"ray_node_cpu_utilization", "ray_node_gpus_utilization", "ray_node_gram_used",
-            "ray_node_network_receive_speed", "ray_node_network_send_speed"}
-PROMQL_WORDS = {"by", "max", "avg", "sum", "rate", "time", "abs", "and", "or", "quantile_over_time",
-                "avg_over_time", "run", "rank", "Inf", "histogram_quantile", "le", "experiment"}
+RAY_NODE = {
+    "ray_node_cpu_utilization",
+    "ray_node_gpus_utilization",
+    "ray_node_gram_used",
+    "ray_node_network_receive_speed",
+    "ray_node_network_send_speed",
+}
+PROMQL_WORDS = {
+    "by",
+    "max",
+    "avg",
+    "sum",
+    "rate",
+    "time",
+    "abs",
+    "and",
+    "or",
+    "quantile_over_time",
+    "avg_over_time",
+    "run",
+    "rank",
+    "Inf",
+    "histogram_quantile",
+    "le",
+    "experiment",
+}
 
 
 def promtool(*args: str) -> subprocess.CompletedProcess:
@@ -34,8 +56,11 @@ def promtool(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_prometheus_config_and_rules_pass_promtool():
-    for args in (("check", "config", "prometheus.yml"), ("check", "rules", "alerts.yml"),
-                 ("test", "rules", "tests/alerts_test.yml")):
+    for args in (
+        ("check", "config", "prometheus.yml"),
+        ("check", "rules", "alerts.yml"),
+        ("test", "rules", "tests/alerts_test.yml"),
+    ):
         out = promtool(*args)
         assert out.returncode == 0, (args, out.stdout + out.stderr)
 
@@ -77,8 +102,15 @@ def test_dashboard_json_is_generated_and_queries_only_exported_series():
     alerts = yaml.safe_load((DASH / "alerts.yml").read_text())["groups"][0]["rules"]
     assert unknown_metrics(dashboard, alerts) == set()
     titles = {p["title"] for p in dashboard["panels"]}
-    assert {"Loss", "Throughput", "MFU", "Step time breakdown", "Memory per rank", "Data wait share",
-            "Checkpoints"} <= titles
+    assert {
+        "Loss",
+        "Throughput",
+        "MFU",
+        "Step time breakdown",
+        "Memory per rank",
+        "Data wait share",
+        "Checkpoints",
+    } <= titles
     assert dashboard["templating"]["list"][1]["name"] == "run"
     # a panel on a series Kiln does not export is caught
     bad = build()

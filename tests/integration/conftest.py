@@ -36,15 +36,22 @@ def wait_for_port(port: int, timeout: float = 60) -> None:
 def s3_server():
     """moto_server: a real S3-compatible HTTP server on loopback."""
     port = free_port()
-    proc = subprocess.Popen([str(BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [str(BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         wait_for_port(port)
         endpoint = f"http://127.0.0.1:{port}"
         import boto3
 
-        boto3.client("s3", endpoint_url=endpoint, **{k.lower(): v for k, v in S3_ENV.items() if k != "AWS_DEFAULT_REGION"},
-                     region_name="us-east-1").create_bucket(Bucket="kiln-test")
+        boto3.client(
+            "s3",
+            endpoint_url=endpoint,
+            **{k.lower(): v for k, v in S3_ENV.items() if k != "AWS_DEFAULT_REGION"},
+            region_name="us-east-1",
+        ).create_bucket(Bucket="kiln-test")
         yield endpoint
     finally:
         proc.terminate()
@@ -68,9 +75,16 @@ def prometheus(tmp_path_factory):
     (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(cfg))
     port = free_port()
     log = (tmp_path / "prometheus.log").open("w")
-    proc = subprocess.Popen([binary, f"--config.file={tmp_path / 'prometheus.yml'}",
-                             f"--storage.tsdb.path={tmp_path / 'prom-data'}", f"--web.listen-address=127.0.0.1:{port}"],
-                            stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [
+            binary,
+            f"--config.file={tmp_path / 'prometheus.yml'}",
+            f"--storage.tsdb.path={tmp_path / 'prom-data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     try:
         wait_for_port(port)
         yield f"http://127.0.0.1:{port}"
@@ -90,8 +104,9 @@ def ray_cluster(tmp_path_factory):
     gcs_port, dash_port = free_port(), free_port()
     # With RAY_AUTH_MODE=token, `ray start` wants a token to exist; a fresh machine has none.
     # This creates ~/.ray/auth_token only when missing (output captured: it prints the token).
-    subprocess.run([str(BIN / "ray"), "get-auth-token", "--generate"], env=env, capture_output=True,
-                   check=True, timeout=60)
+    subprocess.run(
+        [str(BIN / "ray"), "get-auth-token", "--generate"], env=env, capture_output=True, check=True, timeout=60
+    )
     start_head(gcs_port, dash_port, env, "--num-cpus=4", '--resources={"kiln_head": 1}')
     old = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", *S3_ENV)}
     os.environ.update(RAY_AUTH_MODE="token", **S3_ENV)
@@ -116,10 +131,34 @@ def s3_dataset(s3_server, ray_cluster, corpus, tmp_path_factory):
     """A BPE dataset prepared into the loopback S3 bucket; its s3:// URI."""
     _, _, env = ray_cluster
     out = subprocess.run(
-        [KILN, "data", "prepare", "--input", corpus[0], "--input", corpus[1], "--input", corpus[3],
-         "--output", "s3://kiln-test/stdlib-bpe", "--tokenizer", "bpe", "--vocab-size", "512", "--seq-len", "64",
-         "--shard-tokens", "16384", "--s3-endpoint", s3_server],
-        capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path_factory.mktemp("prep"),
+        [
+            KILN,
+            "data",
+            "prepare",
+            "--input",
+            corpus[0],
+            "--input",
+            corpus[1],
+            "--input",
+            corpus[3],
+            "--output",
+            "s3://kiln-test/stdlib-bpe",
+            "--tokenizer",
+            "bpe",
+            "--vocab-size",
+            "512",
+            "--seq-len",
+            "64",
+            "--shard-tokens",
+            "16384",
+            "--s3-endpoint",
+            s3_server,
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        cwd=tmp_path_factory.mktemp("prep"),
     )
     assert out.returncode == 0, out.stderr[-3000:]
     return "s3://kiln-test/stdlib-bpe"

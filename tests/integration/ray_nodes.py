@@ -19,8 +19,14 @@ BIN = Path(sys.executable).parent
 def node_ports() -> dict[str, int]:
     """Free ports for the per-node daemons, so a second node (or someone else's Ray on the
     same machine) never collides with Ray's fixed defaults."""
-    names = ("--node-manager-port", "--object-manager-port", "--dashboard-agent-listen-port",
-             "--dashboard-agent-grpc-port", "--metrics-export-port", "--runtime-env-agent-port")
+    names = (
+        "--node-manager-port",
+        "--object-manager-port",
+        "--dashboard-agent-listen-port",
+        "--dashboard-agent-grpc-port",
+        "--metrics-export-port",
+        "--runtime-env-agent-port",
+    )
     return {name: free_port() for name in names}
 
 
@@ -28,9 +34,22 @@ def start_head(gcs_port: int, dash_port: int, env: dict, *args: str) -> None:
     """`ray start --head` with token auth (from `env`), its dashboard on loopback for jobs."""
     ports = {**node_ports(), "--ray-client-server-port": free_port()}
     out = subprocess.run(
-        [str(BIN / "ray"), "start", "--head", f"--port={gcs_port}", f"--dashboard-port={dash_port}",
-         "--dashboard-host=127.0.0.1", "--disable-usage-stats", *(f"{k}={v}" for k, v in ports.items()), *args],
-        env=env, capture_output=True, text=True, timeout=180)
+        [
+            str(BIN / "ray"),
+            "start",
+            "--head",
+            f"--port={gcs_port}",
+            f"--dashboard-port={dash_port}",
+            "--dashboard-host=127.0.0.1",
+            "--disable-usage-stats",
+            *(f"{k}={v}" for k, v in ports.items()),
+            *args,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
 
 
@@ -66,5 +85,3 @@ def stop_ray_cluster(gcs_port: int, grace: float = 15) -> None:
         with contextlib.suppress(psutil.Error):
             proc.kill()
     psutil.wait_procs(alive, timeout=grace)
-
-

@@ -33,9 +33,18 @@ def pretrained(tmp_path_factory, corpus):
     tok = BPETokenizer.train(texts, 300)
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(
-        vocab_size=320, hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False, rope_theta=1000.0,
-        bos_token_id=tok.eot_id, eos_token_id=tok.eot_id)
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        rope_theta=1000.0,
+        bos_token_id=tok.eot_id,
+        eos_token_id=tok.eot_id,
+    )
     model = transformers.LlamaForCausalLM(cfg).eval()
     ckpt = tmp / "tiny-llama"
     model.save_pretrained(ckpt)
@@ -46,11 +55,23 @@ def pretrained(tmp_path_factory, corpus):
 
 
 def _config(ckpt, data, tmp, name, *more):
-    return load_config(REPO / "jobs/configs/debug.yaml", [
-        f"model.init_from={ckpt}", f"data.path={data}", "parallel.num_workers=2", "train.max_steps=8",
-        f"train.micro_batch_size={MICRO_BATCH}", "train.eval_every=0", "schedule.warmup_steps=2",
-        f"logging.tracking_uri=sqlite:///{tmp}/mlflow.db", "logging.experiment=finetune", f"logging.run_name={name}",
-        f"train.storage_path={tmp}/runs", *more])
+    return load_config(
+        REPO / "jobs/configs/debug.yaml",
+        [
+            f"model.init_from={ckpt}",
+            f"data.path={data}",
+            "parallel.num_workers=2",
+            "train.max_steps=8",
+            f"train.micro_batch_size={MICRO_BATCH}",
+            "train.eval_every=0",
+            "schedule.warmup_steps=2",
+            f"logging.tracking_uri=sqlite:///{tmp}/mlflow.db",
+            "logging.experiment=finetune",
+            f"logging.run_name={name}",
+            f"train.storage_path={tmp}/runs",
+            *more,
+        ],
+    )
 
 
 def _first_step_loss(model, data) -> float:
@@ -62,8 +83,9 @@ def _first_step_loss(model, data) -> float:
         batch = next(iter(ParquetSource(manifest, rank, 2, MICRO_BATCH).train_batches()))
         with torch.no_grad():
             logits = model(batch[:, :-1]).logits
-        losses.append(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                                        batch[:, 1:].reshape(-1)).item())
+        losses.append(
+            torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1)).item()
+        )
     return sum(losses) / len(losses)
 
 
@@ -74,8 +96,9 @@ def test_finetune_a_pretrained_llama_on_ray_and_export_it(ray_cluster, pretraine
     address, _, _ = ray_cluster
     ckpt, original, data = pretrained
     register = [f"logging.register_as=tiny-llama-{stage}", f"logging.export_to={tmp_path}/final"]
-    summary = train(_config(ckpt, data, tmp_path, f"ft-zero{stage}", f"parallel.zero_stage={stage}", *register),
-                    address=address)
+    summary = train(
+        _config(ckpt, data, tmp_path, f"ft-zero{stage}", f"parallel.zero_stage={stage}", *register), address=address
+    )
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")  # for models:/ URIs
     history = sorted(client.get_metric_history(summary.run_id, "loss/train"), key=lambda m: m.step)
@@ -94,10 +117,15 @@ def test_finetune_a_pretrained_llama_on_ray_and_export_it(ray_cluster, pretraine
         assert (theirs(x).logits - ours(x)[..., :300]).abs().max().item() <= 1e-5
         assert (original(x).logits[..., :300] - ours(x)[..., :300]).abs().max().item() > 1e-3  # it changed
     prompt = [5, 17, 42]
-    mine = generate(ours, [prompt], Sampling(max_new_tokens=16, temperature=0, stop_at_eot=False),
-                    loaded.tokenizer.eot_id, loaded.vocab_size).tokens[0]
+    mine = generate(
+        ours,
+        [prompt],
+        Sampling(max_new_tokens=16, temperature=0, stop_at_eot=False),
+        loaded.tokenizer.eot_id,
+        loaded.vocab_size,
+    ).tokens[0]
     ref = theirs.generate(torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16, do_sample=False)
-    assert mine == ref[0, len(prompt):].tolist()
+    assert mine == ref[0, len(prompt) :].tolist()
     _the_run_logged_and_registered_its_model(client, summary, stage, loaded, ours, tmp_path, data)
 
 
@@ -118,8 +146,9 @@ def _the_run_logged_and_registered_its_model(client, summary, stage, loaded, our
     prompt = "def load(s):"
     text = pyfunc.predict([prompt], params={"temperature": 0.0, "max_new_tokens": 12})[0]
     ids = loaded.tokenizer.encode_batch([prompt])[0].tolist()
-    expected = generate(ours, [ids], Sampling(max_new_tokens=12, temperature=0), loaded.tokenizer.eot_id,
-                        loaded.vocab_size).tokens[0]
+    expected = generate(
+        ours, [ids], Sampling(max_new_tokens=12, temperature=0), loaded.tokenizer.eot_id, loaded.vocab_size
+    ).tokens[0]
     assert text == loaded.tokenizer.decode(expected)
     if stage == 2:
         assert _served_over_http(summary.model, prompt, tmp_path) == text
@@ -140,13 +169,30 @@ def _by_alias_leaving_no_copy(client, summary, pretrained_data, prompt, text, tm
     scratch.mkdir()
     before, tempfile.tempdir = tempfile.tempdir, str(scratch)
     try:
-        result, logged_to = evaluate_model(summary.model, str(pretrained_data), "val", 8, 0, "",
-                                           client.tracking_uri, "")
+        result, logged_to = evaluate_model(
+            summary.model, str(pretrained_data), "val", 8, 0, "", client.tracking_uri, ""
+        )
         client.set_registered_model_alias("tiny-llama-2", "champion", "1")
         printed = io.StringIO()
         with contextlib.redirect_stdout(printed):
-            assert main(["generate", "--model", "models:/tiny-llama-2@champion", "--prompt", prompt, "--temperature",
-                         "0", "--max-new-tokens", "12", "--tracking-uri", client.tracking_uri]) == 0
+            assert (
+                main(
+                    [
+                        "generate",
+                        "--model",
+                        "models:/tiny-llama-2@champion",
+                        "--prompt",
+                        prompt,
+                        "--temperature",
+                        "0",
+                        "--max-new-tokens",
+                        "12",
+                        "--tracking-uri",
+                        client.tracking_uri,
+                    ]
+                )
+                == 0
+            )
     finally:
         tempfile.tempdir = before
     assert text in printed.getvalue(), printed.getvalue()
@@ -173,16 +219,33 @@ def _served_over_http(model_uri: str, prompt: str, tmp: Path) -> str:
     env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")  # as in an activated venv
     server_log = tmp / "serve.log"
     with open(server_log, "w") as out:
-        server = subprocess.Popen([mlflow_cli, "models", "serve", "-m", model_uri, "--env-manager", "local",
-                                   "-h", "127.0.0.1", "-p", str(port)], env=env,
-                                  stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        server = subprocess.Popen(
+            [
+                mlflow_cli,
+                "models",
+                "serve",
+                "-m",
+                model_uri,
+                "--env-manager",
+                "local",
+                "-h",
+                "127.0.0.1",
+                "-p",
+                str(port),
+            ],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
         body = json.dumps({"inputs": [prompt], "params": {"temperature": 0.0, "max_new_tokens": 12}}).encode()
         deadline = time.time() + 180
         while True:
             try:
-                request = urllib.request.Request(f"http://127.0.0.1:{port}/invocations", data=body,
-                                                 headers={"Content-Type": "application/json"})
+                request = urllib.request.Request(
+                    f"http://127.0.0.1:{port}/invocations", data=body, headers={"Content-Type": "application/json"}
+                )
                 with urllib.request.urlopen(request, timeout=30) as response:
                     return json.loads(response.read())["predictions"][0]
             except OSError as e:
@@ -220,8 +283,16 @@ def test_init_from_and_export_to_s3(pretrained, s3_server, tmp_path, monkeypatch
     prefix = resolve("s3://kiln-test/models/tiny-llama", s3_server)
     for f in ckpt.iterdir():
         prefix.join(f.name).write_bytes(f.read_bytes())
-    checked = preflight(_config("s3://kiln-test/models/tiny-llama", data, tmp_path, "from-s3",
-                                "parallel.zero_stage=2", f"data.s3_endpoint={s3_server}"))
+    checked = preflight(
+        _config(
+            "s3://kiln-test/models/tiny-llama",
+            data,
+            tmp_path,
+            "from-s3",
+            "parallel.zero_stage=2",
+            f"data.s3_endpoint={s3_server}",
+        )
+    )
     model = build_model(checked.cfg, checked.model, {}, torch.device("cpu")).eval()
     x = torch.randint(0, 300, (2, 20))
     with torch.no_grad():
@@ -236,6 +307,8 @@ def test_init_from_and_export_to_s3(pretrained, s3_server, tmp_path, monkeypatch
         export(str(ckpt), "s3://kiln-test", s3_endpoint=s3_server, overwrite=True)
     from kiln.hf_checkpoint import local_copy
 
-    back = transformers.AutoModelForCausalLM.from_pretrained(local_copy("s3://kiln-test/exports/tiny", s3_server)).eval()
+    back = transformers.AutoModelForCausalLM.from_pretrained(
+        local_copy("s3://kiln-test/exports/tiny", s3_server)
+    ).eval()
     with torch.no_grad():
         assert (back(x).logits - original(x).logits).abs().max().item() <= 1e-5

@@ -29,12 +29,42 @@ def _names(procs: list[psutil.Process]) -> set[str]:
 
 def _submit(dashboard: str, env: dict, byte_dataset: Path) -> str:
     """The README's job, with the default storage path and MLflow store; its output."""
-    cmd = [str(BIN / "ray"), "job", "submit", "--address", dashboard, "--runtime-env", "jobs/runtime_env.yaml", "--",
-           sys.executable, "jobs/pretrain.py", "--config", "jobs/configs/debug.yaml",
-           "--set", f"data.path={byte_dataset}", "--set", "parallel.num_workers=1", "--set", "parallel.zero_stage=0",
-           "--set", "train.max_steps=4", "--set", "train.checkpoint_every=2", "--set", "train.eval_every=0",
-           "--set", "train.eval_batches=1", "--set", "train.micro_batch_size=4", "--set", "schedule.warmup_steps=1",
-           "--set", "logging.experiment=job-paths", "--set", "logging.run_name=durable"]
+    cmd = [
+        str(BIN / "ray"),
+        "job",
+        "submit",
+        "--address",
+        dashboard,
+        "--runtime-env",
+        "jobs/runtime_env.yaml",
+        "--",
+        sys.executable,
+        "jobs/pretrain.py",
+        "--config",
+        "jobs/configs/debug.yaml",
+        "--set",
+        f"data.path={byte_dataset}",
+        "--set",
+        "parallel.num_workers=1",
+        "--set",
+        "parallel.zero_stage=0",
+        "--set",
+        "train.max_steps=4",
+        "--set",
+        "train.checkpoint_every=2",
+        "--set",
+        "train.eval_every=0",
+        "--set",
+        "train.eval_batches=1",
+        "--set",
+        "train.micro_batch_size=4",
+        "--set",
+        "schedule.warmup_steps=1",
+        "--set",
+        "logging.experiment=job-paths",
+        "--set",
+        "logging.run_name=durable",
+    ]
     out = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     return out.stdout + out.stderr

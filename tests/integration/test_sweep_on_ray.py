@@ -33,9 +33,15 @@ def test_asha_sweep_four_trials_parent_and_children_in_mlflow(ray_cluster, byte_
         "name": "it-sweep",
         "base": str(REPO / "jobs/configs/debug.yaml"),
         "overrides": {
-            "data.path": str(byte_dataset), "train.max_steps": MAX_STEPS, "train.eval_every": 5,
-            "train.eval_batches": 2, "train.micro_batch_size": 8, "schedule.warmup_steps": 2,
-            "logging.tracking_uri": db, "logging.experiment": "sweep-it", "logging.progress_every": 10,
+            "data.path": str(byte_dataset),
+            "train.max_steps": MAX_STEPS,
+            "train.eval_every": 5,
+            "train.eval_batches": 2,
+            "train.micro_batch_size": 8,
+            "schedule.warmup_steps": 2,
+            "logging.tracking_uri": db,
+            "logging.experiment": "sweep-it",
+            "logging.progress_every": 10,
         },
         # adamw/cosine first (the grid's first point), then sgd/cosine: SGD at lr 0.01 trails
         # everything, so ASHA has something to stop.
@@ -56,8 +62,14 @@ def test_asha_sweep_four_trials_parent_and_children_in_mlflow(ray_cluster, byte_
     out = tmp_path / "summary.json"
     # Ctrl-C once the third trial has started (two ran, one or two are running).
     log = (tmp_path / "first.log").open("w")
-    first = subprocess.Popen([KILN, "sweep", "--config", str(path), "--address", address], stdout=log,
-                             stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path)
+    first = subprocess.Popen(
+        [KILN, "sweep", "--config", str(path), "--address", address],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+    )
     deadline = time.time() + 900
     while len(_trial_runs(db)) < 3 and first.poll() is None:  # the third trial's MLflow run exists
         assert time.time() < deadline, "the third trial never started"
@@ -66,9 +78,25 @@ def test_asha_sweep_four_trials_parent_and_children_in_mlflow(ray_cluster, byte_
     assert first.wait(timeout=300) == 130  # interrupted by its user
     said = (tmp_path / "first.log").read_text()
     assert "kiln: error: sweep 'it-sweep' interrupted" in said and "kiln sweep --resume it-sweep" in said, said[-3000:]
-    proc = subprocess.run([KILN, "sweep", "--resume", "it-sweep", "--storage-path", str(tmp_path / "sweeps"),
-                           "--address", address, "--summary-json", str(out)],
-                          capture_output=True, text=True, env=env, timeout=1200, cwd=tmp_path)
+    proc = subprocess.run(
+        [
+            KILN,
+            "sweep",
+            "--resume",
+            "it-sweep",
+            "--storage-path",
+            str(tmp_path / "sweeps"),
+            "--address",
+            address,
+            "--summary-json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=1200,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     summary = json.loads(out.read_text())
     trials = summary["trials"]
@@ -119,9 +147,25 @@ def test_asha_sweep_four_trials_parent_and_children_in_mlflow(ray_cluster, byte_
     assert [a.path for a in client.list_artifacts(children[0].info.run_id, "schedule")] == ["schedule/lr.png"]
 
     # `kiln runs compare` lists the trials in metric order.
-    cmp = subprocess.run([KILN, "runs", "compare", "--experiment", "sweep-it", "--sweep", "it-sweep",
-                          "--tracking-uri", db, "--sort", "loss/val"], capture_output=True, text=True, timeout=120,
-                         env=env)
+    cmp = subprocess.run(
+        [
+            KILN,
+            "runs",
+            "compare",
+            "--experiment",
+            "sweep-it",
+            "--sweep",
+            "it-sweep",
+            "--tracking-uri",
+            db,
+            "--sort",
+            "loss/val",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert cmp.returncode == 0, cmp.stderr
     lines = cmp.stdout.strip().splitlines()[2:]
     listed = [line.split()[1] for line in lines]  # the run-id column (12 chars)
@@ -157,22 +201,38 @@ def test_pbt_exploits_by_forking_another_trials_checkpoint(byte_dataset, tmp_pat
     db = f"sqlite:///{tmp_path}/mlflow.db"
     lrs = [1e-4, 3e-4, 1e-3, 3e-3]
     sweep = {
-        "name": "it-pbt", "base": str(REPO / "jobs/configs/debug.yaml"),
+        "name": "it-pbt",
+        "base": str(REPO / "jobs/configs/debug.yaml"),
         "overrides": {
-            "data.path": str(byte_dataset), "train.max_steps": PBT_STEPS, "train.eval_every": 6,
-            "train.checkpoint_every": 6, "train.eval_batches": 2, "train.micro_batch_size": 8,
-            "schedule.warmup_steps": 2, "logging.tracking_uri": db, "logging.experiment": "pbt-it",
+            "data.path": str(byte_dataset),
+            "train.max_steps": PBT_STEPS,
+            "train.eval_every": 6,
+            "train.checkpoint_every": 6,
+            "train.eval_batches": 2,
+            "train.micro_batch_size": 8,
+            "schedule.warmup_steps": 2,
+            "logging.tracking_uri": db,
+            "logging.experiment": "pbt-it",
         },
-        "space": {"optim.lr": {"grid": lrs}}, "search": "grid", "scheduler": {"name": "pbt"},
-        "max_concurrent_trials": 4, "resources_per_trial": {"num_workers": 1, "cpus_per_worker": 0.5},
+        "space": {"optim.lr": {"grid": lrs}},
+        "search": "grid",
+        "scheduler": {"name": "pbt"},
+        "max_concurrent_trials": 4,
+        "resources_per_trial": {"num_workers": 1, "cpus_per_worker": 0.5},
         "storage_path": str(tmp_path / "sweeps"),
     }
     path = tmp_path / "sweep.yaml"
     path.write_text(yaml.safe_dump(sweep))
     out = tmp_path / "summary.json"
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS")}
-    proc = subprocess.run([KILN, "sweep", "--config", str(path), "--summary-json", str(out)], capture_output=True,
-                          text=True, env=env, timeout=1100, cwd=tmp_path)
+    proc = subprocess.run(
+        [KILN, "sweep", "--config", str(path), "--summary-json", str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=1100,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     summary = json.loads(out.read_text())
     assert summary["exploits"] >= 1 and "PBT: " in proc.stdout, summary
@@ -203,7 +263,11 @@ def test_pbt_exploits_by_forking_another_trials_checkpoint(byte_dataset, tmp_pat
     assert exploits == summary["exploits"]
     # Each trial's earlier segments end where it went on, naming the run it went on in.
     for r in runs.values():
-        later = [s for s in runs.values() if s.data.tags.get("kiln.sweep.trial_id") == r.data.tags.get(
-            "kiln.sweep.trial_id") and s.info.start_time > r.info.start_time]
+        later = [
+            s
+            for s in runs.values()
+            if s.data.tags.get("kiln.sweep.trial_id") == r.data.tags.get("kiln.sweep.trial_id")
+            and s.info.start_time > r.info.start_time
+        ]
         if r.data.tags.get("kiln.sweep.trial_id") and later:
             assert r.data.tags["kiln.sweep.continued_in"].split()[0] in {s.info.run_id for s in later}

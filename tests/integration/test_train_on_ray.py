@@ -45,16 +45,27 @@ def _zero2_config(s3_dataset: str, s3_server: str, tmp: Path, run_name: str, *mo
 
 def _zero2_overrides(s3_dataset: str, s3_server: str, tmp: Path, run_name: str, *more: str) -> list[str]:
     return [
-        f"data.path={s3_dataset}", f"data.s3_endpoint={s3_server}",
-        "train.max_steps=40", "train.eval_every=20", "schedule.warmup_steps=5", "train.micro_batch_size=8",
-        f"logging.tracking_uri=sqlite:///{tmp}/mlflow.db", "logging.experiment=integration",
-        f"logging.run_name={run_name}", f"train.storage_path={tmp}/runs", "train.checkpoint_every=20",
+        f"data.path={s3_dataset}",
+        f"data.s3_endpoint={s3_server}",
+        "train.max_steps=40",
+        "train.eval_every=20",
+        "schedule.warmup_steps=5",
+        "train.micro_batch_size=8",
+        f"logging.tracking_uri=sqlite:///{tmp}/mlflow.db",
+        "logging.experiment=integration",
+        f"logging.run_name={run_name}",
+        f"train.storage_path={tmp}/runs",
+        "train.checkpoint_every=20",
         "train.keep_checkpoints=1",
-        "train.profile.start_step=10", "train.profile.steps=2", "train.profile.ranks=all",
+        "train.profile.start_step=10",
+        "train.profile.steps=2",
+        "train.profile.ranks=all",
         # the health guard under Ray: a NaN in rank 0's loss at step 15 is left out on both ranks
-        "train.health.policy=skip", "train.health.inject=nan@15",
+        "train.health.policy=skip",
+        "train.health.inject=nan@15",
         # dropout: a resumed run must restore each rank's RNG to match the uninterrupted one
-        "model.dropout=0.1", *more,
+        "model.dropout=0.1",
+        *more,
     ]
 
 
@@ -103,8 +114,13 @@ def test_zero2_two_workers_from_s3_to_mlflow(zero2, prometheus, s3_dataset):
     assert run.data.params["data.path"] == s3_dataset
     assert run.data.params["model.vocab_size"] == "512" and run.data.params["model.seq_len"] == "64"
     assert run.data.tags["kiln.num_workers"] == "2" and run.data.tags["kiln.version"]
-    assert run.data.tags["kiln.health.1"] == "step 15: skipped the step's 1 micro-batch(es): loss is not finite on 1 of 2 rank(s)"
-    assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "health/skipped_batches")] == [(15, 1.0)]
+    assert (
+        run.data.tags["kiln.health.1"]
+        == "step 15: skipped the step's 1 micro-batch(es): loss is not finite on 1 of 2 rank(s)"
+    )
+    assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "health/skipped_batches")] == [
+        (15, 1.0)
+    ]
     # metric history: one point per step, and the loss falls
     hist = sorted(client.get_metric_history(run.info.run_id, "loss/train"), key=lambda m: m.step)
     assert [m.step for m in hist] == list(range(1, 41))
@@ -117,16 +133,21 @@ def test_zero2_two_workers_from_s3_to_mlflow(zero2, prometheus, s3_dataset):
     assert any(k.startswith("system/") for k in run.data.metrics), sorted(run.data.metrics)  # MLflow system metrics
     # artifacts: the resolved config and the data manifest
     arts = {a.path for a in client.list_artifacts(run.info.run_id)} | {
-        a.path for a in client.list_artifacts(run.info.run_id, "data")}
+        a.path for a in client.list_artifacts(run.info.run_id, "data")
+    }
     assert {"config.yaml", "data/manifest.json"} <= arts
     # the profiling window of both ranks, and the end-of-run plots
     profile = {a.path for a in client.list_artifacts(run.info.run_id, "profile")}
     assert {f"profile/{f}_rank{r}.{x}" for r in (0, 1) for f, x in (("trace", "json"), ("top_ops", "txt"))} <= profile
-    trace = json.loads(Path(client.download_artifacts(run.info.run_id, "profile/trace_rank0.json", str(tmp_path))).read_text())
+    trace = json.loads(
+        Path(client.download_artifacts(run.info.run_id, "profile/trace_rank0.json", str(tmp_path))).read_text()
+    )
     assert any(str(e.get("name", "")).startswith("aten::") for e in trace["traceEvents"])
     plots = {a.path for a in client.list_artifacts(run.info.run_id, "plots")}
     assert plots == {f"plots/{n}.png" for n in ("loss", "lr", "throughput", "step_time")}
-    manifest = json.loads(Path(client.download_artifacts(run.info.run_id, "data/manifest.json", str(tmp_path))).read_text())
+    manifest = json.loads(
+        Path(client.download_artifacts(run.info.run_id, "data/manifest.json", str(tmp_path))).read_text()
+    )
     assert manifest["tokenizer"]["vocab_size"] == 512
     # the DeepSpeed checkpoint went through ray.train.report into storage_path, from both ranks
     ckpt = Path(summary.checkpoint)
@@ -134,15 +155,18 @@ def test_zero2_two_workers_from_s3_to_mlflow(zero2, prometheus, s3_dataset):
     # keep_checkpoints=1: Ray Train deleted step 20's once step 40's was registered
     assert [p for p in ckpt.parent.iterdir() if p.is_dir() and p.name.startswith("checkpoint_")] == [ckpt]
     files = {p.name for p in ckpt.rglob("*") if p.is_file()}
-    assert "latest" in files and {"zero_pp_rank_0_mp_rank_00_optim_states.pt",
-                                  "zero_pp_rank_1_mp_rank_00_optim_states.pt"} <= files
+    assert (
+        "latest" in files
+        and {"zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"} <= files
+    )
     # the summary a user sees
     text = summary.render()
     assert "unigram entropy" in text and "bits/token" in text and summary.run_id in text
 
 
-def test_a_tensor_parallel_run_survives_a_dead_worker_and_a_dead_driver(ray_cluster, s3_server, s3_dataset,
-                                                                         checkpoint_tensors, tmp_path):
+def test_a_tensor_parallel_run_survives_a_dead_worker_and_a_dead_driver(
+    ray_cluster, s3_server, s3_dataset, checkpoint_tensors, tmp_path
+):
     """TP=2 on 2 Ray workers (one replica; both read the same rows), with dropout, checkpoints on
     S3. `kiln train` is submitted; after the step-10 checkpoint one worker is SIGKILLed and Ray
     Train restarts the group from it; after the step-20 checkpoint the driver itself is
@@ -155,17 +179,37 @@ def test_a_tensor_parallel_run_survives_a_dead_worker_and_a_dead_driver(ray_clus
     import torch
 
     address, _, env = ray_cluster
-    tp = ["parallel.tensor_parallel=2", "parallel.zero_stage=1", "train.max_steps=30", "train.checkpoint_every=10",
-          "train.eval_every=10", "train.profile.start_step=0", "train.health.inject=", "train.max_failures=1"]
+    tp = [
+        "parallel.tensor_parallel=2",
+        "parallel.zero_stage=1",
+        "train.max_steps=30",
+        "train.checkpoint_every=10",
+        "train.eval_every=10",
+        "train.profile.start_step=0",
+        "train.health.inject=",
+        "train.max_failures=1",
+    ]
     whole = train(_zero2_config(s3_dataset, s3_server, tmp_path, "tp-whole", *tp), address=address)
     storage = f"s3://kiln-test/resume-{uuid.uuid4().hex[:8]}"
     named = _zero2_overrides(s3_dataset, s3_server, tmp_path, "tp-named", *tp, f"train.storage_path={storage}")
     copies = set(glob.glob(os.path.join(tempfile.gettempdir(), "kiln-ckpt-*")))  # workers' local checkpoints
     before = {p.pid for p in _train_workers()}
     with (tmp_path / "first.log").open("w") as out:
-        first = subprocess.Popen([KILN, "train", "--config", str(REPO / "jobs/configs/debug.yaml"), "--address", address,
-                                  *[a for o in named for a in ("--set", o)]],
-                                 env=env, stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path)
+        first = subprocess.Popen(
+            [
+                KILN,
+                "train",
+                "--config",
+                str(REPO / "jobs/configs/debug.yaml"),
+                "--address",
+                address,
+                *[a for o in named for a in ("--set", o)],
+            ],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=tmp_path,
+        )
         try:
             snapshot = resolve(f"{storage}/tp-named/checkpoint_manager_snapshot.json", s3_server)
             _wait_for_checkpoint(snapshot, 10, first)
@@ -201,13 +245,24 @@ def test_a_tensor_parallel_run_survives_a_dead_worker_and_a_dead_driver(ray_clus
     differ = [k for k in a if not torch.equal(a[k], b[k])]
     assert not differ, differ[:10]
 
-    with pytest.raises(ConfigError, match=r"logging.run_name = 'tp-named': that run already trained to step 30 "
-                                          r"\(train.max_steps = 30\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"logging.run_name = 'tp-named': that run already trained to step 30 "
+        r"\(train.max_steps = 30\)",
+    ):
         train(load_config(REPO / "jobs/configs/debug.yaml", named), address=address)
-    with pytest.raises(ConfigError, match=r"'tp-named' has checkpoints in s3://kiln-test/resume-\w+/tp-named "
-                                          r"already, .*train.resume_from starts a new run"):
-        train(load_config(REPO / "jobs/configs/debug.yaml", [*named, "train.max_steps=40",
-                                                              f"train.resume_from={whole.checkpoint}"]), address=address)
+    with pytest.raises(
+        ConfigError,
+        match=r"'tp-named' has checkpoints in s3://kiln-test/resume-\w+/tp-named "
+        r"already, .*train.resume_from starts a new run",
+    ):
+        train(
+            load_config(
+                REPO / "jobs/configs/debug.yaml",
+                [*named, "train.max_steps=40", f"train.resume_from={whole.checkpoint}"],
+            ),
+            address=address,
+        )
 
 
 def _wait_for_checkpoint(snapshot, step: int, driver: subprocess.Popen) -> None:
@@ -243,21 +298,39 @@ def test_pipeline_two_replicas_by_two_stages_on_ray(ray_cluster, s3_server, s3_d
     twice, under two names) by Ray Data read tasks."""
     address, _, _ = ray_cluster
     db = f"sqlite:///{tmp_path}/mlflow.db"
-    cfg = load_config(REPO / "jobs/configs/debug.yaml", [
-        f"data.mix=[{{path: {s3_dataset}, name: a}}, {{path: {s3_dataset}, name: b, weight: 3}}]",
-        "data.reshuffle=true", f"data.s3_endpoint={s3_server}", "parallel.num_workers=4",
-        "parallel.zero_stage=1", "parallel.pipeline_stages=2", "parallel.micro_batches=2", "data.read_task_cpus=0",
-        "train.max_steps=30", "train.eval_every=0", "train.eval_batches=2", "schedule.warmup_steps=5",
-        "train.micro_batch_size=4", f"logging.tracking_uri={db}", "logging.experiment=integration",
-        "logging.run_name=pp2-dp2", f"train.storage_path={tmp_path}/runs",
-        "train.checkpoint_every=10", "train.health.policy=rollback", "train.health.inject=nan@14",
-    ])
+    cfg = load_config(
+        REPO / "jobs/configs/debug.yaml",
+        [
+            f"data.mix=[{{path: {s3_dataset}, name: a}}, {{path: {s3_dataset}, name: b, weight: 3}}]",
+            "data.reshuffle=true",
+            f"data.s3_endpoint={s3_server}",
+            "parallel.num_workers=4",
+            "parallel.zero_stage=1",
+            "parallel.pipeline_stages=2",
+            "parallel.micro_batches=2",
+            "data.read_task_cpus=0",
+            "train.max_steps=30",
+            "train.eval_every=0",
+            "train.eval_batches=2",
+            "schedule.warmup_steps=5",
+            "train.micro_batch_size=4",
+            f"logging.tracking_uri={db}",
+            "logging.experiment=integration",
+            "logging.run_name=pp2-dp2",
+            f"train.storage_path={tmp_path}/runs",
+            "train.checkpoint_every=10",
+            "train.health.policy=rollback",
+            "train.health.inject=nan@14",
+        ],
+    )
     summary = train(cfg, address=address)
     client = MlflowClient(db)
     run = client.get_run(summary.run_id)
     assert run.info.status == "FINISHED" and run.data.params["parallel.pipeline_stages"] == "2"
     event = run.data.tags["kiln.health.1"]
-    assert event.startswith("step 14: rolled back to checkpoint_") and "skipping the data of steps 11-14" in event, event
+    assert event.startswith("step 14: rolled back to checkpoint_") and "skipping the data of steps 11-14" in event, (
+        event
+    )
     rollbacks = client.get_metric_history(run.info.run_id, "health/rollbacks")
     assert [(m.step, m.value) for m in rollbacks] == [(14, 1.0)], rollbacks
     hist = sorted(client.get_metric_history(run.info.run_id, "loss/train"), key=lambda m: m.step)
@@ -284,8 +357,12 @@ def test_runs_compare_lists_runs_in_metric_order(tmp_path):
         rid = client.create_run(exp, run_name=name).info.run_id
         client.log_metric(rid, "loss/val", val, step=1)
     del mlflow
-    out = subprocess.run([KILN, "runs", "compare", "--experiment", "cmp", "--tracking-uri", db, "--sort", "loss/val"],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [KILN, "runs", "compare", "--experiment", "cmp", "--tracking-uri", db, "--sort", "loss/val"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     names = [line.split()[0] for line in out.stdout.splitlines()[2:]]
     assert names == ["a", "b", "c"]

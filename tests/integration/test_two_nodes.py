@@ -54,15 +54,28 @@ class SecondNode:
         ports = node_ports()
         self.manager_port = ports["--node-manager-port"]
         out = subprocess.run(
-            [str(BIN / "ray"), "start", f"--address={self.gcs_address}", "--num-cpus=3",
-             f"--resources={json.dumps({LABEL: 1})}", "--disable-usage-stats",
-             *(f"{k}={v}" for k, v in ports.items())],
-            env=self.env, capture_output=True, text=True, timeout=180)
+            [
+                str(BIN / "ray"),
+                "start",
+                f"--address={self.gcs_address}",
+                "--num-cpus=3",
+                f"--resources={json.dumps({LABEL: 1})}",
+                "--disable-usage-stats",
+                *(f"{k}={v}" for k, v in ports.items()),
+            ],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
         assert out.returncode == 0, out.stdout + out.stderr
 
     def raylet(self) -> psutil.Process:
-        found = [p for p in psutil.process_iter(["cmdline"])
-                 if f"--node_manager_port={self.manager_port}" in " ".join(p.info["cmdline"] or [])]
+        found = [
+            p
+            for p in psutil.process_iter(["cmdline"])
+            if f"--node_manager_port={self.manager_port}" in " ".join(p.info["cmdline"] or [])
+        ]
         assert len(found) == 1, f"expected one raylet on port {self.manager_port}, found {len(found)}"
         return found[0]
 
@@ -77,20 +90,33 @@ class SecondNode:
 
 
 def _s3(endpoint: str):
-    return boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
-                        aws_access_key_id="testing", aws_secret_access_key="testing")  # conftest's S3_ENV
+    return boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        region_name="us-east-1",
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+    )  # conftest's S3_ENV
 
 
 def _keys(endpoint: str, prefix: str) -> list[str]:
     s3 = _s3(endpoint)
-    return [o["Key"] for page in s3.get_paginator("list_objects_v2").paginate(Bucket="kiln-test", Prefix=prefix)
-            for o in page.get("Contents", [])]
+    return [
+        o["Key"]
+        for page in s3.get_paginator("list_objects_v2").paginate(Bucket="kiln-test", Prefix=prefix)
+        for o in page.get("Contents", [])
+    ]
 
 
 def _checkpoints(endpoint: str) -> list[str]:
     # directories only: Ray also keeps checkpoint_manager_snapshot.json beside them
-    return sorted({k[len(PREFIX):].split("/")[0] for k in _keys(endpoint, PREFIX)
-                   if k[len(PREFIX):].startswith("checkpoint_") and "/" in k[len(PREFIX):]})
+    return sorted(
+        {
+            k[len(PREFIX) :].split("/")[0]
+            for k in _keys(endpoint, PREFIX)
+            if k[len(PREFIX) :].startswith("checkpoint_") and "/" in k[len(PREFIX) :]
+        }
+    )
 
 
 def _wait_for_a_registered_checkpoint(endpoint: str, job: subprocess.Popen, log: Path, ranks: int) -> None:
@@ -105,20 +131,22 @@ def _wait_for_a_registered_checkpoint(endpoint: str, job: subprocess.Popen, log:
         with contextlib.suppress(s3.exceptions.NoSuchKey):
             body = s3.get_object(Bucket="kiln-test", Key=f"{PREFIX}checkpoint_manager_snapshot.json")["Body"].read()
             names = set(re.findall(rb"checkpoint_[0-9_.-]+", body))
-            if any(f"{PREFIX}{n.decode()}/kiln_complete.rank{ranks - 1}.json" in _keys(endpoint, PREFIX + n.decode())
-                   for n in names):
+            if any(
+                f"{PREFIX}{n.decode()}/kiln_complete.rank{ranks - 1}.json" in _keys(endpoint, PREFIX + n.decode())
+                for n in names
+            ):
                 return
         time.sleep(0.5)
 
 
 def _services(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kiln.cli", "services", *map(str, args)],
-                          capture_output=True, text=True, timeout=180)
+    return subprocess.run(
+        [sys.executable, "-m", "kiln.cli", "services", *map(str, args)], capture_output=True, text=True, timeout=180
+    )
 
 
 @pytest.mark.timeout(1500)
-def test_an_elastic_job_grows_onto_a_new_node_and_shrinks_when_it_dies(ray_cluster, s3_server, s3_dataset,
-                                                                        tmp_path):
+def test_an_elastic_job_grows_onto_a_new_node_and_shrinks_when_it_dies(ray_cluster, s3_server, s3_dataset, tmp_path):
     """The MLflow server is the team's `kiln services up`, checked on the way."""
     gcs, dashboard, env = ray_cluster
     root, port = tmp_path / "services", free_port()
@@ -152,8 +180,11 @@ def _check_each_row_once_an_epoch(indices: Path, endpoint: str) -> None:
     assert sorted(steps) == list(range(1, STEPS + 1)) and {len(v) for v in steps.values()} == {16}
     s3 = _s3(endpoint)
     manifest = json.loads(s3.get_object(Bucket="kiln-test", Key="stdlib-bpe/manifest.json")["Body"].read())
-    rows = {i for shard in manifest["splits"]["train"]["shards"]
-            for i in range(shard["first_id"], shard["first_id"] + shard["rows"])}
+    rows = {
+        i
+        for shard in manifest["splits"]["train"]["shards"]
+        for i in range(shard["first_id"], shard["first_id"] + shard["rows"])
+    }
     epochs: dict[int, list[int]] = {}
     for step in sorted(steps):
         for epoch, sample in steps[step]:
@@ -169,14 +200,47 @@ def _check_final_loss_against_a_fixed_run(env, s3_server, s3_dataset, mlflow_url
     """The same run on one worker all along (its 2 micro-batches a step make the elastic run's
     16 rows): on the same tokens, the elastic run ends within step-to-step noise of it."""
     fixed = subprocess.run(
-        [sys.executable, "-m", "kiln.launch.local", "--config", "jobs/configs/debug.yaml",
-         "--set", f"data.path={s3_dataset}", "--set", f"data.s3_endpoint={s3_server}",
-         "--set", "parallel.num_workers=1", "--set", "parallel.zero_stage=2", "--set", "train.grad_accum_steps=2",
-         "--set", f"train.max_steps={STEPS}", "--set", "train.eval_every=0", "--set", "train.eval_batches=2",
-         "--set", "train.micro_batch_size=8", "--set", "schedule.warmup_steps=2",
-         "--set", f"train.storage_path={tmp_path / 'fixed'}", "--set", f"logging.tracking_uri={mlflow_url}",
-         "--set", "logging.experiment=two-nodes-fixed", "--set", "logging.run_name=fixed"],
-        env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            "-m",
+            "kiln.launch.local",
+            "--config",
+            "jobs/configs/debug.yaml",
+            "--set",
+            f"data.path={s3_dataset}",
+            "--set",
+            f"data.s3_endpoint={s3_server}",
+            "--set",
+            "parallel.num_workers=1",
+            "--set",
+            "parallel.zero_stage=2",
+            "--set",
+            "train.grad_accum_steps=2",
+            "--set",
+            f"train.max_steps={STEPS}",
+            "--set",
+            "train.eval_every=0",
+            "--set",
+            "train.eval_batches=2",
+            "--set",
+            "train.micro_batch_size=8",
+            "--set",
+            "schedule.warmup_steps=2",
+            "--set",
+            f"train.storage_path={tmp_path / 'fixed'}",
+            "--set",
+            f"logging.tracking_uri={mlflow_url}",
+            "--set",
+            "logging.experiment=two-nodes-fixed",
+            "--set",
+            "logging.run_name=fixed",
+        ],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert fixed.returncode == 0, fixed.stderr[-4000:]
     client = MlflowClient(mlflow_url)
 
@@ -213,27 +277,67 @@ def _edited_checkout(tmp_path: Path) -> tuple[Path, str]:
     shutil.copytree(REPO, copy, ignore=lambda d, names: [n for n in names if Path(d) == REPO and n in local])
     token = f"edited-{uuid.uuid4().hex[:8]}"
     trainer = copy / "platform/kiln/ray/trainer.py"
-    installed = 'logging.getLogger("kiln.train").info("rank %d of %d on node %s"'
-    assert installed in trainer.read_text()
-    trainer.write_text(trainer.read_text().replace(
-        installed, f'logging.getLogger("kiln.train").warning("{token} rank %d of %d on node %s"'))
+    # the installed line, however the formatter wraps it
+    installed = re.compile(r'logging\.getLogger\("kiln\.train"\)\.info\(\s*"rank %d of %d on node %s"')
+    assert installed.search(trainer.read_text())
+    edited = f'logging.getLogger("kiln.train").warning("{token} rank %d of %d on node %s"'
+    trainer.write_text(installed.sub(lambda _: edited, trainer.read_text()))
     return copy, token
 
 
 def _submit_and_kill(node, dashboard, env, s3_server, s3_dataset, mlflow_url, tmp_path) -> str:
     log_path = tmp_path / "job.log"
     checkout, token = _edited_checkout(tmp_path)
-    cmd = [str(BIN / "ray"), "job", "submit", "--address", dashboard, "--runtime-env", "jobs/runtime_env.yaml", "--",
-           sys.executable, "jobs/pretrain.py", "--config", "jobs/configs/debug.yaml",
-           "--set", f"data.path={s3_dataset}", "--set", f"data.s3_endpoint={s3_server}",
-           "--set", "parallel.num_workers=[1, 2]", "--set", "parallel.cpus_per_worker=3", "--set", "parallel.zero_stage=2",
-           "--set", "parallel.resize_check_s=5", "--set", "parallel.start_timeout_s=60",
-           "--set", f"train.max_steps={STEPS}", "--set", "train.checkpoint_every=10",
-           "--set", "train.eval_every=0", "--set", "train.eval_batches=2",
-           "--set", "train.micro_batch_size=8", "--set", "schedule.warmup_steps=2",
-           "--set", "train.storage_path=s3://kiln-test/cluster-runs",
-           "--set", f"logging.tracking_uri={mlflow_url}", "--set", "logging.experiment=two-nodes",
-           "--set", "logging.run_name=spread", "--set", f"data.index_log={tmp_path / 'indices'}"]
+    cmd = [
+        str(BIN / "ray"),
+        "job",
+        "submit",
+        "--address",
+        dashboard,
+        "--runtime-env",
+        "jobs/runtime_env.yaml",
+        "--",
+        sys.executable,
+        "jobs/pretrain.py",
+        "--config",
+        "jobs/configs/debug.yaml",
+        "--set",
+        f"data.path={s3_dataset}",
+        "--set",
+        f"data.s3_endpoint={s3_server}",
+        "--set",
+        "parallel.num_workers=[1, 2]",
+        "--set",
+        "parallel.cpus_per_worker=3",
+        "--set",
+        "parallel.zero_stage=2",
+        "--set",
+        "parallel.resize_check_s=5",
+        "--set",
+        "parallel.start_timeout_s=60",
+        "--set",
+        f"train.max_steps={STEPS}",
+        "--set",
+        "train.checkpoint_every=10",
+        "--set",
+        "train.eval_every=0",
+        "--set",
+        "train.eval_batches=2",
+        "--set",
+        "train.micro_batch_size=8",
+        "--set",
+        "schedule.warmup_steps=2",
+        "--set",
+        "train.storage_path=s3://kiln-test/cluster-runs",
+        "--set",
+        f"logging.tracking_uri={mlflow_url}",
+        "--set",
+        "logging.experiment=two-nodes",
+        "--set",
+        "logging.run_name=spread",
+        "--set",
+        f"data.index_log={tmp_path / 'indices'}",
+    ]
     job = None
     try:
         with log_path.open("w") as log:
@@ -277,8 +381,12 @@ def _check(out: str, dashboard: str, s3_server: str, mlflow_url: str) -> None:
     assert tags["kiln.resize.2"].startswith("2 -> 1 workers (a worker or its node was lost); resumed from "), tags
     costs = client.get_metric_history(run.info.run_id, "resize/restart_s")
     assert len(costs) == 2 and all(0 < m.value < 600 for m in costs), costs
-    sizes = [int(m.value) for m in sorted(client.get_metric_history(run.info.run_id, "parallel/workers"),
-                                          key=lambda m: (m.step, m.timestamp))]
+    sizes = [
+        int(m.value)
+        for m in sorted(
+            client.get_metric_history(run.info.run_id, "parallel/workers"), key=lambda m: (m.step, m.timestamp)
+        )
+    ]
     assert [n for i, n in enumerate(sizes) if i == 0 or n != sizes[i - 1]] == [1, 2, 1], sizes
     steps = [m.step for m in client.get_metric_history(run.info.run_id, "loss/train")]
     assert sorted(steps) == list(range(1, STEPS + 1))  # every step logged, and once only

@@ -24,8 +24,13 @@ KILN = str(BIN / "kiln")
 
 
 def _upload(endpoint: str, corpus: list[str]) -> int:
-    s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
-                      aws_access_key_id="testing", aws_secret_access_key="testing")
+    s3 = boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        region_name="us-east-1",
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+    )
     n = 0
     for root in (corpus[0], corpus[1], corpus[3]):  # json, logging, http
         for p in sorted(Path(root).glob("*.py")):
@@ -40,18 +45,36 @@ def _shards(fs: pafs.FileSystem, root: str) -> dict[str, bytes]:
     for i in infos:
         if i.type == pafs.FileType.File and i.path.endswith(".parquet"):
             with fs.open_input_stream(i.path) as f:
-                out[i.path[len(root):].lstrip("/")] = f.read()
+                out[i.path[len(root) :].lstrip("/")] = f.read()
     return out
 
 
-def test_prepare_spreads_over_two_nodes_and_is_the_same_whatever_the_actors(ray_cluster, s3_server, corpus,
-                                                                           tmp_path):
+def test_prepare_spreads_over_two_nodes_and_is_the_same_whatever_the_actors(ray_cluster, s3_server, corpus, tmp_path):
     gcs, _, env = ray_cluster
     assert _upload(s3_server, corpus) > 10
-    common = ["data", "prepare", "--input", "s3://kiln-test/corpus/", "--tokenizer", "bpe", "--vocab-size", "512",
-              "--seq-len", "64", "--unit-bytes", "32768", "--s3-endpoint", s3_server]
-    here = subprocess.run([KILN, *common, "--workers", "0", "--output", str(tmp_path / "here")], env=env,
-                          capture_output=True, text=True, timeout=600)
+    common = [
+        "data",
+        "prepare",
+        "--input",
+        "s3://kiln-test/corpus/",
+        "--tokenizer",
+        "bpe",
+        "--vocab-size",
+        "512",
+        "--seq-len",
+        "64",
+        "--unit-bytes",
+        "32768",
+        "--s3-endpoint",
+        s3_server,
+    ]
+    here = subprocess.run(
+        [KILN, *common, "--workers", "0", "--output", str(tmp_path / "here")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert here.returncode == 0, here.stderr[-3000:]
     ref = json.loads((tmp_path / "here/manifest.json").read_text())
     assert ref["units"] >= 6
@@ -61,19 +84,31 @@ def test_prepare_spreads_over_two_nodes_and_is_the_same_whatever_the_actors(ray_
     try:
         for workers in (1, 4):
             out = f"s3://kiln-test/prepared-{workers}"
-            run = subprocess.run([KILN, *common, "--address", gcs, "--workers", str(workers), "--output", out],
-                                 env=env, capture_output=True, text=True, timeout=600)
+            run = subprocess.run(
+                [KILN, *common, "--address", gcs, "--workers", str(workers), "--output", out],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=600,
+            )
             assert run.returncode == 0, run.stderr[-3000:]
             assert f"with {workers} tokenizer actors on Ray" in run.stderr
-            fs = pafs.S3FileSystem(endpoint_override=s3_server, access_key="testing", secret_key="testing",
-                                   region="us-east-1", scheme="http")
+            fs = pafs.S3FileSystem(
+                endpoint_override=s3_server,
+                access_key="testing",
+                secret_key="testing",
+                region="us-east-1",
+                scheme="http",
+            )
             with fs.open_input_stream(f"kiln-test/prepared-{workers}/manifest.json") as f:
                 m = json.loads(f.read())
             assert m["fingerprint"] == ref["fingerprint"] and m["splits"] == ref["splits"]
-            assert _shards(fs, f"kiln-test/prepared-{workers}") == _shards(pafs.LocalFileSystem(),
-                                                                           str(tmp_path / "here"))
-            assert not fs.get_file_info(pafs.FileSelector(f"kiln-test/prepared-{workers}/_units",
-                                                          allow_not_found=True))  # records gone
+            assert _shards(fs, f"kiln-test/prepared-{workers}") == _shards(
+                pafs.LocalFileSystem(), str(tmp_path / "here")
+            )
+            assert not fs.get_file_info(
+                pafs.FileSelector(f"kiln-test/prepared-{workers}/_units", allow_not_found=True)
+            )  # records gone
             if workers == 4:  # every actor is up before the first unit goes out (all 4 get units), SPREAD
                 t = m["throughput"]
                 assert t["nodes"] == 2 and t["workers"] == 4, t

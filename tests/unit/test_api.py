@@ -49,8 +49,9 @@ print(json.dumps({"env_uri": os.environ.get("MLFLOW_TRACKING_URI"),
 def test_prepare_train_and_read_runs_from_python(corpus, tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI")}
     script = SCRIPT.replace("CORPUS", repr([corpus[0]])).replace("CONFIG", repr(str(REPO / "jobs/configs/debug.yaml")))
-    out = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
-                         timeout=600)
+    out = subprocess.run(
+        [sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    )
     assert out.returncode == 0, out.stderr[-4000:]
     said = json.loads(out.stdout.splitlines()[-1])
     assert said["mistakes"] == [
@@ -90,8 +91,11 @@ def test_api_arguments_of_the_wrong_type_are_one_config_error_and_leave_nothing(
         with pytest.raises(ConfigError) as e:
             call()
         said[name] = str(e.value)
-    assert said == {"seq_len as text": "prepare: seq_len: expected an integer",
-                    "seq_len as float": "prepare: seq_len: expected an integer",
-                    "inputs None": "prepare: inputs: expected a list", "output None": "prepare: output: expected a string",
-                    "limit as text": "runs: limit: expected an integer"}
+    assert said == {
+        "seq_len as text": "prepare: seq_len: expected an integer",
+        "seq_len as float": "prepare: seq_len: expected an integer",
+        "inputs None": "prepare: inputs: expected a list",
+        "output None": "prepare: output: expected a string",
+        "limit as text": "runs: limit: expected an integer",
+    }
     assert list(tmp_path.iterdir()) == []  # no .out.partial-*, no mlflow.db

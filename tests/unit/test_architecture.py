@@ -66,7 +66,9 @@ def _problem(token: str) -> str | None:
         return None if (KILN / token).exists() or (REPO / token).exists() else "no such path"
     if re.fullmatch(r"kiln(\.\w+)+", token):
         return None if _resolves(token) else "does not import"
-    if re.fullmatch(r"[a-z_]+(\.[a-z_]+)+", token) and token.split(".")[0] in {f.name for f in dataclasses.fields(RunConfig)}:
+    if re.fullmatch(r"[a-z_]+(\.[a-z_]+)+", token) and token.split(".")[0] in {
+        f.name for f in dataclasses.fields(RunConfig)
+    }:
         return None if _field(token) else "no such config field"
     if re.fullmatch(r"[A-Z][A-Za-z]+", token) and token not in ("Ray", "MLflow", "DeepSpeed"):
         return None if _class_defined(token) else "no such class"
@@ -82,8 +84,15 @@ def test_everything_architecture_md_names_exists():
 
 
 def test_the_checker_catches_what_does_not_exist():
-    for wrong in ("core/nothing.py", "kiln.core.optim.NOPE", "kiln nothing", "train.nothing", "NoSuchSeam",
-                  "make nothing", "kiln.nowhere"):
+    for wrong in (
+        "core/nothing.py",
+        "kiln.core.optim.NOPE",
+        "kiln nothing",
+        "train.nothing",
+        "NoSuchSeam",
+        "make nothing",
+        "kiln.nowhere",
+    ):
         assert _problem(wrong) is not None, wrong
 
 
@@ -93,6 +102,9 @@ def test_the_benchmark_results_name_only_modules_and_paths_that_exist():
     for f in sorted((REPO / "bench" / "results").glob("*.md")):
         text = f.read_text()
         stale += [f"{f.name}: {t}" for t in set(re.findall(r"`(kiln(?:\.\w+)+)`", text)) if not _resolves(t)]
-        stale += [f"{f.name}: {t}" for t in set(re.findall(r"(?<![\w/.-])((?:platform|tests|bench|jobs)/[\w/.-]+\.(?:py|sh|yaml))", text))
-                  if not (REPO / t).exists()]
+        stale += [
+            f"{f.name}: {t}"
+            for t in set(re.findall(r"(?<![\w/.-])((?:platform|tests|bench|jobs)/[\w/.-]+\.(?:py|sh|yaml))", text))
+            if not (REPO / t).exists()
+        ]
     assert stale == []

@@ -46,8 +46,19 @@ def test_output_holding_a_different_dataset(tmp_path, byte_dataset, corpus):
     ds = tmp_path / "ds"
     shutil.copytree(byte_dataset, ds)
     before = (ds / "manifest.json").read_bytes()
-    out = kiln("data", "prepare", "--input", corpus[0], "--output", str(ds), "--tokenizer", "byte", "--seq-len", "32",
-               cwd=tmp_path)
+    out = kiln(
+        "data",
+        "prepare",
+        "--input",
+        corpus[0],
+        "--output",
+        str(ds),
+        "--tokenizer",
+        "byte",
+        "--seq-len",
+        "32",
+        cwd=tmp_path,
+    )
     assert_clean_error(out, "already holds a different dataset", code=1)
     assert (ds / "manifest.json").read_bytes() == before
 
@@ -62,10 +73,13 @@ def test_bad_value_names_field_and_range(tmp_path):
     assert_clean_error(out, "parallel.zero_stage = 4 is out of range: expected one of 0, 1, 2, 3")
 
 
-@pytest.mark.parametrize("override, needle", [
-    ("model.seq_len=32", "model.seq_len = 32 does not match the seq_len of"),
-    ("model.vocab_size=128", "model.vocab_size = 128 is smaller than the vocab of"),
-])
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        ("model.seq_len=32", "model.seq_len = 32 does not match the seq_len of"),
+        ("model.vocab_size=128", "model.vocab_size = 128 is smaller than the vocab of"),
+    ],
+)
 def test_model_data_mismatch(tmp_path, byte_dataset, override, needle):
     out = kiln("train", "--set", f"data.path={byte_dataset}", "--set", override, cwd=tmp_path)
     assert_clean_error(out, needle)
@@ -96,10 +110,25 @@ def test_a_shard_corrupted_inside_is_named_by_its_checksum(tmp_path, byte_datase
     shard.write_bytes(bytes(raw))
     verify = kiln("data", "verify", str(ds), cwd=tmp_path)
     assert_clean_error(verify, f"1 bad shard(s) in {ds}: shard {shard} does not match the SHA-256", code=1)
-    out = subprocess.run([sys.executable, "-m", "kiln.launch.local", "--set", f"data.path={ds}",
-                          "--set", f"logging.tracking_uri=sqlite:///{tmp_path}/m.db", "--set", "train.max_steps=2",
-                          "--set", f"train.storage_path={tmp_path}/runs"],
-                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kiln.launch.local",
+            "--set",
+            f"data.path={ds}",
+            "--set",
+            f"logging.tracking_uri=sqlite:///{tmp_path}/m.db",
+            "--set",
+            "train.max_steps=2",
+            "--set",
+            f"train.storage_path={tmp_path}/runs",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert_clean_error(out, "reading the train split failed (", code=1)
     assert f"shard {shard} does not match the SHA-256 in its manifest" in out.stderr
     intact = kiln("data", "verify", str(byte_dataset), cwd=tmp_path)
@@ -109,24 +138,44 @@ def test_a_shard_corrupted_inside_is_named_by_its_checksum(tmp_path, byte_datase
 def test_the_local_launcher_refuses_bad_input_in_one_line(tmp_path):
     """The local launcher checks before DeepSpeed loads: nothing of DeepSpeed's (its accelerator
     notice) comes before the error, and the error is all there is."""
-    out = subprocess.run([sys.executable, "-m", "kiln.launch.local", "--set", "data.path=nope"],
-                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "kiln.launch.local", "--set", "data.path=nope"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert_clean_error(out, f"dataset {tmp_path / 'nope'} does not exist", code=1)
     assert len(out.stderr.strip().splitlines()) == 1, out.stderr
     assert out.stdout == ""  # DeepSpeed writes its notices to stdout
 
 
 def test_unreachable_s3_endpoint(tmp_path, corpus):
-    out = kiln("data", "prepare", "--input", corpus[0], "--output", "s3://bucket/ds", "--tokenizer", "byte",
-               "--s3-endpoint", "http://127.0.0.1:9", cwd=tmp_path, timeout=120)
+    out = kiln(
+        "data",
+        "prepare",
+        "--input",
+        corpus[0],
+        "--output",
+        "s3://bucket/ds",
+        "--tokenizer",
+        "byte",
+        "--s3-endpoint",
+        "http://127.0.0.1:9",
+        cwd=tmp_path,
+        timeout=120,
+    )
     assert_clean_error(out, "(S3 endpoint http://127.0.0.1:9)", code=1)
-    out = kiln("train", "--set", "data.path=s3://bucket/ds", "--set", "data.s3_endpoint=http://127.0.0.1:9", cwd=tmp_path)
+    out = kiln(
+        "train", "--set", "data.path=s3://bucket/ds", "--set", "data.s3_endpoint=http://127.0.0.1:9", cwd=tmp_path
+    )
     assert_clean_error(out, "cannot access s3://bucket/ds", code=1)
 
 
 def test_unreachable_mlflow_server(tmp_path, byte_dataset):
-    out = kiln("train", "--set", f"data.path={byte_dataset}", "--set", "logging.tracking_uri=http://127.0.0.1:9",
-               cwd=tmp_path)
+    out = kiln(
+        "train", "--set", f"data.path={byte_dataset}", "--set", "logging.tracking_uri=http://127.0.0.1:9", cwd=tmp_path
+    )
     assert_clean_error(out, "MLflow tracking server http://127.0.0.1:9 is unreachable", code=1)
 
 
@@ -135,17 +184,39 @@ def test_nvme_offload_without_its_op_is_refused_before_launch(tmp_path, byte_dat
 
     if op_unavailable("async_io") is None:
         pytest.skip("DeepSpeed's async_io op can be built here (libaio present)")
-    out = kiln("train", "--set", f"data.path={byte_dataset}", "--set", "parallel.zero_stage=3",
-               "--set", "parallel.offload_optimizer=nvme", "--set", f"parallel.nvme_path={tmp_path}",
-               "--set", f"logging.tracking_uri=sqlite:///{tmp_path}/m.db", cwd=tmp_path)
+    out = kiln(
+        "train",
+        "--set",
+        f"data.path={byte_dataset}",
+        "--set",
+        "parallel.zero_stage=3",
+        "--set",
+        "parallel.offload_optimizer=nvme",
+        "--set",
+        f"parallel.nvme_path={tmp_path}",
+        "--set",
+        f"logging.tracking_uri=sqlite:///{tmp_path}/m.db",
+        cwd=tmp_path,
+    )
     assert_clean_error(out, "needs DeepSpeed's 'async_io' op, which cannot be built here")
     assert not (tmp_path / "m.db").exists()  # refused before MLflow or Ray started
 
 
 def test_run_too_big_for_the_device_is_refused_with_the_option_that_fits(tmp_path, byte_dataset):
-    out = kiln("train", "--set", f"data.path={byte_dataset}", "--set", "parallel.zero_stage=0",
-               "--set", "parallel.device_memory_gib=0.025", "--set", "train.micro_batch_size=16",
-               "--set", f"logging.tracking_uri=sqlite:///{tmp_path}/m.db", cwd=tmp_path)
+    out = kiln(
+        "train",
+        "--set",
+        f"data.path={byte_dataset}",
+        "--set",
+        "parallel.zero_stage=0",
+        "--set",
+        "parallel.device_memory_gib=0.025",
+        "--set",
+        "train.micro_batch_size=16",
+        "--set",
+        f"logging.tracking_uri=sqlite:///{tmp_path}/m.db",
+        cwd=tmp_path,
+    )
     assert_clean_error(out, "MiB over; the first option that fits: parallel.zero_stage=")
     assert "parallel.device_memory_gib gives 25.6 MiB" in out.stderr
     assert "model.activation_checkpointing=true" in out.stderr
@@ -155,11 +226,35 @@ def test_run_too_big_for_the_device_is_refused_with_the_option_that_fits(tmp_pat
 def test_plan_prints_options_and_a_table(tmp_path):
     helptext = kiln("plan", "--help", cwd=tmp_path)
     assert helptext.returncode == 0
-    for flag in ("--model", "--world-size", "--device-memory-gib", "--micro-batch", "--seq-len", "--zero-stage",
-                 "--offload", "--activation-checkpointing", "--precision", "--pipeline-stages"):
+    for flag in (
+        "--model",
+        "--world-size",
+        "--device-memory-gib",
+        "--micro-batch",
+        "--seq-len",
+        "--zero-stage",
+        "--offload",
+        "--activation-checkpointing",
+        "--precision",
+        "--pipeline-stages",
+    ):
         assert flag in helptext.stdout, flag
-    out = kiln("plan", "--model", "13b", "--world-size", "64", "--device-memory-gib", "80", "--micro-batch", "1",
-               "--precision", "bf16", "--zero-stage", "0", cwd=tmp_path)
+    out = kiln(
+        "plan",
+        "--model",
+        "13b",
+        "--world-size",
+        "64",
+        "--device-memory-gib",
+        "80",
+        "--micro-batch",
+        "1",
+        "--precision",
+        "bf16",
+        "--zero-stage",
+        "0",
+        cwd=tmp_path,
+    )
     assert out.returncode == 0, out.stderr
     assert "does NOT fit in 80 GiB" in out.stdout and "recommended (cheapest that fits): zero_stage=" in out.stdout
     bad = kiln("plan", "--model", "huge", cwd=tmp_path)
@@ -167,8 +262,14 @@ def test_plan_prints_options_and_a_table(tmp_path):
 
 
 def test_kiln_config_prints_no_secret(tmp_path):
-    out = kiln("config", "--set", "logging.tracking_uri=http://kiln:hunter22@127.0.0.1:5000",
-               "--set", "parallel.deepspeed.aws_secret_access_key=wJalrXUtnFEMIK7MDENG", cwd=tmp_path)
+    out = kiln(
+        "config",
+        "--set",
+        "logging.tracking_uri=http://kiln:hunter22@127.0.0.1:5000",
+        "--set",
+        "parallel.deepspeed.aws_secret_access_key=wJalrXUtnFEMIK7MDENG",
+        cwd=tmp_path,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "hunter22" not in out.stdout and "wJalrXUtnFEMIK7MDENG" not in out.stdout
     assert "http://kiln:***@127.0.0.1:5000" in out.stdout and "aws_secret_access_key: '***'" in out.stdout
@@ -180,13 +281,25 @@ def test_an_mlflow_store_it_cannot_open_is_one_line_without_the_password(tmp_pat
     assert "hunter22" not in out.stderr
 
 
-@pytest.mark.parametrize("args, needle, code", [
-    (["plan", "--model", "debug", "--device-memory-gib", "nan"], "--device-memory-gib = nan: expected a number in [0, 100000]", 2),
-    (["plan", "--model", "debug", "--device-memory-gib", "inf"], "--device-memory-gib = inf: expected a number in [0, 100000]", 2),
-    (["plan", "--model", "debug", "--seq-len", "-5"], "--seq-len = -5: expected an integer in [0, 1e7]", 2),
-    (["lr", "plot", "--out", "no-such-dir/lr.png"], "--out no-such-dir/lr.png: its parent directory must exist", 2),
-    (["runs", "list"], "no MLflow store at sqlite:///", 1),
-], ids=["plan-nan", "plan-inf", "plan-negative-seq", "lr-bad-out", "runs-in-an-empty-dir"])
+@pytest.mark.parametrize(
+    "args, needle, code",
+    [
+        (
+            ["plan", "--model", "debug", "--device-memory-gib", "nan"],
+            "--device-memory-gib = nan: expected a number in [0, 100000]",
+            2,
+        ),
+        (
+            ["plan", "--model", "debug", "--device-memory-gib", "inf"],
+            "--device-memory-gib = inf: expected a number in [0, 100000]",
+            2,
+        ),
+        (["plan", "--model", "debug", "--seq-len", "-5"], "--seq-len = -5: expected an integer in [0, 1e7]", 2),
+        (["lr", "plot", "--out", "no-such-dir/lr.png"], "--out no-such-dir/lr.png: its parent directory must exist", 2),
+        (["runs", "list"], "no MLflow store at sqlite:///", 1),
+    ],
+    ids=["plan-nan", "plan-inf", "plan-negative-seq", "lr-bad-out", "runs-in-an-empty-dir"],
+)
 def test_bad_values_for_plan_lr_and_runs_leave_nothing_behind(tmp_path, args, needle, code):
     import os
 

@@ -24,8 +24,15 @@ def test_shipped_configs_load(path):
 
 
 def test_overrides_are_typed():
-    cfg = load_config(None, ["optim.lr=3e-4", "train.max_steps=7", "parallel.use_gpu=true",
-                             "parallel.deepspeed.zero_optimization.reduce_bucket_size=1000"])
+    cfg = load_config(
+        None,
+        [
+            "optim.lr=3e-4",
+            "train.max_steps=7",
+            "parallel.use_gpu=true",
+            "parallel.deepspeed.zero_optimization.reduce_bucket_size=1000",
+        ],
+    )
     assert cfg.optim.lr == pytest.approx(3e-4) and isinstance(cfg.optim.lr, float)
     assert cfg.train.max_steps == 7
     assert cfg.parallel.use_gpu is True
@@ -39,18 +46,24 @@ def test_override_beats_yaml(tmp_path):
     assert cfg.optim.lr == 0.01 and cfg.train.max_steps == 5
 
 
-@pytest.mark.parametrize("override, needle", [
-    ("optim.lrr=1", "unknown config key 'optim.lrr'; did you mean 'lr'?"),
-    ("trian.max_steps=1", "unknown config key 'trian'; did you mean 'train'?"),
-    ("parallel.zero_stage=5", "parallel.zero_stage = 5 is out of range: expected one of 0, 1, 2, 3"),
-    ("optim.lr=-1", "optim.lr = -1.0 is out of range"),
-    ("train.max_steps=ten", "train.max_steps = 'ten' is not an integer"),
-    ("optim.name=adagrad", "optim.name = 'adagrad' is not allowed: expected one of ['adamw', 'adam', 'sgd', 'rmsprop', 'lamb']"),
-    ("model.flavour=huge", "model.flavour = 'huge' is out of range: expected one of"),
-    ("train.precision=fp8", "train.precision = 'fp8' is not allowed"),
-    ("optim=1", "'optim' is a section"),
-    ("optim.lr", "expected KEY=VALUE"),
-])
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        ("optim.lrr=1", "unknown config key 'optim.lrr'; did you mean 'lr'?"),
+        ("trian.max_steps=1", "unknown config key 'trian'; did you mean 'train'?"),
+        ("parallel.zero_stage=5", "parallel.zero_stage = 5 is out of range: expected one of 0, 1, 2, 3"),
+        ("optim.lr=-1", "optim.lr = -1.0 is out of range"),
+        ("train.max_steps=ten", "train.max_steps = 'ten' is not an integer"),
+        (
+            "optim.name=adagrad",
+            "optim.name = 'adagrad' is not allowed: expected one of ['adamw', 'adam', 'sgd', 'rmsprop', 'lamb']",
+        ),
+        ("model.flavour=huge", "model.flavour = 'huge' is out of range: expected one of"),
+        ("train.precision=fp8", "train.precision = 'fp8' is not allowed"),
+        ("optim=1", "'optim' is a section"),
+        ("optim.lr", "expected KEY=VALUE"),
+    ],
+)
 def test_bad_overrides_name_the_field(override, needle):
     with pytest.raises(ConfigError) as e:
         load_config(None, [override])
@@ -94,16 +107,20 @@ def test_a_relative_data_path_reaches_workers_as_an_absolute_one(byte_dataset, m
     assert cfg.data.path == str(byte_dataset) and datasets[0].manifest.location.path == str(byte_dataset)
 
 
-@pytest.mark.parametrize("content, needle", [
-    (b"train:\n  max_steps: 5\n  max_steps: 7\n", "duplicate key 'max_steps' (line 3, column 3)"),
-    (b"", "is empty: expected a mapping of settings"),
-    (b"# only a comment\n", "is empty: expected a mapping of settings"),
-    (b"optim: []\n", "optim must be a mapping, got []"),
-    (b"optim:\n  lr: .inf\n", "optim.lr = inf is not a finite number"),
-    (b"optim:\n  lr: 1e400\n", "optim.lr = inf is not a finite number"),
-    (b"# caf\xe9\noptim: {}\n", "is not UTF-8 text (byte 5)"),
-    (b"a: [\n", "node content (line 2, column 1)"),
-], ids=["duplicate-key", "empty", "comment-only", "list-section", "inf", "overflow", "latin-1", "unclosed"])
+@pytest.mark.parametrize(
+    "content, needle",
+    [
+        (b"train:\n  max_steps: 5\n  max_steps: 7\n", "duplicate key 'max_steps' (line 3, column 3)"),
+        (b"", "is empty: expected a mapping of settings"),
+        (b"# only a comment\n", "is empty: expected a mapping of settings"),
+        (b"optim: []\n", "optim must be a mapping, got []"),
+        (b"optim:\n  lr: .inf\n", "optim.lr = inf is not a finite number"),
+        (b"optim:\n  lr: 1e400\n", "optim.lr = inf is not a finite number"),
+        (b"# caf\xe9\noptim: {}\n", "is not UTF-8 text (byte 5)"),
+        (b"a: [\n", "node content (line 2, column 1)"),
+    ],
+    ids=["duplicate-key", "empty", "comment-only", "list-section", "inf", "overflow", "latin-1", "unclosed"],
+)
 def test_a_config_file_that_says_less_or_other_than_it_seems_is_refused(tmp_path, content, needle):
     path = tmp_path / "run.yaml"
     path.write_bytes(content)
@@ -119,13 +136,18 @@ def test_a_sweep_override_through_a_value_is_refused(tmp_path):
         load_sweep(REPO / "jobs/configs/sweeps/optimizers-x-schedules.yaml", ["name.tag=x"])
 
 
-@pytest.mark.parametrize("overrides, needle", [
-    (["train.compile=true", "parallel.zero_stage=3"], "train.compile = true with parallel.zero_stage = 3"),
-    (["train.compile=true", "parallel.zero_stage=1", "parallel.pipeline_stages=2"],
-     "compile works with ZeRO 0-2 and no pipeline"),
-    (["train.mixed_precision=autocast"], "train.mixed_precision = 'autocast' with train.precision = 'fp32'"),
-    (["train.mixed_precision=amp", "train.precision=bf16"], "train.mixed_precision = 'amp' is not allowed"),
-])
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        (["train.compile=true", "parallel.zero_stage=3"], "train.compile = true with parallel.zero_stage = 3"),
+        (
+            ["train.compile=true", "parallel.zero_stage=1", "parallel.pipeline_stages=2"],
+            "compile works with ZeRO 0-2 and no pipeline",
+        ),
+        (["train.mixed_precision=autocast"], "train.mixed_precision = 'autocast' with train.precision = 'fp32'"),
+        (["train.mixed_precision=amp", "train.precision=bf16"], "train.mixed_precision = 'amp' is not allowed"),
+    ],
+)
 def test_speed_options_refuse_what_deepspeed_cannot_do(overrides, needle):
     with pytest.raises(ConfigError) as e:
         load_config(None, overrides)
@@ -138,15 +160,20 @@ def test_speed_options_refuse_what_deepspeed_cannot_do(overrides, needle):
     assert ds["torch_autocast"] == {"enabled": True, "dtype": "bfloat16"} and not ds["bf16"]["enabled"]
 
 
-@pytest.mark.parametrize("overrides, autocast", [
-    (["parallel.use_gpu=true", "parallel.zero_stage=0"], True),  # auto: a GPU at ZeRO-0 takes autocast
-    (["parallel.use_gpu=true", "parallel.zero_stage=2"], False),  # ZeRO shards bf16 weights' smaller states
-    (["parallel.use_gpu=true", "parallel.zero_stage=0", "parallel.num_workers=2", "parallel.pipeline_stages=2"],
-     False),  # a pipeline runs no autocast
-    (["parallel.zero_stage=0"], False),  # CPUs keep DeepSpeed's bf16
-    (["parallel.use_gpu=true", "parallel.zero_stage=0", "train.mixed_precision=weights"], False),  # a choice stands
-    (["parallel.zero_stage=2", "train.mixed_precision=autocast"], True),
-])
+@pytest.mark.parametrize(
+    "overrides, autocast",
+    [
+        (["parallel.use_gpu=true", "parallel.zero_stage=0"], True),  # auto: a GPU at ZeRO-0 takes autocast
+        (["parallel.use_gpu=true", "parallel.zero_stage=2"], False),  # ZeRO shards bf16 weights' smaller states
+        (
+            ["parallel.use_gpu=true", "parallel.zero_stage=0", "parallel.num_workers=2", "parallel.pipeline_stages=2"],
+            False,
+        ),  # a pipeline runs no autocast
+        (["parallel.zero_stage=0"], False),  # CPUs keep DeepSpeed's bf16
+        (["parallel.use_gpu=true", "parallel.zero_stage=0", "train.mixed_precision=weights"], False),  # a choice stands
+        (["parallel.zero_stage=2", "train.mixed_precision=autocast"], True),
+    ],
+)
 def test_bf16_auto_is_autocast_on_a_gpu_at_zero0_without_a_pipeline(overrides, autocast):
     from kiln.parallel.engine import deepspeed_config
 
@@ -180,8 +207,13 @@ def test_mlflow_experiment_name_names_the_experiment_where_the_config_names_none
 
 def test_the_deepspeed_passthrough_may_be_a_json_file(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "ds.json").write_text('{"zero_optimization": {"reduce_bucket_size": 5e7}, "comms_logger": {"enabled": true}}')
+    (tmp_path / "ds.json").write_text(
+        '{"zero_optimization": {"reduce_bucket_size": 5e7}, "comms_logger": {"enabled": true}}'
+    )
     cfg = load_config(None, ["parallel.deepspeed=ds.json"])
-    assert cfg.parallel.deepspeed == {"zero_optimization": {"reduce_bucket_size": 5e7}, "comms_logger": {"enabled": True}}
+    assert cfg.parallel.deepspeed == {
+        "zero_optimization": {"reduce_bucket_size": 5e7},
+        "comms_logger": {"enabled": True},
+    }
     (tmp_path / "c.yaml").write_text("parallel:\n  deepspeed: ds.json\n")
     assert load_config(tmp_path / "c.yaml").parallel.deepspeed == cfg.parallel.deepspeed

@@ -30,8 +30,11 @@ PLANTS = {
     "layers": ("data/_planted_layer.py", "import kiln.launch.preflight\n"),
     "acyclic": ("ui/_planted_a.py", "import kiln.ui._planted_b\n"),
 }
-APPENDED = {"model.py": "import numpy\n", "infer/generate.py": "import mlflow\n",
-            "parallel/fsdp2_engine.py": "import deepspeed\n"}
+APPENDED = {
+    "model.py": "import numpy\n",
+    "infer/generate.py": "import mlflow\n",
+    "parallel/fsdp2_engine.py": "import deepspeed\n",
+}
 
 
 def _plant(root: Path) -> None:
@@ -51,8 +54,9 @@ def test_every_contract_fails_on_a_planted_violation(tmp_path):
     shutil.copy(REPO / "pyproject.toml", tmp_path)
     _plant(tmp_path / "platform" / "kiln")
     env = os.environ | {"PYTHONPATH": str(tmp_path / "platform")}  # the copy, ahead of the installed package
-    out = subprocess.run([str(LINT), "--no-logo", "--no-cache"], cwd=tmp_path, env=env, capture_output=True,
-                         text=True, timeout=300)
+    out = subprocess.run(
+        [str(LINT), "--no-logo", "--no-cache"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
     report = out.stdout
     assert out.returncode != 0, report
     assert f"Contracts: 0 kept, {len(contracts)} broken." in report, report
@@ -68,8 +72,13 @@ def _private_imports(source: str) -> list[str]:
     """Modules a source imports from Ray's private packages."""
     found = []
     for node in ast.walk(ast.parse(source)):
-        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-            [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+        names = (
+            [a.name for a in node.names]
+            if isinstance(node, ast.Import)
+            else [node.module or ""]
+            if isinstance(node, ast.ImportFrom)
+            else []
+        )
         found += [n for n in names if n.startswith("ray.") and "_private" in n.split(".")]
     return found
 
@@ -79,4 +88,6 @@ def test_ray_private_apis_are_reached_through_one_wrapper():
     assert users == {"ray/private.py"}, users
     # The detector itself finds both spellings.
     assert _private_imports("from ray._private.ray_logging import x\nimport ray.autoscaler._private.util\n") == [
-        "ray._private.ray_logging", "ray.autoscaler._private.util"]
+        "ray._private.ray_logging",
+        "ray.autoscaler._private.util",
+    ]

@@ -11,13 +11,16 @@ from kiln.errors import DataError, KilnError, user_error_in
 
 def _as_ray_reports_it(failures: dict) -> WorkerGroupError:
     """Wrapped as Ray Train wraps a worker's exception, and pickled across processes as it is."""
-    wrapped = {rank: UserExceptionWithTraceback(e, traceback_str=f"Traceback ...\n{e!r}") for rank, e in failures.items()}
+    wrapped = {
+        rank: UserExceptionWithTraceback(e, traceback_str=f"Traceback ...\n{e!r}") for rank, e in failures.items()
+    }
     return pickle.loads(pickle.dumps(WorkerGroupError("worker errors", wrapped)))
 
 
 def test_the_kiln_error_of_a_worker_is_found():
-    err = _as_ray_reports_it({1: RuntimeError("gloo: connection reset"),
-                              0: TrainingUnhealthy("step 15: loss is nan on 1 of 2 rank(s)")})
+    err = _as_ray_reports_it(
+        {1: RuntimeError("gloo: connection reset"), 0: TrainingUnhealthy("step 15: loss is nan on 1 of 2 rank(s)")}
+    )
     found = user_error_in(err)
     assert isinstance(found, TrainingUnhealthy) and "step 15: loss is nan" in str(found)
 

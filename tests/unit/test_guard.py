@@ -18,8 +18,17 @@ PACKAGE = Path(guard.__file__).parent
 # Calls that remove, rename or replace a path: module functions, and methods of Path and of
 # pyarrow filesystems. `.replace(x)` with one argument is Path.replace (str.replace takes two,
 # dataclasses.replace takes keywords).
-FUNCTIONS = {("shutil", "rmtree"), ("shutil", "move"), ("os", "remove"), ("os", "unlink"), ("os", "rename"),
-             ("os", "replace"), ("os", "rmdir"), ("os", "removedirs"), ("os", "renames")}
+FUNCTIONS = {
+    ("shutil", "rmtree"),
+    ("shutil", "move"),
+    ("os", "remove"),
+    ("os", "unlink"),
+    ("os", "rename"),
+    ("os", "replace"),
+    ("os", "rmdir"),
+    ("os", "removedirs"),
+    ("os", "renames"),
+}
 METHODS = {"rmtree", "unlink", "rename", "rmdir", "delete_file", "delete_dir", "delete_dir_contents", "move"}
 
 
@@ -40,8 +49,10 @@ def destructive_calls(source: str) -> list[str]:
 
 
 def test_the_detector_finds_every_kind_of_destructive_call():
-    planted = ("import os, shutil\nshutil.rmtree(p)\nos.replace(a, b)\nPath(p).unlink()\nq.rename(r)\n"
-               "fs.delete_file(x)\np.replace(q)\ns.replace('a', 'b')\ndataclasses.replace(c, x=1)\n")
+    planted = (
+        "import os, shutil\nshutil.rmtree(p)\nos.replace(a, b)\nPath(p).unlink()\nq.rename(r)\n"
+        "fs.delete_file(x)\np.replace(q)\ns.replace('a', 'b')\ndataclasses.replace(c, x=1)\n"
+    )
     assert len(destructive_calls(planted)) == 6
 
 
@@ -67,10 +78,18 @@ def home(tmp_path, monkeypatch):
     return h
 
 
-@pytest.mark.parametrize("target,why", [
-    ("~", "your home directory"), (".", "the current directory"), ("..", "your home directory"), ("../..", "your home directory or a folder above"),
-    ("/", "the filesystem root"), ("repo", "root of a repository"), ("link", "symbolic link"),
-])
+@pytest.mark.parametrize(
+    "target,why",
+    [
+        ("~", "your home directory"),
+        (".", "the current directory"),
+        ("..", "your home directory"),
+        ("../..", "your home directory or a folder above"),
+        ("/", "the filesystem root"),
+        ("repo", "root of a repository"),
+        ("link", "symbolic link"),
+    ],
+)
 def test_places_never_written_over(home, target, why):
     (home / "work" / "repo" / ".git").mkdir(parents=True)
     (home / "work" / "real").mkdir()

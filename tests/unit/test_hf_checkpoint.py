@@ -30,20 +30,44 @@ def _model(kind: str, seed: int = 0):
     torch.manual_seed(seed)
     ids = dict(vocab_size=VOCAB, bos_token_id=0, eos_token_id=0, initializer_range=0.2)
     if kind.startswith("gpt2"):
-        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
-            n_positions=64, n_embd=32, n_layer=2, n_head=4, tie_word_embeddings=kind == "gpt2", **ids))
+        model = transformers.GPT2LMHeadModel(
+            transformers.GPT2Config(
+                n_positions=64, n_embd=32, n_layer=2, n_head=4, tie_word_embeddings=kind == "gpt2", **ids
+            )
+        )
     elif kind in FAMILIES:
         config_class, extra = FAMILIES[kind]
-        model = transformers.AutoModelForCausalLM.from_config(config_class(
-            hidden_size=32, intermediate_size=88, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            max_position_embeddings=64, tie_word_embeddings=False, rms_norm_eps=1e-6, rope_theta=500.0, **extra,
-            **ids))
+        model = transformers.AutoModelForCausalLM.from_config(
+            config_class(
+                hidden_size=32,
+                intermediate_size=88,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                max_position_embeddings=64,
+                tie_word_embeddings=False,
+                rms_norm_eps=1e-6,
+                rope_theta=500.0,
+                **extra,
+                **ids,
+            )
+        )
     else:
         gqa = kind != "llama-tied"
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-            hidden_size=32, intermediate_size=88, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2 if gqa else 4, max_position_embeddings=64, tie_word_embeddings=not gqa,
-            rms_norm_eps=1e-6, rope_parameters=ROPE.get(kind, {"rope_type": "default", "rope_theta": 500.0}), **ids))
+        model = transformers.LlamaForCausalLM(
+            transformers.LlamaConfig(
+                hidden_size=32,
+                intermediate_size=88,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2 if gqa else 4,
+                max_position_embeddings=64,
+                tie_word_embeddings=not gqa,
+                rms_norm_eps=1e-6,
+                rope_parameters=ROPE.get(kind, {"rope_type": "default", "rope_theta": 500.0}),
+                **ids,
+            )
+        )
     model.eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -54,16 +78,26 @@ def _model(kind: str, seed: int = 0):
 
 # Llama 3.1's scaling with its context cut to 32 tokens, so that on 8-wide heads (wavelengths
 # 6.3, 30, 140 and 660 tokens at theta 500) one pair is kept, one blended and two divided.
-ROPE = {"llama3-rope": {"rope_type": "llama3", "rope_theta": 500.0, "factor": 4.0, "low_freq_factor": 1.0,
-                        "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
-        "llama-linear-rope": {"rope_type": "linear", "rope_theta": 500.0, "factor": 2.0}}
+ROPE = {
+    "llama3-rope": {
+        "rope_type": "llama3",
+        "rope_theta": 500.0,
+        "factor": 4.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32,
+    },
+    "llama-linear-rope": {"rope_type": "linear", "rope_theta": 500.0, "factor": 2.0},
+}
 
 
 # Qwen2 (q/k/v biases), Mistral (a sliding window of 48 tokens, wider than what the tests feed:
 # Kiln's context is the window) and a Llama whose heads are 16 wide on a 32-wide model.
-FAMILIES = {"qwen2": (transformers.Qwen2Config, {}),
-            "mistral": (transformers.MistralConfig, {"sliding_window": 48}),
-            "llama-head-dim": (transformers.LlamaConfig, {"head_dim": 16})}
+FAMILIES = {
+    "qwen2": (transformers.Qwen2Config, {}),
+    "mistral": (transformers.MistralConfig, {"sliding_window": 48}),
+    "llama-head-dim": (transformers.LlamaConfig, {"head_dim": 16}),
+}
 
 
 @pytest.fixture(scope="module", params=["gpt2", "gpt2-untied", "llama-gqa", "llama-tied", *ROPE, *FAMILIES])
@@ -107,7 +141,7 @@ def test_export_loads_in_transformers_and_greedy_text_is_the_same(checkpoint, tm
     s = Sampling(max_new_tokens=24, temperature=0, stop_at_eot=False)
     mine = generate(ours, [prompt], s, loaded.tokenizer.eot_id, VOCAB).tokens[0]
     ref = theirs.generate(torch.tensor([prompt]), max_new_tokens=24, min_new_tokens=24, do_sample=False)
-    assert mine == ref[0, len(prompt):].tolist()
+    assert mine == ref[0, len(prompt) :].tolist()
     assert len(set(mine)) >= 3  # the model is not stuck on one token: the comparison means something
     # transformers gives a qwen2 model its Qwen2Tokenizer, with Qwen's own pre-tokenizer (right for
     # Qwen's tokenizer.json, not for this test's BPE): the file itself is read as it is.
@@ -187,8 +221,20 @@ def test_bad_checkpoints_are_one_clear_error_each(checkpoint, tmp_path):
 
 def test_generate_command_streams_text_and_reports_tokens_per_second(checkpoint, capsys):
     d, _ = checkpoint
-    args = ["generate", "--model", str(d), "--prompt", "import json", "--prompt", "def main(", "--temperature", "0",
-            "--max-new-tokens", "12", "--no-stop"]
+    args = [
+        "generate",
+        "--model",
+        str(d),
+        "--prompt",
+        "import json",
+        "--prompt",
+        "def main(",
+        "--temperature",
+        "0",
+        "--max-new-tokens",
+        "12",
+        "--no-stop",
+    ]
     assert main(args) == 0
     out, err = capsys.readouterr()
     assert out.startswith("import json") and "\ndef main(" in out  # each prompt, then its text
@@ -197,8 +243,16 @@ def test_generate_command_streams_text_and_reports_tokens_per_second(checkpoint,
     assert capsys.readouterr().out == out
 
 
-@pytest.mark.parametrize("flag,value", [("--top-p", "0"), ("--temperature", "nan"), ("--batch-size", "0"),
-                                        ("--max-new-tokens", "0"), ("--repetition-penalty", "-1")])
+@pytest.mark.parametrize(
+    "flag,value",
+    [
+        ("--top-p", "0"),
+        ("--temperature", "nan"),
+        ("--batch-size", "0"),
+        ("--max-new-tokens", "0"),
+        ("--repetition-penalty", "-1"),
+    ],
+)
 def test_sampling_flags_out_of_range_name_the_flag(checkpoint, capsys, flag, value):
     d, _ = checkpoint
     assert main(["generate", "--model", str(d), "--prompt", "x", flag, value]) == 2
@@ -248,8 +302,13 @@ def test_eval_scores_every_row_of_the_split_the_last_partial_batch_included(chec
     data = tmp_path / "data"
     prepare(PrepareConfig(inputs=corpus[:1], output=str(data), tokenizer=str(d), seq_len=32))
     manifest = load_manifest(resolve(str(data)))
-    rows = torch.tensor([r for loc in manifest.shard_locations("val")
-                         for r in pq.read_table(loc.uri, columns=["tokens"]).column("tokens").to_pylist()])
+    rows = torch.tensor(
+        [
+            r
+            for loc in manifest.shard_locations("val")
+            for r in pq.read_table(loc.uri, columns=["tokens"]).column("tokens").to_pylist()
+        ]
+    )
     assert len(rows) % 7, len(rows)  # a partial last batch
     assert main(["eval", "--model", str(d), "--data", str(data), "--batch-size", "7"]) == 0
     out = capsys.readouterr().out
@@ -299,8 +358,13 @@ def test_an_export_keeps_the_base_tokenizers_config_and_chat_template(corpus, tm
 
     base = tmp_path / "base"
     _saved("llama-gqa", base, corpus)
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|endoftext|>",
-              "eos_token": "<|endoftext|>", "model_max_length": 64, "clean_up_tokenization_spaces": False}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<|endoftext|>",
+        "eos_token": "<|endoftext|>",
+        "model_max_length": 64,
+        "clean_up_tokenization_spaces": False,
+    }
     (base / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
     (base / "chat_template.jinja").write_text(CHAT)
     out = tmp_path / "export"
@@ -315,12 +379,16 @@ def test_an_export_keeps_the_base_tokenizers_config_and_chat_template(corpus, tm
     prepare(PrepareConfig(inputs=corpus[:1], output=str(data), tokenizer=str(base), seq_len=32))
     manifest = load_manifest(resolve(str(data)))
     assert manifest.raw["tokenizer"]["companions"] == ["chat_template.jinja", "tokenizer_config.json"]
-    assert manifest.tokenizer().companions == {n: (base / n).read_text() for n in manifest.raw["tokenizer"]["companions"]}
+    assert manifest.tokenizer().companions == {
+        n: (base / n).read_text() for n in manifest.raw["tokenizer"]["companions"]
+    }
 
 
 # A ChatML-like template that uses the special tokens and the generation cue, as Llama 3's and Qwen's do.
-CUE_CHAT = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] | trim }}{{ eos_token }}"
-            "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+CUE_CHAT = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] | trim }}{{ eos_token }}"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 
 
 def test_generate_chat_tokenizes_the_prompt_as_transformers_and_replies_as_it_does(corpus, tmp_path, capsys):
@@ -329,21 +397,44 @@ def test_generate_chat_tokenizes_the_prompt_as_transformers_and_replies_as_it_do
 
     base = tmp_path / "chat"
     model = _saved("llama-gqa", base, corpus)
-    (base / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>",
-        "chat_template": CUE_CHAT}))
+    (base / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": "<|endoftext|>",
+                "eos_token": "<|endoftext|>",
+                "chat_template": CUE_CHAT,
+            }
+        )
+    )
     prompt = "  write a parser "
     tok = load_model(str(base)).tokenizer
     encode, stops = chat_encoder(tok)
     theirs = transformers.AutoTokenizer.from_pretrained(base).apply_chat_template(
-        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
+        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+    )
     theirs = theirs["input_ids"] if hasattr(theirs, "keys") else theirs
     ids = encode(prompt)
     assert ids == list(theirs) and ids[0] == tok.eot_id  # the template's own BOS, once
     assert stops == (tok.token_to_id("<|endoftext|>"),)  # its end of turn
-    assert main(["generate", "--model", str(base), "--chat", "--prompt", prompt, "--temperature", "0",
-                 "--max-new-tokens", "12"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--model",
+                str(base),
+                "--chat",
+                "--prompt",
+                prompt,
+                "--temperature",
+                "0",
+                "--max-new-tokens",
+                "12",
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     ref = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=tok.eot_id)
-    expected = tok.decode([t for t in ref[0, len(ids):].tolist() if t != tok.eot_id])
+    expected = tok.decode([t for t in ref[0, len(ids) :].tolist() if t != tok.eot_id])
     assert printed == prompt + expected + "\n", (printed, expected)

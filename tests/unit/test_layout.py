@@ -22,8 +22,14 @@ def test_platform_dir_is_not_a_package():
 def test_stdlib_platform_wins_even_with_repo_first_on_path():
     # Ray puts the working dir first on every worker's sys.path; stdlib platform must still win.
     code = "import platform, sys; print(platform.__file__); print(platform.system())"
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
-                         env={"PYTHONPATH": str(REPO)}, check=True).stdout.splitlines()
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env={"PYTHONPATH": str(REPO)},
+        check=True,
+    ).stdout.splitlines()
     stdlib = Path(sysconfig.get_paths()["stdlib"]).resolve()
     assert Path(out[0]).resolve() == stdlib / "platform.py"
     assert out[1] == "Linux"
@@ -44,20 +50,40 @@ def test_modules_stay_small_and_the_config_does_no_io():
     import ast
 
     kiln = REPO / "platform" / "kiln"
-    too_long = [f"{p.relative_to(kiln)}: {n}" for p in kiln.rglob("*.py")
-                if (n := len(p.read_text().splitlines())) > 600]
+    too_long = [
+        f"{p.relative_to(kiln)}: {n}" for p in kiln.rglob("*.py") if (n := len(p.read_text().splitlines())) > 600
+    ]
     assert too_long == []
-    functions = [f"{p.relative_to(kiln)}:{node.name}" for p in kiln.rglob("*.py")
-                 for node in ast.walk(ast.parse(p.read_text()))
-                 if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 80]
+    functions = [
+        f"{p.relative_to(kiln)}:{node.name}"
+        for p in kiln.rglob("*.py")
+        for node in ast.walk(ast.parse(p.read_text()))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 80
+    ]
     assert functions == []
-    io = {"open", "read_text", "read_bytes", "write_text", "write_bytes", "exists", "listdir", "local_copy",
-          "read_config", "pretrained_shape", "init_from_dir", "resolve", "urlopen"}
+    io = {
+        "open",
+        "read_text",
+        "read_bytes",
+        "write_text",
+        "write_bytes",
+        "exists",
+        "listdir",
+        "local_copy",
+        "read_config",
+        "pretrained_shape",
+        "init_from_dir",
+        "resolve",
+        "urlopen",
+    }
     for name in ("config.py", "knobs.py", "topology.py", "model_config.py", "core/config.py", "data/config.py"):
         source = (kiln / name).read_text()
         assert len(source.splitlines()) <= 400, name
-        calls = {n.func.attr if isinstance(n.func, ast.Attribute) else getattr(n.func, "id", "")
-                 for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Call)}
+        calls = {
+            n.func.attr if isinstance(n.func, ast.Attribute) else getattr(n.func, "id", "")
+            for n in ast.walk(ast.parse(source))
+            if isinstance(n, ast.Call)
+        }
         assert calls & io == set(), (name, calls & io)
 
 
@@ -75,7 +101,20 @@ def test_the_repository_holds_a_licence_and_no_binary_files():
     paths = [p for p in tracked.decode().split("\0") if p and (REPO / p).is_file()]
     binary = {p for p in paths if b"\0" in (REPO / p).read_bytes()[:8192]}
     assert binary <= SHOWN_IMAGES, sorted(binary - SHOWN_IMAGES)
-    ignored = subprocess.run(["git", "check-ignore", "--no-index", "x.whl", "a/b.tar.gz", "m.safetensors",
-                              "s/part-0.parquet", "c/model.pt", "o/lib.so"],
-                             cwd=REPO, capture_output=True, text=True).stdout.split()
+    ignored = subprocess.run(
+        [
+            "git",
+            "check-ignore",
+            "--no-index",
+            "x.whl",
+            "a/b.tar.gz",
+            "m.safetensors",
+            "s/part-0.parquet",
+            "c/model.pt",
+            "o/lib.so",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    ).stdout.split()
     assert len(ignored) == 6, ignored

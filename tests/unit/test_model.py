@@ -11,10 +11,16 @@ def test_flavours_exist():
     assert {"debug", "gpt2-124m", "350m", "1.3b"} <= set(FLAVOURS)
 
 
-@pytest.mark.parametrize("flavour, vocab, approx_millions", [
-    ("gpt2-124m", 50304, 124), ("350m", 50304, 354), ("1.3b", 50304, 1314),
-    ("llama-7b", 32000, 6738), ("llama-1b", 128256, 1236),  # Llama 2 7B; Llama 3.2 1B (tied)
-])
+@pytest.mark.parametrize(
+    "flavour, vocab, approx_millions",
+    [
+        ("gpt2-124m", 50304, 124),
+        ("350m", 50304, 354),
+        ("1.3b", 50304, 1314),
+        ("llama-7b", 32000, 6738),
+        ("llama-1b", 128256, 1236),  # Llama 2 7B; Llama 3.2 1B (tied)
+    ],
+)
 def test_param_counts_match_published_sizes(flavour, vocab, approx_millions):
     cfg = config_for(flavour, vocab_size=vocab)
     assert num_params(cfg, non_embedding=False) / 1e6 == pytest.approx(approx_millions, rel=0.01)

@@ -52,21 +52,26 @@ def test_every_config_key_the_readme_names_exists():
     keys = set(flatten(RunConfig().to_dict()))
     section = "|".join(SECTIONS)
     named = set(re.findall(rf"(?<![\w./-])((?:{section})\.[a-z_][a-z0-9_.]*[a-z0-9_])", README))
-    named -= {"model.py", "model.safetensors", "model.safetensors.index.json", "optim.lrr"}  # files, and the README's example of a typo Kiln catches
+    named -= {
+        "model.py",
+        "model.safetensors",
+        "model.safetensors.index.json",
+        "optim.lrr",
+    }  # files, and the README's example of a typo Kiln catches
     assert "optim.lrr` → `did you mean 'lr'?" in README
     unknown = sorted(k for k in named if not any(x == k or x.startswith(k + ".") for x in keys))
     assert len(named) > 40 and not unknown, unknown
 
 
 def test_flavours_and_alerts_are_the_codes():
-    section = README[README.index("### Configs and flavours"):README.index("### What a run records")]
+    section = README[README.index("### Configs and flavours") : README.index("### What a run records")]
     assert all(f"`{name}`" in section for name in FLAVOURS), sorted(FLAVOURS)
     words = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven", "twelve"]
     assert f"one of {words[len(FLAVOURS)]} model sizes" in section
     rules = yaml.safe_load((REPO / "dashboards/alerts.yml").read_text())
     alerts = {r["alert"] for g in rules["groups"] for r in g["rules"]}
     table = set(re.findall(r"^\| `(Kiln\w+)` \|", README, re.M))
-    assert table == alerts, (table ^ alerts)
+    assert table == alerts, table ^ alerts
 
 
 def _slug(heading: str) -> str:
@@ -78,7 +83,7 @@ def test_contents_and_links_land():
     anchors = {_slug(h) for h in re.findall(r"^#+ (.+)$", README, re.M)}
     linked = set(re.findall(r"\]\(#([\w-]+)\)", README))
     assert linked and linked <= anchors, linked - anchors
-    contents = README[README.index("**Contents**"):README.index("## Quickstart")]
+    contents = README[README.index("**Contents**") : README.index("## Quickstart")]
     top = [_slug(h) for h in re.findall(r"^## (.+)$", README, re.M)]
     assert re.findall(r"^\d+\. \[[^]]+\]\(#([\w-]+)\)", contents, re.M) == top  # every section, in order
     files = {f.split("#")[0] for f in re.findall(r"\]\(([^)#:]+(?:#[^)]*)?)\)", README)}

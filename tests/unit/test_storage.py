@@ -18,7 +18,11 @@ MOTO = str(Path(sys.executable).parent / "moto_server")
 
 @pytest.fixture
 def s3_env(monkeypatch):
-    for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+    for k, v in {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }.items():
         monkeypatch.setenv(k, v)
 
 
@@ -26,8 +30,14 @@ def test_a_read_retries_while_s3_is_away_and_goes_on_when_it_is_back(s3_env, cap
     port = free_port()
     loc = resolve("s3://kiln-retry/ds", f"http://127.0.0.1:{port}")
     server: list[subprocess.Popen] = []
-    late = threading.Timer(2.5, lambda: server.append(subprocess.Popen(
-        [MOTO, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)))
+    late = threading.Timer(
+        2.5,
+        lambda: server.append(
+            subprocess.Popen(
+                [MOTO, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+            )
+        ),
+    )
     caplog.set_level(logging.WARNING, logger="kiln.storage")
     calls = []
 

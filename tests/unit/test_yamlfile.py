@@ -45,10 +45,13 @@ def test_anchors_reused_within_reason_load():
     assert len(tree["l3"]) == 9 and tree["l3"][0][0][0] == ["x"]
 
 
-@pytest.mark.parametrize("text,needle", [
-    ("a: " + "[" * 100 + "]" * 100, "nests lists and mappings over 64 deep"),
-    ("a: 1\n" * (yamlfile.MAX_BYTES // 4), "characters; expected at most"),
-])
+@pytest.mark.parametrize(
+    "text,needle",
+    [
+        ("a: " + "[" * 100 + "]" * 100, "nests lists and mappings over 64 deep"),
+        ("a: 1\n" * (yamlfile.MAX_BYTES // 4), "characters; expected at most"),
+    ],
+)
 def test_deep_or_huge_text_is_refused(text, needle):
     with pytest.raises(ConfigError, match=needle):
         yamlfile.load_text(text, "t")
@@ -63,7 +66,10 @@ def test_a_huge_file_is_refused_unread(tmp_path):
 
 
 def test_an_override_value_is_bounded_too():
-    bomb = "{" + ", ".join(f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]" if i else "a0: &a0 [x]"
-                           for i in range(10)) + "}"
+    bomb = (
+        "{"
+        + ", ".join(f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]" if i else "a0: &a0 [x]" for i in range(10))
+        + "}"
+    )
     with pytest.raises(ConfigError, match="--set parallel.deepspeed"):
         load_config(None, [f"parallel.deepspeed={bomb}"])

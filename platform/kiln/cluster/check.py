@@ -44,8 +44,10 @@ def check_launcher(cfg: dict) -> list[str]:
     if problems:
         return problems  # Ray's schema and Kiln's rules assume these types
     validator = jsonschema.Draft7Validator(ray_schema())
-    problems = [f"{'.'.join(map(str, e.absolute_path)) or '(top level)'}: {_schema_words(e)}"
-                for e in sorted(validator.iter_errors(cfg), key=lambda e: list(map(str, e.absolute_path)))]
+    problems = [
+        f"{'.'.join(map(str, e.absolute_path)) or '(top level)'}: {_schema_words(e)}"
+        for e in sorted(validator.iter_errors(cfg), key=lambda e: list(map(str, e.absolute_path)))
+    ]
     if problems:
         return problems  # the rest assumes the shapes the schema guarantees
     refusal = ray_up_problem(cfg)  # what `ray up` runs before it contacts the provider
@@ -65,16 +67,21 @@ def check_launcher(cfg: dict) -> list[str]:
 
     setup = " ".join(cfg.get("setup_commands", []) + cfg.get("head_setup_commands", []))
     if "make install" not in setup and "pip install" not in setup:
-        problems.append("setup_commands: nothing installs Kiln; use `cd ~/kiln && make install`, as "
-                        "`make demo` does (torch first, then DeepSpeed, then Kiln)")
+        problems.append(
+            "setup_commands: nothing installs Kiln; use `cd ~/kiln && make install`, as "
+            "`make demo` does (torch first, then DeepSpeed, then Kiln)"
+        )
     for key in ("head_start_ray_commands", "worker_start_ray_commands"):
         cmds = " ".join(cfg.get(key, []))
         if "ray start" in cmds and "RAY_AUTH_MODE=token" not in cmds:
-            problems.append(f"{key}: `ray start` without RAY_AUTH_MODE=token; Kiln keeps Ray's token "
-                            "auth on on every node")
+            problems.append(
+                f"{key}: `ray start` without RAY_AUTH_MODE=token; Kiln keeps Ray's token auth on on every node"
+            )
     if "dashboard-host=0.0.0.0" in " ".join(cfg.get("head_start_ray_commands", [])):
-        problems.append("head_start_ray_commands: the dashboard binds to 0.0.0.0; bind it to 127.0.0.1 "
-                        "and reach it with `ray dashboard <file>`")
+        problems.append(
+            "head_start_ray_commands: the dashboard binds to 0.0.0.0; bind it to 127.0.0.1 "
+            "and reach it with `ray dashboard <file>`"
+        )
     return problems
 
 
@@ -120,11 +127,14 @@ def _check_cluster_spec(spec: dict, where: str, problems: list[str]) -> None:
         lo, n, hi = group.get("minReplicas", 0), group.get("replicas", 0), group.get("maxReplicas", 2**31)
         if not lo <= n <= hi:
             problems.append(f"{w}: expected minReplicas <= replicas <= maxReplicas, got {lo}, {n}, {hi}")
-    token_env = any(e.get("name") == "RAY_AUTH_MODE" and e.get("value") == "token"
-                    for c in envs for e in c.get("env") or [])
+    token_env = any(
+        e.get("name") == "RAY_AUTH_MODE" and e.get("value") == "token" for c in envs for e in c.get("env") or []
+    )
     if (spec.get("authOptions") or {}).get("mode") != "token" and not token_env:
-        problems.append(f"{where}.authOptions.mode: expected `token` (or RAY_AUTH_MODE=token on every "
-                        "container); Kiln keeps Ray's token auth on")
+        problems.append(
+            f"{where}.authOptions.mode: expected `token` (or RAY_AUTH_MODE=token on every "
+            "container); Kiln keeps Ray's token auth on"
+        )
 
 
 def check_kuberay(doc: dict) -> list[str]:

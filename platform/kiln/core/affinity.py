@@ -48,7 +48,7 @@ def cores_for(local_rank: int, cores_per_worker: int, allowed: set[int], nodes: 
     start = local_rank * cores_per_worker
     if cores_per_worker < 1 or start + cores_per_worker > len(ordered):
         return None
-    return ordered[start:start + cores_per_worker]
+    return ordered[start : start + cores_per_worker]
 
 
 def pin_worker(local_rank: int, local_workers: int, cpus_per_worker: float) -> list[int] | None:

@@ -62,18 +62,30 @@ def model_card(cfg: RunConfig, mcfg: GPTConfig) -> dict:
     from kiln.redact import redact_tree
 
     d = cfg.data
-    return redact_tree({
-        "format": 1, "gpt": asdict(mcfg), **layout_card(cfg),
-        "data": {"path": d.path, "s3_endpoint": d.s3_endpoint, "s3_region": d.s3_region},
-    })
+    return redact_tree(
+        {
+            "format": 1,
+            "gpt": asdict(mcfg),
+            **layout_card(cfg),
+            "data": {"path": d.path, "s3_endpoint": d.s3_endpoint, "s3_region": d.s3_region},
+        }
+    )
 
 
 def layout_card(cfg: RunConfig) -> dict:
     """The part of the card a resume is judged by: how the state was sharded, its precision
     layout and its batch."""
-    return {"parallel": {"engine": cfg.parallel.engine, "zero_stage": cfg.parallel.zero_stage,
-                         "pipeline_stages": cfg.parallel.pipeline_stages, "tensor_parallel": cfg.parallel.tensor_parallel},
-            "precision": precision_record(cfg), "batch": batch_card(cfg), "optimizer": cfg.optim.name}
+    return {
+        "parallel": {
+            "engine": cfg.parallel.engine,
+            "zero_stage": cfg.parallel.zero_stage,
+            "pipeline_stages": cfg.parallel.pipeline_stages,
+            "tensor_parallel": cfg.parallel.tensor_parallel,
+        },
+        "precision": precision_record(cfg),
+        "batch": batch_card(cfg),
+        "optimizer": cfg.optim.name,
+    }
 
 
 def precision_record(cfg: RunConfig) -> dict:
@@ -91,9 +103,11 @@ def _check_precision(directory: str, had: dict | None, want: dict) -> None:
     the record say nothing and are not checked."""
     if had is None or _layout(had) == _layout(want):
         return
-    raise ConfigError(f"train.resume_from = {directory!r} was written with {_words(had)}; this run has {_words(want)}, "
-                      "and DeepSpeed's optimizer state differs between them: set train.precision and "
-                      "train.mixed_precision as the checkpoint had them")
+    raise ConfigError(
+        f"train.resume_from = {directory!r} was written with {_words(had)}; this run has {_words(want)}, "
+        "and DeepSpeed's optimizer state differs between them: set train.precision and "
+        "train.mixed_precision as the checkpoint had them"
+    )
 
 
 def _layout(record: dict) -> str:
@@ -111,8 +125,16 @@ def step_dir(root: str, step: int) -> str:
     return os.path.join(root, f"step_{step:08d}")
 
 
-def save(engine: Engine, root: str, step: int, rank: int, world_size: int, client_state: dict,
-         score: float | None = None, card: dict | None = None) -> str:
+def save(
+    engine: Engine,
+    root: str,
+    step: int,
+    rank: int,
+    world_size: int,
+    client_state: dict,
+    score: float | None = None,
+    card: dict | None = None,
+) -> str:
     """Write the engine's state for `step` under `root`; return the completed directory.
     `score` (the validation loss at this step) goes into the marker, for `prune(by="loss/val")`;
     `card` (rank 0's) describes the model, so that `kiln export` needs nothing but the directory."""
@@ -191,6 +213,7 @@ def prune(root: str, keep: int, by: str = "newest") -> list[str]:
     if by == "newest":
         doomed = complete[:-keep]
     else:
+
         def score(d: str) -> float:
             value = (_markers(d) or {}).get(SCORE)
             return float("inf") if value is None else float(value)
@@ -240,8 +263,11 @@ def _step_dirs(root: str) -> list[str]:
 def newest_reported(root: str) -> str | None:
     """The complete checkpoint of highest step among a Ray run's directory's: Ray Train stores
     what each rank reported as `checkpoint_<time>/` (the `step_N` contents, markers included)."""
-    found = [(m["step"], d) for d in (os.path.join(root, n) for n in os.listdir(root) if RAY_DIR.match(n))
-             if (m := _markers(d)) is not None]
+    found = [
+        (m["step"], d)
+        for d in (os.path.join(root, n) for n in os.listdir(root) if RAY_DIR.match(n))
+        if (m := _markers(d)) is not None
+    ]
     return max(found)[1] if found else None
 
 
@@ -268,9 +294,11 @@ def resolve_resume(path: str, world_size: int, card: dict | None = None, allow_b
     if card.get("precision") is not None:
         _check_precision(directory, had.get("precision"), card["precision"])
     if had.get("optimizer") and card.get("optimizer") and had["optimizer"] != card["optimizer"]:
-        raise ConfigError(f"train.resume_from = {directory!r} was written with optim.name = {had['optimizer']!r}, and "
-                          f"its optimizer state is that optimizer's; this run has {card['optimizer']!r}: keep "
-                          "optim.name (its settings, such as optim.lr, may change)")
+        raise ConfigError(
+            f"train.resume_from = {directory!r} was written with optim.name = {had['optimizer']!r}, and "
+            f"its optimizer state is that optimizer's; this run has {card['optimizer']!r}: keep "
+            "optim.name (its settings, such as optim.lr, may change)"
+        )
     written = Written.of(marker, had)
     run = Written.of({"world_size": world_size}, card)
     return Resume(directory, int(marker["step"]), regroup(directory, written, run, allow_batch_change))
@@ -281,15 +309,22 @@ def find_checkpoint(path: str) -> tuple[str, dict]:
     newest complete one; refuses a path that holds none."""
     if not os.path.isdir(path):
         raise ConfigError(f"train.resume_from = {path!r}: no such directory")
-    directory = path if (os.path.exists(os.path.join(path, MARKER.format(rank=0)))
-                         or os.path.isdir(os.path.join(path, TAG))) else latest_complete(path) or newest_reported(path)
+    directory = (
+        path
+        if (os.path.exists(os.path.join(path, MARKER.format(rank=0))) or os.path.isdir(os.path.join(path, TAG)))
+        else latest_complete(path) or newest_reported(path)
+    )
     if directory is None:
-        raise ConfigError(f"train.resume_from = {path!r}: holds no complete Kiln checkpoint "
-                          "(expected step_N or checkpoint_<time> directories with a kiln_complete marker per rank)")
+        raise ConfigError(
+            f"train.resume_from = {path!r}: holds no complete Kiln checkpoint "
+            "(expected step_N or checkpoint_<time> directories with a kiln_complete marker per rank)"
+        )
     marker = _markers(directory)
     if marker is None:
-        raise ConfigError(f"train.resume_from = {directory!r} is incomplete: its writer died before every "
-                          "rank's kiln_complete marker was written; pick an earlier checkpoint")
+        raise ConfigError(
+            f"train.resume_from = {directory!r} is incomplete: its writer died before every "
+            "rank's kiln_complete marker was written; pick an earlier checkpoint"
+        )
     return directory, marker
 
 
@@ -304,10 +339,12 @@ def _check_engine(directory: str, had: dict, card: dict) -> None:
     per-rank files, torch's distributed checkpoint)."""
     if not had or not card.get("parallel") or engine_of(had) == engine_of(card):
         return
-    raise ConfigError(f"train.resume_from = {directory!r} was written by parallel.engine = {engine_of(had)!r}; this "
-                      f"run has {engine_of(card)!r}, and each engine loads its own checkpoint format: set "
-                      f"parallel.engine = {engine_of(had)!r}, or start from its weights with model.init_from after "
-                      "kiln export")
+    raise ConfigError(
+        f"train.resume_from = {directory!r} was written by parallel.engine = {engine_of(had)!r}; this "
+        f"run has {engine_of(card)!r}, and each engine loads its own checkpoint format: set "
+        f"parallel.engine = {engine_of(had)!r}, or start from its weights with model.init_from after "
+        "kiln export"
+    )
 
 
 def _read_marker(path: str) -> dict | None:
@@ -342,8 +379,15 @@ class CheckpointPolicy:
     save is averaged over ranks by the caller before `wants_save` sees it.
     """
 
-    def __init__(self, t: TrainConfig, root: str | None, rank: int, world_size: int, card: dict | None = None,
-                 copy_remote: Callable[[str, str], str] | None = None):
+    def __init__(
+        self,
+        t: TrainConfig,
+        root: str | None,
+        rank: int,
+        world_size: int,
+        card: dict | None = None,
+        copy_remote: Callable[[str, str], str] | None = None,
+    ):
         self.t, self.root, self.rank, self.world_size = t, root, rank, world_size
         # (uri, into) -> a local copy of an s3:// train.resume_from (kiln.core.remote_checkpoint)
         self.copy_remote = copy_remote
@@ -378,10 +422,13 @@ class CheckpointPolicy:
         done = int(client["step"])
         # The data position: micro-batches this replica drew so far, the ones the health guard
         # left out included (older checkpoints lack it: steps x micro-batches).
-        consumed = int(client.get("batches_consumed", done * (card.get("batch") or {}).get("micro_batches_per_step", 1)))
+        consumed = int(
+            client.get("batches_consumed", done * (card.get("batch") or {}).get("micro_batches_per_step", 1))
+        )
         if self.rank == 0:
-            log.info("resumed from %s at step %d (micro-batch %d of the data)", restored or resume.directory, done,
-                     consumed)
+            log.info(
+                "resumed from %s at step %d (micro-batch %d of the data)", restored or resume.directory, done, consumed
+            )
         # a rollback before this run's first save reloads what it resumed from (not an s3:// one,
         # whose copy is gone: the health guard then stops the run instead)
         self.last_good = restored or (None if copy is not None else resume.directory)
@@ -392,13 +439,15 @@ class CheckpointPolicy:
 
     def wants_save(self, step: int, since_save: float) -> bool:
         t = self.t
-        return bool((t.checkpoint_every and step % t.checkpoint_every == 0) or step == t.max_steps
-                    or (t.checkpoint_every_minutes and since_save >= 60 * t.checkpoint_every_minutes))
+        return bool(
+            (t.checkpoint_every and step % t.checkpoint_every == 0)
+            or step == t.max_steps
+            or (t.checkpoint_every_minutes and since_save >= 60 * t.checkpoint_every_minutes)
+        )
 
     def wants_eval(self, step: int, save: bool) -> bool:
         scored_save = save and self.t.keep_checkpoints_by == SCORE  # each checkpoint gets its score
-        return bool((self.t.eval_every and step % self.t.eval_every == 0) or step == self.t.max_steps
-                    or scored_save)
+        return bool((self.t.eval_every and step % self.t.eval_every == 0) or step == self.t.max_steps or scored_save)
 
     def save(self, engine: Engine, step: int, client_state: dict, score: float | None) -> tuple[str | None, float]:
         """(the checkpoint directory, seconds the save took); (None, 0) where nothing is kept."""

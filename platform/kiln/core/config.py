@@ -118,8 +118,11 @@ class LoggingConfig:
     experiment: str = knob("kiln", lambda v: bool(v.strip()), "a non-empty name")
     """MLflow experiment name. Not given in the config or an override: $MLFLOW_EXPERIMENT_NAME,
     else kiln."""
-    run_name: str = knob("", lambda v: v == "" or (bool(RUN_NAME.fullmatch(v)) and v.strip(".") != ""),
-                         "letters, digits, '.', '_' and '-', not starting with '.' (it names the run's directory)")
+    run_name: str = knob(
+        "",
+        lambda v: v == "" or (bool(RUN_NAME.fullmatch(v)) and v.strip(".") != ""),
+        "letters, digits, '.', '_' and '-', not starting with '.' (it names the run's directory)",
+    )
     """MLflow run name, and the name of the run's directory under train.storage_path; empty:
     generated from the flavour and a timestamp. On Ray, a run submitted again under a name
     whose directory holds a checkpoint resumes from it, into the same MLflow run."""

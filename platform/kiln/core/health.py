@@ -63,16 +63,20 @@ class HealthConfig:
         if self.spike_factor < 0 or (self.spike_factor and self.spike_factor <= 1):
             raise ConfigError(f"train.health.spike_factor = {self.spike_factor}: expected 0 (off) or a number > 1")
         if self.spike_window < 1 or self.max_in_a_row < 1 or self.max_rollbacks < 1:
-            raise ConfigError(f"train.health: spike_window = {self.spike_window}, max_in_a_row = "
-                              f"{self.max_in_a_row}, max_rollbacks = {self.max_rollbacks}: expected integers >= 1")
+            raise ConfigError(
+                f"train.health: spike_window = {self.spike_window}, max_in_a_row = "
+                f"{self.max_in_a_row}, max_rollbacks = {self.max_rollbacks}: expected integers >= 1"
+            )
         try:
             self.injections()
         except ValueError as e:
             raise ConfigError(f"train.health.inject = {self.inject!r}: {e} is not nan@STEP or spike@STEP") from None
         if self.policy == "skip" and pipeline_stages > 1:
-            raise ConfigError("train.health.policy = 'skip' with parallel.pipeline_stages > 1: DeepSpeed's pipeline "
-                              "engine runs forward, backward and the step in one call, so a micro-batch cannot be "
-                              "left out; expected 'stop' or 'rollback'")
+            raise ConfigError(
+                "train.health.policy = 'skip' with parallel.pipeline_stages > 1: DeepSpeed's pipeline "
+                "engine runs forward, backward and the step in one call, so a micro-batch cannot be "
+                "left out; expected 'stop' or 'rollback'"
+            )
 
 
 MIN_HISTORY = 10  # good steps seen before a spike can be called: the first steps fall fast
@@ -124,8 +128,14 @@ class HealthGuard:
         finite = torch.isfinite(value)
         spiking = finite & (value > self._threshold)
         self._worst = torch.maximum(self._worst, torch.where(spiking, value, torch.zeros_like(value)))
-        self._step += torch.stack([(~finite).float(), spiking.float(), torch.ones_like(value),
-                                   torch.where(finite, value, torch.zeros_like(value))])
+        self._step += torch.stack(
+            [
+                (~finite).float(),
+                spiking.float(),
+                torch.ones_like(value),
+                torch.where(finite, value, torch.zeros_like(value)),
+            ]
+        )
 
     def verdict(self, step: int) -> str | None:
         """None if every micro-batch of this step was good on every rank, else why not: one
@@ -150,14 +160,20 @@ class HealthGuard:
             reason = f"loss is not finite {where}"
         else:
             value, median = float(worst), float(torch.nanmedian(self._recent))
-            mine = f" {value:.4g} is {value / median:.1f}x the running median {median:.4g}" if value else \
-                f" above {self.cfg.spike_factor:g}x the running median"
+            mine = (
+                f" {value:.4g} is {value / median:.1f}x the running median {median:.4g}"
+                if value
+                else f" above {self.cfg.spike_factor:g}x the running median"
+            )
             reason = f"loss{mine} {where} (train.health.spike_factor = {self.cfg.spike_factor:g})"
         self.in_a_row += 1
         if self.in_a_row > self.cfg.max_in_a_row:
-            raise BadLoss(step, f"{reason}; {self.in_a_row} bad steps in a row "
-                                f"(train.health.max_in_a_row = {self.cfg.max_in_a_row}): the run diverged",
-                          fatal=True)
+            raise BadLoss(
+                step,
+                f"{reason}; {self.in_a_row} bad steps in a row "
+                f"(train.health.max_in_a_row = {self.cfg.max_in_a_row}): the run diverged",
+                fatal=True,
+            )
         return reason
 
     def _remember(self, mean_loss: torch.Tensor) -> None:

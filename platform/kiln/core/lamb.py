@@ -22,8 +22,15 @@ import torch
 
 
 class Lamb(torch.optim.Optimizer):
-    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-6, weight_decay: float = 0.0, max_trust_ratio: float = 0.0):
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-6,
+        weight_decay: float = 0.0,
+        max_trust_ratio: float = 0.0,
+    ):
         """max_trust_ratio: clamp the trust ratio to at most this (0: no clamp, the paper's rule)."""
         if lr <= 0 or eps <= 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1) or weight_decay < 0:
             raise ValueError(f"invalid LAMB hyper-parameters lr={lr} betas={betas} eps={eps} wd={weight_decay}")
@@ -60,8 +67,9 @@ class Lamb(torch.optim.Optimizer):
                     update.add_(weights, alpha=group["weight_decay"])
                 w_norm, u_norm = weights.norm(), update.norm()
                 # No host sync: the "either norm is zero" case is a tensor select.
-                trust = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm.clamp_min(1e-30),
-                                    torch.ones_like(w_norm))
+                trust = torch.where(
+                    (w_norm > 0) & (u_norm > 0), w_norm / u_norm.clamp_min(1e-30), torch.ones_like(w_norm)
+                )
                 if group["max_trust_ratio"]:
                     trust = trust.clamp(max=group["max_trust_ratio"])
                 p.add_((update * (trust * -group["lr"])).to(p.dtype))

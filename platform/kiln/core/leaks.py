@@ -40,10 +40,16 @@ class LeakWatch:
             if rate and name not in self.warned:
                 self.warned.add(name)
                 first, last = samples[0], samples[-1]
-                log.warning("possible memory leak: %s memory grew %.0f MiB over steps %d-%d (%.2f MiB/step) "
-                            "after warm-up, and keeps growing; profile host memory with train.profile "
-                            "(memray) to see where it is allocated", name, (last[1] - first[1]) / 2**20,
-                            first[0], last[0], rate / 2**20)
+                log.warning(
+                    "possible memory leak: %s memory grew %.0f MiB over steps %d-%d (%.2f MiB/step) "
+                    "after warm-up, and keeps growing; profile host memory with train.profile "
+                    "(memray) to see where it is allocated",
+                    name,
+                    (last[1] - first[1]) / 2**20,
+                    first[0],
+                    last[0],
+                    rate / 2**20,
+                )
             worst = max(worst, rate)
         return {"memory/leak_bytes_per_step": worst}
 

@@ -22,14 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kiln.clock import (
-    RESTART_ENGINE,
-    RESTART_FIRST_STEP,
-    RESTART_LOAD,
-    RESTART_WORKER_START,
-    STARTUP,
-    startup_mark,
-)
+from kiln.clock import RESTART_ENGINE, RESTART_FIRST_STEP, RESTART_LOAD, RESTART_WORKER_START, STARTUP, startup_mark
 from kiln.core.checkpoint import CheckpointPolicy, model_card
 from kiln.core.collectives import mean_over_ranks
 from kiln.core.engine import Engine
@@ -78,9 +71,17 @@ def evaluate(engine: Engine, source: BatchSource, max_batches: int, device: torc
     return mean_total / max(mean_count, 1e-9)
 
 
-def train_loop(cfg: RunConfig, mcfg: GPTConfig, world: WorldInfo, engine: Engine, scheduler, source: BatchSource,
-               sinks: Sinks, checkpoint_root: str | None = None, startup: dict[str, float] | None = None,
-               ) -> dict[str, float]:
+def train_loop(
+    cfg: RunConfig,
+    mcfg: GPTConfig,
+    world: WorldInfo,
+    engine: Engine,
+    scheduler,
+    source: BatchSource,
+    sinks: Sinks,
+    checkpoint_root: str | None = None,
+    startup: dict[str, float] | None = None,
+) -> dict[str, float]:
     """Train `engine` (a model of shape `mcfg`) to `train.max_steps`; return the final metrics
     (with the launcher's `startup` marks, kiln.clock, and the first step's).
 
@@ -101,22 +102,44 @@ def train_loop(cfg: RunConfig, mcfg: GPTConfig, world: WorldInfo, engine: Engine
 class _Training:
     """One rank's training run: its parts, built once, and the loop over steps."""
 
-    def __init__(self, cfg: RunConfig, mcfg: GPTConfig, world: WorldInfo, engine: Engine, scheduler,
-                 source: BatchSource, sinks: Sinks, checkpoint_root: str | None, startup: dict[str, float]):
+    def __init__(
+        self,
+        cfg: RunConfig,
+        mcfg: GPTConfig,
+        world: WorldInfo,
+        engine: Engine,
+        scheduler,
+        source: BatchSource,
+        sinks: Sinks,
+        checkpoint_root: str | None,
+        startup: dict[str, float],
+    ):
         t, device = cfg.train, world.device
         self.cfg, self.world, self.engine, self.scheduler, self.source, self.sinks = (
-            cfg, world, engine, scheduler, source, sinks)
+            cfg,
+            world,
+            engine,
+            scheduler,
+            source,
+            sinks,
+        )
         self.progress: ProgressSink = sinks.progress or LogLines(cfg.logging.progress_every)  # rank 0's view
-        self.policy = CheckpointPolicy(t, checkpoint_root, world.rank, world.world_size, model_card(cfg, mcfg),
-                                       functools.partial(copy_to, endpoint=cfg.data.s3_endpoint,
-                                                         region=cfg.data.s3_region))
+        self.policy = CheckpointPolicy(
+            t,
+            checkpoint_root,
+            world.rank,
+            world.world_size,
+            model_card(cfg, mcfg),
+            functools.partial(copy_to, endpoint=cfg.data.s3_endpoint, region=cfg.data.s3_region),
+        )
         settings, loading = Settings.of(scheduler), time.time()
         resumed = self.policy.resume(engine, sinks.restored)
         if resumed.done:  # a load brings back the checkpoint's LR and hyperparameters: this config's win
             settings.restore(scheduler)
         # A restarted group's way back, logged after its first step (rank 0).
-        self.restart = _restart_marks(startup, time.time() - loading) if sinks.restored is not None and world.rank == 0 \
-            else None
+        self.restart = (
+            _restart_marks(startup, time.time() - loading) if sinks.restored is not None and world.rank == 0 else None
+        )
         self.done, consumed = resumed.done, resumed.consumed
         dims = ParallelDims.of(cfg.parallel, world.world_size)
         if resumed.regroup is not None:  # written by another number of replicas: the same row, in this run's terms
@@ -130,8 +153,11 @@ class _Training:
         # resumed steps consumed.
         source.prefetch()
         self.indices = _index_log(cfg, world, dims)
-        batches = (source.train_batches(skip=consumed) if self.indices is None
-                   else self.indices.tap(source.numbered_samples(skip=consumed), consumed))
+        batches = (
+            source.train_batches(skip=consumed)
+            if self.indices is None
+            else self.indices.tap(source.numbered_samples(skip=consumed), consumed)
+        )
         self.prefetcher = DevicePrefetcher(batches, device, cfg.data.prefetch_batches)
         self.batches = _Counted(self.prefetcher, consumed)
         self.tokens_per_step = cfg.tokens_per_step(dims.data_parallel_size)
@@ -166,12 +192,14 @@ class _Training:
             self.timer.on = read = _reads_metrics(step, self.cfg, self.meter, self.policy)
             self.engine.time_comm(read)
             try:
-                result = train_step(self.engine, self.batches, self.cfg.micro_batches_per_step, self.guard,
-                                    self.gate, self.timer, step)
+                result = train_step(
+                    self.engine, self.batches, self.cfg.micro_batches_per_step, self.guard, self.gate, self.timer, step
+                )
             except BadLoss as bad:
                 self._record_indices(bad.step, DROPPED)
-                step = _after_bad_loss(bad, self.guard, self.engine, self.policy.last_good, self.world.rank,
-                                       self.sinks.logger)
+                step = _after_bad_loss(
+                    bad, self.guard, self.engine, self.policy.last_good, self.world.rank, self.sinks.logger
+                )
                 continue
             if self.guard.events:
                 _record_health(self.guard, self.sinks.logger, step, self.world.rank)
@@ -207,7 +235,8 @@ class _Training:
         # One all-reduce per metrics step. The time since the last save rides along, so every
         # rank takes the same save decision.
         loss_train, wait, since_save = mean_over_ranks(
-            [result.loss.item(), result.data_wait_s, self.policy.seconds_since_save()], device)
+            [result.loss.item(), result.data_wait_s, self.policy.seconds_since_save()], device
+        )
         phases = self.timer.read() | self.engine.comm_time()
         metrics = meter.metrics(step, step_s, loss_train, lr, phases, wait, self.engine, self.world.rank)
         if not math.isfinite(loss_train):
@@ -265,8 +294,11 @@ def _index_log(cfg: RunConfig, world: WorldInfo, dims: ParallelDims) -> IndexLog
 def _restart_marks(startup: dict[str, float], load_s: float) -> dict[str, float]:
     """kiln.clock's RESTART_* known before the first step (the MLflow logger keeps them where it
     drops the steps the old group logged already)."""
-    marks = {RESTART_WORKER_START: startup.get(f"{STARTUP}worker_process_unix"),
-             RESTART_ENGINE: startup.get(f"{STARTUP}engine_unix"), RESTART_LOAD: load_s}
+    marks = {
+        RESTART_WORKER_START: startup.get(f"{STARTUP}worker_process_unix"),
+        RESTART_ENGINE: startup.get(f"{STARTUP}engine_unix"),
+        RESTART_LOAD: load_s,
+    }
     return {k: v for k, v in marks.items() if v is not None}
 
 
@@ -276,27 +308,44 @@ def _reads_metrics(step: int, cfg: RunConfig, meter: StepMeter, policy: Checkpoi
     last warm-up step (a CPU's peak is measured there). Every rank answers alike. A time-based
     save (checkpoint_every_minutes) is decided on these steps too."""
     t, lg = cfg.train, cfg.logging
-    return bool(step % lg.log_every == 0 or step % lg.progress_every == 0 or step == t.max_steps
-                or step in (meter.done + 1, meter.warmup_end)
-                or policy.wants_save(step, 0.0) or policy.wants_eval(step, False))
+    return bool(
+        step % lg.log_every == 0
+        or step % lg.progress_every == 0
+        or step == t.max_steps
+        or step in (meter.done + 1, meter.warmup_end)
+        or policy.wants_save(step, 0.0)
+        or policy.wants_eval(step, False)
+    )
 
 
 def _log_start(cfg: RunConfig, mcfg: GPTConfig, dims: ParallelDims, tokens_per_step: int) -> None:
-    console.info("training %s (%.2fM params) for %d steps, %d tokens/step on %d worker(s)%s",
-                 cfg.model.display_name, num_params(mcfg, non_embedding=False) / 1e6, cfg.train.max_steps,
-                 tokens_per_step, dims.world_size, f" ({dims.describe()})" if dims.data_parallel_size < dims.world_size else "")
+    console.info(
+        "training %s (%.2fM params) for %d steps, %d tokens/step on %d worker(s)%s",
+        cfg.model.display_name,
+        num_params(mcfg, non_embedding=False) / 1e6,
+        cfg.train.max_steps,
+        tokens_per_step,
+        dims.world_size,
+        f" ({dims.describe()})" if dims.data_parallel_size < dims.world_size else "",
+    )
 
 
-def _timed_eval(meter: StepMeter, engine: Engine, source: BatchSource, max_batches: int, device: torch.device,
-                ) -> float:
+def _timed_eval(meter: StepMeter, engine: Engine, source: BatchSource, max_batches: int, device: torch.device) -> float:
     start = time.perf_counter()
     loss = evaluate(engine, source, max_batches, device)
     meter.evaluated(time.perf_counter() - start)
     return loss
 
 
-def _publish(sinks: Sinks, progress: ProgressSink, metrics: dict[str, float], step: int, cfg: RunConfig,
-             rank: int, mean_step_s: float) -> None:
+def _publish(
+    sinks: Sinks,
+    progress: ProgressSink,
+    metrics: dict[str, float],
+    step: int,
+    cfg: RunConfig,
+    rank: int,
+    mean_step_s: float,
+) -> None:
     """The step's metrics to Prometheus, MLflow (every `log_every` steps, at evaluations and at
     the end) and, on rank 0, the progress display (no ETA until steady steps are timed)."""
     sinks.live.observe(metrics, step)
@@ -304,9 +353,17 @@ def _publish(sinks: Sinks, progress: ProgressSink, metrics: dict[str, float], st
     if step % cfg.logging.log_every == 0 or is_last or "loss/val" in metrics:
         sinks.logger.log(metrics, step)
     if rank == 0:
-        progress.update(Progress(step, cfg.train.max_steps, metrics["loss/train"],
-                                 metrics["throughput/tokens_per_s"], metrics["lr"], mean_step_s,
-                                 metrics.get("loss/val")))
+        progress.update(
+            Progress(
+                step,
+                cfg.train.max_steps,
+                metrics["loss/train"],
+                metrics["throughput/tokens_per_s"],
+                metrics["lr"],
+                mean_step_s,
+                metrics.get("loss/val"),
+            )
+        )
 
 
 def _hand_in_profile(window, logger: MetricLogger) -> None:
@@ -316,8 +373,9 @@ def _hand_in_profile(window, logger: MetricLogger) -> None:
         discard(window)
 
 
-def _after_bad_loss(bad: BadLoss, guard: HealthGuard, engine: Engine, last_good: str | Fetch | None, rank: int,
-                    logger: MetricLogger) -> int:
+def _after_bad_loss(
+    bad: BadLoss, guard: HealthGuard, engine: Engine, last_good: str | Fetch | None, rank: int, logger: MetricLogger
+) -> int:
     """Roll back to `last_good` (a directory, or under Ray a function that downloads one) and
     return its step, or end the run with the reason."""
     capped = guard.rollbacks >= guard.cfg.max_rollbacks
@@ -327,8 +385,10 @@ def _after_bad_loss(bad: BadLoss, guard: HealthGuard, engine: Engine, last_good:
         client = engine.load(last_good)
         back_to = int(client["step"])
         guard.rollbacks += 1
-        guard.events.append(f"step {bad.step}: rolled back to {os.path.basename(last_good)}, skipping the "
-                            f"data of steps {back_to + 1}-{bad.step}: {bad.reason}")
+        guard.events.append(
+            f"step {bad.step}: rolled back to {os.path.basename(last_good)}, skipping the "
+            f"data of steps {back_to + 1}-{bad.step}: {bad.reason}"
+        )
         _record_health(guard, logger, bad.step, rank)
         return back_to
     if bad.fatal:
@@ -342,8 +402,10 @@ def _after_bad_loss(bad: BadLoss, guard: HealthGuard, engine: Engine, last_good:
     guard.events.append(f"step {bad.step}: stopped: {bad.reason}")
     _record_health(guard, logger, bad.step, rank)
     logger.flush()
-    raise TrainingUnhealthy(f"training stopped at step {bad.step}: {bad.reason} ({why}); "
-                            f"the newest complete checkpoint is {last_good or 'none'}")
+    raise TrainingUnhealthy(
+        f"training stopped at step {bad.step}: {bad.reason} ({why}); "
+        f"the newest complete checkpoint is {last_good or 'none'}"
+    )
 
 
 def _record_health(guard: HealthGuard, logger: MetricLogger, step: int, rank: int) -> None:

@@ -40,8 +40,9 @@ class StepMeter:
     (the last one excluded) are summed apart, for `throughput/tokens_per_s_with_checkpoints`.
     """
 
-    def __init__(self, cfg: RunConfig, mcfg: GPTConfig, world_size: int, device: torch.device,
-                 tokens_per_step: int, done: int):
+    def __init__(
+        self, cfg: RunConfig, mcfg: GPTConfig, world_size: int, device: torch.device, tokens_per_step: int, done: int
+    ):
         self.precision, self.max_steps = cfg.train.precision, cfg.train.max_steps
         self.compiled = cfg.train.compile
         self.world_size, self.device, self.tokens_per_step = world_size, device, tokens_per_step
@@ -77,8 +78,17 @@ class StepMeter:
         """Mean seconds per steady-state step so far (0 until one is timed: the ETA waits)."""
         return self.steady_time / self.steady_steps if self.steady_steps else 0.0
 
-    def metrics(self, step: int, step_s: float, loss: float, lr: float, phases: dict[str, float],
-                data_wait: float, engine: Engine, rank: int) -> dict[str, float]:
+    def metrics(
+        self,
+        step: int,
+        step_s: float,
+        loss: float,
+        lr: float,
+        phases: dict[str, float],
+        data_wait: float,
+        engine: Engine,
+        rank: int,
+    ) -> dict[str, float]:
         """The step's metrics; `loss` and `data_wait` are already averaged over ranks."""
         tok_s = self.tokens_per_step / step_s
         grad_norm = engine.grad_norm()
@@ -121,11 +131,13 @@ class StepMeter:
         """Dynamic loss scaling skips the steps whose gradients overflowed: count and say so."""
         skipped, scale = engine.overflow()
         if skipped > self._skipped_before and rank == 0:
-            log.warning("step %d: fp16 gradient overflow, step skipped and loss scale lowered "
-                        "(%d skipped so far)", step, skipped)
+            log.warning(
+                "step %d: fp16 gradient overflow, step skipped and loss scale lowered (%d skipped so far)",
+                step,
+                skipped,
+            )
         self._skipped_before = skipped
-        return {"train/skipped_steps_total": float(skipped),
-                "train/loss_scale": scale}
+        return {"train/skipped_steps_total": float(skipped), "train/loss_scale": scale}
 
     def evaluated(self, seconds: float) -> None:
         """`seconds` of this iteration that are not training (validation, a peak probe)."""

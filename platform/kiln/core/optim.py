@@ -51,14 +51,24 @@ def _betas(o: OptimConfig) -> tuple[float, float]:
 # torch has no fused RMSprop; foreach is its fast path on both devices. Adam's weight decay is
 # L2 added to the gradient, not decoupled.
 OPTIMIZERS: dict[str, Optimizer] = {
-    "adamw": Optimizer(lambda g, o, impl: torch.optim.AdamW(g, lr=o.lr, betas=_betas(o), eps=o.eps, **impl),
-                       states=2, cpu_adam=True, decoupled=True),
-    "adam": Optimizer(lambda g, o, impl: torch.optim.Adam(g, lr=o.lr, betas=_betas(o), eps=o.eps, **impl),
-                      states=2, cpu_adam=True),
-    "sgd": Optimizer(lambda g, o, impl: torch.optim.SGD(g, lr=o.lr, momentum=o.momentum, nesterov=o.nesterov,
-                                                        **impl), states=1),
-    "rmsprop": Optimizer(lambda g, o, impl: torch.optim.RMSprop(g, lr=o.lr, alpha=o.rmsprop_alpha, eps=o.eps,
-                                                                momentum=o.momentum, foreach=True), states=1),
+    "adamw": Optimizer(
+        lambda g, o, impl: torch.optim.AdamW(g, lr=o.lr, betas=_betas(o), eps=o.eps, **impl),
+        states=2,
+        cpu_adam=True,
+        decoupled=True,
+    ),
+    "adam": Optimizer(
+        lambda g, o, impl: torch.optim.Adam(g, lr=o.lr, betas=_betas(o), eps=o.eps, **impl), states=2, cpu_adam=True
+    ),
+    "sgd": Optimizer(
+        lambda g, o, impl: torch.optim.SGD(g, lr=o.lr, momentum=o.momentum, nesterov=o.nesterov, **impl), states=1
+    ),
+    "rmsprop": Optimizer(
+        lambda g, o, impl: torch.optim.RMSprop(
+            g, lr=o.lr, alpha=o.rmsprop_alpha, eps=o.eps, momentum=o.momentum, foreach=True
+        ),
+        states=1,
+    ),
     "lamb": Optimizer(lambda g, o, impl: Lamb(g, lr=o.lr, betas=_betas(o), eps=o.eps), states=2, decoupled=True),
 }
 
@@ -78,7 +88,10 @@ class OptimConfig:
     weight_decay: float = knob(0.1, *span(0, 10, "a number"))
     """Weight decay (decoupled for adamw and lamb, L2 for the others), on the groups no_decay leaves."""
     no_decay: str = knob(
-        "norms,biases,embeddings", lambda v: no_decay_kinds(v) <= set(NO_DECAY_KINDS), "a comma list of norms, biases, embeddings (or '')")
+        "norms,biases,embeddings",
+        lambda v: no_decay_kinds(v) <= set(NO_DECAY_KINDS),
+        "a comma list of norms, biases, embeddings (or '')",
+    )
     """Comma list of parameter kinds exempt from weight decay: norms, biases, embeddings ('' decays
     all). Decaying norm gains, biases and embeddings hurts: they are not over-parameterised."""
     beta1: float = knob(0.9, lambda v: 0.0 <= v < 1.0, "a number in [0, 1)")
@@ -97,16 +110,17 @@ class OptimConfig:
     def check(self) -> None:
         check_ranges(self, "optim")
         if self.nesterov and (self.name != "sgd" or self.momentum == 0):
-            raise ConfigError(f"optim.nesterov = true with optim.name = {self.name!r} and optim.momentum = "
-                              f"{self.momentum}: Nesterov needs optim.name = 'sgd' and optim.momentum > 0")
+            raise ConfigError(
+                f"optim.nesterov = true with optim.name = {self.name!r} and optim.momentum = "
+                f"{self.momentum}: Nesterov needs optim.name = 'sgd' and optim.momentum > 0"
+            )
 
     @property
     def spec(self) -> Optimizer:
         return OPTIMIZERS[self.name]
 
 
-def parameter_kinds(model: nn.Module, shape_of: Callable[[nn.Parameter], tuple] = lambda p: p.shape,
-                    ) -> dict[int, str]:
+def parameter_kinds(model: nn.Module, shape_of: Callable[[nn.Parameter], tuple] = lambda p: p.shape) -> dict[int, str]:
     """id(param) -> 'embeddings' | 'norms' | 'biases' | 'matmuls'. A tied weight counts as an
     embedding (it is one, shared with the output head). `shape_of`: a parameter's full shape
     (an engine that partitions weights says how to read it)."""
@@ -127,25 +141,27 @@ def parameter_kinds(model: nn.Module, shape_of: Callable[[nn.Parameter], tuple] 
     return kinds
 
 
-def param_groups(model: nn.Module, weight_decay: float, no_decay: str = "norms,biases,embeddings",
-                 shape_of: Callable[[nn.Parameter], tuple] = lambda p: p.shape) -> list[dict]:
+def param_groups(
+    model: nn.Module,
+    weight_decay: float,
+    no_decay: str = "norms,biases,embeddings",
+    shape_of: Callable[[nn.Parameter], tuple] = lambda p: p.shape,
+) -> list[dict]:
     exempt = no_decay_kinds(no_decay)
     kinds = parameter_kinds(model, shape_of)
     decay, rest = [], []
     for p in model.parameters():  # tied weights appear once
         if p.requires_grad:
             (rest if kinds.get(id(p), "matmuls") in exempt else decay).append(p)
-    groups = [
-        {"params": decay, "weight_decay": weight_decay},
-        {"params": rest, "weight_decay": 0.0},
-    ]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
     # A pipeline stage can hold no matmul at all (say ln_f + tied head); ZeRO drops an empty
     # group after the LR scheduler has counted it, so never hand one over.
     return [g for g in groups if g["params"]]
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig, on_cuda: bool,
-                    shape_of: Callable[[nn.Parameter], tuple] = lambda p: p.shape) -> torch.optim.Optimizer:
+def build_optimizer(
+    model: nn.Module, cfg: OptimConfig, on_cuda: bool, shape_of: Callable[[nn.Parameter], tuple] = lambda p: p.shape
+) -> torch.optim.Optimizer:
     """The torch optimizer of `cfg.name`, over `param_groups`."""
     groups = param_groups(model, cfg.weight_decay, cfg.no_decay, shape_of)
     # fused kernels on CUDA (one launch for all params); foreach on CPU.
@@ -224,8 +240,10 @@ class Settings:
         """This run's settings again, and the LR its schedule gives at the loaded step."""
         groups = scheduler.optimizer.param_groups
         if len(groups) != len(self.groups):
-            raise ConfigError(f"the checkpoint's optimizer has {len(groups)} parameter groups and this run's "
-                              f"{len(self.groups)}: optim.no_decay must stay as the checkpoint had it")
+            raise ConfigError(
+                f"the checkpoint's optimizer has {len(groups)} parameter groups and this run's "
+                f"{len(self.groups)}: optim.no_decay must stay as the checkpoint had it"
+            )
         scheduler.base_lrs = list(self.base_lrs)
         lrs = [base * fn(scheduler.last_epoch) for base, fn in zip(self.base_lrs, scheduler.lr_lambdas)]
         for group, was, lr in zip(groups, self.groups, lrs):
@@ -234,8 +252,7 @@ class Settings:
         scheduler._last_lr = lrs  # what get_last_lr() reports until the next step
 
 
-def build_scheduler(opt: torch.optim.Optimizer, sched: ScheduleConfig, max_steps: int,
-                    gate: StepGate | None = None):
+def build_scheduler(opt: torch.optim.Optimizer, sched: ScheduleConfig, max_steps: int, gate: StepGate | None = None):
     """The LR schedule; with `gate`, one that stands still on withheld steps."""
     lr_lambda = lambda step: lr_multiplier(step, sched, max_steps)  # noqa: E731
     if gate is None:

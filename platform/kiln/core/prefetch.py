@@ -97,5 +97,3 @@ class DevicePrefetcher:
     def close(self) -> None:
         self._closed.set()
         self._thread.join(timeout=5)
-
-

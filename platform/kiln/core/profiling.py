@@ -44,18 +44,23 @@ class ProfileConfig:
     def check(self, max_steps: int, world_size: int) -> None:
         """A window inside the run, on ranks that exist."""
         if self.start_step < 0 or self.steps < 1:
-            raise ConfigError(f"train.profile: start_step = {self.start_step}, steps = {self.steps}: expected "
-                              "start_step >= 0 (0: off) and steps >= 1")
+            raise ConfigError(
+                f"train.profile: start_step = {self.start_step}, steps = {self.steps}: expected "
+                "start_step >= 0 (0: off) and steps >= 1"
+            )
         if self.start_step and self.start_step + self.steps - 1 > max_steps:
-            raise ConfigError(f"train.profile: steps {self.start_step}-{self.start_step + self.steps - 1} run past "
-                              f"train.max_steps = {max_steps}")
+            raise ConfigError(
+                f"train.profile: steps {self.start_step}-{self.start_step + self.steps - 1} run past "
+                f"train.max_steps = {max_steps}"
+            )
         try:
             ranks = self.rank_set(world_size)
         except ValueError:
-            raise ConfigError(f"train.profile.ranks = {self.ranks!r}: expected comma-separated ranks or 'all'") from None
+            raise ConfigError(
+                f"train.profile.ranks = {self.ranks!r}: expected comma-separated ranks or 'all'"
+            ) from None
         if any(r < 0 or r >= world_size for r in ranks):
             raise ConfigError(f"train.profile.ranks = {self.ranks!r}: ranks run 0..{world_size - 1}")
-
 
 
 class StepProfiler:
@@ -100,8 +105,9 @@ class StepProfiler:
         sort = "self_cuda_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
         table = self._prof.key_averages().table(sort_by=sort, row_limit=10)
         (out / f"top_ops_rank{self.rank}.txt").write_text(table)
-        log.info("rank %d: top operators over steps %d-%d by self time\n%s",
-                 self.rank, self.cfg.start_step, self.last, table)
+        log.info(
+            "rank %d: top operators over steps %d-%d by self time\n%s", self.rank, self.cfg.start_step, self.last, table
+        )
         if self.device.type == "cuda":
             torch.cuda.memory._dump_snapshot(str(out / f"cuda_memory_rank{self.rank}.pickle"))
             torch.cuda.memory._record_memory_history(enabled=None)
@@ -124,10 +130,14 @@ def _host_report(capture: Path) -> None:
     from memray import FileReader
 
     reader = FileReader(str(capture))
-    records = sorted(reader.get_high_watermark_allocation_records(merge_threads=True),
-                     key=lambda r: r.size, reverse=True)[:15]
-    lines = [f"peak host memory in the window: {reader.metadata.peak_memory / 2**20:.1f} MiB "
-             f"({reader.metadata.total_allocations:,} allocations)", "top allocation sites at the peak:"]
+    records = sorted(
+        reader.get_high_watermark_allocation_records(merge_threads=True), key=lambda r: r.size, reverse=True
+    )[:15]
+    lines = [
+        f"peak host memory in the window: {reader.metadata.peak_memory / 2**20:.1f} MiB "
+        f"({reader.metadata.total_allocations:,} allocations)",
+        "top allocation sites at the peak:",
+    ]
     for r in records:
         frame = next(iter(r.stack_trace()), None)
         where = f"{frame[0]} {frame[1]}:{frame[2]}" if frame else "(no Python frame)"
@@ -135,7 +145,10 @@ def _host_report(capture: Path) -> None:
     capture.with_suffix(".txt").write_text("\n".join(lines) + "\n")
     log.info("%s", "\n".join(lines[:6]))
     html = capture.with_suffix(".html")
-    done = subprocess.run([sys.executable, "-m", "memray", "flamegraph", "-f", "-o", str(html), str(capture)],
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "memray", "flamegraph", "-f", "-o", str(html), str(capture)],
+        capture_output=True,
+        text=True,
+    )
     if done.returncode != 0:
         log.warning("memray flamegraph failed: %s", done.stderr.strip()[-300:])

@@ -46,8 +46,9 @@ class Written:
     @classmethod
     def of(cls, marker: dict, card: dict) -> Written:
         parallel, batch = card.get("parallel") or {}, card.get("batch") or {}
-        dims = ParallelDims(int(marker["world_size"]), int(parallel.get("pipeline_stages", 1)),
-                            int(parallel.get("tensor_parallel", 1)))
+        dims = ParallelDims(
+            int(marker["world_size"]), int(parallel.get("pipeline_stages", 1)), int(parallel.get("tensor_parallel", 1))
+        )
         return cls(dims, batch.get("micro_batch_size"), batch.get("micro_batches_per_step"))
 
     @property
@@ -81,11 +82,15 @@ class Regroup:
 
     def describe(self) -> str:
         was, now = self.written, self.data_parallel_size
-        text = (f"{was.dims.data_parallel_size} data-parallel replicas x {was.micro_batch_size} sequences "
-                f"-> {now} x {self.micro_batch_size}: {self.micro_batches_per_step} micro-batches per step")
+        text = (
+            f"{was.dims.data_parallel_size} data-parallel replicas x {was.micro_batch_size} sequences "
+            f"-> {now} x {self.micro_batch_size}: {self.micro_batches_per_step} micro-batches per step"
+        )
         if self.batch_changed:
-            text += (f"; the global batch changes from {was.sequences_per_step} to "
-                     f"{self.sequences(now)} sequences per step (train.allow_batch_change)")
+            text += (
+                f"; the global batch changes from {was.sequences_per_step} to "
+                f"{self.sequences(now)} sequences per step (train.allow_batch_change)"
+            )
         return text
 
     def sequences(self, replicas: int) -> int:
@@ -104,15 +109,18 @@ def regroup(where: str, written: Written, run: Written, allow_batch_change: bool
             f"train.resume_from = {where!r} was written with parallel.pipeline_stages = {was.pipeline_stages} and "
             f"parallel.tensor_parallel = {was.tensor_parallel}; this run has {now.pipeline_stages} and "
             f"{now.tensor_parallel}, and each rank's checkpoint files hold its own stage's layers or slices: set "
-            "them as the checkpoint had them (or `kiln export` it and start a new run with model.init_from)")
+            "them as the checkpoint had them (or `kiln export` it and start a new run with model.init_from)"
+        )
     if was.data_parallel_size == now.data_parallel_size and (
-            written.micro_batch_size in (None, run.micro_batch_size) or now.pipeline_stages > 1):
+        written.micro_batch_size in (None, run.micro_batch_size) or now.pipeline_stages > 1
+    ):
         return None  # (a pipeline's micro-batches are parallel.micro_batches, as the user set them)
     if was.data_parallel_size != now.data_parallel_size and (now.pipeline_stages > 1 or now.tensor_parallel > 1):
         raise ConfigError(
             f"train.resume_from = {where!r} was written by {was.data_parallel_size} data-parallel replicas; this run "
             f"has {now.data_parallel_size}, and a checkpoint of a pipeline or of tensor-parallel ranks resumes only on "
-            f"as many replicas: set parallel.num_workers = {was.world_size}")
+            f"as many replicas: set parallel.num_workers = {was.world_size}"
+        )
     micro_batches, changed = _micro_batches(where, written, run, allow_batch_change)
     return Regroup(written, now.data_parallel_size, run.micro_batch_size, micro_batches, changed)
 
@@ -121,9 +129,11 @@ def _micro_batches(where: str, written: Written, run: Written, allow_batch_chang
     """(micro-batches per step, whether the global batch changed) for the run's replicas."""
     sequences, micro, replicas = written.sequences_per_step, run.micro_batch_size, run.dims.data_parallel_size
     if sequences is None or micro is None or run.micro_batches_per_step is None:
-        raise ConfigError(f"train.resume_from = {where!r} was written by {written.dims.data_parallel_size} "
-                          f"data-parallel replicas, before Kiln recorded a checkpoint's batch; resume it on as many "
-                          f"(parallel.num_workers = {written.dims.world_size})")
+        raise ConfigError(
+            f"train.resume_from = {where!r} was written by {written.dims.data_parallel_size} "
+            f"data-parallel replicas, before Kiln recorded a checkpoint's batch; resume it on as many "
+            f"(parallel.num_workers = {written.dims.world_size})"
+        )
     if sequences % (micro * replicas) == 0:
         return sequences // (micro * replicas), False
     if allow_batch_change:  # the nearest batch these replicas can make
@@ -132,7 +142,8 @@ def _micro_batches(where: str, written: Written, run: Written, allow_batch_chang
         f"train.resume_from = {where!r} trained on {sequences} sequences per step ({written.dims.data_parallel_size} "
         f"replicas x {written.micro_batches_per_step} micro-batches x {written.micro_batch_size}), which "
         f"{replicas} replicas x train.micro_batch_size = {micro} cannot divide: pick a micro-batch size and worker "
-        "count that divide it, or set train.allow_batch_change: true to go on with the nearest batch they make")
+        "count that divide it, or set train.allow_batch_change: true to go on with the nearest batch they make"
+    )
 
 
 def with_micro_batches(cfg: RunConfig, n: int) -> RunConfig:
@@ -161,6 +172,8 @@ def elastic_batch_problem(cfg: RunConfig) -> str | None:
     if not bad:
         return None
     fits = math.lcm(*(n // math.gcd(n, most) for n in range(p.min_workers, most + 1)))
-    return (f"parallel.num_workers = {p.num_workers}: the run keeps the global batch it has at {most} workers "
-            f"({most} x train.grad_accum_steps = {accum} micro-batches a step), which {bad[0]} workers cannot "
-            f"share evenly; set train.grad_accum_steps to a multiple of {fits}, or train.allow_batch_change: true")
+    return (
+        f"parallel.num_workers = {p.num_workers}: the run keeps the global batch it has at {most} workers "
+        f"({most} x train.grad_accum_steps = {accum} micro-batches a step), which {bad[0]} workers cannot "
+        f"share evenly; set train.grad_accum_steps to a multiple of {fits}, or train.allow_batch_change: true"
+    )

@@ -47,7 +47,9 @@ def _warmup_width(sched: ScheduleConfig) -> int:
 
 
 SCHEDULES: dict[str, Shape] = {
-    "cosine": lambda t, T, s: s.min_lr_ratio + (1.0 - s.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * min(1.0, t / T))),
+    "cosine": lambda t, T, s: (
+        s.min_lr_ratio + (1.0 - s.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * min(1.0, t / T)))
+    ),
     "linear": lambda t, T, s: s.min_lr_ratio + (1.0 - s.min_lr_ratio) * (1.0 - min(1.0, t / T)),
     "constant": lambda t, T, s: 1.0,
     "exponential": lambda t, T, s: max(s.min_lr_ratio, math.exp(-s.decay_rate * t)),
@@ -90,6 +92,7 @@ def lr_curve(sched: ScheduleConfig, peak_lr: float, max_steps: int, steps=None) 
     """The LR at each of `steps` (1-based optimizer steps; default every step of the run), in order."""
     return [peak_lr * lr_multiplier(s - 1, sched, max_steps) for s in (steps or range(1, max_steps + 1))]
 
+
 LR_PLOT = "lr-plot"  # the write guard's kind for `kiln lr plot`'s PNG
 
 
@@ -104,8 +107,11 @@ def plot_schedule(sched: ScheduleConfig, peak_lr: float, max_steps: int, path: s
     import matplotlib.pyplot as plt
 
     # At most PLOT_POINTS steps, evenly spread: a billion-step schedule plots as fast as a short one.
-    steps = sorted({1 + (max_steps - 1) * i // (PLOT_POINTS - 1) for i in range(PLOT_POINTS)}) \
-        if max_steps > PLOT_POINTS else range(1, max_steps + 1)
+    steps = (
+        sorted({1 + (max_steps - 1) * i // (PLOT_POINTS - 1) for i in range(PLOT_POINTS)})
+        if max_steps > PLOT_POINTS
+        else range(1, max_steps + 1)
+    )
     lrs = lr_curve(sched, peak_lr, max_steps, steps)
     fig, ax = plt.subplots(figsize=(7, 3.5), dpi=110)
     ax.plot(list(steps), lrs, lw=1.8)

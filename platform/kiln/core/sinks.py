@@ -32,6 +32,7 @@ class Restored(Protocol):
 
     def release(self) -> None: ...
 
+
 Report = Callable[[dict, "str | None"], "Fetch | None"]
 
 

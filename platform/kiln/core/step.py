@@ -73,8 +73,15 @@ class StepResult:
     skipped: str | None = None  # why the step was left out (skip policy)
 
 
-def train_step(engine: Engine, batches: Iterator[torch.Tensor], micro_batches: int, guard: HealthGuard,
-               gate: StepGate, timer: PhaseTimer, step: int) -> StepResult:
+def train_step(
+    engine: Engine,
+    batches: Iterator[torch.Tensor],
+    micro_batches: int,
+    guard: HealthGuard,
+    gate: StepGate,
+    timer: PhaseTimer,
+    step: int,
+) -> StepResult:
     """One optimizer step over `micro_batches` micro-batches (already on the device).
 
     A bad verdict shuts `gate`, so DeepSpeed's step at the boundary leaves the weights and the

@@ -62,7 +62,8 @@ def _compiled(template: str):
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
     env.filters["tojson"] = lambda x, indent=None, separators=None, sort_keys=False: json.dumps(
-        x, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys)
+        x, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys
+    )
     env.globals |= {"raise_exception": _raise_exception, "strftime_now": lambda f: datetime.now().strftime(f)}
     try:
         return env.from_string(template)
@@ -116,8 +117,10 @@ def encode_chat(tok, template: str, companions: dict[str, str], messages: list[d
         before = render(template, messages[:i], companions, add_generation_prompt=True)
         through = render(template, messages[: i + 1], companions, add_generation_prompt=False)
         if not (full.startswith(through) and through.startswith(before)):
-            raise ConfigError("the chat template renders a conversation's beginning differently from the whole "
-                              "conversation, so its assistant turns cannot be found; give another with --chat-template")
+            raise ConfigError(
+                "the chat template renders a conversation's beginning differently from the whole "
+                "conversation, so its assistant turns cannot be found; give another with --chat-template"
+            )
         spans.append((len(before), len(through)))
     encoding = tok.encode_with_offsets(full)
     ids = np.asarray(encoding[0], dtype=np.int32)

@@ -28,8 +28,9 @@ def resolve_against_data(cfg: RunConfig, pretrained: GPTConfig | None = None) ->
     where the caller has read it already. Local paths become absolute: workers
     read the shards themselves, from another directory; data.path becomes the mixture's first."""
     mix = [dataclasses.replace(m, path=absolute(m.path)) for m in cfg.data.mix]
-    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, mix=mix,
-                                                            path=mix[0].path if mix else absolute(cfg.data.path)))
+    cfg = dataclasses.replace(
+        cfg, data=dataclasses.replace(cfg.data, mix=mix, path=mix[0].path if mix else absolute(cfg.data.path))
+    )
     datasets = run_datasets(cfg)
     check_agree(datasets)  # first: it reads the manifests only
     for d in datasets:
@@ -76,15 +77,19 @@ def _pretrained_model(cfg: RunConfig, manifest: Manifest, shape: GPTConfig | Non
     if m.vocab_size or m.n_layer:
         raise ConfigError(f"{where} sets the model's shape: leave model.vocab_size and model.n_layer at 0")
     if manifest.seq_len > shape.seq_len:
-        raise ConfigError(f"{where}: its context is {shape.seq_len} tokens, shorter than the rows of "
-                          f"{manifest.location.uri} ({manifest.seq_len}); prepare the data with --seq-len "
-                          f"<= {shape.seq_len}")
+        raise ConfigError(
+            f"{where}: its context is {shape.seq_len} tokens, shorter than the rows of "
+            f"{manifest.location.uri} ({manifest.seq_len}); prepare the data with --seq-len "
+            f"<= {shape.seq_len}"
+        )
     if not (local / "tokenizer.json").is_file():
         raise ConfigError(f"{where}: has no tokenizer.json, so the data's tokenizer cannot be checked against it")
     theirs, ours = pretrained(str(local)), manifest.tokenizer()
     same = ours.vocab() == theirs.vocab()
     if not same or ours.vocab_size > shape.vocab_size:
-        raise ConfigError(f"{where}: {manifest.location.uri} was tokenized with a different tokenizer "
-                          f"({ours.vocab_size} tokens, {describe(ours)['type']}) than the model's "
-                          f"({theirs.vocab_size} tokens); prepare it with kiln data prepare --tokenizer {local}")
+        raise ConfigError(
+            f"{where}: {manifest.location.uri} was tokenized with a different tokenizer "
+            f"({ours.vocab_size} tokens, {describe(ours)['type']}) than the model's "
+            f"({theirs.vocab_size} tokens); prepare it with kiln data prepare --tokenizer {local}"
+        )
     return dataclasses.replace(m, vocab_size=shape.vocab_size, seq_len=manifest.seq_len)

@@ -62,23 +62,29 @@ class DataConfig:
         names are distinct."""
         check_ranges(self, "data")
         if is_url(self.index_log):
-            raise ConfigError(f"data.index_log = {self.index_log!r}: expected a local directory (each replica "
-                              "appends to its file every step)")
+            raise ConfigError(
+                f"data.index_log = {self.index_log!r}: expected a local directory (each replica "
+                "appends to its file every step)"
+            )
         names: list[str] = []
         for i, m in enumerate(self.mix):
             where = f"data.mix[{i}]"
             if not m.path.strip():
                 raise ConfigError(f"{where}.path is empty: expected a dataset directory or s3:// prefix")
             if not 0 < m.weight <= MAX_MIX_WEIGHT:
-                raise ConfigError(f"{where}.weight = {m.weight!r} is out of range: expected a number in "
-                                  f"(0, {readable(MAX_MIX_WEIGHT)}]")
+                raise ConfigError(
+                    f"{where}.weight = {m.weight!r} is out of range: expected a number in "
+                    f"(0, {readable(MAX_MIX_WEIGHT)}]"
+                )
             name = mix_name(m)
             if not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
-                raise ConfigError(f"{where}.name = {name!r}: expected letters, digits, '_', '.' or '-' "
-                                  "(it names metrics)")
+                raise ConfigError(
+                    f"{where}.name = {name!r}: expected letters, digits, '_', '.' or '-' (it names metrics)"
+                )
             if name in names:
-                raise ConfigError(f"{where}: the name {name!r} is taken by data.mix[{names.index(name)}]; "
-                                  "give one of them a name")
+                raise ConfigError(
+                    f"{where}: the name {name!r} is taken by data.mix[{names.index(name)}]; give one of them a name"
+                )
             names.append(name)
 
 

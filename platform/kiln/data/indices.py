@@ -57,8 +57,12 @@ class IndexLog:
         """Step `step` took the micro-batches drawn since the last record, up to `consumed`."""
         taken = [self._ahead.popleft() for _ in range(consumed - self._recorded)]
         self._recorded = consumed
-        self._file.write(json.dumps({"step": step, "status": status, "epochs": [e for e, _ in taken],
-                                     "ids": [ids for _, ids in taken]}) + "\n")
+        self._file.write(
+            json.dumps(
+                {"step": step, "status": status, "epochs": [e for e, _ in taken], "ids": [ids for _, ids in taken]}
+            )
+            + "\n"
+        )
 
     def close(self) -> None:
         self._file.close()
@@ -83,6 +87,11 @@ def trained_ids(directory: str | Path) -> dict[int, list[tuple[int, int]]]:
         replicas = groups[group]
         for step in sorted({s for steps in replicas.values() for s in steps}):
             entries = [replicas[r][step] for r in sorted(replicas) if step in replicas[r]]
-            out[step] = [(e, i) for entry in entries if entry["status"] == TRAINED
-                         for e, ids in zip(entry["epochs"], entry["ids"]) for i in ids]
+            out[step] = [
+                (e, i)
+                for entry in entries
+                if entry["status"] == TRAINED
+                for e, ids in zip(entry["epochs"], entry["ids"])
+                for i in ids
+            ]
     return {s: ids for s, ids in sorted(out.items()) if ids}

@@ -182,8 +182,10 @@ def _read_piece(piece: Piece, opts: ReadOptions, stats: ReadStats) -> Iterator[D
     elif kind == "parquet":
         yield from _parquet(piece, opts)
     elif opts.prompt_field or opts.chat_field:
-        raise DataError(f"input {piece.file.uri}: instruction and chat data (--prompt-field/--response-field, "
-                        "--chat-field) are read from .jsonl or .parquet files")
+        raise DataError(
+            f"input {piece.file.uri}: instruction and chat data (--prompt-field/--response-field, "
+            "--chat-field) are read from .jsonl or .parquet files"
+        )
     else:
         data = _read(piece.file, 0, -1)
         if b"\0" in data[:BINARY_SNIFF]:
@@ -196,7 +198,7 @@ def _resolved(uri: str, endpoint: str):
     is not free to build, and a corpus has thousands of files."""
     if not uri.startswith("s3://"):
         return resolve(uri)
-    bucket, _, key = uri[len("s3://"):].partition("/")
+    bucket, _, key = uri[len("s3://") :].partition("/")
     return _bucket(bucket, endpoint).join(key)
 
 
@@ -227,6 +229,7 @@ def _opened(uri: str, endpoint: str, use: Callable[[pa.NativeFile], T]) -> T:
 def read_range(uri: str, start: int, end: int, endpoint: str = "") -> bytes:
     """Bytes [start, end) of a file (end -1: to its end); a transient S3 error is retried, then
     named with the file."""
+
     def read(h: pa.NativeFile) -> bytes:
         stop = h.size() if end < 0 else min(end, h.size())
         return h.read_at(max(0, stop - start), start) if stop > start else b""
@@ -282,8 +285,10 @@ def _jsonl(piece: Piece, opts: ReadOptions, stats: ReadStats) -> Iterator[Docume
             stats.bad_records_skipped += 1
         else:
             lineno = _line_number(piece.file, offset) + i
-            raise DataError(f"{piece.file.uri}:{lineno}: {problem}; fix the record, or pass --on-bad-record skip "
-                            "to leave such records out (they are counted in the manifest)")
+            raise DataError(
+                f"{piece.file.uri}:{lineno}: {problem}; fix the record, or pass --on-bad-record skip "
+                "to leave such records out (they are counted in the manifest)"
+            )
 
 
 def _line_number(f: InputFile, offset: int) -> int:

@@ -136,7 +136,7 @@ def _list_s3(raw: str, s3_endpoint: str) -> Iterator[InputFile]:
     if info.is_file and pattern is None:
         yield InputFile(loc.uri, info.size, str(info.mtime_ns), s3_endpoint)
         return
-    bucket = loc.uri[len("s3://"):].split("/", 1)[0]
+    bucket = loc.uri[len("s3://") :].split("/", 1)[0]
     found = 0
     for i in _walk_s3(loc, raw, loc.path):
         uri = "s3://" + (i.path if i.path.startswith(bucket) else f"{bucket}/{i.path}")
@@ -157,8 +157,14 @@ def _walk_s3(loc: Location, raw: str, path: str) -> Iterator[pafs.FileInfo]:
         infos = loc.fs.get_file_info(pafs.FileSelector(path, recursive=False, allow_not_found=True))
     except OSError as e:
         raise StorageError(f"cannot list input {raw} (S3 endpoint {loc.endpoint or 'AWS'}): {e}") from None
-    level = sorted(((i.base_name + ("/" if i.type == pafs.FileType.Directory else ""), i) for i in infos
-                    if i.type in (pafs.FileType.Directory, pafs.FileType.File)), key=lambda e: e[0])
+    level = sorted(
+        (
+            (i.base_name + ("/" if i.type == pafs.FileType.Directory else ""), i)
+            for i in infos
+            if i.type in (pafs.FileType.Directory, pafs.FileType.File)
+        ),
+        key=lambda e: e[0],
+    )
     del infos
     for name, info in level:
         if name.endswith("/"):

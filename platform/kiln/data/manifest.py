@@ -94,8 +94,10 @@ def load_manifest(loc: Location) -> Manifest:
         first = e.errors()[0]
         field = ".".join(str(part) for part in first["loc"]) or "the file"
         what = "expected an object" if first["type"] == "model_type" else first["msg"]
-        raise DataError(f"{mloc.uri} is not a Kiln manifest: {field}: {what} (got "
-                        f"{_short(first.get('input'))}); re-run `kiln data prepare`") from None
+        raise DataError(
+            f"{mloc.uri} is not a Kiln manifest: {field}: {what} (got "
+            f"{_short(first.get('input'))}); re-run `kiln data prepare`"
+        ) from None
     return Manifest(raw, loc)
 
 
@@ -181,19 +183,21 @@ def check_shards(manifest: Manifest) -> None:
                 raise DataError(f"shard {loc.uri} is not a readable Parquet file: {e}") from None
             found = schema.field(TOKENS).type if TOKENS in schema.names else "no such column"
             if found != want:
-                raise DataError(f"shard {loc.uri} has column {TOKENS!r}: {found}, but the manifest (seq_len "
-                                f"{manifest.seq_len}) needs {want}")
-            if meta.num_rows != entry["rows"]:
                 raise DataError(
-                    f"shard {loc.uri} has {meta.num_rows} rows but the manifest says {entry['rows']}"
+                    f"shard {loc.uri} has column {TOKENS!r}: {found}, but the manifest (seq_len "
+                    f"{manifest.seq_len}) needs {want}"
                 )
+            if meta.num_rows != entry["rows"]:
+                raise DataError(f"shard {loc.uri} has {meta.num_rows} rows but the manifest says {entry['rows']}")
             low, high = _token_range(meta)
             # Instruction data stores prompt tokens as -(id + 1) (kiln.model.inputs_and_targets).
             lowest = -manifest.vocab_size if "loss_mask" in manifest.raw else 0
             if high is not None and (low < lowest or high >= manifest.vocab_size):
-                raise DataError(f"shard {loc.uri} holds token ids {low}..{high}, but the manifest's "
-                                f"tokenizer.vocab_size is {manifest.vocab_size}: expected ids in "
-                                f"0..{manifest.vocab_size - 1}")
+                raise DataError(
+                    f"shard {loc.uri} holds token ids {low}..{high}, but the manifest's "
+                    f"tokenizer.vocab_size is {manifest.vocab_size}: expected ids in "
+                    f"0..{manifest.vocab_size - 1}"
+                )
 
 
 def _token_range(meta: pq.FileMetaData) -> tuple[int | None, int | None]:
@@ -214,8 +218,9 @@ def _token_range(meta: pq.FileMetaData) -> tuple[int | None, int | None]:
     return (min(lows), max(highs)) if highs else (None, None)
 
 
-def find_corrupt_shards(manifest: Manifest, splits: tuple[str, ...] = ("train", "val"),
-                        budget_s: float | None = None) -> tuple[list[str], bool]:
+def find_corrupt_shards(
+    manifest: Manifest, splits: tuple[str, ...] = ("train", "val"), budget_s: float | None = None
+) -> tuple[list[str], bool]:
     """Hash every shard and compare it with the SHA-256 its manifest recorded.
 
     Returns the problems found (one line each, naming the shard) and whether every shard was
@@ -235,13 +240,16 @@ def find_corrupt_shards(manifest: Manifest, splits: tuple[str, ...] = ("train", 
                 problems.append(f"shard {loc.uri} cannot be read: {e}")
                 return problems, False  # storage itself failing: the next shards would too
             if digest.hexdigest() != entry["sha256"]:
-                problems.append(f"shard {loc.uri} does not match the SHA-256 in its manifest: it was "
-                                "corrupted or replaced after `kiln data prepare` wrote it")
+                problems.append(
+                    f"shard {loc.uri} does not match the SHA-256 in its manifest: it was "
+                    "corrupted or replaced after `kiln data prepare` wrote it"
+                )
     return problems, True
 
 
-def read_failure(manifests: Manifest | list[Manifest], split: str, error: BaseException,
-                 budget_s: float = 120.0) -> DataError:
+def read_failure(
+    manifests: Manifest | list[Manifest], split: str, error: BaseException, budget_s: float = 120.0
+) -> DataError:
     """The DataError for a read of `split` that failed mid-run, naming the culprit shard if a
     checksum pass over the split (of each of the run's datasets, within one time budget) finds
     it (Ray Data's read errors do not say which file)."""
@@ -256,7 +264,11 @@ def read_failure(manifests: Manifest | list[Manifest], split: str, error: BaseEx
             return DataError(f"reading the {split} split failed ({what}); " + "; ".join(problems))
         complete = complete and checked
     uris = " and ".join(m.location.uri for m in manifests)
-    where = "every shard still matches its manifest" if complete else \
-        f"no bad shard found in {budget_s:.0f} s: run " + \
-        " and ".join(f"`kiln data verify {m.location.uri}`" for m in manifests) + " to check them all"
+    where = (
+        "every shard still matches its manifest"
+        if complete
+        else f"no bad shard found in {budget_s:.0f} s: run "
+        + " and ".join(f"`kiln data verify {m.location.uri}`" for m in manifests)
+        + " to check them all"
+    )
     return DataError(f"reading the {split} split of {uris} failed ({what}); {where}")

@@ -34,8 +34,10 @@ def mix_entries(cfg: RunConfig) -> list[tuple[MixSource, str]]:
 
 def run_datasets(cfg: RunConfig) -> list[Dataset]:
     """Every dataset of the run, its manifest loaded (no check: `check_agree` is preflight's)."""
-    return [Dataset(load_manifest(resolve(m.path, cfg.data.s3_endpoint, cfg.data.s3_region)), m.weight,
-                    mix_name(m), where) for m, where in mix_entries(cfg)]
+    return [
+        Dataset(load_manifest(resolve(m.path, cfg.data.s3_endpoint, cfg.data.s3_region)), m.weight, mix_name(m), where)
+        for m, where in mix_entries(cfg)
+    ]
 
 
 def check_agree(datasets: list[Dataset]) -> None:
@@ -47,12 +49,16 @@ def check_agree(datasets: list[Dataset]) -> None:
     for d in datasets[1:]:
         m = d.manifest
         if m.seq_len != ref.seq_len:
-            raise ConfigError(f"{d.where} = {m.location.uri} has seq_len {m.seq_len}, but {first.where} = "
-                              f"{ref.location.uri} has {ref.seq_len}: the datasets of a mixture must share it; "
-                              f"prepare it again with --seq-len {ref.seq_len}")
+            raise ConfigError(
+                f"{d.where} = {m.location.uri} has seq_len {m.seq_len}, but {first.where} = "
+                f"{ref.location.uri} has {ref.seq_len}: the datasets of a mixture must share it; "
+                f"prepare it again with --seq-len {ref.seq_len}"
+            )
         ref_vocab = ref_vocab if ref_vocab is not None else ref.tokenizer().vocab()
         if m.vocab_size != ref.vocab_size or m.tokenizer().vocab() != ref_vocab:
-            raise ConfigError(f"{d.where} = {m.location.uri} was tokenized with another tokenizer than {first.where} "
-                              f"= {ref.location.uri} ({m.vocab_size} against {ref.vocab_size} tokens, or other ids): "
-                              f"the datasets of a mixture must share it; prepare it again with --tokenizer "
-                              f"{ref.location.join('tokenizer.json').uri if ref.raw['tokenizer'].get('file') else 'byte'}")
+            raise ConfigError(
+                f"{d.where} = {m.location.uri} was tokenized with another tokenizer than {first.where} "
+                f"= {ref.location.uri} ({m.vocab_size} against {ref.vocab_size} tokens, or other ids): "
+                f"the datasets of a mixture must share it; prepare it again with --tokenizer "
+                f"{ref.location.join('tokenizer.json').uri if ref.raw['tokenizer'].get('file') else 'byte'}"
+            )

@@ -47,8 +47,11 @@ class Slice:
         return len(self.index)
 
     def __eq__(self, other: object) -> bool:
-        return (isinstance(other, Slice) and (self.shard, self.source) == (other.shard, other.source)
-                and np.array_equal(self.index, other.index))
+        return (
+            isinstance(other, Slice)
+            and (self.shard, self.source) == (other.shard, other.source)
+            and np.array_equal(self.index, other.index)
+        )
 
     def __repr__(self) -> str:
         return f"Slice(shard={self.shard}, source={self.source}, index={self.index.tolist()})"
@@ -86,8 +89,14 @@ def whole_shards(shard_rows: list[int]) -> Layout:
     """One dataset's split in manifest order, a block per shard: the epoch of a run without
     mixture or reshuffle, and of every validation split."""
     n = len(shard_rows)
-    return Layout(np.zeros(n, dtype=np.int64), np.arange(n, dtype=np.int64), np.zeros(n, dtype=np.int64),
-                  np.asarray(shard_rows, dtype=np.int64), np.zeros(n, dtype=np.uint64), False)
+    return Layout(
+        np.zeros(n, dtype=np.int64),
+        np.arange(n, dtype=np.int64),
+        np.zeros(n, dtype=np.int64),
+        np.asarray(shard_rows, dtype=np.int64),
+        np.zeros(n, dtype=np.uint64),
+        False,
+    )
 
 
 BYTES_READ = "_bytes_read"  # the bytes a slice's read cost, on its first row: it rides along
@@ -99,6 +108,7 @@ def read_slice(loc: Location, s: Slice) -> pa.Table:
     BYTES_READ): only the row groups that hold the slice's rows are fetched, with the footer.
     Transient S3 errors are retried. (Runs in Ray Data's read tasks too: this module imports no torch, which would
     cost each new read process seconds.)"""
+
     def read() -> tuple[pa.Table, int, list[int], np.ndarray]:
         with loc.fs.open_input_file(loc.path) as raw:
             f = _Counted(raw)

@@ -49,13 +49,7 @@ from kiln.data.listing import UnitRef, Units, place, spill
 from kiln.data.manifest import FORMAT_VERSION, MANIFEST, SAMPLE_ID, TOKENIZER_FILE, TOKENS
 from kiln.data.prepare_config import PrepareConfig, config_from, validate_config
 from kiln.data.shards import UNITS_DIR, UnitJob, UnitWorker, row_group_rows
-from kiln.data.tokenizer import (
-    BPETokenizer,
-    ByteTokenizer,
-    describe,
-    pretrained,
-    unigram_entropy_bits,
-)
+from kiln.data.tokenizer import BPETokenizer, ByteTokenizer, describe, pretrained, unigram_entropy_bits
 from kiln.errors import ConfigError, DataError
 from kiln.guard import delete_stored
 from kiln.storage import Location, durable, resolve, write_once
@@ -80,8 +74,16 @@ def settings(cfg: PrepareConfig, tok) -> dict:
     tokenizer = cfg.tokenizer
     if cfg.tokenizer not in ("byte", "bpe"):  # the tokenizer's content, wherever its file lies
         tokenizer = "sha256:" + hashlib.sha256(tok.to_json().encode()).hexdigest()
-    out = dict(tokenizer=tokenizer, vocab_size=tok.vocab_size, seq_len=cfg.seq_len, val_fraction=cfg.val_fraction,
-               seed=cfg.seed, format=FORMAT_VERSION, unit_bytes=cfg.unit_bytes, shard_tokens=cfg.shard_tokens)
+    out = dict(
+        tokenizer=tokenizer,
+        vocab_size=tok.vocab_size,
+        seq_len=cfg.seq_len,
+        val_fraction=cfg.val_fraction,
+        seed=cfg.seed,
+        format=FORMAT_VERSION,
+        unit_bytes=cfg.unit_bytes,
+        shard_tokens=cfg.shard_tokens,
+    )
     if cfg.tokenizer == "bpe":
         out["bpe_sample_bytes"] = cfg.bpe_sample_bytes
     if cfg.prompt_field:  # the same records packed with a loss mask are another dataset
@@ -102,8 +104,9 @@ def fingerprint(settings_: dict, digests: Iterable[str]) -> str:
 def _key(cfg: PrepareConfig, listing: str) -> str:
     """Names this prepare before anything is read: the listing (URIs, sizes, mtimes) and every
     setting. A resume finds its staged units by it; `--if-exists reuse` compares it."""
-    fields = {k: v for k, v in dataclasses.asdict(cfg).items()
-              if k not in ("inputs", "output", "if_exists", "s3_endpoint")}
+    fields = {
+        k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("inputs", "output", "if_exists", "s3_endpoint")
+    }
     fields["cut"] = [listing_rules.CUT_RULE, listing_rules.WINDOW_FILES]  # read at call time
     if cfg.tokenizer not in ("byte", "bpe"):
         file = Path(cfg.tokenizer)
@@ -125,8 +128,9 @@ def _tokenizer(cfg: PrepareConfig, units: Units, opts: ReadOptions, staged: Loca
     texts = list(_bpe_sample(units, opts, cfg.bpe_sample_bytes))
     if not texts:
         raise DataError(f"the corpus is empty: {cfg.inputs} hold no non-blank text")
-    log.info("training a %d-token BPE on %d documents (%.1f MB)", cfg.vocab_size, len(texts),
-             sum(map(len, texts)) / 1e6)
+    log.info(
+        "training a %d-token BPE on %d documents (%.1f MB)", cfg.vocab_size, len(texts), sum(map(len, texts)) / 1e6
+    )
     return BPETokenizer.train(texts, cfg.vocab_size)
 
 
@@ -139,12 +143,16 @@ def _chat(cfg: PrepareConfig, tok) -> tuple[str, dict[str, str]]:
     companions = getattr(tok, "companions", {})
     template = Path(cfg.chat_template).read_text() if cfg.chat_template else template_of(companions)
     if tok.kind == "byte":
-        raise ConfigError(f"--chat-field {cfg.chat_field}: the byte tokenizer has no special tokens for chat turns; "
-                          "prepare chat data with --tokenizer bpe or a pretrained tokenizer")
+        raise ConfigError(
+            f"--chat-field {cfg.chat_field}: the byte tokenizer has no special tokens for chat turns; "
+            "prepare chat data with --tokenizer bpe or a pretrained tokenizer"
+        )
     if not template:
-        raise ConfigError(f"--chat-field {cfg.chat_field}: the tokenizer {cfg.tokenizer!r} has no chat template; "
-                          "prepare with a pretrained tokenizer that has one (--tokenizer DIR), or give one with "
-                          "--chat-template FILE")
+        raise ConfigError(
+            f"--chat-field {cfg.chat_field}: the tokenizer {cfg.tokenizer!r} has no chat template; "
+            "prepare with a pretrained tokenizer that has one (--tokenizer DIR), or give one with "
+            "--chat-template FILE"
+        )
     return template, companions
 
 
@@ -154,8 +162,13 @@ def _bpe_sample(units: Units, opts: ReadOptions, budget: int) -> Iterator[str]:
         for split, doc in read_unit(unit, opts, ReadStats()):
             if split != "train":
                 continue
-            text = doc if isinstance(doc, str) else doc[0] + doc[1] if isinstance(doc, tuple) else \
-                " ".join(m["content"] for m in doc)
+            text = (
+                doc
+                if isinstance(doc, str)
+                else doc[0] + doc[1]
+                if isinstance(doc, tuple)
+                else " ".join(m["content"] for m in doc)
+            )
             yield text
             held += len(text)
             if held >= budget:
@@ -205,7 +218,9 @@ def _check_output(cfg: PrepareConfig, out: Location, key: str) -> dict | None:
     if cfg.if_exists == "overwrite":
         replace.refuse_protected(out)
     if not out.is_s3:
-        guard.refuse_inputs(Path(out.path), [i for i in cfg.inputs if not _is_glob(i)], f"--output {cfg.output}", DataError)
+        guard.refuse_inputs(
+            Path(out.path), [i for i in cfg.inputs if not _is_glob(i)], f"--output {cfg.output}", DataError
+        )
     first = out.first_entry() if out.exists() else None
     if first is None:
         return None
@@ -213,8 +228,10 @@ def _check_output(cfg: PrepareConfig, out: Location, key: str) -> dict | None:
     if old is None and out.is_s3 and (out.join(UNITS_DIR, _spill_name(key)).exists() or _finished(out, key)):
         return None  # this same prepare, stopped before its manifest: resumed in place
     if old is None:  # found without listing the tree below: --output / must not walk the disk
-        raise DataError(f"output {out.uri} already holds files that are not a Kiln dataset (such as "
-                        f"{first}); Kiln never writes over them. Choose a new or empty --output")
+        raise DataError(
+            f"output {out.uri} already holds files that are not a Kiln dataset (such as "
+            f"{first}); Kiln never writes over them. Choose a new or empty --output"
+        )
     same = old.get("inputs_key") == key
     if same and cfg.if_exists == "reuse":
         return old
@@ -222,7 +239,8 @@ def _check_output(cfg: PrepareConfig, out: Location, key: str) -> dict | None:
         raise DataError(
             f"output {out.uri} already holds {'this same dataset' if same else 'a different dataset'}; it "
             f"is never overwritten silently. Choose another --output, or pass --if-exists "
-            f"{'reuse' if same else 'overwrite'}")
+            f"{'reuse' if same else 'overwrite'}"
+        )
     return old
 
 
@@ -266,36 +284,65 @@ def prepare(cfg: PrepareConfig | None = None, /, *, executor: Executor | None = 
         replace.discard(staged, staged.list_files())  # a bad input: nothing of this prepare stays
         raise
     except BaseException:
-        log.warning("prepare stopped; the units it finished are kept in %s: run the same command again to "
-                    "resume", staged.uri)
+        log.warning(
+            "prepare stopped; the units it finished are kept in %s: run the same command again to resume", staged.uri
+        )
         raise
     tr, va, rate = manifest["splits"]["train"], manifest["splits"]["val"], manifest["throughput"]
-    log.info("wrote %s: %d train / %d val rows of %d tokens, vocab %d, %.2f MB/s, %.0f tokens/s",
-             out.uri, tr["rows"], va["rows"], cfg.seq_len + 1, manifest["tokenizer"]["vocab_size"],
-             rate["mb_per_s"], rate["tokens_per_s"])
+    log.info(
+        "wrote %s: %d train / %d val rows of %d tokens, vocab %d, %.2f MB/s, %.0f tokens/s",
+        out.uri,
+        tr["rows"],
+        va["rows"],
+        cfg.seq_len + 1,
+        manifest["tokenizer"]["vocab_size"],
+        rate["mb_per_s"],
+        rate["tokens_per_s"],
+    )
     return manifest
 
 
 def _build(cfg: PrepareConfig, units: Units, staged: Location, key: str, executor: Executor) -> dict:
     """Run every unit not finished before; the manifest of them all."""
-    opts = ReadOptions(cfg.text_field, cfg.prompt_field, cfg.response_field, cfg.chat_field, cfg.val_fraction,
-                       cfg.seed, cfg.on_binary, cfg.on_bad_record)
+    opts = ReadOptions(
+        cfg.text_field,
+        cfg.prompt_field,
+        cfg.response_field,
+        cfg.chat_field,
+        cfg.val_fraction,
+        cfg.seed,
+        cfg.on_binary,
+        cfg.on_bad_record,
+    )
     tok = _tokenizer(cfg, units, opts, staged)
     if tok.to_json() and not staged.join(TOKENIZER_FILE).exists():  # before any unit: a resume reuses it,
         write_once(staged.join(TOKENIZER_FILE), tok.to_json().encode())  # so whole or not at all
     for name, text in getattr(tok, "companions", {}).items():
         if not staged.join(name).exists():
             write_once(staged.join(name), text.encode())
-    job = UnitJob("byte" if tok.kind == "byte" else tok.to_json(), tok.eot_id, cfg.seq_len,
-                  _rows_per_shard(cfg), row_group_rows(cfg.seq_len), opts, staged.uri,
-                  cfg.s3_endpoint, key, *_chat(cfg, tok))
+    job = UnitJob(
+        "byte" if tok.kind == "byte" else tok.to_json(),
+        tok.eot_id,
+        cfg.seq_len,
+        _rows_per_shard(cfg),
+        row_group_rows(cfg.seq_len),
+        opts,
+        staged.uri,
+        cfg.s3_endpoint,
+        key,
+        *_chat(cfg, tok),
+    )
     # A record's token counts (a vocab's worth of numbers) are summed as it arrives, not kept:
     # the driver's memory must not grow with units x vocab.
     counts = np.zeros(tok.vocab_size, dtype=np.int64)
     records = {u: _folded(rec, counts) for u, rec in _finished(staged, key).items()}
     if records:
-        log.info("resuming: %d of %d units were finished before; preparing the other %d", len(records),
-                 len(units), len(units) - len(records))
+        log.info(
+            "resuming: %d of %d units were finished before; preparing the other %d",
+            len(records),
+            len(units),
+            len(units) - len(records),
+        )
     todo = [i for i in range(len(units)) if i not in records]
     running = executor(job, [units.ref(i) for i in todo])  # starts Ray, where it runs there: not the pipeline's time
     began = ended = time.time()
@@ -341,11 +388,19 @@ def _throughput(done: list[dict], began: float, ended: float) -> dict:
     # before the end (its record's way back); the rest of the idle time is the workers' uneven shares
     first = min((r["started"] for r in done if "started" in r), default=began) - began
     last = max((r["started"] + r["seconds"] for r in done if "started" in r), default=ended)
-    return {"seconds": round(seconds, 3), "workers": len({r.get("pid") for r in done}),
-            "nodes": len({r.get("node") for r in done}), "units": len(done), "mb": round(mb, 3),
-            "mb_per_s": mb / max(seconds, 1e-9), "tokens_per_s": tokens / max(seconds, 1e-9),
-            "busy_s": round(busy, 3), "mb_per_busy_s": mb / max(busy, 1e-9),
-            "first_unit_after_s": round(max(0.0, first), 3), "after_last_unit_s": round(max(0.0, ended - last), 3)}
+    return {
+        "seconds": round(seconds, 3),
+        "workers": len({r.get("pid") for r in done}),
+        "nodes": len({r.get("node") for r in done}),
+        "units": len(done),
+        "mb": round(mb, 3),
+        "mb_per_s": mb / max(seconds, 1e-9),
+        "tokens_per_s": tokens / max(seconds, 1e-9),
+        "busy_s": round(busy, 3),
+        "mb_per_busy_s": mb / max(busy, 1e-9),
+        "first_unit_after_s": round(max(0.0, first), 3),
+        "after_last_unit_s": round(max(0.0, ended - last), 3),
+    }
 
 
 def _manifest(cfg: PrepareConfig, tok, records: list[dict], counts: np.ndarray, key: str, rate: dict) -> dict:
@@ -359,15 +414,20 @@ def _manifest(cfg: PrepareConfig, tok, records: list[dict], counts: np.ndarray, 
             split["tokens"] += rec["splits"][s]["tokens"]
             split["shards"] += rec["splits"][s]["shards"]
     if stats.invalid_utf8_chars:
-        log.warning("the corpus is not all UTF-8: %d invalid byte sequence(s) were replaced by U+FFFD",
-                    stats.invalid_utf8_chars)
+        log.warning(
+            "the corpus is not all UTF-8: %d invalid byte sequence(s) were replaced by U+FFFD", stats.invalid_utf8_chars
+        )
     if not sum(stats.documents.values()):
         raise DataError(f"the corpus is empty: {cfg.inputs} hold no non-blank text")
     for name, split in splits.items():
         if split["rows"] == 0:
-            raise DataError(f"the corpus is too small for --seq-len {cfg.seq_len}: its {name} split "
-                            f"({stats.documents[name]} documents) has fewer than {cfg.seq_len + 1} tokens")
-    pretrained_path = {"pretrained": str(Path(cfg.tokenizer).absolute())} if cfg.tokenizer not in ("byte", "bpe") else {}
+            raise DataError(
+                f"the corpus is too small for --seq-len {cfg.seq_len}: its {name} split "
+                f"({stats.documents[name]} documents) has fewer than {cfg.seq_len + 1} tokens"
+            )
+    pretrained_path = (
+        {"pretrained": str(Path(cfg.tokenizer).absolute())} if cfg.tokenizer not in ("byte", "bpe") else {}
+    )
     return {
         "format_version": FORMAT_VERSION,
         "fingerprint": fingerprint(settings(cfg, tok), (r["digest"] for r in records)),
@@ -376,17 +436,36 @@ def _manifest(cfg: PrepareConfig, tok, records: list[dict], counts: np.ndarray, 
         "created_unix": int(time.time()),
         "sources": [s if s.startswith("s3://") else str(Path(s).expanduser()) for s in cfg.inputs],
         "documents": stats.documents,
-        "tokenizer": describe(tok) | ({"file": TOKENIZER_FILE} if tok.to_json() else {}) | pretrained_path
+        "tokenizer": describe(tok)
+        | ({"file": TOKENIZER_FILE} if tok.to_json() else {})
+        | pretrained_path
         | ({"companions": sorted(tok.companions)} if getattr(tok, "companions", None) else {}),
         "seq_len": cfg.seq_len,
         "row_group_rows": row_group_rows(cfg.seq_len),
         "columns": {SAMPLE_ID: "int64", TOKENS: f"fixed_size_list<int32>[{cfg.seq_len + 1}]"},
-        **({"loss_mask": {"scored": "response", "prompt_field": cfg.prompt_field, "response_field": cfg.response_field,
-                          "encoding": "a prompt token is stored as -(id + 1): read, not scored"}}
-           if cfg.prompt_field else {}),
-        **({"loss_mask": {"scored": "assistant", "chat_field": cfg.chat_field,
-                          "encoding": "the chat template's text; all but the assistant turns stored as -(id + 1)"}}
-           if cfg.chat_field else {}),
+        **(
+            {
+                "loss_mask": {
+                    "scored": "response",
+                    "prompt_field": cfg.prompt_field,
+                    "response_field": cfg.response_field,
+                    "encoding": "a prompt token is stored as -(id + 1): read, not scored",
+                }
+            }
+            if cfg.prompt_field
+            else {}
+        ),
+        **(
+            {
+                "loss_mask": {
+                    "scored": "assistant",
+                    "chat_field": cfg.chat_field,
+                    "encoding": "the chat template's text; all but the assistant turns stored as -(id + 1)",
+                }
+            }
+            if cfg.chat_field
+            else {}
+        ),
         "unigram_entropy_bits": unigram_entropy_bits(counts),
         "input": {k: v for k, v in dataclasses.asdict(stats).items() if k != "documents"},
         "units": len(records),
@@ -404,8 +483,15 @@ class _Progress:
 
         self.units, self.seen, self.t0, self.tokens = len(units), len(done), time.perf_counter(), 0
         self.rows = sum(r["splits"][s]["rows"] for r in done.values() for s in ("train", "val"))
-        self.bar = tqdm(total=int(units.sizes.sum()), initial=sum(r["bytes"] for r in done.values()),
-                        unit="B", unit_scale=True, desc="prepare", disable=None, mininterval=1.0)
+        self.bar = tqdm(
+            total=int(units.sizes.sum()),
+            initial=sum(r["bytes"] for r in done.values()),
+            unit="B",
+            unit_scale=True,
+            desc="prepare",
+            disable=None,
+            mininterval=1.0,
+        )
 
     def __enter__(self) -> _Progress:
         return self

@@ -104,8 +104,10 @@ def validate_config(cfg: PrepareConfig) -> None:
     if cfg.chat_template and not Path(cfg.chat_template).is_file():
         raise ConfigError(f"--chat-template {cfg.chat_template!r}: no such file; expected a Jinja chat template")
     if cfg.tokenizer not in ("byte", "bpe") and not Path(cfg.tokenizer).exists():
-        raise ConfigError(f"--tokenizer {cfg.tokenizer!r}: expected 'byte', 'bpe', or the path of a tokenizer.json "
-                          "or of a Hugging Face directory holding one")
+        raise ConfigError(
+            f"--tokenizer {cfg.tokenizer!r}: expected 'byte', 'bpe', or the path of a tokenizer.json "
+            "or of a Hugging Face directory holding one"
+        )
     if cfg.tokenizer == "bpe" and not 257 <= cfg.vocab_size <= 1 << 20:
         raise ConfigError(f"--vocab-size {cfg.vocab_size}: expected 257..{1 << 20} for BPE")
     if cfg.vocab_size < 1:
@@ -113,11 +115,15 @@ def validate_config(cfg: PrepareConfig) -> None:
     if not 2 <= cfg.seq_len <= MAX_SEQ_LEN:
         raise ConfigError(f"--seq-len {cfg.seq_len}: expected an integer in [2, {MAX_SEQ_LEN:_}]")
     if cfg.shard_tokens < cfg.seq_len + 1:
-        raise ConfigError(f"--shard-tokens {cfg.shard_tokens}: expected at least one row of --seq-len + 1 = "
-                          f"{cfg.seq_len + 1} tokens per shard")
+        raise ConfigError(
+            f"--shard-tokens {cfg.shard_tokens}: expected at least one row of --seq-len + 1 = "
+            f"{cfg.seq_len + 1} tokens per shard"
+        )
     if cfg.shard_tokens > MAX_SHARD_TOKENS:
-        raise ConfigError(f"--shard-tokens {cfg.shard_tokens}: expected at most {MAX_SHARD_TOKENS:_} tokens "
-                          "per shard (a shard is read whole into memory)")
+        raise ConfigError(
+            f"--shard-tokens {cfg.shard_tokens}: expected at most {MAX_SHARD_TOKENS:_} tokens "
+            "per shard (a shard is read whole into memory)"
+        )
     if not 0 <= cfg.seed <= MAX_INT:
         raise ConfigError(f"--seed {cfg.seed}: expected an integer in [0, 2**53]")
     if cfg.on_binary not in ("error", "skip"):

@@ -48,8 +48,9 @@ def refuse_protected(out: Location) -> None:
     """Never overwrite a place whose loss would be more than a dataset's."""
     if out.is_s3:
         if "/" not in out.path.strip("/"):
-            raise DataError(f"--output {out.uri} is a whole bucket: Kiln never overwrites one; "
-                            "choose a prefix inside it")
+            raise DataError(
+                f"--output {out.uri} is a whole bucket: Kiln never overwrites one; choose a prefix inside it"
+            )
         return
     reason = guard.protected_reason(out.path)
     if reason:

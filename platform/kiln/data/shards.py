@@ -95,11 +95,21 @@ class UnitWorker:
         rows["train"] = train[: len(train) - cut]
         counts = _token_counts(rows["train"], self.tok.vocab_size)
         base = unit.index << UNIT_ID_BITS
-        splits = {"train": self._write(unit, "train", rows["train"], base),
-                  "val": self._write(unit, "val", rows["val"], base + len(rows["train"]))}
-        record = {"unit": unit.index, "key": self.job.key, "bytes": unit.bytes, "digest": digest, "splits": splits,
-                  "counts": counts.tolist(), "stats": asdict(stats),
-                  "seconds": time.perf_counter() - t0, "started": started}
+        splits = {
+            "train": self._write(unit, "train", rows["train"], base),
+            "val": self._write(unit, "val", rows["val"], base + len(rows["train"])),
+        }
+        record = {
+            "unit": unit.index,
+            "key": self.job.key,
+            "bytes": unit.bytes,
+            "digest": digest,
+            "splits": splits,
+            "counts": counts.tolist(),
+            "stats": asdict(stats),
+            "seconds": time.perf_counter() - t0,
+            "started": started,
+        }
         self.staged.join(UNITS_DIR, f"{unit.index:06d}.json").write_bytes(json.dumps(record).encode())
         return record
 
@@ -110,8 +120,15 @@ class UnitWorker:
             data = shard_bytes(first_id + start, chunk, self.job.group_rows)
             rel = f"{split}/part-{unit.index:06d}-{k:04d}.parquet"
             write_once(self.staged.join(rel), data)
-            shards.append({"path": rel, "rows": len(chunk), "bytes": len(data), "first_id": first_id + start,
-                           "sha256": hashlib.sha256(data).hexdigest()})
+            shards.append(
+                {
+                    "path": rel,
+                    "rows": len(chunk),
+                    "bytes": len(data),
+                    "first_id": first_id + start,
+                    "sha256": hashlib.sha256(data).hexdigest(),
+                }
+            )
         return {"rows": int(len(rows)), "tokens": int(rows.size - len(rows)), "shards": shards}
 
 
@@ -146,8 +163,7 @@ def _token_streams(unit: Unit, job: UnitJob, tok, stats: ReadStats) -> tuple[dic
             flush(split)
     for split in pending:
         flush(split)
-    return ({s: np.concatenate(p) if p else np.zeros(0, np.int32) for s, p in pieces.items()},
-            digest.hexdigest())
+    return ({s: np.concatenate(p) if p else np.zeros(0, np.int32) for s, p in pieces.items()}, digest.hexdigest())
 
 
 def _rows(stream: np.ndarray, width: int) -> np.ndarray:

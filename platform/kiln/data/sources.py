@@ -22,15 +22,7 @@ import torch
 from kiln.data.epochs import Blocks, EpochOrder, Layout
 from kiln.data.manifest import SAMPLE_ID, TOKENS, Manifest, read_failure
 from kiln.data.mixture import Dataset
-from kiln.data.order import (
-    BYTES_READ,
-    Slice,
-    batches_per_epoch,
-    expected_ids,
-    read_slice,
-    replica_slices,
-    whole_shards,
-)
+from kiln.data.order import BYTES_READ, Slice, batches_per_epoch, expected_ids, read_slice, replica_slices, whole_shards
 from kiln.data.shards import row_group_rows
 from kiln.errors import DataError
 
@@ -66,8 +58,16 @@ class OrderedSource:
     """The data order and resume logic; subclasses say how a list of shard slices is read
     (`_tables`: the slices' rows as Arrow tables with the id and tokens columns, in order)."""
 
-    def __init__(self, data: Manifest | list[Dataset], dp_rank: int, dp_size: int, micro_batch: int,
-                 max_val_batches: int = 0, seed: int = 0, reshuffle: bool = False):
+    def __init__(
+        self,
+        data: Manifest | list[Dataset],
+        dp_rank: int,
+        dp_size: int,
+        micro_batch: int,
+        max_val_batches: int = 0,
+        seed: int = 0,
+        reshuffle: bool = False,
+    ):
         """`data`: one dataset, or the run's weighted datasets (`kiln.data.mixture`). `dp_rank`
         of `dp_size`: this worker's data-parallel coordinates (the stages of one pipeline share
         them, and read the same rows). `seed` and `reshuffle`: the epochs' order
@@ -107,8 +107,10 @@ class OrderedSource:
         used = layout.rows_by_source(n * self.dp_size * self.micro_batch, len(self.datasets))
         self._epochs[epoch] = n, used  # small: two numbers a dataset, for every epoch run
         if n == 0:
-            raise DataError(f"train epoch {epoch} of {self.manifest.location.uri} gives no micro-batch to each of "
-                            f"{self.dp_size} replicas: lower train.micro_batch_size, or prepare more data")
+            raise DataError(
+                f"train epoch {epoch} of {self.manifest.location.uri} gives no micro-batch to each of "
+                f"{self.dp_size} replicas: lower train.micro_batch_size, or prepare more data"
+            )
         return n
 
     def resume_point(self, skip: int) -> tuple[int, int]:
@@ -125,8 +127,9 @@ class OrderedSource:
         where the global batch is kept, nothing is left out either). Only each epoch's
         left-out tail depends on the number of replicas (`batches_per_epoch`)."""
         epoch, rows = 0, consumed * replicas * micro_batch  # rows read by all replicas
-        while rows >= (n := batches_per_epoch(self.layout("train", epoch).rows, replicas, micro_batch)
-                       * replicas * micro_batch):
+        while rows >= (
+            n := batches_per_epoch(self.layout("train", epoch).rows, replicas, micro_batch) * replicas * micro_batch
+        ):
             rows, epoch = rows - n, epoch + 1
         step = self.dp_size * self.micro_batch  # rows per micro-batch of every replica together
         into = -(-rows // step)
@@ -141,9 +144,10 @@ class OrderedSource:
         metrics = {"data/bytes_read": float(self.bytes_read)}
         if len(self.datasets) > 1:
             epoch, into = self.resume_point(consumed)
-            counts = sum((self._epochs[e][1] for e in range(epoch)),
-                         self.layout("train", epoch).rows_by_source(into * self.dp_size * self.micro_batch,
-                                                                    len(self.datasets)))
+            counts = sum(
+                (self._epochs[e][1] for e in range(epoch)),
+                self.layout("train", epoch).rows_by_source(into * self.dp_size * self.micro_batch, len(self.datasets)),
+            )
             total = max(1, int(counts.sum()))
             metrics |= {f"data/mix/{d.name}_frac": float(c) / total for d, c in zip(self.datasets, counts)}
         return metrics
@@ -153,15 +157,18 @@ class OrderedSource:
 
     def epoch(self, split: str, skip_batches: int = 0, number: int = 0) -> Iterator[Samples]:
         """Epoch `number` of this replica's micro-batches, after its first `skip_batches`."""
-        slices = replica_slices(self.layout(split, number), self.dp_rank, self.dp_size, self.micro_batch,
-                                skip_batches)
+        slices = replica_slices(self.layout(split, number), self.dp_rank, self.dp_size, self.micro_batch, skip_batches)
         if not slices:
             return
         rows = _arrays(self._tables(split, slices), self)
         first_ids = [d.manifest.first_ids(split) for d in self.datasets]
         try:
-            yield from _checked_order(_micro_batches(rows, self.micro_batch), split, self.manifest.location.uri,
-                                      expected_ids(slices, first_ids))
+            yield from _checked_order(
+                _micro_batches(rows, self.micro_batch),
+                split,
+                self.manifest.location.uri,
+                expected_ids(slices, first_ids),
+            )
         except READ_ERRORS as e:  # also Ray Data's re-raise of a read task's error
             raise read_failure([d.manifest for d in self.datasets], split, e) from None
 
@@ -225,7 +232,9 @@ def _concatenated(shard_rows: list[list[int]]) -> Layout:
     """Each dataset's shards in manifest order, one after another, a block per shard."""
     parts = [whole_shards(rows) for rows in shard_rows]
     source = np.concatenate([np.full(len(p.size), d, dtype=np.int64) for d, p in enumerate(parts)])
-    shard, start, size, key = (np.concatenate([getattr(p, f) for p in parts]) for f in ("shard", "start", "size", "key"))
+    shard, start, size, key = (
+        np.concatenate([getattr(p, f) for p in parts]) for f in ("shard", "start", "size", "key")
+    )
     return Layout(source, shard, start, size, key, False)
 
 
@@ -254,7 +263,9 @@ def _micro_batches(rows: Iterator[Samples], micro_batch: int) -> Iterator[Sample
         ids_buf, tok_buf, held = [all_ids[full:]], [all_tokens[full:]], held - full
 
 
-def _checked_order(batches: Iterator[Samples], split: str, uri: str, expected: Iterator[np.ndarray]) -> Iterator[Samples]:
+def _checked_order(
+    batches: Iterator[Samples], split: str, uri: str, expected: Iterator[np.ndarray]
+) -> Iterator[Samples]:
     """Each micro-batch must hold the ids its slices say (a shard's rows are numbered on from
     its first id): anything else means a reader reordered the rows, and the exact-resume
     guarantee would silently not hold."""
@@ -262,8 +273,10 @@ def _checked_order(batches: Iterator[Samples], split: str, uri: str, expected: I
     for ids, tokens in batches:
         while len(held) < len(ids):
             held = np.concatenate([held, next(expected)])
-        want, held = held[: len(ids)], held[len(ids):]
+        want, held = held[: len(ids)], held[len(ids) :]
         if not np.array_equal(ids, want):
-            raise DataError(f"the {split} rows of {uri} arrived out of order (sample ids {ids[0]}..{ids[-1]}, "
-                            f"expected {want[0]}..{want[-1]}): was the dataset written by `kiln data prepare`?")
+            raise DataError(
+                f"the {split} rows of {uri} arrived out of order (sample ids {ids[0]}..{ids[-1]}, "
+                f"expected {want[0]}..{want[-1]}): was the dataset written by `kiln data prepare`?"
+            )
         yield ids, tokens

@@ -106,8 +106,9 @@ class BPETokenizer:
     def encode_batch(self, texts: Sequence[str], special: bool = True) -> list[np.ndarray]:
         """Each text's ids; `special`: with what the tokenizer's post-processor adds around a
         text (a Llama 3 tokenizer's BOS), as at the start of a document or an example."""
-        return [np.asarray(e.ids, dtype=np.int32)
-                for e in self._tok.encode_batch(list(texts), add_special_tokens=special)]
+        return [
+            np.asarray(e.ids, dtype=np.int32) for e in self._tok.encode_batch(list(texts), add_special_tokens=special)
+        ]
 
     def decode(self, ids: Iterable[int]) -> str:
         return self._tok.decode(list(ids))
@@ -154,7 +155,9 @@ def pretrained(path: str) -> BPETokenizer:
         text = file.read_text()
         tok = BPETokenizer.from_json(text, eot_id=-1)
     except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"tokenizer {file}: not readable ({e}); expected a tokenizer.json or a directory holding one") from None
+        raise ConfigError(
+            f"tokenizer {file}: not readable ({e}); expected a tokenizer.json or a directory holding one"
+        ) from None
     except Exception as e:  # tokenizers raises its own exception type for a malformed file
         raise ConfigError(f"tokenizer {file}: not a tokenizers file ({str(e)[:200]})") from None
     eos = None
@@ -169,8 +172,10 @@ def pretrained(path: str) -> BPETokenizer:
     if not (isinstance(eos, int) and 0 <= eos < tok.vocab_size):
         eos = next((tok._tok.token_to_id(n) for n in EOT_NAMES if tok._tok.token_to_id(n) is not None), None)
     if eos is None:
-        raise ConfigError(f"tokenizer {file}: has no end-of-text token (none of {list(EOT_NAMES)}, and no "
-                          "eos_token_id in a config.json beside it)")
+        raise ConfigError(
+            f"tokenizer {file}: has no end-of-text token (none of {list(EOT_NAMES)}, and no "
+            "eos_token_id in a config.json beside it)"
+        )
     tok.eot_id = eos
     if p.is_dir():
         tok.companions = {name: (p / name).read_text() for name in COMPANIONS if (p / name).is_file()}
@@ -226,4 +231,3 @@ def token_bytes(tok) -> np.ndarray:
 
 def describe(tok) -> dict:
     return {"type": tok.kind, "vocab_size": int(tok.vocab_size), "eot_id": int(tok.eot_id)}
-

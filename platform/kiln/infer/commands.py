@@ -25,8 +25,14 @@ log = logging.getLogger(__name__)
 EXPORT = "export"  # the write guard's kind for an export directory
 
 
-def export(spec: str, output: str, overwrite: bool = False, s3_endpoint: str = "", dtype: str = "fp32",
-           max_shard_size: int | str = hf.MAX_SHARD_SIZE) -> tuple[LoadedModel, list[str]]:
+def export(
+    spec: str,
+    output: str,
+    overwrite: bool = False,
+    s3_endpoint: str = "",
+    dtype: str = "fp32",
+    max_shard_size: int | str = hf.MAX_SHARD_SIZE,
+) -> tuple[LoadedModel, list[str]]:
     """Write `spec`'s model as a Hugging Face directory at `output`, whole or not at all. A local
     one is written into a hidden sibling and swapped into place by the write guard (`kiln.guard`);
     an s3:// one (no rename there) is uploaded file by file with config.json last, so a partial
@@ -48,23 +54,27 @@ def export(spec: str, output: str, overwrite: bool = False, s3_endpoint: str = "
     return loaded, [*files, guard.MARKER]
 
 
-def _export_to_s3(spec: str, output: str, overwrite: bool, s3_endpoint: str, dtype: str,
-                  max_shard_size: int | str) -> tuple[LoadedModel, list[str]]:
+def _export_to_s3(
+    spec: str, output: str, overwrite: bool, s3_endpoint: str, dtype: str, max_shard_size: int | str
+) -> tuple[LoadedModel, list[str]]:
     from kiln.storage import resolve
 
     out = resolve(output, s3_endpoint)
     present = out.list_files()
     if present and guard.MARKER not in present:
-        raise ConfigError(f"--output {output}: holds files and is not an export Kiln wrote (no {guard.MARKER} "
-                          "marker); it is never overwritten")
+        raise ConfigError(
+            f"--output {output}: holds files and is not an export Kiln wrote (no {guard.MARKER} "
+            "marker); it is never overwritten"
+        )
     if present and out.join(guard.MARKER).read_bytes().strip() != guard.tag(EXPORT).encode():
         raise ConfigError(f"--output {output}: its {guard.MARKER} marker is not an export's; it is never overwritten")
     if present and not overwrite:
         raise ConfigError(f"--output {output}: already holds an earlier export; pass --overwrite to replace it")
     loaded = load_model(spec)
     with tempfile.TemporaryDirectory(prefix="kiln-export-") as tmp:
-        files = hf.write(loaded.cfg, loaded.state, loaded.tokenizer, loaded.vocab_size, Path(tmp), dtype,
-                         max_shard_size)
+        files = hf.write(
+            loaded.cfg, loaded.state, loaded.tokenizer, loaded.vocab_size, Path(tmp), dtype, max_shard_size
+        )
         if present:
             # The old export stops loading first.
             guard.delete_stored(out.fs, out.join(hf.CONFIG).path, proof="an export's, by its marker")
@@ -117,12 +127,18 @@ def fit_to_context(s: Sampling, prompt_tokens: int, context: int) -> Sampling:
     notice says so); a prompt that fills the context alone is refused, naming the flag."""
     room = context - prompt_tokens
     if room < 1:
-        raise ConfigError(f"--prompt: {prompt_tokens} tokens fill the model's whole context of {context}; "
-                          "shorten the prompt")
+        raise ConfigError(
+            f"--prompt: {prompt_tokens} tokens fill the model's whole context of {context}; shorten the prompt"
+        )
     if s.max_new_tokens <= room:
         return s
-    log.warning("--max-new-tokens %d cut to %d: the model's context is %d tokens and the prompt takes %d",
-                s.max_new_tokens, room, context, prompt_tokens)
+    log.warning(
+        "--max-new-tokens %d cut to %d: the model's context is %d tokens and the prompt takes %d",
+        s.max_new_tokens,
+        room,
+        context,
+        prompt_tokens,
+    )
     return dataclasses.replace(s, max_new_tokens=room)
 
 
@@ -146,8 +162,15 @@ def check_device(device: str) -> str:
     return device
 
 
-def run_generate(spec: str, prompts: list[str], s: Sampling, batch_size: int, device: str,
-                 write: Callable[[str], object], chat: bool = False) -> GenerateResult:
+def run_generate(
+    spec: str,
+    prompts: list[str],
+    s: Sampling,
+    batch_size: int,
+    device: str,
+    write: Callable[[str], object],
+    chat: bool = False,
+) -> GenerateResult:
     """Complete each prompt, streaming text to `write` as it decodes. With batch_size 1 each
     completion streams token by token; a batch's completions are written as the batch ends.
     `chat`: each prompt is a user turn in the model's chat template, and the template's end of
@@ -157,7 +180,7 @@ def run_generate(spec: str, prompts: list[str], s: Sampling, batch_size: int, de
     model = loaded.build(device)
     result = GenerateResult([], [])
     for start in range(0, len(prompts), batch_size):
-        texts, generated = _complete(model, loaded, prompts[start:start + batch_size], s, write, turns)
+        texts, generated = _complete(model, loaded, prompts[start : start + batch_size], s, write, turns)
         result.completions += texts
         result.generated.append(generated)
     return result
@@ -171,8 +194,10 @@ def chat_encoder(tok) -> tuple[Callable[[str], list[int]], tuple[int, ...]]:
     companions = getattr(tok, "companions", {})
     template = template_of(companions)
     if template is None:
-        raise ConfigError("--chat: the model's tokenizer has no chat template (a chat_template in its "
-                          "tokenizer_config.json, or chat_template.jinja)")
+        raise ConfigError(
+            "--chat: the model's tokenizer has no chat template (a chat_template in its "
+            "tokenizer_config.json, or chat_template.jinja)"
+        )
     stops = tuple(i for i in [tok.special_id("eos_token")] if i is not None)
 
     def encode(prompt: str) -> list[int]:
@@ -182,10 +207,16 @@ def chat_encoder(tok) -> tuple[Callable[[str], list[int]], tuple[int, ...]]:
     return encode, stops
 
 
-def _complete(model, loaded: LoadedModel, batch: list[str], s: Sampling, write: Callable[[str], object],
-              chat: tuple[Callable[[str], list[int]], tuple[int, ...]] | None = None) -> tuple[list[str], Generated]:
+def _complete(
+    model,
+    loaded: LoadedModel,
+    batch: list[str],
+    s: Sampling,
+    write: Callable[[str], object],
+    chat: tuple[Callable[[str], list[int]], tuple[int, ...]] | None = None,
+) -> tuple[list[str], Generated]:
     tok = loaded.tokenizer
-    ids = ([chat[0](p) for p in batch] if chat else [list(map(int, row)) for row in tok.encode_batch(batch)])
+    ids = [chat[0](p) for p in batch] if chat else [list(map(int, row)) for row in tok.encode_batch(batch)]
     s = fit_to_context(s, max(map(len, ids)), loaded.cfg.seq_len)
     streams = [TextStream(tok.decode) for _ in batch]
     texts = [""] * len(batch)
@@ -202,8 +233,7 @@ def _complete(model, loaded: LoadedModel, batch: list[str], s: Sampling, write: 
                     write(piece)
 
     try:
-        generated = generate(model, ids, s, tok.eot_id, loaded.vocab_size, on_tokens,
-                             stop_ids=chat[1] if chat else ())
+        generated = generate(model, ids, s, tok.eot_id, loaded.vocab_size, on_tokens, stop_ids=chat[1] if chat else ())
     except ValueError as e:  # a prompt too long for the model's context
         raise ConfigError(f"--max-new-tokens {s.max_new_tokens}: {e}") from None
     for row, prompt in enumerate(batch):
@@ -211,4 +241,3 @@ def _complete(model, loaded: LoadedModel, batch: list[str], s: Sampling, write: 
         texts[row] += tail
         write(tail + "\n" if single else f"{prompt}{texts[row]}\n")
     return texts, generated
-

@@ -34,8 +34,11 @@ class EvalResult:
     bits_per_byte: float
 
     def metrics(self) -> dict[str, float]:
-        return {f"eval/{self.split}/loss": self.loss, f"eval/{self.split}/bits_per_byte": self.bits_per_byte,
-                f"eval/{self.split}/tokens": float(self.tokens)}
+        return {
+            f"eval/{self.split}/loss": self.loss,
+            f"eval/{self.split}/bits_per_byte": self.bits_per_byte,
+            f"eval/{self.split}/tokens": float(self.tokens),
+        }
 
 
 def _batches(manifest: Manifest, split: str, batch_size: int) -> Iterator[torch.Tensor]:
@@ -51,16 +54,26 @@ def _batches(manifest: Manifest, split: str, batch_size: int) -> Iterator[torch.
         yield torch.cat(held)
 
 
-def evaluate(loaded: LoadedModel, manifest: Manifest, split: str = "val", batch_size: int = 8,
-             max_batches: int = 0, device: str = "cpu") -> EvalResult:
+def evaluate(
+    loaded: LoadedModel,
+    manifest: Manifest,
+    split: str = "val",
+    batch_size: int = 8,
+    max_batches: int = 0,
+    device: str = "cpu",
+) -> EvalResult:
     """Score every row of `split`, the last partial batch included (or the first `max_batches`
     batches), with `loaded`'s model."""
     if manifest.tokenizer().vocab() != loaded.tokenizer.vocab():
-        raise ConfigError(f"--data {manifest.location.uri}: tokenized with another tokenizer than the model's; "
-                          "prepare it with the model's (kiln data prepare --tokenizer <its export>)")
+        raise ConfigError(
+            f"--data {manifest.location.uri}: tokenized with another tokenizer than the model's; "
+            "prepare it with the model's (kiln data prepare --tokenizer <its export>)"
+        )
     if manifest.seq_len > loaded.cfg.seq_len:
-        raise ConfigError(f"--data {manifest.location.uri}: rows of {manifest.seq_len} tokens exceed the model's "
-                          f"context of {loaded.cfg.seq_len}")
+        raise ConfigError(
+            f"--data {manifest.location.uri}: rows of {manifest.seq_len} tokens exceed the model's "
+            f"context of {loaded.cfg.seq_len}"
+        )
     model = loaded.build(device)
     per_token = torch.from_numpy(token_bytes(loaded.tokenizer))
     nats, tokens, nbytes = 0.0, 0, 0
@@ -70,10 +83,11 @@ def evaluate(loaded: LoadedModel, manifest: Manifest, split: str = "val", batch_
         inputs, targets = inputs_and_targets(rows.long())  # instruction data: responses only
         with torch.no_grad():
             # Over the tokenizer's vocab: Kiln's padding ids are never targets, and an export drops them.
-            logits = model(inputs.to(device))[..., :loaded.vocab_size].float()
+            logits = model(inputs.to(device))[..., : loaded.vocab_size].float()
         scored = targets != IGNORE
-        nats += F.cross_entropy(logits.reshape(-1, logits.shape[-1]).cpu(), targets.reshape(-1), ignore_index=IGNORE,
-                                reduction="sum").item()
+        nats += F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]).cpu(), targets.reshape(-1), ignore_index=IGNORE, reduction="sum"
+        ).item()
         tokens += int(scored.sum())
         nbytes += int(per_token[targets[scored]].sum())
     if tokens == 0:

@@ -42,8 +42,9 @@ class Generated:
         return self.new_tokens / max(self.prefill_s + self.decode_s, 1e-9)
 
 
-def next_tokens(logits: torch.Tensor, history: torch.Tensor, s: Sampling,
-                generator: torch.Generator | None) -> torch.Tensor:
+def next_tokens(
+    logits: torch.Tensor, history: torch.Tensor, s: Sampling, generator: torch.Generator | None
+) -> torch.Tensor:
     """One token per row from `logits` (B, V); `history` (B, n) are the latest token ids of each
     row (-1: none), for the repetition penalty."""
     logits = logits.float()
@@ -73,14 +74,21 @@ def _left_pad(prompts: Sequence[Sequence[int]], pad: int, device) -> tuple[torch
     idx = torch.full((len(prompts), width), pad, dtype=torch.long)
     valid = torch.zeros((len(prompts), width), dtype=torch.bool)
     for row, p in enumerate(prompts):
-        idx[row, width - len(p):] = torch.tensor(list(p), dtype=torch.long)
-        valid[row, width - len(p):] = True
+        idx[row, width - len(p) :] = torch.tensor(list(p), dtype=torch.long)
+        valid[row, width - len(p) :] = True
     return idx.to(device), valid.to(device)
 
 
-def generate(model: GPT, prompts: Sequence[Sequence[int]], s: Sampling, eot_id: int, vocab_size: int,
-             on_tokens: Callable[[list[int | None]], None] | None = None, use_cache: bool = True,
-             stop_ids: Sequence[int] = ()) -> Generated:
+def generate(
+    model: GPT,
+    prompts: Sequence[Sequence[int]],
+    s: Sampling,
+    eot_id: int,
+    vocab_size: int,
+    on_tokens: Callable[[list[int | None]], None] | None = None,
+    use_cache: bool = True,
+    stop_ids: Sequence[int] = (),
+) -> Generated:
     """New tokens for each prompt (a batch, left-padded to one length).
 
     `vocab_size` is the tokenizer's: ids above it (the model's padding to a multiple of 64) are
@@ -91,13 +99,15 @@ def generate(model: GPT, prompts: Sequence[Sequence[int]], s: Sampling, eot_id: 
     if any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     if max(len(p) for p in prompts) + s.max_new_tokens > model.cfg.seq_len:
-        raise ValueError(f"prompt plus max_new_tokens ({max(len(p) for p in prompts)} + {s.max_new_tokens}) "
-                         f"exceeds the model's context of {model.cfg.seq_len} tokens")
+        raise ValueError(
+            f"prompt plus max_new_tokens ({max(len(p) for p in prompts)} + {s.max_new_tokens}) "
+            f"exceeds the model's context of {model.cfg.seq_len} tokens"
+        )
     device = next(model.parameters()).device
     model.eval()
     generator = torch.Generator(device=device).manual_seed(s.seed)
     idx, valid = _left_pad(prompts, eot_id, device)
-    history = torch.where(valid, idx, -1)[:, -s.repetition_window:] if s.repetition_window else idx[:, :0]
+    history = torch.where(valid, idx, -1)[:, -s.repetition_window :] if s.repetition_window else idx[:, :0]
     done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
     stops = torch.tensor(list(stop_ids), dtype=torch.long, device=device)
     out: list[list[int]] = [[] for _ in prompts]
@@ -127,7 +137,7 @@ def generate(model: GPT, prompts: Sequence[Sequence[int]], s: Sampling, eot_id: 
         if not use_cache:  # only a recompute reads the whole sequence back
             idx, valid = torch.cat([idx, feed], 1), torch.cat([valid, torch.ones_like(feed, dtype=torch.bool)], 1)
         if s.repetition_window:
-            history = torch.cat([history, feed], 1)[:, -s.repetition_window:]
+            history = torch.cat([history, feed], 1)[:, -s.repetition_window :]
     total = time.perf_counter() - start
     return Generated(out, prefill_s, total - prefill_s)
 
@@ -150,7 +160,7 @@ class TextStream:
         text = self._decode(self._pending)
         if text.endswith("\ufffd"):
             return ""
-        new, self._shown = text[len(self._shown):], text
+        new, self._shown = text[len(self._shown) :], text
         if text and text[-1].isspace():
             self._pending, self._shown = [], ""
         return new
@@ -158,6 +168,6 @@ class TextStream:
     def flush(self) -> str:
         """Whatever is still held back (an incomplete character at the very end)."""
         text = self._decode(self._pending) if self._pending else ""
-        new = text[len(self._shown):]
+        new = text[len(self._shown) :]
         self._pending, self._shown = [], ""
         return new

@@ -56,15 +56,18 @@ class LoadedModel:
         (they would sample garbage, or fail deep inside the decode)."""
         for name, t in self.state.items():
             if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-                raise KilnError(f"{self.source}: weight {name!r} holds NaN or infinite values; this checkpoint "
-                                "cannot generate (resume from an earlier one)")
+                raise KilnError(
+                    f"{self.source}: weight {name!r} holds NaN or infinite values; this checkpoint "
+                    "cannot generate (resume from an earlier one)"
+                )
         model = GPT(self.cfg, init_weights=False)
         missing, unexpected = model.load_state_dict(self.state, strict=False)
         if self.cfg.tie_embeddings:
             missing = [k for k in missing if k != "lm_head.weight"]  # it is wte
         if missing or unexpected:
-            raise KilnError(f"{self.source}: weights do not fit the model (missing {missing[:3]}, "
-                            f"unexpected {unexpected[:3]})")
+            raise KilnError(
+                f"{self.source}: weights do not fit the model (missing {missing[:3]}, unexpected {unexpected[:3]})"
+            )
         return model.to(device).eval()
 
 
@@ -73,8 +76,10 @@ def load_model(spec: str) -> LoadedModel:
     run's directory (its newest complete checkpoint)."""
     path = Path(spec)
     if not path.is_dir():
-        raise ConfigError(f"--model {spec!r}: no such directory (expected a run's directory, a checkpoint "
-                          "directory or an exported Hugging Face directory)")
+        raise ConfigError(
+            f"--model {spec!r}: no such directory (expected a run's directory, a checkpoint "
+            "directory or an exported Hugging Face directory)"
+        )
     if (path / hf.CONFIG).exists():
         cfg = hf.read_config(path)
         tokenizer = hf_tokenizer(path, cfg.vocab_size)  # checked before the weights are read
@@ -85,8 +90,10 @@ def load_model(spec: str) -> LoadedModel:
     try:
         state = consolidate(ckpt, cfg, card["parallel"]["pipeline_stages"], card["parallel"].get("tensor_parallel", 1))
     except (OSError, EOFError, RuntimeError, ValueError, KeyError, pickle.UnpicklingError) as e:
-        raise KilnError(f"{ckpt}: its shards cannot be read (truncated, or not DeepSpeed's or torch's): "
-                        f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+        raise KilnError(
+            f"{ckpt}: its shards cannot be read (truncated, or not DeepSpeed's or torch's): "
+            f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        ) from None
     tokenizer = _dataset_tokenizer(card, ckpt)
     return LoadedModel(cfg, state, tokenizer, ckpt, int(tokenizer.vocab_size))
 
@@ -95,13 +102,16 @@ def checkpoint_of(path: Path) -> str:
     """The complete checkpoint `path` is, or the newest one under it (a run's directory)."""
     if (path / MARKER.format(rank=0)).exists() or (path / TAG).is_dir():
         if not is_complete(str(path)):
-            raise ConfigError(f"{path}: an incomplete checkpoint (its writer died before every rank's "
-                              "kiln_complete marker was written); pick an earlier one")
+            raise ConfigError(
+                f"{path}: an incomplete checkpoint (its writer died before every rank's "
+                "kiln_complete marker was written); pick an earlier one"
+            )
         return str(path)
     found = latest_complete(str(path)) or newest_reported(str(path))
     if found is None:
-        raise ConfigError(f"{path}: holds no complete Kiln checkpoint, and is not a Hugging Face directory "
-                          "(no config.json)")
+        raise ConfigError(
+            f"{path}: holds no complete Kiln checkpoint, and is not a Hugging Face directory (no config.json)"
+        )
     return found
 
 
@@ -136,8 +146,10 @@ def _card(ckpt: str) -> dict:
         with open(path, "rb") as f:
             raw = f.read()
     except FileNotFoundError:
-        raise ConfigError(f"{ckpt}: has no {CARD} (written by Kiln from this version on); the model's "
-                          "shape is unknown, so it cannot be exported") from None
+        raise ConfigError(
+            f"{ckpt}: has no {CARD} (written by Kiln from this version on); the model's "
+            "shape is unknown, so it cannot be exported"
+        ) from None
     except OSError as e:
         raise ConfigError(f"{path}: not readable ({e})") from None
     card = validated(_CARD, raw, path, json=True)
@@ -163,8 +175,9 @@ def consolidate(ckpt: str, cfg: GPTConfig, pipeline_stages: int, tensor_parallel
         name_deepspeed_accelerator(torch.cuda.is_available())  # merging is host work where no GPU is
         state = merged_fp32_state(ckpt, TAG)  # ZeRO 1-3: the fp32 master weights, from every rank's partition
     else:
-        state = torch.load(os.path.join(state_dir, "mp_rank_00_model_states.pt"), map_location="cpu",
-                           weights_only=False)["module"]  # Kiln's own file (ZeRO-0: whole on each rank)
+        state = torch.load(
+            os.path.join(state_dir, "mp_rank_00_model_states.pt"), map_location="cpu", weights_only=False
+        )["module"]  # Kiln's own file (ZeRO-0: whole on each rank)
     state = {k: v.float() for k, v in state.items()}
     if cfg.tie_embeddings:
         state["lm_head.weight"] = state["wte.weight"]
@@ -180,8 +193,9 @@ def _tensor_parallel_weights(state_dir: str, cfg: GPTConfig, k: int) -> dict[str
     for rank in range(k):
         path = os.path.join(state_dir, f"mp_rank_{rank:02d}_model_states.pt")
         if not os.path.exists(path):
-            raise ConfigError(f"{state_dir}: mp_rank_{rank:02d}_model_states.pt is missing (tensor-parallel rank "
-                              f"{rank} of {k})")
+            raise ConfigError(
+                f"{state_dir}: mp_rank_{rank:02d}_model_states.pt is missing (tensor-parallel rank {rank} of {k})"
+            )
         shards.append(torch.load(path, map_location="cpu", weights_only=False)["module"])
     return merge_shards(shards, cfg)
 
@@ -189,8 +203,7 @@ def _tensor_parallel_weights(state_dir: str, cfg: GPTConfig, k: int) -> dict[str
 def _pipeline_layers(state_dir: str, cfg: GPTConfig) -> dict[str, torch.Tensor]:
     """A pipeline's layers (see kiln.parallel.pipeline.to_pipeline): 0 the embeddings, 1..L the
     blocks, L+1 the final norm, L+2 the head (a tied one has no weights of its own)."""
-    files = {int(m.group(1)): os.path.join(state_dir, n)
-             for n in os.listdir(state_dir) if (m := LAYER_FILE.match(n))}
+    files = {int(m.group(1)): os.path.join(state_dir, n) for n in os.listdir(state_dir) if (m := LAYER_FILE.match(n))}
     names = {0: "", cfg.n_layer + 1: "ln_f."} | {i + 1: f"blocks.{i}." for i in range(cfg.n_layer)}
     if not cfg.tie_embeddings:
         names[cfg.n_layer + 2] = "lm_head."
@@ -206,10 +219,13 @@ def _pipeline_layers(state_dir: str, cfg: GPTConfig) -> dict[str, torch.Tensor]:
 def _dataset_tokenizer(card: dict, ckpt: str):
     data = card["data"]
     try:
-        return load_manifest(resolve(data["path"], data.get("s3_endpoint", ""), data.get("s3_region", "us-east-1"))).tokenizer()
+        return load_manifest(
+            resolve(data["path"], data.get("s3_endpoint", ""), data.get("s3_region", "us-east-1"))
+        ).tokenizer()
     except KilnError as e:
-        raise ConfigError(f"{ckpt}: its tokenizer comes from the training data {data['path']!r}, "
-                          f"which cannot be read: {e}") from None
+        raise ConfigError(
+            f"{ckpt}: its tokenizer comes from the training data {data['path']!r}, which cannot be read: {e}"
+        ) from None
 
 
 def hf_tokenizer(directory: Path, vocab_size: int):
@@ -218,6 +234,8 @@ def hf_tokenizer(directory: Path, vocab_size: int):
         raise ConfigError(f"{directory}: has no tokenizer.json (Kiln reads fast-tokenizer files)")
     tok = pretrained(str(directory))
     if tok.vocab_size > vocab_size:
-        raise ConfigError(f"{directory / 'tokenizer.json'}: the tokenizer has {tok.vocab_size} tokens, the "
-                          f"model's vocab_size is {vocab_size}; they must belong together")
+        raise ConfigError(
+            f"{directory / 'tokenizer.json'}: the tokenizer has {tok.vocab_size} tokens, the "
+            f"model's vocab_size is {vocab_size}; they must belong together"
+        )
     return tok

@@ -36,8 +36,10 @@ def run_reporting_errors(command: Callable[[], int]) -> int:
         return e.exit_code
     except KeyboardInterrupt as e:
         signum = e.signum if isinstance(e, Stopped) else signal.SIGINT
-        print("kiln: interrupted" + ("" if signum == signal.SIGINT else f" ({signal.Signals(signum).name})"),
-              file=sys.stderr)
+        print(
+            "kiln: interrupted" + ("" if signum == signal.SIGINT else f" ({signal.Signals(signum).name})"),
+            file=sys.stderr,
+        )
         return 128 + signum
     except Exception as e:  # noqa: BLE001 - the one place that turns any failure into a line
         where = _save_traceback()
@@ -45,8 +47,10 @@ def run_reporting_errors(command: Callable[[], int]) -> int:
         if isinstance(e, _environment_errors()):
             print(f"kiln: error: {what} (traceback in {where})", file=sys.stderr)
             return 1
-        print(f"kiln: internal error: {what}. This is a bug in Kiln: please report it with the "
-              f"traceback in {where}", file=sys.stderr)
+        print(
+            f"kiln: internal error: {what}. This is a bug in Kiln: please report it with the traceback in {where}",
+            file=sys.stderr,
+        )
         return 1
 
 

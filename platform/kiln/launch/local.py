@@ -44,8 +44,14 @@ log = logging.getLogger(__name__)
 def _world_from_env(use_gpu: bool) -> WorldInfo:
     """torchrun sets RANK/WORLD_SIZE/LOCAL_RANK/MASTER_*; a lone process gets world size 1."""
     if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        os.environ.update(
+            RANK="0",
+            WORLD_SIZE="1",
+            LOCAL_RANK="0",
+            LOCAL_WORLD_SIZE="1",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(free_port()),
+        )
     rank, world, local = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
     if use_gpu:
         if not torch.cuda.is_available():
@@ -54,8 +60,13 @@ def _world_from_env(use_gpu: bool) -> WorldInfo:
         device = torch.device("cuda", local)
     else:
         device = torch.device("cpu")
-    return WorldInfo(rank=rank, world_size=world, device=device, local_rank=local,
-                     local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return WorldInfo(
+        rank=rank,
+        world_size=world,
+        device=device,
+        local_rank=local,
+        local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+    )
 
 
 def agree_on_run_name(cfg: RunConfig, world: WorldInfo) -> RunConfig:
@@ -72,8 +83,11 @@ def agree_on_run_name(cfg: RunConfig, world: WorldInfo) -> RunConfig:
     chosen = [(cfg.logging.run_name, cfg.train.storage_path)]
     dist.broadcast_object_list(chosen, src=0)
     name, storage = chosen[0]
-    return dataclasses.replace(cfg, logging=dataclasses.replace(cfg.logging, run_name=name),
-                               train=dataclasses.replace(cfg.train, storage_path=storage))
+    return dataclasses.replace(
+        cfg,
+        logging=dataclasses.replace(cfg.logging, run_name=name),
+        train=dataclasses.replace(cfg.train, storage_path=storage),
+    )
 
 
 def _run_root(cfg: RunConfig) -> str:
@@ -104,22 +118,31 @@ def run_local(cfg: RunConfig, started: float | None = None) -> Summary | None:
         else:
             from kiln.tracking.mlflow_run import MLflowLogger, open_run
 
-            run = open_run(cfg, checked.datasets, tracking_uri, {"num_nodes": 1, "launcher": "local"},
-                           tags=lineage(cfg))
+            run = open_run(
+                cfg, checked.datasets, tracking_uri, {"num_nodes": 1, "launcher": "local"}, tags=lineage(cfg)
+            )
             record_run(cfg, run.run_id, tracking_uri)  # a fork of this run finds its MLflow run
-            logger = MLflowLogger(tracking_uri, run.run_id, spill_dir=_run_root(cfg),
-                                  outage_wait_s=cfg.logging.outage_wait_s)
+            logger = MLflowLogger(
+                tracking_uri, run.run_id, spill_dir=_run_root(cfg), outage_wait_s=cfg.logging.outage_wait_s
+            )
             marks |= startup_mark("mlflow")
+
     def source(dp_rank: int, dp_size: int) -> ParquetSource:
-        return ParquetSource(checked.datasets, dp_rank, dp_size, cfg.train.micro_batch_size, cfg.train.eval_batches,
-                             seed=cfg.train.seed, reshuffle=cfg.data.reshuffle)
+        return ParquetSource(
+            checked.datasets,
+            dp_rank,
+            dp_size,
+            cfg.train.micro_batch_size,
+            cfg.train.eval_batches,
+            seed=cfg.train.seed,
+            reshuffle=cfg.data.reshuffle,
+        )
 
     ckpt_root = _run_root(cfg)
     with run.finishing() if run is not None else contextlib.nullcontext():
         # The loop shows progress on rank 0 only: a bar when stderr is a terminal, else log lines.
         progress = sink_for(sys.stderr, cfg.logging.progress_every)
-        final = run_worker(cfg, checked.model, world, source, Sinks(logger=logger, progress=progress), ckpt_root,
-                           marks)
+        final = run_worker(cfg, checked.model, world, source, Sinks(logger=logger, progress=progress), ckpt_root, marks)
         shutdown_distributed()
         if world.rank != 0:
             return None
@@ -140,7 +163,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     def command() -> int:
-        summary = run_local(load_config(args.config, fork_overrides(args.overrides, args.fork)), started=process_start())
+        summary = run_local(
+            load_config(args.config, fork_overrides(args.overrides, args.fork)), started=process_start()
+        )
         if summary is not None:
             print(summary.render())
             if args.summary_json:

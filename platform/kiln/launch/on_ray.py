@@ -22,14 +22,7 @@ from kiln.clock import startup_mark
 from kiln.config import RunConfig
 from kiln.errors import ConfigError, KilnError, user_error_in
 from kiln.launch.preflight import preflight
-from kiln.launch.resume import (
-    StoredRun,
-    check_resumable,
-    lineage,
-    record_run,
-    same_mlflow_run,
-    stored_run,
-)
+from kiln.launch.resume import StoredRun, check_resumable, lineage, record_run, same_mlflow_run, stored_run
 from kiln.launch.summary import Summary
 from kiln.ports import free_port
 from kiln.ray.address import check_ray_address
@@ -43,8 +36,14 @@ from kiln.ui.progress import DriverBar, TerminalBar, is_terminal
 log = logging.getLogger(__name__)
 
 
-def train(cfg: RunConfig, address: str | None = None, started: float | None = None,
-          progress_stream: IO[str] | None = None, verbose: bool = False, bar: DriverBar | None = None) -> Summary:
+def train(
+    cfg: RunConfig,
+    address: str | None = None,
+    started: float | None = None,
+    progress_stream: IO[str] | None = None,
+    verbose: bool = False,
+    bar: DriverBar | None = None,
+) -> Summary:
     """Validate everything, then train on Ray Train (embedded local Ray or a cluster).
 
     The driver draws `bar` (the Python API's tqdm bar) or, on a terminal (`progress_stream`,
@@ -60,8 +59,9 @@ def train(cfg: RunConfig, address: str | None = None, started: float | None = No
     stored = stored_run(cfg)
     if stored is not None:
         check_resumable(cfg, stored)
-        log.info("resuming run %r from its checkpoint at step %d (%s)", cfg.logging.run_name, stored.step,
-                 stored.checkpoint)
+        log.info(
+            "resuming run %r from its checkpoint at step %d (%s)", cfg.logging.run_name, stored.step, stored.checkpoint
+        )
     marks |= startup_mark("preflight")
     run = _open_run_while_ray_starts(cfg, checked.datasets, tracking_uri, address, verbose, stored)
     marks |= startup_mark("ray")  # the later of the two: the run opened meanwhile
@@ -69,18 +69,32 @@ def train(cfg: RunConfig, address: str | None = None, started: float | None = No
     check_tensor_parallel_nodes(cfg, nodes)
     cfg = reads_that_fit(cfg)
     resources = ray.cluster_resources()
-    run.set_tags({"kiln.num_nodes": len([n for n in nodes if n["Alive"]]),
-                  "kiln.cluster_cpus": resources.get("CPU", 0), "kiln.cluster_gpus": resources.get("GPU", 0)})
+    run.set_tags(
+        {
+            "kiln.num_nodes": len([n for n in nodes if n["Alive"]]),
+            "kiln.cluster_cpus": resources.get("CPU", 0),
+            "kiln.cluster_gpus": resources.get("GPU", 0),
+        }
+    )
     marks |= startup_mark("mlflow")
     worker_log = os.path.join(cfg.local_run_dir(), "workers.log")
     with run.finishing():
         stream = progress_stream or sys.stderr
         bar = bar or (TerminalBar(stream) if is_terminal(stream) else None)
         board = ProgressBoard.remote() if bar is not None else None
-        trainer = build_trainer(cfg, checked.model, cfg.logging.run_name, tracking_uri, run.run_id,
-                                progress_board=board, resumed_from=stored.checkpoint if stored else None)
-        with WorkerLogRouter(worker_log, bar.print_above if bar else None, verbose), \
-                BoardWatcher(board, bar) if bar is not None else contextlib.nullcontext():
+        trainer = build_trainer(
+            cfg,
+            checked.model,
+            cfg.logging.run_name,
+            tracking_uri,
+            run.run_id,
+            progress_board=board,
+            resumed_from=stored.checkpoint if stored else None,
+        )
+        with (
+            WorkerLogRouter(worker_log, bar.print_above if bar else None, verbose),
+            BoardWatcher(board, bar) if bar is not None else contextlib.nullcontext(),
+        ):
             marks |= startup_mark("fit")
             result = _fit(trainer, cfg.logging.run_name, worker_log)
         checkpoint = _checkpoint_uri(cfg, result.checkpoint)
@@ -110,8 +124,12 @@ def _log_model(cfg: RunConfig, run, checkpoint: str | None, metrics: dict) -> st
         return None
     if is_url(checkpoint) or not os.path.isdir(checkpoint):
         where = f"on {checkpoint.split('://')[0]}" if is_url(checkpoint) else "not on this machine"
-        log.warning("the model is not exported or logged to MLflow: its checkpoint %s is %s, and kiln export "
-                    "reads local directories (use kiln export on a copy)", checkpoint, where)
+        log.warning(
+            "the model is not exported or logged to MLflow: its checkpoint %s is %s, and kiln export "
+            "reads local directories (use kiln export on a copy)",
+            checkpoint,
+            where,
+        )
         return None
     if cfg.logging.export_to:
         from kiln.infer.commands import export
@@ -124,11 +142,15 @@ def _log_model(cfg: RunConfig, run, checkpoint: str | None, metrics: dict) -> st
     from kiln.tracking.model import log_model
 
     try:
-        model_id, version = log_model(run.client, run.run_id, checkpoint, metrics, int(metrics.get("step", 0)),
-                                      cfg.logging.register_as)
+        model_id, version = log_model(
+            run.client, run.run_id, checkpoint, metrics, int(metrics.get("step", 0)), cfg.logging.register_as
+        )
     except (KilnError, OSError, *errors()) as e:
-        log.warning("the model was not logged to MLflow (%s); kiln export %s --output DIR exports it",
-                    str(e).splitlines()[0] if str(e) else type(e).__name__, checkpoint)
+        log.warning(
+            "the model was not logged to MLflow (%s); kiln export %s --output DIR exports it",
+            str(e).splitlines()[0] if str(e) else type(e).__name__,
+            checkpoint,
+        )
         return None
     return f"models:/{cfg.logging.register_as}/{version}" if version else f"models:/{model_id}"
 
@@ -146,8 +168,14 @@ def _fit(trainer, run_name: str, worker_log: str):
         raise KilnError(f"run {run_name!r} failed: {cause} (the workers' output is in {worker_log})") from None
 
 
-def _open_run_while_ray_starts(cfg: RunConfig, datasets, tracking_uri: str, address: str | None,
-                               verbose: bool = False, stored: StoredRun | None = None) -> Run:
+def _open_run_while_ray_starts(
+    cfg: RunConfig,
+    datasets,
+    tracking_uri: str,
+    address: str | None,
+    verbose: bool = False,
+    stored: StoredRun | None = None,
+) -> Run:
     """Open the MLflow run on a thread while Ray starts (or connects): the two take seconds each
     and need nothing from each other. A cluster address that does not answer is refused first,
     so that mistake still leaves nothing behind; if Ray then fails to start, the run that opened
@@ -157,8 +185,11 @@ def _open_run_while_ray_starts(cfg: RunConfig, datasets, tracking_uri: str, addr
     run_id = same_mlflow_run(stored, tracking_uri)
 
     def opened() -> Run:
-        run = (reopen_run(cfg, tracking_uri, run_id, stored.checkpoint) if run_id and stored
-               else open_run(cfg, datasets, tracking_uri, {}, tags=lineage(cfg)))
+        run = (
+            reopen_run(cfg, tracking_uri, run_id, stored.checkpoint)
+            if run_id and stored
+            else open_run(cfg, datasets, tracking_uri, {}, tags=lineage(cfg))
+        )
         record_run(cfg, run.run_id, tracking_uri)
         return run
 
@@ -189,7 +220,8 @@ def connect_ray(cfg: RunConfig, address: str | None = None, verbose: bool = True
         except ConnectionError as e:
             raise KilnError(
                 f"could not join the Ray cluster at {address}: {e}. A cluster started with `ray start "
-                "--head` uses token auth: set RAY_AUTH_MODE=token (its token is in ~/.ray/auth_token)") from None
+                "--head` uses token auth: set RAY_AUTH_MODE=token (its token is in ~/.ray/auth_token)"
+            ) from None
         reclaim_orphaned_placement_groups()
         return
     # Embedded local Ray. Logical CPUs: one per worker as configured, plus two for Ray Data's
@@ -204,10 +236,19 @@ def connect_ray(cfg: RunConfig, address: str | None = None, verbose: bool = True
     port = free_port()
     _point_state_api_at(port)
     # address="local": a new instance of its own, even where `ray start` left one running here.
-    context = ray.init(address="local", num_cpus=max(os.cpu_count() or 1, need), dashboard_host="127.0.0.1",
-                       dashboard_port=port, log_to_driver=True, **ray_logging)
-    log.info("embedded Ray started: %d CPUs, dashboard at http://%s", ray.cluster_resources().get("CPU", 0),
-             context.dashboard_url)
+    context = ray.init(
+        address="local",
+        num_cpus=max(os.cpu_count() or 1, need),
+        dashboard_host="127.0.0.1",
+        dashboard_port=port,
+        log_to_driver=True,
+        **ray_logging,
+    )
+    log.info(
+        "embedded Ray started: %d CPUs, dashboard at http://%s",
+        ray.cluster_resources().get("CPU", 0),
+        context.dashboard_url,
+    )
 
 
 _STATE_API = "RAY_API_SERVER_ADDRESS"
@@ -230,11 +271,12 @@ def check_tensor_parallel_nodes(cfg: RunConfig, nodes: list[dict]) -> None:
     if p.tensor_parallel == 1 or not p.tp_within_node:
         return
     per_worker = ("GPU", 1.0) if p.use_gpu else ("CPU", p.cpus_per_worker)
-    most = max((int(n["Resources"].get(per_worker[0], 0) // per_worker[1]) for n in nodes if n.get("Alive")),
-               default=0)
+    most = max((int(n["Resources"].get(per_worker[0], 0) // per_worker[1]) for n in nodes if n.get("Alive")), default=0)
     if most < p.tensor_parallel:
-        raise ConfigError(cfg.dims.node_problem(most, True) + f" (the largest node of the cluster holds {most} "
-                          f"worker(s) of {per_worker[1]:g} {per_worker[0]})")
+        raise ConfigError(
+            cfg.dims.node_problem(most, True) + f" (the largest node of the cluster holds {most} "
+            f"worker(s) of {per_worker[1]:g} {per_worker[0]})"
+        )
 
 
 def reads_that_fit(cfg: RunConfig) -> RunConfig:
@@ -249,11 +291,16 @@ def reads_that_fit(cfg: RunConfig) -> RunConfig:
     cpus = ray.cluster_resources().get("CPU", 0.0)
     if not need or cpus - workers >= need:
         return cfg
-    log.warning("the cluster has %g CPU(s) and the %d training workers take %g, which leaves less than the "
-                "%g a Ray Data read task reserves (data.read_task_cpus): reading with 0 CPUs reserved, "
-                "beside the workers (add CPUs, or lower parallel.cpus_per_worker, to read on CPUs of "
-                "its own; set data.read_task_cpus=0 to say so yourself)", cpus, cfg.parallel.max_workers,
-                workers, need)
+    log.warning(
+        "the cluster has %g CPU(s) and the %d training workers take %g, which leaves less than the "
+        "%g a Ray Data read task reserves (data.read_task_cpus): reading with 0 CPUs reserved, "
+        "beside the workers (add CPUs, or lower parallel.cpus_per_worker, to read on CPUs of "
+        "its own; set data.read_task_cpus=0 to say so yourself)",
+        cpus,
+        cfg.parallel.max_workers,
+        workers,
+        need,
+    )
     return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, read_task_cpus=0.0))
 
 
@@ -266,8 +313,11 @@ def orphaned_placement_groups(groups: list, jobs: list) -> list[str]:
     for them forever. `groups` and `jobs` are rows of Ray's state API.
     """
     ended = {j.job_id for j in jobs if str(j.status).rsplit(".", 1)[-1] in ("SUCCEEDED", "FAILED", "STOPPED")}
-    return [g.placement_group_id for g in groups
-            if g.creator_job_id in ended and not g.is_detached and g.state in ("CREATED", "PENDING", "RESCHEDULING")]
+    return [
+        g.placement_group_id
+        for g in groups
+        if g.creator_job_id in ended and not g.is_detached and g.state in ("CREATED", "PENDING", "RESCHEDULING")
+    ]
 
 
 def reclaim_orphaned_placement_groups() -> None:

@@ -62,17 +62,31 @@ class Checked:
         mcfg, p, t = self.model, c.parallel, c.train
         rows = [
             ("run", f"{c.logging.run_name} (experiment {c.logging.experiment!r})"),
-            *[("data" if i == 0 else "", f"{d.manifest.location.uri}: {d.manifest.split('train')['rows']:,} train / "
-                  f"{d.manifest.split('val')['rows']:,} val rows of {m.seq_len} tokens, vocab {m.vocab_size} "
-                  f"(fingerprint {d.manifest.fingerprint})" + (f", weight {d.weight:g}" if c.data.mix else ""))
-              for i, d in enumerate(self.datasets)],
-            ("model", f"{c.model.display_name}: {mcfg.n_layer} layers x d_model {mcfg.d_model}, "
-                      f"{num_params(mcfg, non_embedding=False) / 1e6:.2f}M params, vocab {mcfg.vocab_size}, "
-                      f"{'GPT-2' if mcfg.arch == 'gpt' else 'Llama'} architecture"),
-            ("parallel", f"{p.num_workers} worker(s) ({c.dims.describe()}), {sharding(p)}, offload {p.offload_optimizer}/{p.offload_params}, "
-                         f"{t.precision}{precision_flavour(c)}, {'GPU' if p.use_gpu else 'CPU'}"),
-            ("steps", f"{t.max_steps} x {c.tokens_per_step():,} tokens (micro-batch {t.micro_batch_size} x "
-                      f"{c.micro_batches_per_step} per replica), {c.optim.name} lr {c.optim.lr:g}, {c.schedule.name}"),
+            *[
+                (
+                    "data" if i == 0 else "",
+                    f"{d.manifest.location.uri}: {d.manifest.split('train')['rows']:,} train / "
+                    f"{d.manifest.split('val')['rows']:,} val rows of {m.seq_len} tokens, vocab {m.vocab_size} "
+                    f"(fingerprint {d.manifest.fingerprint})" + (f", weight {d.weight:g}" if c.data.mix else ""),
+                )
+                for i, d in enumerate(self.datasets)
+            ],
+            (
+                "model",
+                f"{c.model.display_name}: {mcfg.n_layer} layers x d_model {mcfg.d_model}, "
+                f"{num_params(mcfg, non_embedding=False) / 1e6:.2f}M params, vocab {mcfg.vocab_size}, "
+                f"{'GPT-2' if mcfg.arch == 'gpt' else 'Llama'} architecture",
+            ),
+            (
+                "parallel",
+                f"{p.num_workers} worker(s) ({c.dims.describe()}), {sharding(p)}, offload {p.offload_optimizer}/{p.offload_params}, "
+                f"{t.precision}{precision_flavour(c)}, {'GPU' if p.use_gpu else 'CPU'}",
+            ),
+            (
+                "steps",
+                f"{t.max_steps} x {c.tokens_per_step():,} tokens (micro-batch {t.micro_batch_size} x "
+                f"{c.micro_batches_per_step} per replica), {c.optim.name} lr {c.optim.lr:g}, {c.schedule.name}",
+            ),
             ("memory", self.memory),
             ("checkpoints", absolute(c.train.storage_path)),
             ("MLflow", scrub(self.tracking_uri)),
@@ -80,8 +94,13 @@ class Checked:
         return "\n".join(f"  {k:<12} {v}" for k, v in rows)
 
 
-def preflight(cfg: RunConfig, remote_cluster: bool = False, storage_field: str = "train.storage_path",
-              local_storage: bool = False, world_size: int | None = None) -> Checked:
+def preflight(
+    cfg: RunConfig,
+    remote_cluster: bool = False,
+    storage_field: str = "train.storage_path",
+    local_storage: bool = False,
+    world_size: int | None = None,
+) -> Checked:
     """Run every pre-launch check on `cfg`; raise a KilnError naming the first problem.
 
     `remote_cluster`: the workers run on other machines, so their memory and disks are not
@@ -105,11 +124,16 @@ def preflight(cfg: RunConfig, remote_cluster: bool = False, storage_field: str =
     if cfg.logging.export_to:
         from kiln.infer.commands import check_target
 
-        cfg = dataclasses.replace(cfg, logging=dataclasses.replace(
-            cfg.logging, export_to=durable(cfg.logging.export_to, "logging.export_to")))
+        cfg = dataclasses.replace(
+            cfg, logging=dataclasses.replace(cfg.logging, export_to=durable(cfg.logging.export_to, "logging.export_to"))
+        )
 
-        check_target(cfg.logging.export_to, "logging.export_to =", overwrite=True,
-                     inputs=(cfg.data.path, cfg.model.init_from, cfg.train.resume_from))
+        check_target(
+            cfg.logging.export_to,
+            "logging.export_to =",
+            overwrite=True,
+            inputs=(cfg.data.path, cfg.model.init_from, cfg.train.resume_from),
+        )
     return Checked(cfg, model, datasets, tracking_uri, memory)
 
 
@@ -148,14 +172,25 @@ def with_run_name(cfg: RunConfig, datasets: list[Dataset] = (), local: bool = Fa
     same job submitted again finds its checkpoints and resumes (`kiln.launch.resume`)."""
     resume = cfg.train.resume_from or os.environ.get(RESUME_ENV, "")
     if resume == AUTO and local:
-        raise ConfigError("train.resume_from = 'auto' resumes a run submitted again on Ray (kiln train, "
-                          "jobs/pretrain.py); the local launcher does not: give a checkpoint or run directory")
-    name = cfg.logging.run_name or (f"{cfg.model.base_name}-{training_digest(cfg, datasets)}" if resume == AUTO
-                                    else f"{cfg.model.base_name}-{time.strftime('%Y%m%d-%H%M%S')}")
-    storage = durable(cfg.train.storage_path or os.environ.get("KILN_STORAGE_PATH") or "runs", "train.storage_path",
-                      "KILN_STORAGE_PATH")
-    return dataclasses.replace(cfg, logging=dataclasses.replace(cfg.logging, run_name=name), train=dataclasses.replace(
-        cfg.train, storage_path=storage, resume_from="" if resume == AUTO else resume))
+        raise ConfigError(
+            "train.resume_from = 'auto' resumes a run submitted again on Ray (kiln train, "
+            "jobs/pretrain.py); the local launcher does not: give a checkpoint or run directory"
+        )
+    name = cfg.logging.run_name or (
+        f"{cfg.model.base_name}-{training_digest(cfg, datasets)}"
+        if resume == AUTO
+        else f"{cfg.model.base_name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    )
+    storage = durable(
+        cfg.train.storage_path or os.environ.get("KILN_STORAGE_PATH") or "runs",
+        "train.storage_path",
+        "KILN_STORAGE_PATH",
+    )
+    return dataclasses.replace(
+        cfg,
+        logging=dataclasses.replace(cfg.logging, run_name=name),
+        train=dataclasses.replace(cfg.train, storage_path=storage, resume_from="" if resume == AUTO else resume),
+    )
 
 
 def training_digest(cfg: RunConfig, datasets: list[Dataset]) -> str:
@@ -219,8 +254,10 @@ def run_named(cfg: RunConfig) -> str | None:
         return f"{storage.rstrip('/')}/{given}"
     under = os.path.join(storage, given)
     if not os.path.isdir(under):
-        raise ConfigError(f"train.resume_from = {given!r}: no such directory, and no run of that name under "
-                          f"train.storage_path = {storage!r}")
+        raise ConfigError(
+            f"train.resume_from = {given!r}: no such directory, and no run of that name under "
+            f"train.storage_path = {storage!r}"
+        )
     return under
 
 
@@ -275,9 +312,11 @@ def check_resources(cfg: RunConfig, model: GPTConfig, remote_cluster: bool = Fal
     except ConfigError as e:
         if not p.elastic:
             raise
-        raise ConfigError(f"parallel.num_workers = {p.num_workers}: an elastic run must fit on its minimum, "
-                          f"{p.min_workers} worker(s), where ZeRO shards the state the least; at that size {e}; "
-                          "or raise the minimum") from None
+        raise ConfigError(
+            f"parallel.num_workers = {p.num_workers}: an elastic run must fit on its minimum, "
+            f"{p.min_workers} worker(s), where ZeRO shards the state the least; at that size {e}; "
+            "or raise the minimum"
+        ) from None
     verdict = f"{est.total / (1 << 30):.2f} GiB per device estimated of {mem[0]:.2f} GiB ({mem[1]})"
     log.info("memory plan: %s", verdict)
     return verdict
@@ -290,8 +329,10 @@ def check_storage(cfg: RunConfig, field: str = "train.storage_path", local_only:
     (`local_only`) needs a local directory."""
     path = cfg.train.storage_path
     if local_only and is_url(path):
-        raise ConfigError(f"{field} = {path!r}: the local launcher writes checkpoints to a local directory; "
-                           "expected a local path (an s3:// storage path is for `kiln train` on Ray)")
+        raise ConfigError(
+            f"{field} = {path!r}: the local launcher writes checkpoints to a local directory; "
+            "expected a local path (an s3:// storage path is for `kiln train` on Ray)"
+        )
     if not path.startswith("s3://"):
         writable_ancestor(path, f"{field} = {path!r}", StorageError)  # checkpoints are written there
         return

@@ -60,8 +60,13 @@ def stored_run(cfg: RunConfig) -> StoredRun | None:
     if not latest.get("checkpoint_dir_name"):
         return None  # the run died before its first checkpoint: it starts again from step 0
     known = _recorded(where)
-    return StoredRun(where.uri, int(latest.get("metrics", {}).get("step", 0)), latest["checkpoint_dir_name"],
-                     known.get("mlflow_run_id"), known.get("tracking_uri"))
+    return StoredRun(
+        where.uri,
+        int(latest.get("metrics", {}).get("step", 0)),
+        latest["checkpoint_dir_name"],
+        known.get("mlflow_run_id"),
+        known.get("tracking_uri"),
+    )
 
 
 def check_resumable(cfg: RunConfig, stored: StoredRun) -> None:
@@ -70,13 +75,15 @@ def check_resumable(cfg: RunConfig, stored: StoredRun) -> None:
         raise ConfigError(
             f"logging.run_name = {cfg.logging.run_name!r} has checkpoints in {stored.directory} already, and a run "
             "submitted again under its name resumes from them; train.resume_from starts a new run from another "
-            "checkpoint: give it another logging.run_name")
+            "checkpoint: give it another logging.run_name"
+        )
     if stored.step >= cfg.train.max_steps:
         raise ConfigError(
             f"logging.run_name = {cfg.logging.run_name!r}: that run already trained to step {stored.step} "
             f"(train.max_steps = {cfg.train.max_steps}) in {stored.directory}; give a larger train.max_steps "
             "to train it on, or another logging.run_name for a new run (a job's name from train.resume_from = auto "
-            "changes with its settings: set logging.run_name to this one to train it on)")
+            "changes with its settings: set logging.run_name to this one to train it on)"
+        )
 
 
 def same_mlflow_run(stored: StoredRun | None, tracking_uri: str) -> str | None:
@@ -84,8 +91,13 @@ def same_mlflow_run(stored: StoredRun | None, tracking_uri: str) -> str | None:
     if stored is None or not stored.mlflow_run_id:
         return None
     if stored.tracking_uri != scrub(tracking_uri):  # kept without credentials
-        log.warning("run %r was logged to MLflow at %s; this time the store is %s: its steps from %d on go to a "
-                    "new MLflow run", stored.directory, stored.tracking_uri, tracking_uri, stored.step + 1)
+        log.warning(
+            "run %r was logged to MLflow at %s; this time the store is %s: its steps from %d on go to a new MLflow run",
+            stored.directory,
+            stored.tracking_uri,
+            tracking_uri,
+            stored.step + 1,
+        )
         return None
     return stored.mlflow_run_id
 
@@ -119,15 +131,19 @@ def _remote_lineage(cfg: RunConfig, checkpoint: str) -> dict[str, str]:
     """`lineage` of a checkpoint in object storage, read from its rank 0 marker."""
     loc = resolve(checkpoint, cfg.data.s3_endpoint, cfg.data.s3_region)
     marker = json.loads(loc.join(MARKER.format(rank=0)).read_bytes())
-    return _parent_tags(checkpoint, marker, resolve(posixpath.dirname(loc.uri), cfg.data.s3_endpoint,
-                                                    cfg.data.s3_region))
+    return _parent_tags(
+        checkpoint, marker, resolve(posixpath.dirname(loc.uri), cfg.data.s3_endpoint, cfg.data.s3_region)
+    )
 
 
 def _parent_tags(checkpoint: str, marker: dict, run_dir: Location) -> dict[str, str]:
     """The tags of a checkpoint (a checkpoint sits in its run's directory), with the MLflow run
     id its run's `RECORD` holds."""
-    tags = {"kiln.parent.checkpoint": checkpoint, "kiln.parent.step": str(int(marker["step"])),
-            "kiln.parent.run": posixpath.basename(run_dir.uri.rstrip("/"))}
+    tags = {
+        "kiln.parent.checkpoint": checkpoint,
+        "kiln.parent.step": str(int(marker["step"])),
+        "kiln.parent.run": posixpath.basename(run_dir.uri.rstrip("/")),
+    }
     parent_id = _recorded(run_dir).get("mlflow_run_id")
     if parent_id:
         tags["kiln.parent.mlflow_run_id"] = parent_id

@@ -37,21 +37,36 @@ class Summary:
     """The run's logged MLflow model (models:/name/version if registered, else models:/<id>)."""
 
     @classmethod
-    def of_run(cls, cfg: RunConfig, manifest: Manifest, final: dict, run_id: str, tracking_uri: str,
-               started: float, checkpoint: str | None) -> Summary:
+    def of_run(
+        cls,
+        cfg: RunConfig,
+        manifest: Manifest,
+        final: dict,
+        run_id: str,
+        tracking_uri: str,
+        started: float,
+        checkpoint: str | None,
+    ) -> Summary:
         return cls(
-            run_name=cfg.logging.run_name, run_id=run_id, tracking_uri=tracking_uri,
-            experiment=cfg.logging.experiment, metrics=final,
+            run_name=cfg.logging.run_name,
+            run_id=run_id,
+            tracking_uri=tracking_uri,
+            experiment=cfg.logging.experiment,
+            metrics=final,
             unigram_entropy_bits=float(manifest.raw["unigram_entropy_bits"]),
             seconds_to_first_step=final["time/first_step_unix"] - started,
-            checkpoint=checkpoint, num_workers=int(final.get(WORKERS, cfg.parallel.max_workers)),  # an elastic run's last
+            checkpoint=checkpoint,
+            num_workers=int(final.get(WORKERS, cfg.parallel.max_workers)),  # an elastic run's last
         )
 
     def scalars(self) -> dict[str, float]:
         """What the summary adds to the run's own metrics, for MLflow: the seconds to the first
         step and each start-up span, and the data's unigram entropy (the loss to beat)."""
-        return {"time/first_step_s": self.seconds_to_first_step,
-                "data/unigram_entropy_bits": self.unigram_entropy_bits, **startup_seconds(self.metrics)}
+        return {
+            "time/first_step_s": self.seconds_to_first_step,
+            "data/unigram_entropy_bits": self.unigram_entropy_bits,
+            **startup_seconds(self.metrics),
+        }
 
     def record(self, run) -> None:
         """The summary in the run's MLflow record (`run`: kiln.tracking's Run): its scalars at
@@ -66,7 +81,9 @@ class Summary:
             if self.worker_log and os.path.isfile(self.worker_log):
                 run.log_file(self.worker_log, "logs")
         except (OSError, *errors()) as e:
-            log.warning("the run's summary did not reach MLflow: %s", str(e).splitlines()[0] if str(e) else type(e).__name__)
+            log.warning(
+                "the run's summary did not reach MLflow: %s", str(e).splitlines()[0] if str(e) else type(e).__name__
+            )
 
     def to_json(self) -> str:
         return marked_json(RUN_SUMMARY, dataclasses.asdict(self))

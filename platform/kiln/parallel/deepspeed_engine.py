@@ -72,8 +72,7 @@ class DeepSpeedEngine:
         return self.ds.get_global_grad_norm()
 
     def overflow(self) -> tuple[int, float]:
-        return (int(getattr(self.ds, "skipped_steps", 0)),
-                float(getattr(self.ds.optimizer, "cur_scale", 0.0) or 0.0))
+        return (int(getattr(self.ds, "skipped_steps", 0)), float(getattr(self.ds.optimizer, "cur_scale", 0.0) or 0.0))
 
     def time_comm(self, on: bool) -> None:
         if self.comm_timer is not None:
@@ -154,7 +153,9 @@ def engine_memory(ds) -> dict[str, float]:
     else:
         stepped = {id(p): p for g in opt.param_groups for p in g["params"]}
         master = sum(_nbytes(p) for i, p in stepped.items() if i not in model_params)
-    state = sum(_nbytes(v) for s in opt.state.values() for v in s.values()
-                if torch.is_tensor(v) and v.dim() > 0)
-    return {"memory/params_bytes": float(params), "memory/master_params_bytes": float(master),
-            "memory/optimizer_state_bytes": float(state)}
+    state = sum(_nbytes(v) for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0)
+    return {
+        "memory/params_bytes": float(params),
+        "memory/master_params_bytes": float(master),
+        "memory/optimizer_state_bytes": float(state),
+    }

@@ -17,13 +17,7 @@ from torch import nn
 
 from kiln.config import RunConfig
 from kiln.core.collectives import ranks
-from kiln.core.optim import (
-    StepGate,
-    build_optimizer,
-    build_scheduler,
-    gate_optimizer,
-    param_groups,
-)
+from kiln.core.optim import StepGate, build_optimizer, build_scheduler, gate_optimizer, param_groups
 from kiln.core.process import WorldInfo, prepare_process
 from kiln.errors import ConfigError
 from kiln.hf_checkpoint import init_from_dir
@@ -118,7 +112,8 @@ OWNED = {
     "zero_optimization.stage": "parallel.zero_stage",
     "zero_optimization.offload_optimizer.device": "parallel.offload_optimizer",
     "zero_optimization.offload_param.device": "parallel.offload_params",
-    "bf16.enabled": "train.precision", "fp16.enabled": "train.precision",
+    "bf16.enabled": "train.precision",
+    "fp16.enabled": "train.precision",
     "torch_autocast.enabled": "train.mixed_precision",
     "tensor_parallel.autotp_size": "parallel.tensor_parallel",
 }
@@ -135,11 +130,14 @@ def check_passthrough(cfg: RunConfig) -> None:
     for key, value in _leaves(cfg.parallel.deepspeed).items():
         top = key.split(".")[0]
         if top in REFUSED:
-            raise ConfigError(f"parallel.deepspeed.{top}: Kiln builds the {top} itself; set the {REFUSED[top]} "
-                              "section instead")
+            raise ConfigError(
+                f"parallel.deepspeed.{top}: Kiln builds the {top} itself; set the {REFUSED[top]} section instead"
+            )
         if key in OWNED and key in ours and value != ours[key]:
-            raise ConfigError(f"parallel.deepspeed.{key} contradicts {OWNED[key]}, which makes it {ours[key]!r}; "
-                              f"set {OWNED[key].split(' ')[0]} instead")
+            raise ConfigError(
+                f"parallel.deepspeed.{key} contradicts {OWNED[key]}, which makes it {ours[key]!r}; "
+                f"set {OWNED[key].split(' ')[0]} instead"
+            )
 
 
 def check_with_deepspeed(cfg: RunConfig) -> None:
@@ -165,7 +163,9 @@ def check_with_deepspeed(cfg: RunConfig) -> None:
     try:
         DeepSpeedConfig(merged)
     except (ValueError, TypeError, KeyError, AssertionError) as e:  # pydantic's ValidationError is a ValueError
-        said = " ".join(line.strip() for line in str(e).splitlines() if line.strip() and "errors.pydantic.dev" not in line)
+        said = " ".join(
+            line.strip() for line in str(e).splitlines() if line.strip() and "errors.pydantic.dev" not in line
+        )
         raise ConfigError(f"parallel.deepspeed: DeepSpeed's config parser refuses it: {said}") from None
     finally:
         ds_log.setLevel(level)
@@ -262,8 +262,9 @@ def build_model(cfg: RunConfig, mcfg: GPTConfig, ds_config: dict, device: torch.
     return model
 
 
-def build_whole_model(cfg: RunConfig, mcfg: GPTConfig, device: torch.device,
-                      pretrained: dict[str, torch.Tensor] | None) -> nn.Module:
+def build_whole_model(
+    cfg: RunConfig, mcfg: GPTConfig, device: torch.device, pretrained: dict[str, torch.Tensor] | None
+) -> nn.Module:
     """The whole model on `device`: built on the meta device (shapes only), materialized there,
     then given `pretrained`'s weights or the seeded init."""
     with torch.device("meta"):
@@ -314,8 +315,13 @@ def build_optimizer_for(model: nn.Module, cfg: RunConfig, on_cuda: bool) -> torc
     if cfg.cpu_adam:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-        return DeepSpeedCPUAdam(param_groups(model, o.weight_decay, o.no_decay, _full_shape), lr=o.lr,
-                                betas=(o.beta1, o.beta2), eps=o.eps, adamw_mode=o.spec.decoupled)
+        return DeepSpeedCPUAdam(
+            param_groups(model, o.weight_decay, o.no_decay, _full_shape),
+            lr=o.lr,
+            betas=(o.beta1, o.beta2),
+            eps=o.eps,
+            adamw_mode=o.spec.decoupled,
+        )
     return build_optimizer(model, o, on_cuda=on_cuda, shape_of=_full_shape)
 
 
@@ -367,8 +373,9 @@ def initialize(cfg: RunConfig, mcfg: GPTConfig, data_parallel_size: int, device:
 
     ds_config = deepspeed_config(cfg, data_parallel_size, mcfg)
     if cfg.parallel.pipeline_stages > 1:
-        model = to_pipeline(build_model(cfg, mcfg, ds_config, torch.device("cpu")), cfg.parallel,
-                            mcfg.activation_checkpointing)
+        model = to_pipeline(
+            build_model(cfg, mcfg, ds_config, torch.device("cpu")), cfg.parallel, mcfg.activation_checkpointing
+        )
     else:
         model = build_model(cfg, mcfg, ds_config, device)
     if cfg.train.compile:
@@ -377,8 +384,13 @@ def initialize(cfg: RunConfig, mcfg: GPTConfig, data_parallel_size: int, device:
         model.compile()
     optimizer = build_optimizer_for(model, cfg, on_cuda)
     scheduler = scheduler_fn(optimizer)
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
-                                           config=ds_config, mpu=tensor_parallel_groups(cfg.parallel.tensor_parallel))
+    engine, _, _, _ = deepspeed.initialize(
+        model=model,
+        optimizer=optimizer,
+        lr_scheduler=scheduler,
+        config=ds_config,
+        mpu=tensor_parallel_groups(cfg.parallel.tensor_parallel),
+    )
     # DeepSpeed has parsed its config by now, and keeps the raw dict only to save it into every
     # checkpoint (`ds_config`): masked, a secret in the passthrough never reaches a checkpoint.
     engine.config = redact_tree(engine.config)
@@ -449,8 +461,9 @@ def install_fp32_clipping(engine) -> None:
     engine.clip_fp32_gradients = types.MethodType(clip_fp32_gradients, engine)
 
 
-def global_grad_norm(grads: list[torch.Tensor], group, device: torch.device,
-                     whole: list[torch.Tensor] = ()) -> torch.Tensor:
+def global_grad_norm(
+    grads: list[torch.Tensor], group, device: torch.device, whole: list[torch.Tensor] = ()
+) -> torch.Tensor:
     """The L2 norm of `grads` summed over `group`'s ranks (None: this rank's alone) together with
     `whole`, gradients every rank of the group holds alike (counted once), on the device."""
     local = _norm(grads, device)

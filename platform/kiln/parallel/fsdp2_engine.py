@@ -47,8 +47,9 @@ class FSDP2Engine:
 
     pipeline = False
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, micro_batches: int,
-                 grad_clip: float):
+    def __init__(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, micro_batches: int, grad_clip: float
+    ):
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.micro_batches, self.grad_clip = micro_batches, grad_clip
         self._micro = 0  # micro-batches since the last optimizer step
@@ -94,8 +95,9 @@ class FSDP2Engine:
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
         dcp.save({MODEL_KEY: model_state, "optim": optim_state}, checkpoint_id=path)
         if dist.get_rank() == 0:
-            torch.save({"client_state": client_state, "lr_scheduler": self.scheduler.state_dict()},
-                       os.path.join(path, CLIENT))
+            torch.save(
+                {"client_state": client_state, "lr_scheduler": self.scheduler.state_dict()}, os.path.join(path, CLIENT)
+            )
 
     def load(self, directory: str, reshard: bool = False) -> dict:
         """DCP plans each rank's reads from the saved shards' metadata, so a checkpoint of any
@@ -108,8 +110,7 @@ class FSDP2Engine:
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
         state = {MODEL_KEY: model_state, "optim": optim_state}
         dcp.load(state, checkpoint_id=path)
-        set_state_dict(self.model, self.optimizer, model_state_dict=state[MODEL_KEY],
-                       optim_state_dict=state["optim"])
+        set_state_dict(self.model, self.optimizer, model_state_dict=state[MODEL_KEY], optim_state_dict=state["optim"])
         extra = torch.load(os.path.join(path, CLIENT), map_location="cpu", weights_only=False)
         self.scheduler.load_state_dict(extra["lr_scheduler"])
         self._micro = 0
@@ -135,10 +136,17 @@ class FSDP2Engine:
         optimizer steps (no separate master copy); the bf16 compute copies live only while a
         block runs."""
         params = sum(_local_bytes(p) for p in self.model.parameters())
-        state = sum(_local_bytes(v) for s in self.optimizer.state.values() for v in s.values()
-                    if torch.is_tensor(v) and v.dim() > 0)
-        return {"memory/params_bytes": float(params), "memory/master_params_bytes": 0.0,
-                "memory/optimizer_state_bytes": float(state)}
+        state = sum(
+            _local_bytes(v)
+            for s in self.optimizer.state.values()
+            for v in s.values()
+            if torch.is_tensor(v) and v.dim() > 0
+        )
+        return {
+            "memory/params_bytes": float(params),
+            "memory/master_params_bytes": 0.0,
+            "memory/optimizer_state_bytes": float(state),
+        }
 
 
 def _local_bytes(t: torch.Tensor) -> int:
@@ -164,8 +172,11 @@ def shard(model: nn.Module, zero_stage: int, precision: str, device: torch.devic
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-              if precision == "bf16" else MixedPrecisionPolicy())
+    policy = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if precision == "bf16"
+        else MixedPrecisionPolicy()
+    )
     for block in model.blocks:
         if compile_blocks:
             # The forward alone: FSDP2's gather and free run as hooks around it, outside the
@@ -192,12 +203,15 @@ def merged_state(state_dir: str) -> dict[str, torch.Tensor]:
 
     meta = dcp.FileSystemReader(state_dir).read_metadata()
     prefix = MODEL_KEY + "."
-    state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.state_dict_metadata.items()
-             if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)}
+    state = {
+        k: torch.empty(m.size, dtype=m.properties.dtype)
+        for k, m in meta.state_dict_metadata.items()
+        if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)
+    }
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(state, checkpoint_id=state_dir, no_dist=True)
-    return {k[len(prefix):]: v for k, v in state.items()}
+    return {k[len(prefix) :]: v for k, v in state.items()}
 
 
 def is_fsdp2_checkpoint(state_dir: str) -> bool:
@@ -211,8 +225,9 @@ def gathered_state(engine: FSDP2Engine) -> dict[str, torch.Tensor]:
     tests' and benchmarks' comparisons of a reshard."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    model_state, optim_state = get_state_dict(engine.model, engine.optimizer,
-                                              options=StateDictOptions(full_state_dict=True))
+    model_state, optim_state = get_state_dict(
+        engine.model, engine.optimizer, options=StateDictOptions(full_state_dict=True)
+    )
     full = {f"{name}/fp32": t.detach().float().clone() for name, t in model_state.items()}
     for name, state in optim_state["state"].items():
         for key in ("exp_avg", "exp_avg_sq"):

@@ -40,8 +40,11 @@ def use_environment_cache() -> str:
         with contextlib.suppress(FileNotFoundError):  # another process may finish and remove it
             age = time.time() - os.path.getmtime(lock)
             if age > STALE_LOCK_S:
-                log.warning("removing %s: an op build that died %d min ago left it, and every run would "
-                            "wait on it", lock, age // 60)
+                log.warning(
+                    "removing %s: an op build that died %d min ago left it, and every run would wait on it",
+                    lock,
+                    age // 60,
+                )
                 remove_file(lock, proof="a stale build lock in this environment's own op cache")
     return path
 
@@ -78,8 +81,10 @@ def prebuild() -> None:
     from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
 
     cache = use_environment_cache()
-    for builder, why in ((ShareMemCommBuilder, "CPU allreduce falls back to gloo"),
-                         (CPUAdamBuilder, "optimizer offload will try again when first used")):
+    for builder, why in (
+        (ShareMemCommBuilder, "CPU allreduce falls back to gloo"),
+        (CPUAdamBuilder, "optimizer offload will try again when first used"),
+    ):
         try:
             builder().load(verbose=False)
             log.info("DeepSpeed op %s ready in %s", builder.NAME, cache)

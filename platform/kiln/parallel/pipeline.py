@@ -44,8 +44,9 @@ def to_pipeline(gpt: GPT, p: ParallelConfig, activation_checkpointing: bool):
 
     if gpt.cfg.tie_embeddings:
         embedding = TiedLayerSpec("embedding", EmbeddingStage, gpt, tied_weight_attr="wte.weight")
-        head = TiedLayerSpec("embedding", EmbeddingStage, gpt, forward_fn=_output_projection,
-                             tied_weight_attr="wte.weight")
+        head = TiedLayerSpec(
+            "embedding", EmbeddingStage, gpt, forward_fn=_output_projection, tied_weight_attr="wte.weight"
+        )
     else:  # an untied output projection is a layer of its own on the last stage
         embedding, head = EmbeddingStage(gpt), gpt.lm_head
     layers = [embedding, *gpt.blocks, gpt.ln_f, head]
@@ -87,7 +88,8 @@ def check_stages_hold_blocks(parts: list[int], n_layer: int, p: ParallelConfig) 
                 f"parallel.pipeline_stages = {p.pipeline_stages} with partition_method = "
                 f"{p.partition_method!r} leaves stage {stage} without a transformer block (layer "
                 f"boundaries {parts} over embedding, {n_layer} blocks, norm, head); use fewer "
-                f"stages, partition_method = 'parameters', or a deeper model (model.n_layer)")
+                f"stages, partition_method = 'parameters', or a deeper model (model.n_layer)"
+            )
 
 
 def check_partition(n_layer: int, p: ParallelConfig) -> None:
@@ -98,8 +100,10 @@ def check_partition(n_layer: int, p: ParallelConfig) -> None:
     if p.pipeline_stages <= 1:
         return
     if p.pipeline_stages > n_layer:
-        raise ConfigError(f"parallel.pipeline_stages = {p.pipeline_stages} exceeds the model's "
-                          f"{n_layer} transformer blocks; each stage needs at least one")
+        raise ConfigError(
+            f"parallel.pipeline_stages = {p.pipeline_stages} exceeds the model's "
+            f"{n_layer} transformer blocks; each stage needs at least one"
+        )
     if p.partition_method == "uniform":
         check_stages_hold_blocks(uniform_parts(n_layer + 3, p.pipeline_stages), n_layer, p)
 

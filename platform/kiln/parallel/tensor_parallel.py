@@ -56,8 +56,7 @@ def partition_config(cfg: GPTConfig) -> dict:
     for s in splits(cfg):
         spec: dict = {"patterns": [f".*{s.pattern}$"], "partition_type": "column" if s.dim == 0 else "row"}
         if s.parts:
-            spec |= {"shape": [list(s.parts), -1] if len(set(s.parts)) > 1 else [len(s.parts), -1],
-                     "partition_dim": 0}
+            spec |= {"shape": [list(s.parts), -1] if len(set(s.parts)) > 1 else [len(s.parts), -1], "partition_dim": 0}
         specs.append(spec)
     specs.append({"patterns": [r".*lm_head\.weight$"], "partition_type": "skip"})
     return {"use_default_specs": False, "layer_specs": specs}

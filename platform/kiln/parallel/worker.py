@@ -23,8 +23,15 @@ from kiln.topology import ParallelDims
 SourceFactory = Callable[[int, int], BatchSource]  # (data-parallel rank, data-parallel size) -> rows
 
 
-def run_worker(cfg: RunConfig, mcfg: GPTConfig, world: WorldInfo, make_source: SourceFactory, sinks: Sinks,
-               checkpoint_root: str | None, startup: dict[str, float]) -> dict[str, float]:
+def run_worker(
+    cfg: RunConfig,
+    mcfg: GPTConfig,
+    world: WorldInfo,
+    make_source: SourceFactory,
+    sinks: Sinks,
+    checkpoint_root: str | None,
+    startup: dict[str, float],
+) -> dict[str, float]:
     """Train this rank's share of the run; the loop's final metrics.
 
     The rows are chosen by data-parallel rank (`kiln.topology`): the stages of one pipeline
@@ -34,5 +41,6 @@ def run_worker(cfg: RunConfig, mcfg: GPTConfig, world: WorldInfo, make_source: S
     dims = ParallelDims.of(cfg.parallel, world.world_size)
     source = make_source(dims.coords(world.rank).data_parallel_rank, dims.data_parallel_size)
     engine, scheduler = build_engine(cfg, mcfg, world)
-    return train_loop(cfg, mcfg, world, engine, scheduler, source, sinks, checkpoint_root,
-                      startup | startup_mark("engine"))
+    return train_loop(
+        cfg, mcfg, world, engine, scheduler, source, sinks, checkpoint_root, startup | startup_mark("engine")
+    )

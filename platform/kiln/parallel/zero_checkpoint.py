@@ -56,8 +56,15 @@ def universal_copy(ckpt: str, tag: str) -> Iterator[tuple[str, str]]:
 
     root = guard.temp_dir(None, f"ckpt-{os.getpid()}-reshard")
     out = root / UNIVERSAL_TAG
-    args = argparse.Namespace(input_folder=os.path.join(ckpt, tag), output_folder=str(out), num_extract_workers=1,
-                              num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True)
+    args = argparse.Namespace(
+        input_folder=os.path.join(ckpt, tag),
+        output_folder=str(out),
+        num_extract_workers=1,
+        num_merge_workers=1,
+        keep_temp_folder=False,
+        strict=True,
+        inject_missing_state=True,
+    )
     try:
         chatter = io.StringIO()
         with contextlib.redirect_stdout(chatter), contextlib.redirect_stderr(chatter):

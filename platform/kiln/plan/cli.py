@@ -24,8 +24,10 @@ def plan_from_args(args: argparse.Namespace) -> str:
     flavour = args.model or cfg.model.flavour
     if flavour not in FLAVOURS:
         raise ConfigError(f"--model {flavour!r} is not a flavour: expected one of {list(FLAVOURS)}")
-    shape = {"vocab_size": args.vocab_size or cfg.model.vocab_size or DEFAULT_VOCAB,
-             "activation_checkpointing": cfg.model.activation_checkpointing}
+    shape = {
+        "vocab_size": args.vocab_size or cfg.model.vocab_size or DEFAULT_VOCAB,
+        "activation_checkpointing": cfg.model.activation_checkpointing,
+    }
     seq = args.seq_len or cfg.model.seq_len
     if seq:
         shape["seq_len"] = seq
@@ -41,10 +43,16 @@ def plan_from_args(args: argparse.Namespace) -> str:
     base = plan_input(cfg, model, cfg.parallel.device_memory_gib or 80.0)
     offload = {"none": ("none", "none"), "optimizer": ("cpu", "none"), "optimizer+params": ("cpu", "cpu")}
     changes = {
-        "world_size": args.world_size, "device_memory_gib": args.device_memory_gib,
-        "micro_batch": args.micro_batch, "precision": args.precision, "zero_stage": args.zero_stage,
-        "activation_checkpointing": args.activation_checkpointing, "pipeline_stages": args.pipeline_stages,
-        "micro_batches": args.micro_batches, "optimizer": args.optimizer, "tensor_parallel": args.tensor_parallel,
+        "world_size": args.world_size,
+        "device_memory_gib": args.device_memory_gib,
+        "micro_batch": args.micro_batch,
+        "precision": args.precision,
+        "zero_stage": args.zero_stage,
+        "activation_checkpointing": args.activation_checkpointing,
+        "pipeline_stages": args.pipeline_stages,
+        "micro_batches": args.micro_batches,
+        "optimizer": args.optimizer,
+        "tensor_parallel": args.tensor_parallel,
     }
     if args.offload:
         changes["offload_optimizer"], changes["offload_params"] = offload[args.offload]
@@ -56,13 +64,19 @@ def plan_from_args(args: argparse.Namespace) -> str:
     from kiln.plan.throughput import Preemptions, format_estimate
 
     if base.world_size > cluster.world_size:
-        raise ConfigError(f"--world-size {base.world_size} is more than the {cluster.world_size} devices of "
-                          f"{cluster.source}")
+        raise ConfigError(
+            f"--world-size {base.world_size} is more than the {cluster.world_size} devices of {cluster.source}"
+        )
     t = cfg.train
     preemptions = Preemptions(args.preemptions_per_hour, t.checkpoint_every, t.checkpoint_every_minutes)
-    return format_table(base, per_node) + "\n\n" + format_estimate(
-        base, cluster, args.mfu, args.target_tokens, args.usd_per_hour, t.grad_accum_steps, preemptions) \
+    return (
+        format_table(base, per_node)
+        + "\n\n"
+        + format_estimate(
+            base, cluster, args.mfu, args.target_tokens, args.usd_per_hour, t.grad_accum_steps, preemptions
+        )
         + elastic_advice(cfg)
+    )
 
 
 def elastic_advice(cfg: RunConfig) -> str:
@@ -75,10 +89,12 @@ def elastic_advice(cfg: RunConfig) -> str:
     every = [f"every {t.checkpoint_every} steps"] if t.checkpoint_every else []
     if t.checkpoint_every_minutes:
         every.append(f"every {t.checkpoint_every_minutes:g} min")
-    return (f"\n\nelastic: parallel.num_workers = {p.num_workers}; memory is planned for {p.min_workers} worker(s), "
-            f"the most each holds. Each resize resumes the newest checkpoint and repeats the steps since: checkpoint "
-            f"at least every {p.resize_check_s:g} s (parallel.resize_check_s), e.g. train.checkpoint_every_minutes = "
-            f"{p.resize_check_s / 60:.2g}; now {' and '.join(every) or 'never (each resize starts again at step 0)'}.")
+    return (
+        f"\n\nelastic: parallel.num_workers = {p.num_workers}; memory is planned for {p.min_workers} worker(s), "
+        f"the most each holds. Each resize resumes the newest checkpoint and repeats the steps since: checkpoint "
+        f"at least every {p.resize_check_s:g} s (parallel.resize_check_s), e.g. train.checkpoint_every_minutes = "
+        f"{p.resize_check_s / 60:.2g}; now {' and '.join(every) or 'never (each resize starts again at step 0)'}."
+    )
 
 
 def _with_data_shapes(cfg: RunConfig) -> RunConfig:
@@ -93,13 +109,23 @@ def _with_data_shapes(cfg: RunConfig) -> RunConfig:
 
 
 # Flags that set a run-config field take that field's range (kiln.config); the rest their own.
-_FIELD_OF_FLAG = {"seq_len": "model.seq_len", "vocab_size": "model.vocab_size", "world_size": "parallel.num_workers",
-                  "micro_batch": "train.micro_batch_size", "pipeline_stages": "parallel.pipeline_stages",
-                  "micro_batches": "parallel.micro_batches", "device_memory_gib": "parallel.device_memory_gib",
-                  "tensor_parallel": "parallel.tensor_parallel"}
-_OWN_RANGE = {"nodes": span(1, 100_000), "target_tokens": span(0, 1e18, "a number", lo_open=True),
-              "usd_per_hour": span(0, 1e9, "a number", lo_open=True), "mfu": span(0, 1, "a fraction", lo_open=True),
-              "preemptions_per_hour": span(0, 100, "a number", lo_open=True)}
+_FIELD_OF_FLAG = {
+    "seq_len": "model.seq_len",
+    "vocab_size": "model.vocab_size",
+    "world_size": "parallel.num_workers",
+    "micro_batch": "train.micro_batch_size",
+    "pipeline_stages": "parallel.pipeline_stages",
+    "micro_batches": "parallel.micro_batches",
+    "device_memory_gib": "parallel.device_memory_gib",
+    "tensor_parallel": "parallel.tensor_parallel",
+}
+_OWN_RANGE = {
+    "nodes": span(1, 100_000),
+    "target_tokens": span(0, 1e18, "a number", lo_open=True),
+    "usd_per_hour": span(0, 1e9, "a number", lo_open=True),
+    "mfu": span(0, 1, "a fraction", lo_open=True),
+    "preemptions_per_hour": span(0, 100, "a number", lo_open=True),
+}
 
 
 def _check_flags(args: argparse.Namespace) -> None:
@@ -120,9 +146,13 @@ def _check(p: PlanInput) -> None:
     if p.device_memory_gib <= 0:
         raise ConfigError(f"--device-memory-gib = {p.device_memory_gib}: expected a number > 0")
     m = p.model
-    refusal = (p.dims.problem("--world-size", _flag) or p.dims.model_problem(m.n_head, m.kv_heads, m.hidden, _flag)
-               or deepspeed_refusal(p.zero_stage, p.offload_optimizer, p.offload_params, p.pipeline_stages,
-                                    p.tensor_parallel, _flag))
+    refusal = (
+        p.dims.problem("--world-size", _flag)
+        or p.dims.model_problem(m.n_head, m.kv_heads, m.hidden, _flag)
+        or deepspeed_refusal(
+            p.zero_stage, p.offload_optimizer, p.offload_params, p.pipeline_stages, p.tensor_parallel, _flag
+        )
+    )
     if refusal:
         raise ConfigError(refusal)
 

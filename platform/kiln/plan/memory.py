@@ -70,8 +70,13 @@ GIB = 1 << 30
 # optimizer step on the CPU behind PCIe (ZeRO-Offload reports 1.1-2x on GPT-2); each doubling of
 # tensor parallelism inside a node x1.1 (Megatron-LM keeps 77% of linear scaling at 8-way over
 # NVLink, 1/0.77 = 1.1^3: Shoeybi et al. 2019, figure 1).
-COST = {"zero3": 1.15, "checkpointing": 1.33, "offload_optimizer": 1.5, "offload_params": 2.5,
-        "tensor_parallel_doubling": 1.1}
+COST = {
+    "zero3": 1.15,
+    "checkpointing": 1.33,
+    "offload_optimizer": 1.5,
+    "offload_params": 2.5,
+    "tensor_parallel_doubling": 1.1,
+}
 
 
 @dataclass(frozen=True)
@@ -108,8 +113,9 @@ class PlanInput:
 
     @property
     def autocast(self) -> bool:
-        return bf16_autocast(self.precision, self.mixed_precision, self.use_gpu, self.zero_stage, self.pipeline_stages,
-                             self.engine)
+        return bf16_autocast(
+            self.precision, self.mixed_precision, self.use_gpu, self.zero_stage, self.pipeline_stages, self.engine
+        )
 
 
 @dataclass(frozen=True)
@@ -178,8 +184,13 @@ def estimate(p: PlanInput) -> Estimate:
         params = 0
 
     return Estimate(
-        params=int(params), grads=int(grads), master=int(master + fp32_grads), optimizer_states=int(states),
-        gathered=int(gathered), activations=activation_bytes(p), host=int(host),
+        params=int(params),
+        grads=int(grads),
+        master=int(master + fp32_grads),
+        optimizer_states=int(states),
+        gathered=int(gathered),
+        activations=activation_bytes(p),
+        host=int(host),
         device_memory=int(p.device_memory_gib * GIB),
     )
 
@@ -198,8 +209,13 @@ def fsdp2_states(p: PlanInput, psi: int, k: int) -> Estimate:
     root = num_params(m, non_embedding=False) - m.n_layer * block  # embeddings, head, final norm
     held = (2 if p.zero_stage == 3 else m.n_layer) * block
     return Estimate(
-        params=int(4 * psi / n), grads=int(4 * psi / n), master=0, optimizer_states=int(4 * k * psi / n),
-        gathered=int(c * (root + held) + (c + 4) * block), activations=activation_bytes(p), host=0,
+        params=int(4 * psi / n),
+        grads=int(4 * psi / n),
+        master=0,
+        optimizer_states=int(4 * k * psi / n),
+        gathered=int(c * (root + held) + (c + 4) * block),
+        activations=activation_bytes(p),
+        host=0,
         device_memory=int(p.device_memory_gib * GIB),
     )
 
@@ -264,10 +280,13 @@ def options(base: PlanInput) -> list[Option]:
     out = []
     offloads = (("none", "none"), ("cpu", "none"), ("cpu", "cpu"))
     for stage, ckpt, (opt_off, par_off) in itertools.product((0, 1, 2, 3), (False, True), offloads):
-        if deepspeed_refusal(stage, opt_off, par_off, base.pipeline_stages, base.tensor_parallel,
-                             engine=base.engine) is None:
-            p = dataclasses.replace(base, zero_stage=stage, activation_checkpointing=ckpt,
-                                    offload_optimizer=opt_off, offload_params=par_off)
+        if (
+            deepspeed_refusal(stage, opt_off, par_off, base.pipeline_stages, base.tensor_parallel, engine=base.engine)
+            is None
+        ):
+            p = dataclasses.replace(
+                base, zero_stage=stage, activation_checkpointing=ckpt, offload_optimizer=opt_off, offload_params=par_off
+            )
             out.append(Option(p, estimate(p)))
     # Equal cost (ZeRO 0-2 move the same bytes as plain data parallelism): least memory first,
     # since headroom buys a larger micro-batch.
@@ -293,8 +312,11 @@ def tensor_parallel_sizes(base: PlanInput, per_node: int) -> list[int]:
     m, out, t = base.model, [], 1
     while t <= per_node:
         dims = ParallelDims(base.world_size, base.pipeline_stages, t)
-        if (dims.problem() is None and dims.model_problem(m.n_head, m.kv_heads, m.hidden) is None
-                and deepspeed_refusal(0, "none", "none", base.pipeline_stages, t) is None):
+        if (
+            dims.problem() is None
+            and dims.model_problem(m.n_head, m.kv_heads, m.hidden) is None
+            and deepspeed_refusal(0, "none", "none", base.pipeline_stages, t) is None
+        ):
             out.append(t)
         t *= 2
     return out
@@ -305,10 +327,15 @@ def tensor_parallel_lines(base: PlanInput, per_node: int) -> list[str]:
     lines = [f"tensor parallelism inside a node ({per_node} devices per node), cheapest option that fits:"]
     for t in tensor_parallel_sizes(base, per_node):
         best = first_fit(dataclasses.replace(base, tensor_parallel=t))
-        shown = (f"{best.describe().replace(f'tensor_parallel={t}, ', '')} -> {gib(best.estimate.total)} GiB, "
-                 f"cost {best.cost:.2f}" if best else "nothing fits")
-        lines.append(f"  tensor_parallel={t} ({ParallelDims(base.world_size, base.pipeline_stages, t).describe()}): "
-                     f"{shown}")
+        shown = (
+            f"{best.describe().replace(f'tensor_parallel={t}, ', '')} -> {gib(best.estimate.total)} GiB, "
+            f"cost {best.cost:.2f}"
+            if best
+            else "nothing fits"
+        )
+        lines.append(
+            f"  tensor_parallel={t} ({ParallelDims(base.world_size, base.pipeline_stages, t).describe()}): {shown}"
+        )
     return lines if len(lines) > 2 else []
 
 
@@ -323,37 +350,78 @@ def first_fit_any(base: PlanInput, per_node: int) -> Option | None:
 def format_table(base: PlanInput, per_node: int = 8) -> str:
     """The planner's table: every option, the chosen one marked, the cheapest that fits named."""
     m = base.model
-    head = (f"model {m.n_layer} layers x d_model {m.d_model}, {num_params(m, non_embedding=False) / 1e9:.3g}B params; "
-            f"{base.world_size} devices x {base.device_memory_gib:g} GiB "
-            f"({base.dims.describe()}); micro-batch "
-            f"{base.micro_batch} x seq {m.seq_len}; {base.precision}; {base.optimizer}")
-    cols = ("", "zero", "offload", "ckpt", "params", "grads", "master+fp32g", "optim", "gathered",
-            "activ", "total GiB", "host GiB", "fits", "cost")
+    head = (
+        f"model {m.n_layer} layers x d_model {m.d_model}, {num_params(m, non_embedding=False) / 1e9:.3g}B params; "
+        f"{base.world_size} devices x {base.device_memory_gib:g} GiB "
+        f"({base.dims.describe()}); micro-batch "
+        f"{base.micro_batch} x seq {m.seq_len}; {base.precision}; {base.optimizer}"
+    )
+    cols = (
+        "",
+        "zero",
+        "offload",
+        "ckpt",
+        "params",
+        "grads",
+        "master+fp32g",
+        "optim",
+        "gathered",
+        "activ",
+        "total GiB",
+        "host GiB",
+        "fits",
+        "cost",
+    )
     rows = []
     chosen = estimate(base)
     for o in options(base):
         p, est = o.plan, o.estimate
         offload = "params+opt" if p.offload_params != "none" else ("opt" if p.offload_optimizer != "none" else "-")
-        mark = "*" if (p.zero_stage, p.offload_optimizer != "none", p.offload_params != "none",
-                       p.activation_checkpointing) == (base.zero_stage, base.offload_optimizer != "none",
-                                                       base.offload_params != "none",
-                                                       base.activation_checkpointing) else ""
-        rows.append((mark, str(p.zero_stage), offload, "on" if p.activation_checkpointing else "off",
-                     gib(est.params), gib(est.grads), gib(est.master), gib(est.optimizer_states),
-                     gib(est.gathered), gib(est.activations), gib(est.total), gib(est.host),
-                     "yes" if est.fits else "NO", f"{o.cost:.2f}"))
+        mark = (
+            "*"
+            if (p.zero_stage, p.offload_optimizer != "none", p.offload_params != "none", p.activation_checkpointing)
+            == (
+                base.zero_stage,
+                base.offload_optimizer != "none",
+                base.offload_params != "none",
+                base.activation_checkpointing,
+            )
+            else ""
+        )
+        rows.append(
+            (
+                mark,
+                str(p.zero_stage),
+                offload,
+                "on" if p.activation_checkpointing else "off",
+                gib(est.params),
+                gib(est.grads),
+                gib(est.master),
+                gib(est.optimizer_states),
+                gib(est.gathered),
+                gib(est.activations),
+                gib(est.total),
+                gib(est.host),
+                "yes" if est.fits else "NO",
+                f"{o.cost:.2f}",
+            )
+        )
     lines = [head, "", table.format_table(cols, rows, right=True, rule=False)]
     best = first_fit_any(base, per_node)
     lines.append("")
-    lines.append(f"your configuration (*): {gib(chosen.total)} GiB per device, "
-                 f"{'fits' if chosen.fits else 'does NOT fit'} in {base.device_memory_gib:g} GiB")
+    lines.append(
+        f"your configuration (*): {gib(chosen.total)} GiB per device, "
+        f"{'fits' if chosen.fits else 'does NOT fit'} in {base.device_memory_gib:g} GiB"
+    )
     if best:
         lines.append(f"recommended (cheapest that fits): {best.describe()} -> {gib(best.estimate.total)} GiB")
     else:
         lines.append("nothing fits: lower the micro-batch, add devices, pipeline stages or tensor parallelism")
     lines += tensor_parallel_lines(base, per_node)
-    lines.append("cost: rough relative step time (checkpointing x1.33, ZeRO-3 x1.15, offload x1.5 / x2.5, "
-                 "tensor parallelism x1.1 per doubling)")
+    lines.append(
+        "cost: rough relative step time (checkpointing x1.33, ZeRO-3 x1.15, offload x1.5 / x2.5, "
+        "tensor parallelism x1.1 per doubling)"
+    )
     return "\n".join(lines)
 
 
@@ -362,12 +430,22 @@ def plan_input(cfg, mcfg: GPTConfig, device_memory_gib: float) -> PlanInput:
     """The planner's view of a run config (`cfg` is a kiln.config.RunConfig)."""
     p, t = cfg.parallel, cfg.train
     return PlanInput(
-        model=mcfg, world_size=p.min_workers, device_memory_gib=device_memory_gib,  # an elastic run's smallest group holds the most each
-        micro_batch=t.micro_batch_size, zero_stage=p.zero_stage, offload_optimizer=p.offload_optimizer,
-        offload_params=p.offload_params, activation_checkpointing=mcfg.activation_checkpointing,
-        precision=t.precision, pipeline_stages=p.pipeline_stages, micro_batches=p.micro_batches,
+        model=mcfg,
+        world_size=p.min_workers,
+        device_memory_gib=device_memory_gib,  # an elastic run's smallest group holds the most each
+        micro_batch=t.micro_batch_size,
+        zero_stage=p.zero_stage,
+        offload_optimizer=p.offload_optimizer,
+        offload_params=p.offload_params,
+        activation_checkpointing=mcfg.activation_checkpointing,
+        precision=t.precision,
+        pipeline_stages=p.pipeline_stages,
+        micro_batches=p.micro_batches,
         tensor_parallel=p.tensor_parallel,
-        optimizer=cfg.optim.name, mixed_precision=t.mixed_precision, use_gpu=p.use_gpu, engine=p.engine,
+        optimizer=cfg.optim.name,
+        mixed_precision=t.mixed_precision,
+        use_gpu=p.use_gpu,
+        engine=p.engine,
     )
 
 
@@ -378,15 +456,27 @@ def refuse_if_too_big(base: PlanInput, source: str) -> Estimate:
     est = estimate(base)
     if est.fits:
         return est
-    parts = ", ".join(f"{name} {human(v)}" for name, v in (
-        ("params", est.params), ("grads", est.grads), ("fp32 master+grads", est.master),
-        ("optimizer", est.optimizer_states), ("gathered", est.gathered), ("activations", est.activations)) if v)
+    parts = ", ".join(
+        f"{name} {human(v)}"
+        for name, v in (
+            ("params", est.params),
+            ("grads", est.grads),
+            ("fp32 master+grads", est.master),
+            ("optimizer", est.optimizer_states),
+            ("gathered", est.gathered),
+            ("activations", est.activations),
+        )
+        if v
+    )
     best = first_fit(base)
-    hint = (f"the first option that fits: parallel.{best.describe().replace(', ', ', parallel.')} "
-            f"({human(best.estimate.total)})".replace("parallel.activation_checkpointing",
-                                                          "model.activation_checkpointing")
-            if best else "no ZeRO/offload/checkpointing option fits: lower train.micro_batch_size or add workers")
+    hint = (
+        f"the first option that fits: parallel.{best.describe().replace(', ', ', parallel.')} "
+        f"({human(best.estimate.total)})".replace("parallel.activation_checkpointing", "model.activation_checkpointing")
+        if best
+        else "no ZeRO/offload/checkpointing option fits: lower train.micro_batch_size or add workers"
+    )
     raise ConfigError(
         f"the run needs an estimated {human(est.total)} per device ({parts}) but {source} gives "
         f"{human(est.device_memory)}: {human(est.total - est.device_memory)} over; {hint}. "
-        f"See `kiln plan` for the table")
+        f"See `kiln plan` for the table"
+    )

@@ -93,8 +93,10 @@ def cluster_from_yaml(path: str | Path, nodes: int | None = None) -> Cluster:
             gpu.append((t.get("priority", 0), name, instance, t.get("max_workers", 0)))
     if not gpu:
         known = ", ".join(INSTANCES)
-        raise ConfigError(f"--cluster {path}: no GPU node type with a known instance type ({known}); "
-                          "describe it with --device/--devices-per-node/--nodes instead")
+        raise ConfigError(
+            f"--cluster {path}: no GPU node type with a known instance type ({known}); "
+            "describe it with --device/--devices-per-node/--nodes instead"
+        )
     _, name, instance, max_workers = max(gpu)  # the preferred group, as the autoscaler would pick
     count = nodes or max_workers
     if count < 1:
@@ -143,13 +145,15 @@ def throughput(p: PlanInput, cluster: Cluster, mfu: float = 0.40, grad_accum: in
         bw = min(bw, cluster.node.network_gbps / 8 * 1e9 / cluster.node.devices)
     comm = volume / bw
     hideable = 2 / 3 * compute  # the backward share of compute
-    if p.zero_stage == 3:  # the forward's all-gather (1/3 of the volume) waits for nothing to hide behind
+    # ZeRO-3: the forward's all-gather (1/3 of the volume) waits for nothing to hide behind.
+    if p.zero_stage == 3:  # noqa: SIM108
         exposed = comm / 3 + max(0.0, 2 / 3 * comm - hideable)
     else:
         exposed = max(0.0, comm - hideable)
     bubble = compute * (pp - 1) / micro_steps if pp > 1 else 0.0
-    return Throughput(p.micro_batch * m.seq_len * micro_steps * dp, compute, comm + tp_comm, exposed + tp_comm,
-                      bubble, tp_comm)
+    return Throughput(
+        p.micro_batch * m.seq_len * micro_steps * dp, compute, comm + tp_comm, exposed + tp_comm, bubble, tp_comm
+    )
 
 
 def tensor_parallel_bytes(p: PlanInput) -> float:
@@ -201,14 +205,23 @@ class Preemptions:
         redo = min(intervals) / 2 if intervals else run_s / 2
         expected = self.per_node_hour * nodes * run_s / 3600
         added = expected * (RESIZE_S + redo)
-        return (f"  preemptions at {self.per_node_hour:g} per node-hour (--preemptions-per-hour): {expected:.2g} over "
-                f"the run, each {RESIZE_S:.0f} s to the next step (bench/results/resize.md) + {duration(redo)} of "
-                f"steps since the last checkpoint{'' if intervals else ' (none is written: back to step 0)'}: "
-                f"+{duration(added)} ({added / run_s:.1%}), ${usd_per_hour * added / 3600:,.0f}")
+        return (
+            f"  preemptions at {self.per_node_hour:g} per node-hour (--preemptions-per-hour): {expected:.2g} over "
+            f"the run, each {RESIZE_S:.0f} s to the next step (bench/results/resize.md) + {duration(redo)} of "
+            f"steps since the last checkpoint{'' if intervals else ' (none is written: back to step 0)'}: "
+            f"+{duration(added)} ({added / run_s:.1%}), ${usd_per_hour * added / 3600:,.0f}"
+        )
 
 
-def format_estimate(p: PlanInput, cluster: Cluster, mfu: float, target_tokens: float | None,
-                    usd_per_hour: float | None, grad_accum: int = 1, preemptions: Preemptions | None = None) -> str:
+def format_estimate(
+    p: PlanInput,
+    cluster: Cluster,
+    mfu: float,
+    target_tokens: float | None,
+    usd_per_hour: float | None,
+    grad_accum: int = 1,
+    preemptions: Preemptions | None = None,
+) -> str:
     t = throughput(p, cluster, mfu, grad_accum)
     n = num_params(p.model, non_embedding=False)
     target = target_tokens or 20 * n

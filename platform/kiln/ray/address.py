@@ -18,11 +18,14 @@ def check_ray_address(address: str, timeout: float = 5.0) -> None:
         return
     host, _, port = address.split("://", 1)[-1].rpartition(":")
     if not port.isdigit():
-        raise ConfigError(f"Ray address {address!r}: expected host:port (the head's GCS port, 6379 by "
-                        "default) or ray://host:port")
+        raise ConfigError(
+            f"Ray address {address!r}: expected host:port (the head's GCS port, 6379 by default) or ray://host:port"
+        )
     try:
         with socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout):
             pass
     except OSError as e:
-        raise KilnError(f"no Ray cluster answers at {address} ({e.strerror or e}): start one with "
-                        "`ray start --head`, or correct --address / $RAY_ADDRESS") from None
+        raise KilnError(
+            f"no Ray cluster answers at {address} ({e.strerror or e}): start one with "
+            "`ray start --head`, or correct --address / $RAY_ADDRESS"
+        ) from None

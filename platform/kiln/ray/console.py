@@ -32,8 +32,10 @@ log = logging.getLogger(__name__)
 RAY_HANDLER = "ray_print_logs"  # the name ray.init gives its printer of worker output
 KILN_HANDLER = "kiln_worker_logs"
 WORKER_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # what the router parses
-_KILN_LINE = re.compile(r"^(?P<time>\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+) (?P<level>[A-Z]+) "
-                        r"(?P<name>kiln(?:\.[\w.]+)?): (?P<message>.*)$")
+_KILN_LINE = re.compile(
+    r"^(?P<time>\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+) (?P<level>[A-Z]+) "
+    r"(?P<name>kiln(?:\.[\w.]+)?): (?P<message>.*)$"
+)
 _SHOWN_LEVELS = {"WARNING", "ERROR", "CRITICAL"}
 SEEN_LINES = 4096  # console lines remembered for the duplicate check
 
@@ -88,7 +90,9 @@ class WorkerLogRouter:
                 return
             self._file.writelines(f"{prefix} {line}\n" for line in lines)
             self._file.flush()
-        shown = [c for c in map(console_line, lines) if c is not None and self._first((data.get("ip"), data.get("pid"), c))]
+        shown = [
+            c for c in map(console_line, lines) if c is not None and self._first((data.get("ip"), data.get("pid"), c))
+        ]
         if shown and not self.verbose:  # verbose: Ray's printer shows them already
             self._show("".join(c + "\n" for c in shown))
 

@@ -41,8 +41,9 @@ class ShardSliceDatasource(Datasource):
     def estimate_inmemory_data_size(self) -> int:
         return sum(s.rows for s in self.slices) * self.row_bytes
 
-    def get_read_tasks(self, parallelism: int, per_task_row_limit: int | None = None,
-                       data_context=None) -> list[ReadTask]:
+    def get_read_tasks(
+        self, parallelism: int, per_task_row_limit: int | None = None, data_context=None
+    ) -> list[ReadTask]:
         def task(group: list[Slice]) -> ReadTask:
             where = [(self.locations[s.source][s.shard], s) for s in group]
 
@@ -50,8 +51,12 @@ class ShardSliceDatasource(Datasource):
                 return [read_slice(loc, s) for loc, s in where]
 
             rows = sum(s.rows for s in group)
-            meta = BlockMetadata(num_rows=rows, size_bytes=rows * self.row_bytes,
-                                 input_files=sorted({loc.uri for loc, _ in where}), exec_stats=None)
+            meta = BlockMetadata(
+                num_rows=rows,
+                size_bytes=rows * self.row_bytes,
+                input_files=sorted({loc.uri for loc, _ in where}),
+                exec_stats=None,
+            )
             return ReadTask(read, meta)
 
         # Order preserved by the executor (DataContext.execution_options.preserve_order).

@@ -36,37 +36,65 @@ SERIES: tuple[Series, ...] = (
     Series("kiln_val_loss", "gauge", "Validation loss of the last evaluation.", "loss/val"),
     Series("kiln_train_learning_rate", "gauge", "Learning rate of the last step.", "lr"),
     Series("kiln_train_grad_norm", "gauge", "Global gradient norm of the last step.", "grad_norm"),
-    Series("kiln_train_tokens_per_second", "gauge", "Tokens per second over all workers, last step.",
-           "throughput/tokens_per_s"),
+    Series(
+        "kiln_train_tokens_per_second",
+        "gauge",
+        "Tokens per second over all workers, last step.",
+        "throughput/tokens_per_s",
+    ),
     Series("kiln_train_mfu_ratio", "gauge", "Model FLOPs utilisation of the last step (0-1).", "mfu"),
     Series("kiln_train_step_seconds", "gauge", "Wall time of the last optimizer step.", "time/step_s"),
-    Series("kiln_train_data_wait_seconds", "gauge", "Time the last step waited for its batches.",
-           "time/data_wait_s"),
-    Series("kiln_train_forward_seconds", "gauge", "Forward time of the last step (all micro-batches).",
-           "time/forward_s"),
-    Series("kiln_train_backward_seconds", "gauge", "Backward time of the last step, gradient all-reduce included.",
-           "time/backward_s"),
+    Series("kiln_train_data_wait_seconds", "gauge", "Time the last step waited for its batches.", "time/data_wait_s"),
+    Series(
+        "kiln_train_forward_seconds", "gauge", "Forward time of the last step (all micro-batches).", "time/forward_s"
+    ),
+    Series(
+        "kiln_train_backward_seconds",
+        "gauge",
+        "Backward time of the last step, gradient all-reduce included.",
+        "time/backward_s",
+    ),
     Series("kiln_train_optimizer_seconds", "gauge", "Optimizer-step time of the last step.", "time/optimizer_s"),
     Series("kiln_train_loss_scale", "gauge", "fp16 dynamic loss scale.", "train/loss_scale"),
     Series("kiln_memory_rss_bytes", "gauge", "Resident memory of this worker process.", "memory/rss_gib", GIB),
-    Series("kiln_memory_leak_bytes_per_step", "gauge", "Steady memory growth after warm-up (host or "
-           "device, the faster), in bytes per step; 0 when memory is flat.", "memory/leak_bytes_per_step"),
-    Series("kiln_memory_cuda_allocated_bytes", "gauge", "Peak CUDA memory allocated by tensors.",
-           "memory/max_allocated_gib", GIB),
-    Series("kiln_memory_cuda_reserved_bytes", "gauge", "Peak CUDA memory reserved by the allocator.",
-           "memory/max_reserved_gib", GIB),
+    Series(
+        "kiln_memory_leak_bytes_per_step",
+        "gauge",
+        "Steady memory growth after warm-up (host or device, the faster), in bytes per step; 0 when memory is flat.",
+        "memory/leak_bytes_per_step",
+    ),
+    Series(
+        "kiln_memory_cuda_allocated_bytes",
+        "gauge",
+        "Peak CUDA memory allocated by tensors.",
+        "memory/max_allocated_gib",
+        GIB,
+    ),
+    Series(
+        "kiln_memory_cuda_reserved_bytes",
+        "gauge",
+        "Peak CUDA memory reserved by the allocator.",
+        "memory/max_reserved_gib",
+        GIB,
+    ),
 )
 # Set directly by the exporter.
 DIRECT: tuple[Series, ...] = (
     Series("kiln_train_step", "gauge", "The last completed optimizer step."),
     Series("kiln_train_max_steps", "gauge", "The step the run ends at."),
     Series("kiln_train_last_step_timestamp_seconds", "gauge", "Unix time the last step completed."),
-    Series("kiln_memory_device_used_bytes", "gauge",
-           "Memory this worker holds on its device: CUDA reserved on a GPU, RSS on a CPU."),
+    Series(
+        "kiln_memory_device_used_bytes",
+        "gauge",
+        "Memory this worker holds on its device: CUDA reserved on a GPU, RSS on a CPU.",
+    ),
     Series("kiln_memory_device_limit_bytes", "gauge", "That device's capacity: GPU memory, or the node's RAM."),
     Series("kiln_checkpoint_duration_seconds", "gauge", "Time the last checkpoint save took on this rank."),
-    Series("kiln_checkpoint_last_timestamp_seconds", "gauge",
-           "Unix time of the last completed checkpoint (the run's start until the first)."),
+    Series(
+        "kiln_checkpoint_last_timestamp_seconds",
+        "gauge",
+        "Unix time of the last completed checkpoint (the run's start until the first).",
+    ),
     # Health events as gauges of the count so far: a Ray counter cannot be exported at zero,
     # and a dashboard or alert needs the zero.
     Series("kiln_train_nonfinite_loss_steps", "gauge", "Steps so far whose training loss was NaN or infinite."),
@@ -79,8 +107,11 @@ DIRECT: tuple[Series, ...] = (
 # last-value gauge above cannot give (a stall between two observed steps never shows there).
 # Buckets from 5 ms (a tiny model) to 2 min (a large one's step on a slow interconnect).
 STEP_SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
-STEP_HISTOGRAM = Series("kiln_train_step_duration_seconds", "histogram",
-                        "Wall time of each optimizer step on this rank (validation and saves excluded).")
+STEP_HISTOGRAM = Series(
+    "kiln_train_step_duration_seconds",
+    "histogram",
+    "Wall time of each optimizer step on this rank (validation and saves excluded).",
+)
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")  # what Prometheus scrapes of one histogram
 LABELS = ("run", "experiment", "rank")
 
@@ -113,8 +144,9 @@ class RayLive:
             metric = cls(s.name, description=s.help, tag_keys=LABELS)
             metric.set_default_tags(tags)
             self._m[s.name] = metric
-        self._steps = Histogram(STEP_HISTOGRAM.name, description=STEP_HISTOGRAM.help,
-                                boundaries=list(STEP_SECONDS_BUCKETS), tag_keys=LABELS)
+        self._steps = Histogram(
+            STEP_HISTOGRAM.name, description=STEP_HISTOGRAM.help, boundaries=list(STEP_SECONDS_BUCKETS), tag_keys=LABELS
+        )
         self._steps.set_default_tags(tags)
         self._nonfinite = 0
         self._last_step = 0  # counters advance by the steps since the last observed one (the

@@ -56,6 +56,7 @@ def on_ray(address: str | None = None, workers: int = 0) -> Executor:
     """The executor that runs units on Ray: the cluster at `address` (or $RAY_ADDRESS), else an
     embedded one; `workers` tokenizer actors (0: one per CPU of the cluster), never more than
     there are units. One unit and no cluster: it runs here, where Ray would only add its start."""
+
     def run(job: UnitJob, units: list[UnitRef]) -> Iterator[dict]:
         where = address or os.environ.get("RAY_ADDRESS")
         if len(units) <= 1 and not where:
@@ -100,8 +101,14 @@ def _records(job: UnitJob, units: list[UnitRef], n: int, started: bool) -> Itera
     # One CPU per actor (and its tokenizer on one thread: _UnitActor). The actors spread over the
     # nodes, whose disks and network each read and write a share: Ray Data's own default
     # (DataContext.scheduling_strategy, "SPREAD"; passing it through map_batches is deprecated).
-    out = ds.map_batches(_UnitActor, fn_constructor_kwargs={"job": job}, batch_size=1,
-                         compute=ray.data.ActorPoolStrategy(size=n), num_cpus=1, batch_format="numpy")
+    out = ds.map_batches(
+        _UnitActor,
+        fn_constructor_kwargs={"job": job},
+        batch_size=1,
+        compute=ray.data.ActorPoolStrategy(size=n),
+        num_cpus=1,
+        batch_format="numpy",
+    )
     try:
         for row in out.iter_rows():
             rec = json.loads(row["record"])
@@ -110,8 +117,10 @@ def _records(job: UnitJob, units: list[UnitRef], n: int, started: bool) -> Itera
             yield rec
     except ray.exceptions.GetTimeoutError:
         free = int(ray.available_resources().get("CPU", 0))
-        raise KilnError(f"the cluster did not start {n} tokenizer actors (one CPU each) in {ACTOR_START_S} s; "
-                        f"{free} CPU(s) are free now: lower --workers, or add nodes") from None
+        raise KilnError(
+            f"the cluster did not start {n} tokenizer actors (one CPU each) in {ACTOR_START_S} s; "
+            f"{free} CPU(s) are free now: lower --workers, or add nodes"
+        ) from None
     finally:
         ctx.wait_for_min_actors_s = waited
         if started:
@@ -129,8 +138,10 @@ def _connect(address: str | None) -> bool:
         try:
             ray.init(address=address, logging_level=logging.ERROR)
         except ConnectionError as e:
-            raise KilnError(f"could not join the Ray cluster at {address}: {e}. A cluster started with `ray start "
-                            "--head` uses token auth: set RAY_AUTH_MODE=token") from None
+            raise KilnError(
+                f"could not join the Ray cluster at {address}: {e}. A cluster started with `ray start "
+                "--head` uses token auth: set RAY_AUTH_MODE=token"
+            ) from None
         return False
     log.info("starting an embedded local Ray (no cluster address given)")
     ray.init(address="local", num_cpus=os.cpu_count() or 1, include_dashboard=False, logging_level=logging.ERROR)

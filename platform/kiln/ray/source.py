@@ -19,9 +19,18 @@ class RayDataSource(OrderedSource):
     Each worker runs its own small Ray Data read over just its shards: Ray Data does the
     reading and prefetching; Kiln decides which rows and in which order."""
 
-    def __init__(self, data: Manifest | list[Dataset], dp_rank: int, dp_size: int, micro_batch: int,
-                 prefetch: int = 2, max_val_batches: int = 0, read_task_cpus: float = 0.5, seed: int = 0,
-                 reshuffle: bool = False):
+    def __init__(
+        self,
+        data: Manifest | list[Dataset],
+        dp_rank: int,
+        dp_size: int,
+        micro_batch: int,
+        prefetch: int = 2,
+        max_val_batches: int = 0,
+        read_task_cpus: float = 0.5,
+        seed: int = 0,
+        reshuffle: bool = False,
+    ):
         super().__init__(data, dp_rank, dp_size, micro_batch, max_val_batches, seed, reshuffle)
         self.prefetch_batches, self.read_task_cpus = prefetch, read_task_cpus
         self._locations = {s: [d.manifest.shard_locations(s) for d in self.datasets] for s in ("train", "val")}
@@ -32,12 +41,14 @@ class RayDataSource(OrderedSource):
         configure_ray_data()
         row_bytes = 8 + 4 * (self.manifest.seq_len + 1)  # int64 id, int32 tokens
         source = ShardSliceDatasource(self._locations[split], slices, row_bytes)
-        ds = ray.data.read_datasource(source,
-                                      num_cpus=self.read_task_cpus,
-                                      # tasks in flight: enough to read ahead, few enough that
-                                      # CPU-free reads do not flood a node with processes
-                                      concurrency=max(1, self.prefetch_batches),
-                                      override_num_blocks=source.tasks)
+        ds = ray.data.read_datasource(
+            source,
+            num_cpus=self.read_task_cpus,
+            # tasks in flight: enough to read ahead, few enough that
+            # CPU-free reads do not flood a node with processes
+            concurrency=max(1, self.prefetch_batches),
+            override_num_blocks=source.tasks,
+        )
         yield from ds.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=self.prefetch_batches)
 
 

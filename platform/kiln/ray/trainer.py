@@ -53,13 +53,18 @@ def _worker_entry(loop_config: dict[str, Any]) -> None:
     cfg = config_from_dict(loop_config["config"])
     mcfg = GPTConfig(**loop_config["model"])  # the shape preflight resolved: config.json is not read again
     ctx = ray.train.get_context()
-    world = WorldInfo(rank=ctx.get_world_rank(), world_size=ctx.get_world_size(),
-                      device=ray.train.torch.get_device(), local_rank=ctx.get_local_rank(),
-                      local_world_size=ctx.get_local_world_size())
+    world = WorldInfo(
+        rank=ctx.get_world_rank(),
+        world_size=ctx.get_world_size(),
+        device=ray.train.torch.get_device(),
+        local_rank=ctx.get_local_rank(),
+        local_world_size=ctx.get_local_world_size(),
+    )
     run_id = loop_config.get("mlflow_run_id")
     placement = _placement(world)
-    logging.getLogger("kiln.train").info("rank %d of %d on node %s", world.rank, world.world_size,
-                                         placement[world.rank])
+    logging.getLogger("kiln.train").info(
+        "rank %d of %d on node %s", world.rank, world.world_size, placement[world.rank]
+    )
     restored = ray.train.get_checkpoint()  # set when Ray Train restarts the group after a failure
     logger = _logger(cfg, world, loop_config, restarted=restored is not None)
     discard_orphaned_copies()
@@ -80,16 +85,23 @@ def _worker_entry(loop_config: dict[str, Any]) -> None:
 
     board = loop_config.get("progress_board")  # set when the driver draws a bar on its terminal
     progress = BoardSink(board) if board is not None and world.rank == 0 else None
-    live = RayLive(cfg.logging.run_name, cfg.logging.experiment, world.rank, cfg.train.max_steps,
-                   device_limit_bytes(world.device))
+    live = RayLive(
+        cfg.logging.run_name, cfg.logging.experiment, world.rank, cfg.train.max_steps, device_limit_bytes(world.device)
+    )
     node_monitor = _node_system_metrics(world, placement, loop_config["tracking_uri"], run_id)
     try:
         # Every rank downloads the whole restored checkpoint (all ranks' shards: a ZeRO load
         # reads them) and loads its own part; the copy goes once loaded.
         stored = StoredCheckpoint(restored, local_ckpt_root, world.world_size) if restored is not None else None
-        run_worker(cfg, mcfg, world, lambda dp_rank, dp_size: _source(cfg, dp_rank, dp_size),
-                   Sinks(logger=logger, live=live, progress=progress, report=report, restored=stored),
-                   local_ckpt_root, startup)
+        run_worker(
+            cfg,
+            mcfg,
+            world,
+            lambda dp_rank, dp_size: _source(cfg, dp_rank, dp_size),
+            Sinks(logger=logger, live=live, progress=progress, report=report, restored=stored),
+            local_ckpt_root,
+            startup,
+        )
     finally:
         if node_monitor is not None:
             node_monitor.finish()
@@ -103,9 +115,13 @@ def _logger(cfg: RunConfig, world: WorldInfo, loop_config: dict[str, Any], resta
     run_id, uri = loop_config.get("mlflow_run_id"), loop_config["tracking_uri"]
     if world.rank == 0 and run_id:
         # Metrics MLflow never took land beside local checkpoints, else in this node's temp dir.
-        return MLflowLogger(uri, run_id, spill_dir=cfg.local_run_dir(),
-                            outage_wait_s=cfg.logging.outage_wait_s,
-                            skip_through=client.logged_through(uri, run_id) if restarted else 0)
+        return MLflowLogger(
+            uri,
+            run_id,
+            spill_dir=cfg.local_run_dir(),
+            outage_wait_s=cfg.logging.outage_wait_s,
+            skip_through=client.logged_through(uri, run_id) if restarted else 0,
+        )
     if run_id and world.rank in cfg.train.profile.rank_set(world.world_size) and cfg.train.profile.start_step:
         return ArtifactLogger(uri, run_id)
     return NullLogger()
@@ -192,9 +208,17 @@ def _source(cfg: RunConfig, dp_rank: int, dp_size: int) -> RayDataSource:
     own split across all workers deadlocked the stages of a pipeline, which must read the same
     batches)."""
     # The manifests are read again on the worker (the driver checked them before launch).
-    return RayDataSource(run_datasets(cfg), dp_rank, dp_size, cfg.train.micro_batch_size, cfg.data.prefetch_batches,
-                         cfg.train.eval_batches, read_task_cpus=cfg.data.read_task_cpus, seed=cfg.train.seed,
-                         reshuffle=cfg.data.reshuffle)
+    return RayDataSource(
+        run_datasets(cfg),
+        dp_rank,
+        dp_size,
+        cfg.train.micro_batch_size,
+        cfg.data.prefetch_batches,
+        cfg.train.eval_batches,
+        read_task_cpus=cfg.data.read_task_cpus,
+        seed=cfg.train.seed,
+        reshuffle=cfg.data.reshuffle,
+    )
 
 
 def _checkpoint_score(cfg: RunConfig) -> dict:
@@ -221,9 +245,17 @@ def _quiet_worker_logs() -> None:
     logging.getLogger("ray.train").setLevel(logging.WARNING)  # one "Reporting training result" per report
 
 
-def build_trainer(cfg: RunConfig, mcfg: GPTConfig, run_name: str, tracking_uri: str, run_id: str | None,
-                  callbacks: list | None = None, storage_path: str | None = None,
-                  progress_board=None, resumed_from: str | None = None) -> TorchTrainer:
+def build_trainer(
+    cfg: RunConfig,
+    mcfg: GPTConfig,
+    run_name: str,
+    tracking_uri: str,
+    run_id: str | None,
+    callbacks: list | None = None,
+    storage_path: str | None = None,
+    progress_board=None,
+    resumed_from: str | None = None,
+) -> TorchTrainer:
     """The TorchTrainer of one run. A sweep's trial adds Tune's report callback and keeps its
     checkpoints under the sweep's storage; `progress_board` (a `ProgressBoard` actor) is where
     rank 0 posts each step for the driver's progress bar; `resumed_from`: the checkpoint (its
@@ -236,20 +268,32 @@ def build_trainer(cfg: RunConfig, mcfg: GPTConfig, run_name: str, tracking_uri: 
     storage, filesystem = train_storage(storage_path or cfg.train.storage_path or "runs", cfg)
     return TorchTrainer(
         train_loop_per_worker=_worker_entry,
-        train_loop_config={"config": cfg.to_dict(), "model": dataclasses.asdict(mcfg), "tracking_uri": tracking_uri, "mlflow_run_id": run_id,
-                           "progress_board": progress_board, "resumed_from": resumed_from},
+        train_loop_config={
+            "config": cfg.to_dict(),
+            "model": dataclasses.asdict(mcfg),
+            "tracking_uri": tracking_uri,
+            "mlflow_run_id": run_id,
+            "progress_board": progress_board,
+            "resumed_from": resumed_from,
+        },
         scaling_config=ScalingConfig(
-            num_workers=(p.min_workers, p.max_workers) if p.elastic else p.max_workers, use_gpu=p.use_gpu,
-            resources_per_worker={"CPU": p.cpus_per_worker}, placement_strategy=p.placement_strategy,
+            num_workers=(p.min_workers, p.max_workers) if p.elastic else p.max_workers,
+            use_gpu=p.use_gpu,
+            resources_per_worker={"CPU": p.cpus_per_worker},
+            placement_strategy=p.placement_strategy,
             elastic_resize_monitor_interval_s=p.resize_check_s,
         ),
         torch_config=TorchConfig(backend="nccl" if p.use_gpu else "gloo"),
-        run_config=ray.train.RunConfig(name=run_name, storage_path=storage, storage_filesystem=filesystem,
-                                       callbacks=callbacks or [],
-                                       failure_config=FailureConfig(max_failures=failures_allowed(cfg)),
-                                       checkpoint_config=CheckpointConfig(
-                                           num_to_keep=cfg.train.keep_checkpoints or None,
-                                           **_checkpoint_score(cfg))),
+        run_config=ray.train.RunConfig(
+            name=run_name,
+            storage_path=storage,
+            storage_filesystem=filesystem,
+            callbacks=callbacks or [],
+            failure_config=FailureConfig(max_failures=failures_allowed(cfg)),
+            checkpoint_config=CheckpointConfig(
+                num_to_keep=cfg.train.keep_checkpoints or None, **_checkpoint_score(cfg)
+            ),
+        ),
     )
 
 

@@ -37,8 +37,17 @@ STATE_FILE = "kiln-sweep.json"  # beside Tune's experiment state: what `--resume
 KINDS = ("choice", "grid", "uniform", "loguniform", "randint")
 MAX_TRIALS = 10_000  # a sweep that would start more is a typo (a grid multiplies), not a plan
 # What every trial reports to Tune: the loop's metrics (kiln.core.loop, kiln.core.meter).
-REPORTED = ("loss/val", "loss/train", "throughput/tokens_per_s", "throughput/tokens_per_s_per_device", "mfu",
-            "grad_norm", "lr", "time/step_s", "tokens/seen")
+REPORTED = (
+    "loss/val",
+    "loss/train",
+    "throughput/tokens_per_s",
+    "throughput/tokens_per_s_per_device",
+    "mfu",
+    "grad_norm",
+    "lr",
+    "time/step_s",
+    "tokens/seen",
+)
 
 
 @dataclass
@@ -160,7 +169,7 @@ def load_sweep(path: str | os.PathLike, overrides: list[str] = ()) -> Sweep:
         for i, k in enumerate(parents):
             node = node.setdefault(k, {})
             if not isinstance(node, dict):
-                raise ConfigError(f"--set {key}: {'.'.join(parents[:i + 1])!r} is not a section of the sweep file")
+                raise ConfigError(f"--set {key}: {'.'.join(parents[: i + 1])!r} is not a section of the sweep file")
         node[last] = value
     cfg = build_section(SweepConfig, raw, "sweep")
     if not cfg.name.strip():
@@ -169,8 +178,10 @@ def load_sweep(path: str | os.PathLike, overrides: list[str] = ()) -> Sweep:
         raise ConfigError(f"sweep file {str(p)!r}: 'base' is empty; expected a run config path")
     base_path = (p.parent / cfg.base) if not os.path.isabs(cfg.base) else Path(cfg.base)
     if not base_path.is_file():
-        raise ConfigError(f"sweep.base = {cfg.base!r}: {str(base_path)!r} does not exist; expected a run "
-                          "config YAML, relative to the sweep file")
+        raise ConfigError(
+            f"sweep.base = {cfg.base!r}: {str(base_path)!r} does not exist; expected a run "
+            "config YAML, relative to the sweep file"
+        )
     base_tree = yamlfile.read_mapping(base_path, f"sweep.base {str(base_path)!r}")
     for dotted, value in cfg.overrides.items():
         set_dotted(RunConfig, base_tree, dotted, value)
@@ -187,34 +198,45 @@ def validate(sweep: Sweep) -> None:
     base = sweep.base_config  # the base itself must be a valid run config
     if not cfg.space:
         raise ConfigError("sweep.space is empty: expected at least one field to search over")
-    for key, value in (("num_samples", cfg.num_samples), ("max_concurrent_trials", cfg.max_concurrent_trials),
-                       ("scheduler.grace_period", cfg.scheduler.grace_period),
-                       ("resources_per_trial.num_workers", cfg.resources_per_trial.num_workers)):
+    for key, value in (
+        ("num_samples", cfg.num_samples),
+        ("max_concurrent_trials", cfg.max_concurrent_trials),
+        ("scheduler.grace_period", cfg.scheduler.grace_period),
+        ("resources_per_trial.num_workers", cfg.resources_per_trial.num_workers),
+    ):
         ok, allowed = span(1, 100_000)
         if not ok(value):
             raise ConfigError(f"sweep.{key} = {value} is out of range: expected {allowed}")
     trials = expected_trials(cfg)
     if trials > MAX_TRIALS:
-        raise ConfigError(f"sweep: num_samples x the grid's sizes is {trials:,} trials; expected at most "
-                          f"{MAX_TRIALS:,}")
+        raise ConfigError(
+            f"sweep: num_samples x the grid's sizes is {trials:,} trials; expected at most {MAX_TRIALS:,}"
+        )
     if cfg.metric not in REPORTED:
-        raise ConfigError(f"sweep.metric = {cfg.metric!r} is not a metric trials report; expected one of "
-                          f"{list(REPORTED)}")
+        raise ConfigError(
+            f"sweep.metric = {cfg.metric!r} is not a metric trials report; expected one of {list(REPORTED)}"
+        )
     if cfg.scheduler.name == "pbt":
         _check_pbt(cfg, base)
     if cfg.scheduler.reduction_factor <= 1:
         raise ConfigError(f"sweep.scheduler.reduction_factor = {cfg.scheduler.reduction_factor}: expected > 1")
     if cfg.scheduler.grace_period > base.train.max_steps:
-        raise ConfigError(f"sweep.scheduler.grace_period = {cfg.scheduler.grace_period} exceeds train.max_steps = "
-                          f"{base.train.max_steps}: expected a step within the run")
+        raise ConfigError(
+            f"sweep.scheduler.grace_period = {cfg.scheduler.grace_period} exceeds train.max_steps = "
+            f"{base.train.max_steps}: expected a step within the run"
+        )
     if cfg.metric.startswith("loss/val") and not base.train.eval_every:
-        raise ConfigError(f"sweep.metric = {cfg.metric!r} needs train.eval_every > 0 in the base, so that trials "
-                          "report it while they train (the scheduler compares trials at those steps)")
+        raise ConfigError(
+            f"sweep.metric = {cfg.metric!r} needs train.eval_every > 0 in the base, so that trials "
+            "report it while they train (the scheduler compares trials at those steps)"
+        )
     for dotted, spec in cfg.space.items():
         _check_entry(sweep, str(dotted), spec)
         if cfg.search == "grid" and next(iter(spec)) not in ("grid", "choice"):
-            raise ConfigError(f"sweep.space.{dotted} is {next(iter(spec))}: search 'grid' needs every space "
-                              "entry to be grid or choice (or use search: random)")
+            raise ConfigError(
+                f"sweep.space.{dotted} is {next(iter(spec))}: search 'grid' needs every space "
+                "entry to be grid or choice (or use search: random)"
+            )
     for cond, fixed in cfg.conditional.items():
         if "=" not in str(cond) or not isinstance(fixed, dict):
             raise ConfigError(f"sweep.conditional.{cond}: expected 'field=value: {{field: value, ...}}'")
@@ -232,8 +254,17 @@ def validate(sweep: Sweep) -> None:
 # What a fork can change in a running trial: the optimizer's hyperparameters, the schedule and
 # clipping. Anything else (the model, the optimizer itself, the batch, the data) a checkpoint
 # cannot take, or a trial would no longer be comparable with the others at the same step.
-PBT_MUTABLE = ("optim.lr", "optim.weight_decay", "optim.beta1", "optim.beta2", "optim.eps", "optim.momentum",
-               "optim.rmsprop_alpha", "schedule.", "train.grad_clip")
+PBT_MUTABLE = (
+    "optim.lr",
+    "optim.weight_decay",
+    "optim.beta1",
+    "optim.beta2",
+    "optim.eps",
+    "optim.momentum",
+    "optim.rmsprop_alpha",
+    "schedule.",
+    "train.grad_clip",
+)
 
 
 def _check_pbt(cfg: SweepConfig, base: RunConfig) -> None:
@@ -241,33 +272,46 @@ def _check_pbt(cfg: SweepConfig, base: RunConfig) -> None:
     checkpoints, the metric at each of them, fields a fork can change, and storage a fork reads."""
     s, t = cfg.scheduler, base.train
     if not t.checkpoint_every:
-        raise ConfigError("sweep.scheduler.name = 'pbt' forks trials from their checkpoints: set train.checkpoint_every "
-                          "> 0 in the base (the steps between a trial's exploit-or-explore decisions)")
+        raise ConfigError(
+            "sweep.scheduler.name = 'pbt' forks trials from their checkpoints: set train.checkpoint_every "
+            "> 0 in the base (the steps between a trial's exploit-or-explore decisions)"
+        )
     if cfg.metric == "loss/val" and t.checkpoint_every % t.eval_every:
-        raise ConfigError(f"sweep.scheduler.name = 'pbt' compares trials at their checkpoints: train.checkpoint_every = "
-                          f"{t.checkpoint_every} must be a multiple of train.eval_every = {t.eval_every}, so that each "
-                          "checkpoint's report carries loss/val")
+        raise ConfigError(
+            f"sweep.scheduler.name = 'pbt' compares trials at their checkpoints: train.checkpoint_every = "
+            f"{t.checkpoint_every} must be a multiple of train.eval_every = {t.eval_every}, so that each "
+            "checkpoint's report carries loss/val"
+        )
     interval = s.perturbation_interval or t.checkpoint_every
     if interval % t.checkpoint_every or interval >= t.max_steps:
-        raise ConfigError(f"sweep.scheduler.perturbation_interval = {s.perturbation_interval}: expected a multiple of "
-                          f"train.checkpoint_every = {t.checkpoint_every} below train.max_steps = {t.max_steps} (0 takes "
-                          "train.checkpoint_every)")
+        raise ConfigError(
+            f"sweep.scheduler.perturbation_interval = {s.perturbation_interval}: expected a multiple of "
+            f"train.checkpoint_every = {t.checkpoint_every} below train.max_steps = {t.max_steps} (0 takes "
+            "train.checkpoint_every)"
+        )
     if not 0 < s.quantile_fraction <= 0.5:
         raise ConfigError(f"sweep.scheduler.quantile_fraction = {s.quantile_fraction}: expected a number in (0, 0.5]")
     if not 0 <= s.resample_probability <= 1:
-        raise ConfigError(f"sweep.scheduler.resample_probability = {s.resample_probability}: expected a number in "
-                          "[0, 1]")
+        raise ConfigError(
+            f"sweep.scheduler.resample_probability = {s.resample_probability}: expected a number in [0, 1]"
+        )
     if expected_trials(cfg) < 2:
-        raise ConfigError("sweep.scheduler.name = 'pbt' copies one trial into another: expected at least 2 trials "
-                          "(sweep.num_samples, times the grid)")
+        raise ConfigError(
+            "sweep.scheduler.name = 'pbt' copies one trial into another: expected at least 2 trials "
+            "(sweep.num_samples, times the grid)"
+        )
     for dotted in cfg.space:
         if not any(dotted == m or (m.endswith(".") and dotted.startswith(m)) for m in PBT_MUTABLE):
-            raise ConfigError(f"sweep.space.{dotted}: PBT changes a trial's settings while it trains, by a fork from a "
-                              f"checkpoint, which can change {', '.join(m + '*' if m.endswith('.') else m for m in PBT_MUTABLE)} "
-                              f"only; search {dotted} with asha, median or fifo")
+            raise ConfigError(
+                f"sweep.space.{dotted}: PBT changes a trial's settings while it trains, by a fork from a "
+                f"checkpoint, which can change {', '.join(m + '*' if m.endswith('.') else m for m in PBT_MUTABLE)} "
+                f"only; search {dotted} with asha, median or fifo"
+            )
     if is_url(cfg.storage_path):
-        raise ConfigError(f"sweep.storage_path = {cfg.storage_path!r}: PBT forks a trial from another's checkpoint "
-                          "by path, which Kiln reads from a local or shared disk only so far; give a shared directory")
+        raise ConfigError(
+            f"sweep.storage_path = {cfg.storage_path!r}: PBT forks a trial from another's checkpoint "
+            "by path, which Kiln reads from a local or shared disk only so far; give a shared directory"
+        )
 
 
 def _typed(text: str) -> Any:
@@ -302,13 +346,17 @@ def _check_entry(sweep: Sweep, dotted: str, spec: Any) -> None:
         for value in arg:
             _try(sweep, {dotted: value}, f"{where}.{kind} value {value!r}")
         return
-    if not (isinstance(arg, list) and len(arg) == 2 and all(isinstance(v, (int, float)) and not isinstance(v, bool)
-                                                             for v in arg)):
+    if not (
+        isinstance(arg, list)
+        and len(arg) == 2
+        and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in arg)
+    ):
         raise ConfigError(f"{where}.{kind} = {arg!r}: expected [low, high] numbers")
     low, high = arg
     if kind in ("uniform", "loguniform") and _field_type(dotted) is int:
-        raise ConfigError(f"{where}: {dotted} is an integer field and {kind} draws fractions; use randint "
-                          "[low, high) or choice")
+        raise ConfigError(
+            f"{where}: {dotted} is an integer field and {kind} draws fractions; use randint [low, high) or choice"
+        )
     if low >= high:
         raise ConfigError(f"{where}.{kind} = [{low}, {high}]: low must be below high")
     if kind == "loguniform" and low <= 0:
@@ -318,8 +366,12 @@ def _check_entry(sweep: Sweep, dotted: str, spec: Any) -> None:
             raise ConfigError(f"{where}.randint = {arg!r}: expected integers [low, high), high exclusive")
         high = high - 1
     for value in (low, high):  # PBT's mutations stay within these bounds (kiln.sweep.pbt)
-        _try(sweep, {dotted: value}, f"{where}.{kind} bound {value!r}"
-             + (" (PBT mutates the field within it)" if sweep.config.scheduler.name == "pbt" else ""))
+        _try(
+            sweep,
+            {dotted: value},
+            f"{where}.{kind} bound {value!r}"
+            + (" (PBT mutates the field within it)" if sweep.config.scheduler.name == "pbt" else ""),
+        )
 
 
 def _field_type(dotted: str) -> Any:
@@ -381,8 +433,11 @@ def stored_sweep(storage_path: str, name: str) -> Sweep:
     root = absolute(storage_path)
     state = os.path.join(root, name, STATE_FILE)
     if not os.path.isfile(state):
-        found = sorted(d for d in os.listdir(root) if os.path.isfile(os.path.join(root, d, STATE_FILE))) \
-            if os.path.isdir(root) else []
+        found = (
+            sorted(d for d in os.listdir(root) if os.path.isfile(os.path.join(root, d, STATE_FILE)))
+            if os.path.isdir(root)
+            else []
+        )
         raise ConfigError(f"no sweep {name!r} to resume under {root} (no {STATE_FILE}); sweeps there: {found}")
     try:
         with open(state) as f:
@@ -392,11 +447,14 @@ def stored_sweep(storage_path: str, name: str) -> Sweep:
         if not removed:
             validate(sweep)  # what starting it checked, before any Ray contact
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError, ConfigError) as e:
-        raise ConfigError(f"{state} is not a Kiln sweep state file that can be resumed ({type(e).__name__}: "
-                          f"{str(e).splitlines()[0][:200]})") from None
+        raise ConfigError(
+            f"{state} is not a Kiln sweep state file that can be resumed ({type(e).__name__}: "
+            f"{str(e).splitlines()[0][:200]})"
+        ) from None
     if removed:
         raise ConfigError(
             f"sweep {name!r} cannot be resumed: its state was saved without the secrets in {', '.join(removed)} "
             "(Kiln never writes one to disk). Give credentials through the environment instead "
-            "(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, MLFLOW_TRACKING_USERNAME / _PASSWORD) and start it again")
+            "(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, MLFLOW_TRACKING_USERNAME / _PASSWORD) and start it again"
+        )
     return sweep

@@ -56,8 +56,11 @@ class Pointer:
         if os.path.isdir(self.checkpoint):
             return self.checkpoint
         run_dir = os.path.dirname(self.checkpoint.rstrip("/"))
-        log.warning("PBT: checkpoint %s is gone (train.keep_checkpoints); the trial forks the newest of %s",
-                    self.checkpoint, run_dir)
+        log.warning(
+            "PBT: checkpoint %s is gone (train.keep_checkpoints); the trial forks the newest of %s",
+            self.checkpoint,
+            run_dir,
+        )
         return run_dir
 
 
@@ -88,12 +91,18 @@ def scheduler(cfg: SweepConfig, checkpoint_every: int):
 
     s = cfg.scheduler
     domains = param_space(cfg)
-    mutations = {k: (list(arg) if kind in ("choice", "grid") else domains[k])
-                 for k, (kind, arg) in ((k, next(iter(v.items()))) for k, v in cfg.space.items())}
+    mutations = {
+        k: (list(arg) if kind in ("choice", "grid") else domains[k])
+        for k, (kind, arg) in ((k, next(iter(v.items()))) for k, v in cfg.space.items())
+    }
     return PopulationBasedTraining(
-        time_attr="step", perturbation_interval=s.perturbation_interval or checkpoint_every,
-        hyperparam_mutations=mutations, quantile_fraction=s.quantile_fraction,
-        resample_probability=s.resample_probability, custom_explore_fn=Bounds(cfg.space))
+        time_attr="step",
+        perturbation_interval=s.perturbation_interval or checkpoint_every,
+        hyperparam_mutations=mutations,
+        quantile_fraction=s.quantile_fraction,
+        resample_probability=s.resample_probability,
+        custom_explore_fn=Bounds(cfg.space),
+    )
 
 
 class Bounds:
@@ -167,8 +176,9 @@ def fit_and_report(trainer, inbox, trial_id: str, mlflow_run_id: str) -> None:
         raise failed[0]
 
 
-def end_earlier_segments(uri: str, experiment: str, parent_run_id: str, trial_id: str, run_id: str,
-                         pointer: Pointer, trial_tag: str) -> None:
+def end_earlier_segments(
+    uri: str, experiment: str, parent_run_id: str, trial_id: str, run_id: str, pointer: Pointer, trial_tag: str
+) -> None:
     """The trial's earlier segments end where this one forked: Tune stopped them, so one still
     marked RUNNING is KILLED, and each names the run the trial went on in. A segment that
     names a run since retired (Tune started that segment again: a new attempt) names this one."""
@@ -176,14 +186,17 @@ def end_earlier_segments(uri: str, experiment: str, parent_run_id: str, trial_id
 
     client = connect(uri)
     exp = client.get_experiment_by_name(experiment)
-    found = client.search_runs([exp.experiment_id], filter_string=(
-        f"tags.mlflow.parentRunId = '{parent_run_id}' and tags.`{trial_tag}` = '{trial_id}'"))
+    found = client.search_runs(
+        [exp.experiment_id],
+        filter_string=(f"tags.mlflow.parentRunId = '{parent_run_id}' and tags.`{trial_tag}` = '{trial_id}'"),
+    )
     live = {r.info.run_id for r in found}  # soft-deleted runs are not found
     for r in found:
         went_on_in = r.data.tags.get("kiln.sweep.continued_in", "").split(" ")[0]
         if r.info.run_id == run_id or went_on_in in live:
             continue
-        client.set_tag(r.info.run_id, "kiln.sweep.continued_in",
-                       f"{run_id} (from trial {pointer.trial_id}'s step {pointer.step})")
+        client.set_tag(
+            r.info.run_id, "kiln.sweep.continued_in", f"{run_id} (from trial {pointer.trial_id}'s step {pointer.step})"
+        )
         if r.info.status == "RUNNING":
             client.set_terminated(r.info.run_id, "KILLED")

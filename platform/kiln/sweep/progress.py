@@ -55,8 +55,10 @@ class SweepState:
         steps_run = sum(self.steps.values())
         budget = self.total * self.max_steps
         eta = f" | eta <= {duration(elapsed * (budget - steps_run) / steps_run)}" if steps_run else ""
-        return (f"sweep {self.done}/{self.total} trials done{failed} | running: {run_now or '-'} | {best}"
-                f" | {duration(elapsed)}{eta}")
+        return (
+            f"sweep {self.done}/{self.total} trials done{failed} | running: {run_now or '-'} | {best}"
+            f" | {duration(elapsed)}{eta}"
+        )
 
 
 class SweepProgress(Callback):

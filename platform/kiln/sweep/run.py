@@ -70,23 +70,47 @@ def _trial(params: dict[str, Any], ctx: dict[str, Any]) -> None:
     cfg, datasets = resolve_against_data(cfg, pretrained)
     uri, parent = ctx["tracking_uri"], ctx["parent_run_id"]
     attempt = _retire_earlier_attempts(uri, cfg.logging.experiment, parent, trial_id, segment)
-    run = open_run(cfg, datasets, uri, {"launcher": "sweep"}, parent_run_id=parent, tags={
-        SWEEP_TAG: sweep.config.name, TRIAL_TAG: trial_id, "kiln.sweep.trial_name": trial_name,
-        "kiln.sweep.attempt": attempt, SEGMENT_TAG: segment, **lineage(cfg),
-        **{f"kiln.sweep.param.{k}": v for k, v in params.items()},
-    })
+    run = open_run(
+        cfg,
+        datasets,
+        uri,
+        {"launcher": "sweep"},
+        parent_run_id=parent,
+        tags={
+            SWEEP_TAG: sweep.config.name,
+            TRIAL_TAG: trial_id,
+            "kiln.sweep.trial_name": trial_name,
+            "kiln.sweep.attempt": attempt,
+            SEGMENT_TAG: segment,
+            **lineage(cfg),
+            **{f"kiln.sweep.param.{k}": v for k, v in params.items()},
+        },
+    )
     if pointer is not None:
         pbt_run.end_earlier_segments(uri, cfg.logging.experiment, parent, trial_id, run.run_id, pointer, TRIAL_TAG)
     # A unique Train run name per segment and attempt: a restarted trial starts clean.
     train_name = f"{cfg.logging.run_name}-a{attempt}" + (f"-from-{segment.replace('@', '-')}" if pointer else "")
     # beside its checkpoints, the MLflow run a PBT fork of them names as its parent
-    record_run(dataclasses.replace(cfg, logging=dataclasses.replace(cfg.logging, run_name=train_name),
-                                   train=dataclasses.replace(cfg.train, storage_path=ctx["train_storage"])),
-               run.run_id, uri)
+    record_run(
+        dataclasses.replace(
+            cfg,
+            logging=dataclasses.replace(cfg.logging, run_name=train_name),
+            train=dataclasses.replace(cfg.train, storage_path=ctx["train_storage"]),
+        ),
+        run.run_id,
+        uri,
+    )
     inbox = Queue(maxsize=1, actor_options={"num_cpus": 0}) if pbt else None
     callback = pbt_run.trial_reports(inbox, cfg.train.max_steps) if pbt else TuneReportCallback()
-    trainer = build_trainer(cfg, cfg.model.shape(pretrained), train_name, uri, run.run_id, callbacks=[callback],
-                            storage_path=ctx["train_storage"])
+    trainer = build_trainer(
+        cfg,
+        cfg.model.shape(pretrained),
+        train_name,
+        uri,
+        run.run_id,
+        callbacks=[callback],
+        storage_path=ctx["train_storage"],
+    )
     with run.finishing():
         if pbt:
             pbt_run.fit_and_report(trainer, inbox, trial_id, run.run_id)
@@ -99,8 +123,15 @@ def _retire_earlier_attempts(uri: str, experiment: str, parent: str, trial_id: s
     number. (A PBT trial's earlier segments stay: they are its lineage.)"""
     from kiln.tracking.client import delete_runs
 
-    return delete_runs(uri, experiment, f"tags.mlflow.parentRunId = '{parent}' and tags.`{TRIAL_TAG}` = '{trial_id}' "
-                                        f"and tags.`{SEGMENT_TAG}` = '{segment}'") + 1
+    return (
+        delete_runs(
+            uri,
+            experiment,
+            f"tags.mlflow.parentRunId = '{parent}' and tags.`{TRIAL_TAG}` = '{trial_id}' "
+            f"and tags.`{SEGMENT_TAG}` = '{segment}'",
+        )
+        + 1
+    )
 
 
 @dataclass
@@ -139,27 +170,44 @@ class SweepSummary:
     def table(self) -> str:
         keys = sorted({k for t in self.trials for k in t.params})
         header = ["rank", "trial", *keys, self.metric, "steps", "status", "mlflow run"]
-        rows = [[str(i + 1), t.trial_id, *(str(t.params.get(k, "")) for k in keys), f"{t.metric:.4f}",
-                 f"{t.steps}/{self.max_steps}", t.status, t.run_id[:12]] for i, t in enumerate(self.trials)]
+        rows = [
+            [
+                str(i + 1),
+                t.trial_id,
+                *(str(t.params.get(k, "")) for k in keys),
+                f"{t.metric:.4f}",
+                f"{t.steps}/{self.max_steps}",
+                t.status,
+                t.run_id[:12],
+            ]
+            for i, t in enumerate(self.trials)
+        ]
         return format_table(header, rows, markdown=True)
 
     def render(self) -> str:
         saved = 1 - self.trial_steps_run / max(1, self.trial_steps_full)
-        out = [f"Kiln sweep '{self.name}': {len(self.trials)} trials, ranked by {self.metric} ({self.mode})",
-               self.table(),
-               f"PBT: {self.exploits} exploits (a trial forked from another's checkpoint, with mutated settings)"
-               if self.scheduler == "pbt" else
-               f"trial-steps run {self.trial_steps_run} of {self.trial_steps_full} "
-               f"({100 * saved:.0f}% saved by early stopping)"]
+        out = [
+            f"Kiln sweep '{self.name}': {len(self.trials)} trials, ranked by {self.metric} ({self.mode})",
+            self.table(),
+            f"PBT: {self.exploits} exploits (a trial forked from another's checkpoint, with mutated settings)"
+            if self.scheduler == "pbt"
+            else f"trial-steps run {self.trial_steps_run} of {self.trial_steps_full} "
+            f"({100 * saved:.0f}% saved by early stopping)",
+        ]
         if self.best:
-            out.append(f"best: trial {self.best.trial_id} {self.metric} = {self.best.metric:.4f} with "
-                       + ", ".join(f"{k}={v}" for k, v in sorted(self.best.params.items())))
+            out.append(
+                f"best: trial {self.best.trial_id} {self.metric} = {self.best.metric:.4f} with "
+                + ", ".join(f"{k}={v}" for k, v in sorted(self.best.params.items()))
+            )
         out.append(f"MLflow parent run {self.parent_run_id} (experiment '{self.experiment}')")
         return "\n".join(out)
 
     def to_json(self) -> str:
-        return marked_json(SWEEP_SUMMARY, dataclasses.asdict(self) | {"trial_steps_run": self.trial_steps_run,
-                                                                      "trial_steps_full": self.trial_steps_full})
+        return marked_json(
+            SWEEP_SUMMARY,
+            dataclasses.asdict(self)
+            | {"trial_steps_run": self.trial_steps_run, "trial_steps_full": self.trial_steps_full},
+        )
 
 
 def _scheduler(sweep: Sweep, max_steps: int):
@@ -170,11 +218,13 @@ def _scheduler(sweep: Sweep, max_steps: int):
         return pbt_run.scheduler(sweep.config, sweep.base_config.train.checkpoint_every)
     if s.name == "asha":
         # time in optimizer steps (every report carries "step"), not in reports.
-        return ASHAScheduler(time_attr="step", max_t=max_steps, grace_period=s.grace_period,
-                             reduction_factor=s.reduction_factor)
+        return ASHAScheduler(
+            time_attr="step", max_t=max_steps, grace_period=s.grace_period, reduction_factor=s.reduction_factor
+        )
     if s.name == "median":
-        return MedianStoppingRule(time_attr="step", grace_period=s.grace_period,
-                                  min_samples_required=s.min_samples_required)
+        return MedianStoppingRule(
+            time_attr="step", grace_period=s.grace_period, min_samples_required=s.min_samples_required
+        )
     return FIFOScheduler()
 
 
@@ -196,27 +246,36 @@ def run_sweep(sweep: Sweep, address: str | None = None, resume: bool = False) ->
     storage = absolute(durable(cfg.storage_path, "sweep.storage_path"))
     exp_dir = os.path.join(storage, cfg.name)
     train_storage = os.path.join(exp_dir, "train")
-    base = dataclasses.replace(sweep.base_config, train=dataclasses.replace(
-        sweep.base_config.train, storage_path=train_storage))
-    checked = preflight(base, remote_cluster=bool(address or os.environ.get("RAY_ADDRESS")),
-                        storage_field="sweep.storage_path")
+    base = dataclasses.replace(
+        sweep.base_config, train=dataclasses.replace(sweep.base_config.train, storage_path=train_storage)
+    )
+    checked = preflight(
+        base, remote_cluster=bool(address or os.environ.get("RAY_ADDRESS")), storage_field="sweep.storage_path"
+    )
     base, uri = checked.cfg, checked.tracking_uri
     # Tune runs each trial in its own working dir: the trials' data path must not be relative.
     sweep.base_tree.setdefault("data", {})["path"] = base.data.path
     if base.data.mix:
         sweep.base_tree["data"]["mix"] = [dataclasses.asdict(m) for m in base.data.mix]
     if not resume and os.path.exists(exp_dir):
-        raise KilnError(f"sweep {cfg.name!r} already exists at {exp_dir}: resume it with "
-                        f"`kiln sweep --resume {cfg.name}`, or give the sweep another name")
+        raise KilnError(
+            f"sweep {cfg.name!r} already exists at {exp_dir}: resume it with "
+            f"`kiln sweep --resume {cfg.name}`, or give the sweep another name"
+        )
     # Ray first: a sweep that cannot reach it leaves no parent run and no state behind.
     concurrent_cpus = cfg.max_concurrent_trials * base.parallel.max_workers * base.parallel.cpus_per_worker
-    concurrent = dataclasses.replace(base, parallel=dataclasses.replace(
-        base.parallel, num_workers=math.ceil(concurrent_cpus), cpus_per_worker=1.0))
+    concurrent = dataclasses.replace(
+        base, parallel=dataclasses.replace(base.parallel, num_workers=math.ceil(concurrent_cpus), cpus_per_worker=1.0)
+    )
     connect_ray(concurrent, address)
     sweep.base_tree["data"]["read_task_cpus"] = reads_that_fit(concurrent).data.read_task_cpus
     parent = _resume_parent(sweep, uri, exp_dir) if resume else _start_parent(sweep, uri, exp_dir)
-    ctx = {"sweep": sweep.to_dict(), "tracking_uri": uri, "parent_run_id": parent.run_id,
-           "train_storage": train_storage}
+    ctx = {
+        "sweep": sweep.to_dict(),
+        "tracking_uri": uri,
+        "parent_run_id": parent.run_id,
+        "train_storage": train_storage,
+    }
     with parent.finishing(stopped_by=(SweepInterrupted,)):  # stopped by its user: KILLED, and resumable
         summary = _fit(sweep, base, ctx, storage, exp_dir, parent, resume)
         _close_parent(parent, summary, sweep)
@@ -235,9 +294,14 @@ def _start_parent(sweep: Sweep, uri: str, exp_dir: str) -> Run:
     parent = _open_parent(sweep, uri, sweep.base_config.logging.experiment)
     os.makedirs(exp_dir, exist_ok=True)
     state = sweep.to_dict()
-    write_private(os.path.join(exp_dir, STATE_FILE), marked_json(SWEEP_STATE, {
-        "parent_run_id": parent.run_id, "sweep": redact_tree(state), "secrets_removed": redacted_paths(state)}),
-        kind=SWEEP_STATE)
+    write_private(
+        os.path.join(exp_dir, STATE_FILE),
+        marked_json(
+            SWEEP_STATE,
+            {"parent_run_id": parent.run_id, "sweep": redact_tree(state), "secrets_removed": redacted_paths(state)},
+        ),
+        kind=SWEEP_STATE,
+    )
     return parent
 
 
@@ -258,29 +322,39 @@ def _fit(sweep: Sweep, base, ctx: dict, storage: str, exp_dir: str, parent: Run,
     cfg = sweep.config
     # The trial function only drives the trainer: a token CPU share (Tune refuses an empty request).
     trainable = tune.with_resources(tune.with_parameters(_trial, ctx=ctx), {"cpu": 0.01})
-    progress = [SweepProgress(SweepState(expected_trials(cfg), base.train.max_steps, cfg.metric, cfg.mode))
-                ] if is_terminal(sys.stderr) else []
+    progress = (
+        [SweepProgress(SweepState(expected_trials(cfg), base.train.max_steps, cfg.metric, cfg.mode))]
+        if is_terminal(sys.stderr)
+        else []
+    )
     if resume:
         tuner = tune.Tuner.restore(exp_dir, trainable=trainable, resume_unfinished=True, resume_errored=True)
     else:
         tuner = tune.Tuner(
-            trainable, param_space=param_space(cfg),
+            trainable,
+            param_space=param_space(cfg),
             tune_config=tune.TuneConfig(
-                metric=cfg.metric, mode=cfg.mode, search_alg=_search_alg(sweep),
-                scheduler=_scheduler(sweep, base.train.max_steps), num_samples=cfg.num_samples,
+                metric=cfg.metric,
+                mode=cfg.mode,
+                search_alg=_search_alg(sweep),
+                scheduler=_scheduler(sweep, base.train.max_steps),
+                num_samples=cfg.num_samples,
                 max_concurrent_trials=cfg.max_concurrent_trials if cfg.search == "optuna" else None,
             ),
             # On a terminal Kiln's one-line progress replaces Tune's periodic status table.
-            run_config=tune.RunConfig(name=cfg.name, storage_path=storage,
-                                      verbose=0 if progress else 1, callbacks=progress),
+            run_config=tune.RunConfig(
+                name=cfg.name, storage_path=storage, verbose=0 if progress else 1, callbacks=progress
+            ),
         )
     with _InterruptBridge() as interrupt:
         results = tuner.fit()
     if interrupt.seen:
         # Tune stopped the running trials after saving its state, so their status no longer tells.
-        raise SweepInterrupted(f"sweep {cfg.name!r} interrupted; its state is saved: resume it with "
-                        f"`kiln sweep --resume {cfg.name}`"
-                        + (f" --storage-path {cfg.storage_path}" if cfg.storage_path != "runs/sweeps" else ""))
+        raise SweepInterrupted(
+            f"sweep {cfg.name!r} interrupted; its state is saved: resume it with "
+            f"`kiln sweep --resume {cfg.name}`"
+            + (f" --storage-path {cfg.storage_path}" if cfg.storage_path != "runs/sweeps" else "")
+        )
     summary = summarise(sweep, results, parent, ctx["tracking_uri"], base.train.max_steps)
     errors = [r.error for r in results if r.error is not None]
     if errors and len(errors) == len(summary.trials):
@@ -339,12 +413,19 @@ def _first_line(error: BaseException) -> str:
 def _open_parent(sweep: Sweep, uri: str, experiment: str) -> Run:
     cfg = sweep.config
     parent = Run(uri, experiment, cfg.name, tags={SWEEP_TAG: cfg.name, "kiln.role": "sweep"})
-    parent.log_params({
-        "sweep.search": cfg.search, "sweep.scheduler": cfg.scheduler.name, "sweep.num_samples": cfg.num_samples,
-        "sweep.metric": cfg.metric, "sweep.mode": cfg.mode, "sweep.max_concurrent_trials": cfg.max_concurrent_trials,
-        "sweep.space": json.dumps(cfg.space), "sweep.conditional": json.dumps(cfg.conditional),
-        "sweep.workers_per_trial": cfg.resources_per_trial.num_workers,
-    })
+    parent.log_params(
+        {
+            "sweep.search": cfg.search,
+            "sweep.scheduler": cfg.scheduler.name,
+            "sweep.num_samples": cfg.num_samples,
+            "sweep.metric": cfg.metric,
+            "sweep.mode": cfg.mode,
+            "sweep.max_concurrent_trials": cfg.max_concurrent_trials,
+            "sweep.space": json.dumps(cfg.space),
+            "sweep.conditional": json.dumps(cfg.conditional),
+            "sweep.workers_per_trial": cfg.resources_per_trial.num_workers,
+        }
+    )
     import yaml
 
     parent.log_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False), "sweep.yaml")
@@ -362,8 +443,10 @@ def summarise(sweep: Sweep, results, parent: Run, uri: str, max_steps: int) -> S
     runs = client.search_runs([exp_id], filter_string=f"tags.mlflow.parentRunId = '{parent.run_id}'")
     # a trial's newest segment holds its result (PBT starts a trial again, in a new run)
     children = {r.data.tags.get(TRIAL_TAG): r for r in sorted(runs, key=lambda r: r.info.start_time)}
-    exploits = sum(pbt_run.donor(r.data.tags.get(SEGMENT_TAG, pbt_run.FIRST_SEGMENT)) not in (None, r.data.tags.get(
-        TRIAL_TAG)) for r in runs)  # a trial that went on from another's checkpoint, not its own
+    exploits = sum(
+        pbt_run.donor(r.data.tags.get(SEGMENT_TAG, pbt_run.FIRST_SEGMENT)) not in (None, r.data.tags.get(TRIAL_TAG))
+        for r in runs
+    )  # a trial that went on from another's checkpoint, not its own
     rows = []
     for result in results:
         trial_id = os.path.basename(result.path).split("_")[1] if result.path else ""
@@ -408,16 +491,30 @@ def summarise(sweep: Sweep, results, parent: Run, uri: str, max_steps: int) -> S
     sign = 1 if cfg.mode == "min" else -1
     rows.sort(key=lambda t: (math.isnan(t.metric), sign * t.metric if not math.isnan(t.metric) else 0))
     best = rows[0] if rows and not math.isnan(rows[0].metric) else None
-    return SweepSummary(cfg.name, parent.run_id, uri, sweep.base_config.logging.experiment, cfg.metric, cfg.mode,
-                        rows, max_steps, best, cfg.scheduler.name, exploits)
+    return SweepSummary(
+        cfg.name,
+        parent.run_id,
+        uri,
+        sweep.base_config.logging.experiment,
+        cfg.metric,
+        cfg.mode,
+        rows,
+        max_steps,
+        best,
+        cfg.scheduler.name,
+        exploits,
+    )
 
 
 def _close_parent(parent: Run, summary: SweepSummary, sweep: Sweep) -> None:
     best = summary.best
-    metrics = {"sweep/trials": len(summary.trials), "sweep/trial_steps_run": summary.trial_steps_run,
-               "sweep/trial_steps_full": summary.trial_steps_full,
-               "sweep/trials_stopped_early": sum(t.status == "stopped early" for t in summary.trials),
-               "sweep/exploits": summary.exploits}
+    metrics = {
+        "sweep/trials": len(summary.trials),
+        "sweep/trial_steps_run": summary.trial_steps_run,
+        "sweep/trial_steps_full": summary.trial_steps_full,
+        "sweep/trials_stopped_early": sum(t.status == "stopped early" for t in summary.trials),
+        "sweep/exploits": summary.exploits,
+    }
     if best is not None:
         metrics[f"best/{summary.metric}"] = best.metric
         parent.client.set_tag(parent.run_id, "kiln.sweep.best_trial_id", best.trial_id)

@@ -42,9 +42,17 @@ class MLflowLogger:
     training step; what the server misses is delivered when it answers again.
     """
 
-    def __init__(self, tracking_uri: str, run_id: str, flush_every: int = 20, flush_secs: float = 10.0,
-                 system_metrics: bool = True, spill_dir: str = ".", outage_wait_s: float = 300.0,
-                 skip_through: int = 0):
+    def __init__(
+        self,
+        tracking_uri: str,
+        run_id: str,
+        flush_every: int = 20,
+        flush_secs: float = 10.0,
+        system_metrics: bool = True,
+        spill_dir: str = ".",
+        outage_wait_s: float = 300.0,
+        skip_through: int = 0,
+    ):
         """`skip_through`: steps up to this one are in the run already (a restarted worker group
         trains them again from its checkpoint); they are not logged twice."""
         from mlflow.entities import Metric
@@ -63,10 +71,15 @@ class MLflowLogger:
         self._sender = Sender(self._client, run_id, tracking_uri, journal=self._journal)
         recovered = self._journal.recovered  # a killed predecessor's, on this node: sent first
         if recovered:
-            log.warning("delivering %d metrics that run %s handed over before it was killed (from %s)",
-                        len(recovered), run_id, self._spill_path)
-            self._sender.send_metrics([Metric(m["key"], m["value"], m["timestamp"], m["step"]) for m in recovered],
-                                      journaled=len(recovered))
+            log.warning(
+                "delivering %d metrics that run %s handed over before it was killed (from %s)",
+                len(recovered),
+                run_id,
+                self._spill_path,
+            )
+            self._sender.send_metrics(
+                [Metric(m["key"], m["value"], m["timestamp"], m["step"]) for m in recovered], journaled=len(recovered)
+            )
             skip_through = max(skip_through, max(m["step"] for m in recovered))
         self._outage_wait_s = outage_wait_s
         self._flush_every, self._flush_secs = flush_every, flush_secs
@@ -148,8 +161,15 @@ class ArtifactLogger(NullLogger):
 class Run:
     """The driver's handle on one MLflow run."""
 
-    def __init__(self, tracking_uri: str, experiment: str, run_name: str, parent_run_id: str | None = None,
-                 tags: dict | None = None, run_id: str | None = None):
+    def __init__(
+        self,
+        tracking_uri: str,
+        experiment: str,
+        run_name: str,
+        parent_run_id: str | None = None,
+        tags: dict | None = None,
+        run_id: str | None = None,
+    ):
         """A new run, or (run_id given) a handle on an existing one. A child run (parent_run_id)
         nests under its parent in the MLflow UI."""
         from mlflow.tracking import MlflowClient
@@ -185,8 +205,10 @@ class Run:
             warnings.simplefilter("ignore", UserWarning)
             source = resolve_dataset_source(scrub(uri))
         dataset = MetaDataset(source=source, name=uri.rstrip("/").rsplit("/", 1)[-1], digest=digest)
-        self.client.log_inputs(self.run_id, datasets=[DatasetInput(
-            dataset._to_mlflow_entity(), tags=[InputTag(MLFLOW_DATASET_CONTEXT, context)])])
+        self.client.log_inputs(
+            self.run_id,
+            datasets=[DatasetInput(dataset._to_mlflow_entity(), tags=[InputTag(MLFLOW_DATASET_CONTEXT, context)])],
+        )
 
     def log_params(self, params: dict[str, Any]) -> None:
         from mlflow.entities import Param
@@ -266,30 +288,57 @@ def experiment_id(client, name: str) -> str:
         return exp.experiment_id
 
 
-def open_run(cfg: RunConfig, datasets: list[Dataset], tracking_uri: str, cluster: dict,
-             parent_run_id: str | None = None, tags: dict | None = None) -> Run:
+def open_run(
+    cfg: RunConfig,
+    datasets: list[Dataset],
+    tracking_uri: str,
+    cluster: dict,
+    parent_run_id: str | None = None,
+    tags: dict | None = None,
+) -> Run:
     """Create the MLflow run with params (redacted), tags and artifacts; return its handle.
 
     A sweep's trial passes its parent and trial tags; its params carry the same names as a
     single run's, so trials and runs compare side by side."""
-    run = Run(tracking_uri, cfg.logging.experiment, cfg.logging.run_name, parent_run_id=parent_run_id,
-              tags=tags)
+    run = Run(tracking_uri, cfg.logging.experiment, cfg.logging.run_name, parent_run_id=parent_run_id, tags=tags)
     manifest = datasets[0].manifest
-    run.log_params(flatten(cfg.to_dict()) | {
-        "data.fingerprint": manifest.fingerprint, "data.tokenizer": manifest.raw["tokenizer"]["type"],
-        "data.train_tokens": sum(d.manifest.split("train")["tokens"] for d in datasets),
-    } | ({} if len(datasets) == 1 else {f"data.mix.{d.name}.{k}": v for d in datasets for k, v in (
-        ("weight", d.weight), ("fingerprint", d.manifest.fingerprint), ("train_tokens", d.manifest.split("train")["tokens"]))}))
-    run.set_tags({
-        "kiln.version": kiln.__version__, "kiln.git_commit": git_commit(os.path.dirname(kiln.__file__)),
-        "kiln.num_workers": cfg.parallel.num_workers, **{f"kiln.{k}": v for k, v in cluster.items()},
-    })
+    run.log_params(
+        flatten(cfg.to_dict())
+        | {
+            "data.fingerprint": manifest.fingerprint,
+            "data.tokenizer": manifest.raw["tokenizer"]["type"],
+            "data.train_tokens": sum(d.manifest.split("train")["tokens"] for d in datasets),
+        }
+        | (
+            {}
+            if len(datasets) == 1
+            else {
+                f"data.mix.{d.name}.{k}": v
+                for d in datasets
+                for k, v in (
+                    ("weight", d.weight),
+                    ("fingerprint", d.manifest.fingerprint),
+                    ("train_tokens", d.manifest.split("train")["tokens"]),
+                )
+            }
+        )
+    )
+    run.set_tags(
+        {
+            "kiln.version": kiln.__version__,
+            "kiln.git_commit": git_commit(os.path.dirname(kiln.__file__)),
+            "kiln.num_workers": cfg.parallel.num_workers,
+            **{f"kiln.{k}": v for k, v in cluster.items()},
+        }
+    )
     for d in datasets:
         run.log_dataset(d.manifest.location.uri, d.manifest.fingerprint)
     run.log_text(config_yaml(cfg), "config.yaml")
     for d in datasets:
-        run.log_text(json.dumps(d.manifest.raw, indent=2),
-                     "data/manifest.json" if len(datasets) == 1 else f"data/{d.name}/manifest.json")
+        run.log_text(
+            json.dumps(d.manifest.raw, indent=2),
+            "data/manifest.json" if len(datasets) == 1 else f"data/{d.name}/manifest.json",
+        )
     log_schedule_plot(run, cfg)
     return run
 
@@ -321,6 +370,11 @@ def log_schedule_plot(run: Run, cfg: RunConfig) -> None:
     from kiln.core.schedule import plot_schedule
 
     with tempfile.TemporaryDirectory(prefix="kiln-lr-") as tmp:
-        path = plot_schedule(cfg.schedule, cfg.optim.lr, cfg.train.max_steps, f"{tmp}/lr.png",
-                             title=f"{cfg.logging.run_name}: {cfg.schedule.name}, peak lr {cfg.optim.lr:g}")
+        path = plot_schedule(
+            cfg.schedule,
+            cfg.optim.lr,
+            cfg.train.max_steps,
+            f"{tmp}/lr.png",
+            title=f"{cfg.logging.run_name}: {cfg.schedule.name}, peak lr {cfg.optim.lr:g}",
+        )
         run.log_file(path, "schedule")

@@ -69,9 +69,13 @@ def save_pyfunc(export_dir: Path, path: Path) -> None:
 
     signature = infer_signature(["def "], ["main():"], params=PARAMS)
     with _quiet():
-        mlflow.pyfunc.save_model(path=str(path), python_model=str(Path(__file__).with_name("pyfunc_entry.py")),
-                                 artifacts={EXPORT: str(export_dir)}, signature=signature,
-                                 pip_requirements=["torch", "safetensors", "tokenizers", "numpy"])
+        mlflow.pyfunc.save_model(
+            path=str(path),
+            python_model=str(Path(__file__).with_name("pyfunc_entry.py")),
+            artifacts={EXPORT: str(export_dir)},
+            signature=signature,
+            pip_requirements=["torch", "safetensors", "tokenizers", "numpy"],
+        )
 
 
 @contextlib.contextmanager
@@ -96,8 +100,9 @@ def _to_debug_log(message, category, filename, lineno, file=None, line=None) -> 
     log.debug("%s: %s", category.__name__, message)
 
 
-def log_model(client, run_id: str, checkpoint: str, metrics: dict[str, float], step: int,
-              register_as: str = "") -> tuple[str, int | None]:
+def log_model(
+    client, run_id: str, checkpoint: str, metrics: dict[str, float], step: int, register_as: str = ""
+) -> tuple[str, int | None]:
     """Log `checkpoint` as the run's model; (model id, registered version or None)."""
     from mlflow.entities import LoggedModelOutput, Metric
 
@@ -108,10 +113,18 @@ def log_model(client, run_id: str, checkpoint: str, metrics: dict[str, float], s
         loaded, _ = export(checkpoint, str(Path(tmp) / "export"))
         save_pyfunc(Path(tmp) / "export", Path(tmp) / "pyfunc")
         model = client.create_logged_model(
-            run.info.experiment_id, name="model", source_run_id=run_id, model_type="text-generation",
-            params={"arch": loaded.cfg.arch, "n_layer": str(loaded.cfg.n_layer), "d_model": str(loaded.cfg.d_model),
-                    "vocab_size": str(loaded.vocab_size)},
-            tags={"kiln.checkpoint": checkpoint})
+            run.info.experiment_id,
+            name="model",
+            source_run_id=run_id,
+            model_type="text-generation",
+            params={
+                "arch": loaded.cfg.arch,
+                "n_layer": str(loaded.cfg.n_layer),
+                "d_model": str(loaded.cfg.d_model),
+                "vocab_size": str(loaded.vocab_size),
+            },
+            tags={"kiln.checkpoint": checkpoint},
+        )
         client.log_model_artifacts(model.model_id, str(Path(tmp) / "pyfunc"))
     client.finalize_logged_model(model.model_id, "READY")
     client.log_outputs(run_id, [LoggedModelOutput(model.model_id, step)])
@@ -119,8 +132,14 @@ def log_model(client, run_id: str, checkpoint: str, metrics: dict[str, float], s
     # run's own keys that would be a second point at the last step of the training curves, so the
     # model's copies carry the model/ namespace.
     now = int(time.time() * 1000)
-    client.log_batch(run_id, metrics=[Metric(f"{MODEL_METRICS}/{k}", float(v), now, step, model_id=model.model_id)
-                                      for k, v in metrics.items() if "/" in k and k.split("/")[0] in ("loss", "throughput")])
+    client.log_batch(
+        run_id,
+        metrics=[
+            Metric(f"{MODEL_METRICS}/{k}", float(v), now, step, model_id=model.model_id)
+            for k, v in metrics.items()
+            if "/" in k and k.split("/")[0] in ("loss", "throughput")
+        ],
+    )
     version = None
     if register_as:
         from mlflow.exceptions import MlflowException
@@ -133,7 +152,9 @@ def log_model(client, run_id: str, checkpoint: str, metrics: dict[str, float], s
         # The source is the model's own location: a models:/ source would be resolved through
         # MLflow's process-wide tracking URI, which Kiln leaves alone.
         location = client.get_logged_model(model.model_id).artifact_location
-        version = int(client.create_model_version(register_as, location, run_id=run_id, model_id=model.model_id).version)
+        version = int(
+            client.create_model_version(register_as, location, run_id=run_id, model_id=model.model_id).version
+        )
     return model.model_id, version
 
 
@@ -152,8 +173,9 @@ def downloaded(uri: str, tracking_uri: str) -> Iterator[str]:
         try:
             location = _registered(client, uri)[0] if uri.startswith("models:/") else uri
             with _quiet():
-                local = mlflow.artifacts.download_artifacts(artifact_uri=location, tracking_uri=tracking_uri,
-                                                            dst_path=str(into))
+                local = mlflow.artifacts.download_artifacts(
+                    artifact_uri=location, tracking_uri=tracking_uri, dst_path=str(into)
+                )
         except MlflowException as e:
             raise ConfigError(f"--model {uri}: not found in the MLflow store {tracking_uri} ({e.message})") from None
         found = sorted(Path(local).rglob("config.json"))
@@ -169,13 +191,13 @@ def source_run_of(uri: str, tracking_uri: str) -> str | None:
     from mlflow import MlflowClient
 
     if uri.startswith("runs:/"):
-        return uri[len("runs:/"):].split("/")[0]
+        return uri[len("runs:/") :].split("/")[0]
     return _registered(MlflowClient(tracking_uri), uri)[1]
 
 
 def _registered(client, uri: str) -> tuple[str, str | None]:
     """A models:/NAME/VERSION or models:/MODEL_ID URI's (artifact location, source run id)."""
-    parts = uri[len("models:/"):].strip("/").split("/")
+    parts = uri[len("models:/") :].strip("/").split("/")
     if len(parts) == 1 and "@" in parts[0]:  # models:/NAME@ALIAS
         name, alias = parts[0].split("@", 1)
         parts = [name, client.get_model_version_by_alias(name, alias).version]
@@ -188,8 +210,16 @@ def _registered(client, uri: str) -> tuple[str, str | None]:
 
 
 # ---- `kiln eval` of a model, logged to its run ----------------------------------------------
-def evaluate_model(spec: str, data: str, split: str, batch_size: int, max_batches: int, s3_endpoint: str = "",
-                   tracking_uri: str = "", run_id: str = "") -> tuple[EvalResult, str | None]:
+def evaluate_model(
+    spec: str,
+    data: str,
+    split: str,
+    batch_size: int,
+    max_batches: int,
+    s3_endpoint: str = "",
+    tracking_uri: str = "",
+    run_id: str = "",
+) -> tuple[EvalResult, str | None]:
     """`kiln eval`: the figures, and the MLflow run they were logged to (the model's source run
     for a models:/ spec, else --run-id; None when neither). `tracking_uri` is resolved already."""
     from kiln.data.manifest import load_manifest

@@ -19,9 +19,17 @@ PLOTS: dict[str, tuple[str, str, list[tuple[str, str]], bool]] = {
     "loss.png": ("Loss", "loss", [("loss/train", "train"), ("loss/val", "val")], False),
     "lr.png": ("Learning rate", "lr", [("lr", "lr")], False),
     "throughput.png": ("Throughput", "tokens/s", [("throughput/tokens_per_s", "all workers")], False),
-    "step_time.png": ("Step-time breakdown (rank 0)", "seconds", [
-        ("time/data_wait_s", "data wait"), ("time/forward_s", "forward"),
-        ("time/backward_s", "backward + all-reduce"), ("time/optimizer_s", "optimizer")], True),
+    "step_time.png": (
+        "Step-time breakdown (rank 0)",
+        "seconds",
+        [
+            ("time/data_wait_s", "data wait"),
+            ("time/forward_s", "forward"),
+            ("time/backward_s", "backward + all-reduce"),
+            ("time/optimizer_s", "optimizer"),
+        ],
+        True,
+    ),
 }
 PLOTTED = {key for _, _, series, _ in PLOTS.values() for key, _ in series}
 
@@ -43,8 +51,9 @@ def training_plots(history: History, out_dir: str | Path) -> list[Path]:
         if stacked and len(present) > 1:
             steps = [s for s, _ in history[present[0][0]]]
             by_step = [dict(history[key]) for key, _ in present]
-            ax.stackplot(steps, [[d.get(s, 0.0) for s in steps] for d in by_step],
-                         labels=[label for _, label in present])
+            ax.stackplot(
+                steps, [[d.get(s, 0.0) for s in steps] for d in by_step], labels=[label for _, label in present]
+            )
         else:
             for key, label in present:
                 points = sorted(history[key])

@@ -12,8 +12,14 @@ from kiln.ui.table import format_table
 DEFAULT_METRICS = ("loss/train", "loss/val", "throughput/tokens_per_s", "mfu")
 
 
-def fetch_runs(experiment: str = "", tracking_uri: str = "", sort: str | None = None, limit: int = 50,
-               sweep: str | None = None, descending: bool = False):
+def fetch_runs(
+    experiment: str = "",
+    tracking_uri: str = "",
+    sort: str | None = None,
+    limit: int = 50,
+    sweep: str | None = None,
+    descending: bool = False,
+):
     """Runs of an experiment (empty: $MLFLOW_EXPERIMENT_NAME, else kiln), newest first, or ranked by `sort`. Sweep parents (which hold no
     per-step metrics) are left out of a ranking; `sweep` keeps only that sweep's trials."""
     from mlflow.tracking import MlflowClient
@@ -35,8 +41,9 @@ def fetch_runs(experiment: str = "", tracking_uri: str = "", sort: str | None = 
     filters = []
     if sweep:
         filters.append(f"tags.`kiln.sweep` = '{sweep}'")
-    runs = client.search_runs([exp.experiment_id], filter_string=" and ".join(filters), order_by=order,
-                              max_results=limit)
+    runs = client.search_runs(
+        [exp.experiment_id], filter_string=" and ".join(filters), order_by=order, max_results=limit
+    )
     if sort:  # MLflow puts runs without the metric first or last depending on the store
         runs = [r for r in runs if r.data.tags.get("kiln.role") != "sweep"]
         sign = -1 if descending else 1
@@ -46,11 +53,18 @@ def fetch_runs(experiment: str = "", tracking_uri: str = "", sort: str | None = 
 
 def run_record(r) -> dict[str, Any]:
     """One run as `kiln runs --json` and `kiln.runs` give it."""
-    return {"run_id": r.info.run_id, "run_name": r.info.run_name, "status": r.info.status,
-            "params": dict(r.data.params), "metrics": dict(r.data.metrics)}
+    return {
+        "run_id": r.info.run_id,
+        "run_name": r.info.run_name,
+        "status": r.info.status,
+        "params": dict(r.data.params),
+        "metrics": dict(r.data.metrics),
+    }
 
 
-def runs_table(runs, metrics=DEFAULT_METRICS, params=("model.flavour", "optim.name", "optim.lr", "schedule.name")) -> str:
+def runs_table(
+    runs, metrics=DEFAULT_METRICS, params=("model.flavour", "optim.name", "optim.lr", "schedule.name")
+) -> str:
     header = ["run", "run id", "status", *params, *metrics]
     rows = []
     for r in runs:

@@ -130,8 +130,9 @@ class _Batch:
 class Sender:
     """An ordered queue of MLflow writes for one run, drained by a daemon thread."""
 
-    def __init__(self, client, run_id: str, uri: str, stall_warn_s: float = STALL_WARN_S,
-                 journal: Journal | None = None):
+    def __init__(
+        self, client, run_id: str, uri: str, stall_warn_s: float = STALL_WARN_S, journal: Journal | None = None
+    ):
         self._client, self._run_id, self._uri = client, run_id, scrub(uri)
         self._journal = journal
         self._address = server_address(uri)  # None for a local store: nothing to probe
@@ -191,8 +192,12 @@ class Sender:
         """Deliver what is left, waiting at most `timeout` for a server that is away; then leave
         the undelivered metrics in `spill_path` (the journal's file, if there is one) and say so."""
         if self.in_outage and self._queue:
-            log.warning("waiting up to %.0f s for MLflow at %s to come back: %d metrics are not delivered yet",
-                        timeout, self._uri, self.pending_metrics())
+            log.warning(
+                "waiting up to %.0f s for MLflow at %s to come back: %d metrics are not delivered yet",
+                timeout,
+                self._uri,
+                self.pending_metrics(),
+            )
         delivered = self.wait_idle(timeout)
         with self._cv:
             self._closing = True
@@ -212,10 +217,16 @@ class Sender:
             _write_atomically(spill_path, [_as_dict(m) for m in metrics])
         lost_artifacts = [b.artifacts[1] for b in left if b.artifacts]
         lost_tags = [t.key for b in left for t in b.tags]
-        log.error("MLflow at %s did not come back within %.0f s: %d metrics of run %s are in %s "
-                  "(one JSON object per line: key, value, timestamp, step)%s", self._uri, timeout, len(metrics),
-                  self._run_id, spill_path, f"; not logged: artifacts {lost_artifacts}, tags {lost_tags}"
-                  if lost_artifacts or lost_tags else "")
+        log.error(
+            "MLflow at %s did not come back within %.0f s: %d metrics of run %s are in %s "
+            "(one JSON object per line: key, value, timestamp, step)%s",
+            self._uri,
+            timeout,
+            len(metrics),
+            self._run_id,
+            spill_path,
+            f"; not logged: artifacts {lost_artifacts}, tags {lost_tags}" if lost_artifacts or lost_tags else "",
+        )
         for b in left:
             if b.artifacts:
                 discard(os.path.dirname(b.artifacts[0]))
@@ -234,9 +245,13 @@ class Sender:
         busy = self._busy_since
         if busy is not None and self._outage_since is None and time.monotonic() - busy > self._stall_warn_s:
             self._outage_since = busy
-            log.warning("MLflow at %s has not answered for %.0f s: training goes on, and its metrics are kept "
-                        "(%d queued) and delivered when the server answers again", self._uri,
-                        time.monotonic() - busy, self._pending_locked())
+            log.warning(
+                "MLflow at %s has not answered for %.0f s: training goes on, and its metrics are kept "
+                "(%d queued) and delivered when the server answers again",
+                self._uri,
+                time.monotonic() - busy,
+                self._pending_locked(),
+            )
 
     # -- the sender thread ---------------------------------------------------------------------
 
@@ -258,8 +273,12 @@ class Sender:
                     self._busy_since = None
                     if self._outage_since is None:
                         self._outage_since = time.monotonic()
-                        log.warning("MLflow at %s failed (%s): training goes on, and its metrics are kept "
-                                    "and delivered when the server answers again", self._uri, scrub(str(e))[:300])
+                        log.warning(
+                            "MLflow at %s failed (%s): training goes on, and its metrics are kept "
+                            "and delivered when the server answers again",
+                            self._uri,
+                            scrub(str(e))[:300],
+                        )
                     # Wakes early when closing or when more is queued: the probe is cheap.
                     self._cv.wait(backoff)
                 backoff = min(2 * backoff, MAX_BACKOFF_S)
@@ -270,8 +289,11 @@ class Sender:
                 self._queue.popleft()
                 self._busy_since = None
                 if self._outage_since is not None:
-                    log.warning("MLflow at %s answers again after %.0f s; the buffered metrics are being delivered",
-                                self._uri, time.monotonic() - self._outage_since)
+                    log.warning(
+                        "MLflow at %s answers again after %.0f s; the buffered metrics are being delivered",
+                        self._uri,
+                        time.monotonic() - self._outage_since,
+                    )
                     self._outage_since = None
                 self._cv.notify_all()
             backoff = 1.0

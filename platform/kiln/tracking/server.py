@@ -17,8 +17,9 @@ def resolve_tracking_uri(configured: str = "") -> str:
     file paths are made absolute so Ray workers, whose cwd differs, write to the same store."""
     uri = configured or os.environ.get("MLFLOW_TRACKING_URI", "") or "sqlite:///mlflow.db"
     if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
-        return "sqlite:///" + os.path.abspath(durable(uri[len("sqlite:///") :], "logging.tracking_uri",
-                                                       "MLFLOW_TRACKING_URI"))
+        return "sqlite:///" + os.path.abspath(
+            durable(uri[len("sqlite:///") :], "logging.tracking_uri", "MLFLOW_TRACKING_URI")
+        )
     if not is_url(uri):
         return "file://" + os.path.abspath(durable(uri, "logging.tracking_uri", "MLFLOW_TRACKING_URI"))
     return uri
@@ -38,8 +39,7 @@ def server_address(uri: str) -> tuple[str, int] | None:
 
 # The schemes MLflow 3 has tracking stores for (a database's may name its driver:
 # postgresql+psycopg2://); anything else fails inside MLflow, after the run has started.
-STORE_SCHEMES = ("file", "sqlite", "postgresql", "mysql", "mssql", "http", "https", "databricks",
-                 "databricks-uc", "uc")
+STORE_SCHEMES = ("file", "sqlite", "postgresql", "mysql", "mssql", "http", "https", "databricks", "databricks-uc", "uc")
 SQLITE_HEADER = b"SQLite format 3\x00"
 
 
@@ -51,21 +51,27 @@ def check_store(uri: str, name: str = "logging.tracking_uri", read_only: bool = 
     flag that gave the URI, for the error."""
     scheme = urlparse(uri).scheme.partition("+")[0]
     if scheme not in STORE_SCHEMES:
-        raise ConfigError(f"{name} = {scrub(uri)!r}: MLflow has no store for {scheme + '://'!r}; expected "
-                          "sqlite:///path, file:///path, http(s)://host:port or a database URL")
+        raise ConfigError(
+            f"{name} = {scrub(uri)!r}: MLflow has no store for {scheme + '://'!r}; expected "
+            "sqlite:///path, file:///path, http(s)://host:port or a database URL"
+        )
     if scheme in ("postgresql", "mysql", "mssql"):
         import sqlalchemy
 
         try:
             sqlalchemy.engine.make_url(uri).get_dialect().import_dbapi()
         except ImportError as e:
-            raise KilnError(f"{name} = {scrub(uri)!r} needs the database driver {e.name!r}, which is not "
-                            f"installed here (pip install {e.name})") from None
+            raise KilnError(
+                f"{name} = {scrub(uri)!r} needs the database driver {e.name!r}, which is not "
+                f"installed here (pip install {e.name})"
+            ) from None
     if scheme == "sqlite":
-        check_sqlite_store(uri[len("sqlite:///"):], name, read_only)
+        check_sqlite_store(uri[len("sqlite:///") :], name, read_only)
     elif scheme == "file" and read_only and not os.path.isdir(urlparse(uri).path):
-        raise KilnError(f"no MLflow store at {scrub(uri)}: nothing has been logged here yet; pass {name} "
-                        "or set $MLFLOW_TRACKING_URI to where your runs are")
+        raise KilnError(
+            f"no MLflow store at {scrub(uri)}: nothing has been logged here yet; pass {name} "
+            "or set $MLFLOW_TRACKING_URI to where your runs are"
+        )
     check_reachable(uri)
 
 
@@ -82,8 +88,10 @@ def check_sqlite_store(path: str, name: str, read_only: bool = False) -> None:
     size = os.path.getsize(path) if os.path.isfile(path) else None
     if not size:
         if read_only:
-            raise KilnError(f"no MLflow store at sqlite:///{path}: nothing has been logged here yet; pass "
-                            f"{name} or set $MLFLOW_TRACKING_URI to where your runs are")
+            raise KilnError(
+                f"no MLflow store at sqlite:///{path}: nothing has been logged here yet; pass "
+                f"{name} or set $MLFLOW_TRACKING_URI to where your runs are"
+            )
         if os.path.exists(path) and not os.path.isfile(path):
             raise KilnError(f"{name}: {path} is not a file, so not an MLflow store")
         return
@@ -96,8 +104,10 @@ def check_sqlite_store(path: str, name: str, read_only: bool = False) -> None:
     except sqlite3.Error as e:
         raise KilnError(f"{name}: {path} cannot be read as an SQLite database ({e})") from None
     if tables and not tables >= MLFLOW_TABLES:
-        raise KilnError(f"{name}: {path} is another application's SQLite database (tables: "
-                        f"{', '.join(sorted(tables)[:5])}), not an MLflow store; Kiln never writes into it")
+        raise KilnError(
+            f"{name}: {path} is another application's SQLite database (tables: "
+            f"{', '.join(sorted(tables)[:5])}), not an MLflow store; Kiln never writes into it"
+        )
     if not tables and read_only:
         raise KilnError(f"no MLflow store at sqlite:///{path}: the database is empty")
 

@@ -104,8 +104,9 @@ def _wait_http(url: str, proc: subprocess.Popen, timeout: float, log_path: Path)
         time.sleep(0.5)
     os.killpg(proc.pid, signal.SIGTERM) if proc.poll() is None else None
     tail = log_path.read_text(errors="replace").strip().splitlines()[-5:] if log_path.exists() else []
-    raise KilnError(f"{url} did not come up within {timeout:.0f} s; the last lines of {log_path}:\n  "
-                    + "\n  ".join(tail))
+    raise KilnError(
+        f"{url} did not come up within {timeout:.0f} s; the last lines of {log_path}:\n  " + "\n  ".join(tail)
+    )
 
 
 def _load(root: Path) -> list[Service]:
@@ -114,8 +115,13 @@ def _load(root: Path) -> list[Service]:
         raw = path.read_bytes()
     except FileNotFoundError:
         return []
-    return validated(list[Service], raw, f"{path} is not a services state file (remove it and stop the "
-                     "processes by hand)", json=True, error=KilnError)
+    return validated(
+        list[Service],
+        raw,
+        f"{path} is not a services state file (remove it and stop the processes by hand)",
+        json=True,
+        error=KilnError,
+    )
 
 
 def _check_dir(root: Path) -> None:
@@ -130,7 +136,7 @@ def _check_backend(uri: str) -> None:
     from kiln.tracking.server import check_sqlite_store
 
     if uri.startswith("sqlite:///"):
-        check_sqlite_store(os.path.abspath(uri[len("sqlite:///"):]), "--backend-store-uri")
+        check_sqlite_store(os.path.abspath(uri[len("sqlite:///") :]), "--backend-store-uri")
 
 
 def _save(root: Path, services: list[Service]) -> None:
@@ -140,32 +146,46 @@ def _save(root: Path, services: list[Service]) -> None:
 def _spawn(cmd: list[str], log_path: Path) -> subprocess.Popen:
     with open(log_path, "ab") as out:
         # Own session: Ctrl-C in this terminal does not reach it, and `down` stops its whole group.
-        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
+        return subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+        )
 
 
-def up(root: str | Path = "runs/services", host: str = "127.0.0.1", port: int = 5000,
-       backend_store_uri: str | None = None, artifacts_destination: str | None = None,
-       prometheus: bool = False, prometheus_port: int = 9090, timeout: float = 120.0) -> list[Service]:
+def up(
+    root: str | Path = "runs/services",
+    host: str = "127.0.0.1",
+    port: int = 5000,
+    backend_store_uri: str | None = None,
+    artifacts_destination: str | None = None,
+    prometheus: bool = False,
+    prometheus_port: int = 9090,
+    timeout: float = 120.0,
+) -> list[Service]:
     root = guard.local_path(root)
     _check_dir(root)
     backend = backend_store_uri or f"sqlite:///{root / 'mlflow.db'}"
     _check_backend(backend)  # what the user gave, before what the machine has (ports, binaries)
     running = [s for s in _load(root) if _running(s)]
     if running:
-        raise KilnError(f"services already running from {root}: "
-                        + ", ".join(f"{s.name} at {s.url} (pid {s.pid})" for s in running)
-                        + "; `kiln services down` first")
+        raise KilnError(
+            f"services already running from {root}: "
+            + ", ".join(f"{s.name} at {s.url} (pid {s.pid})" for s in running)
+            + "; `kiln services down` first"
+        )
     if host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("binding to %s: anyone who can reach this address can read and write every run", host)
     for name, p in (("MLflow", port),) + ((("Prometheus", prometheus_port),) if prometheus else ()):
         if not _port_free(host, p):
-            raise KilnError(f"port {p} on {host} is in use; pick another for {name} with "
-                            f"--{'port' if name == 'MLflow' else 'prometheus-port'}")
+            raise KilnError(
+                f"port {p} on {host} is in use; pick another for {name} with "
+                f"--{'port' if name == 'MLflow' else 'prometheus-port'}"
+            )
     prom_bin = shutil.which("prometheus") if prometheus else None
     if prometheus and not prom_bin:
-        raise KilnError("--prometheus: no `prometheus` binary on PATH; install Debian's package "
-                        "(apt-get install prometheus) or leave --prometheus off")
+        raise KilnError(
+            "--prometheus: no `prometheus` binary on PATH; install Debian's package "
+            "(apt-get install prometheus) or leave --prometheus off"
+        )
 
     root.mkdir(parents=True, exist_ok=True)  # only once every check has passed
     guard.mark(root, SERVICES)
@@ -173,9 +193,21 @@ def up(root: str | Path = "runs/services", host: str = "127.0.0.1", port: int = 
     try:
         artifacts = artifacts_destination or str(root / "artifacts")
         mlflow_log = root / "mlflow.log"
-        cmd = [str(Path(sys.executable).parent / "mlflow"), "server", "--host", host, "--port", str(port),
-               "--backend-store-uri", backend, "--serve-artifacts", "--artifacts-destination", artifacts,
-               "--workers", "2"]
+        cmd = [
+            str(Path(sys.executable).parent / "mlflow"),
+            "server",
+            "--host",
+            host,
+            "--port",
+            str(port),
+            "--backend-store-uri",
+            backend,
+            "--serve-artifacts",
+            "--artifacts-destination",
+            artifacts,
+            "--workers",
+            "2",
+        ]
         proc = _spawn(cmd, mlflow_log)
         url = f"http://{host}:{port}"
         started.append(Service("mlflow", proc.pid, url, str(mlflow_log), _started(proc.pid) or 0.0))
@@ -198,10 +230,18 @@ def _start_prometheus(binary: str, root: Path, host: str, port: int, timeout: fl
         + (f"rule_files: ['{alerts}']\n" if alerts.is_file() else "")
         + "scrape_configs:\n"
         "  - job_name: ray\n"
-        f"    file_sd_configs: [{{files: ['{RAY_SD_FILE}']}}]\n")
+        f"    file_sd_configs: [{{files: ['{RAY_SD_FILE}']}}]\n"
+    )
     prom_log = root / "prometheus.log"
-    proc = _spawn([binary, f"--config.file={cfg}", f"--storage.tsdb.path={root / 'prometheus-data'}",
-                   f"--web.listen-address={host}:{port}"], prom_log)
+    proc = _spawn(
+        [
+            binary,
+            f"--config.file={cfg}",
+            f"--storage.tsdb.path={root / 'prometheus-data'}",
+            f"--web.listen-address={host}:{port}",
+        ],
+        prom_log,
+    )
     service = Service("prometheus", proc.pid, f"http://{host}:{port}", str(prom_log), _started(proc.pid) or 0.0)
     try:
         _wait_http(f"{service.url}/-/ready", proc, timeout, prom_log)
@@ -215,8 +255,9 @@ def _stop(services: list[Service], timeout: float = 30.0) -> None:
     gone = [s for s in services if not _running(s)]
     for s in gone:
         if _alive(s.pid):
-            log.warning("pid %d is no longer the %s Kiln started (another process has that pid now); "
-                        "left alone", s.pid, s.name)
+            log.warning(
+                "pid %d is no longer the %s Kiln started (another process has that pid now); left alone", s.pid, s.name
+            )
     services = [s for s in services if s not in gone]
     for s in services:
         try:

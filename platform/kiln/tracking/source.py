@@ -30,7 +30,7 @@ def git_commit(path: str | os.PathLike = ".") -> str:
         return head  # a detached HEAD
     if not head.startswith("ref: "):
         return UNKNOWN
-    return _resolve(common, head[len("ref: "):].strip()) or UNKNOWN
+    return _resolve(common, head[len("ref: ") :].strip()) or UNKNOWN
 
 
 def _find_git_dir(path: str) -> str | None:
@@ -42,7 +42,7 @@ def _find_git_dir(path: str) -> str | None:
             with open(dot_git) as f:
                 line = f.read().strip()
             if line.startswith("gitdir: "):
-                return os.path.normpath(os.path.join(path, line[len("gitdir: "):]))
+                return os.path.normpath(os.path.join(path, line[len("gitdir: ") :]))
         parent = os.path.dirname(path)
         if parent == path:
             return None

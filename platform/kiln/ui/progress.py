@@ -54,8 +54,10 @@ def format_line(p: Progress, width: int = 24) -> str:
     filled = min(width, int(width * p.step / max(p.total, 1)))
     bar = "#" * filled + "-" * (width - filled)
     val = f" | val {p.val:.3f}" if p.val is not None else ""
-    return (f"[{bar}] step {p.step}/{p.total} | loss {p.loss:.3f}{val} | {p.tokens_per_s:,.0f} tok/s"
-            f" | lr {p.lr:.2e} | eta {duration(p.eta_s) if p.mean_step_s > 0 else '--'}")
+    return (
+        f"[{bar}] step {p.step}/{p.total} | loss {p.loss:.3f}{val} | {p.tokens_per_s:,.0f} tok/s"
+        f" | lr {p.lr:.2e} | eta {duration(p.eta_s) if p.mean_step_s > 0 else '--'}"
+    )
 
 
 class ProgressSink(Protocol):
@@ -136,8 +138,9 @@ class TqdmBar:
             self._bar = tqdm(total=p.total, unit="step", desc="train", dynamic_ncols=True)
         self._bar.n = p.step
         val = f" | val {p.val:.3f}" if p.val is not None else ""
-        self._bar.set_postfix_str(f"loss {p.loss:.3f}{val} | {p.tokens_per_s:,.0f} tok/s | lr {p.lr:.2e}",
-                                  refresh=False)
+        self._bar.set_postfix_str(
+            f"loss {p.loss:.3f}{val} | {p.tokens_per_s:,.0f} tok/s | lr {p.lr:.2e}", refresh=False
+        )
         self._bar.refresh()
 
     def print_above(self, lines: str) -> None:

@@ -6,8 +6,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 
-def format_table(header: Sequence[str], rows: Sequence[Sequence[object]], markdown: bool = False,
-                 right: bool = False, rule: bool = True) -> str:
+def format_table(
+    header: Sequence[str],
+    rows: Sequence[Sequence[object]],
+    markdown: bool = False,
+    right: bool = False,
+    rule: bool = True,
+) -> str:
     """Columns as wide as their widest cell. `markdown`: `| a | b |` with a `|---|` rule (for
     MLflow artifacts); else two spaces between columns and, with `rule`, dashes under the
     header. `right` right-aligns every column (numbers)."""

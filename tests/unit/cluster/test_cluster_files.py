@@ -33,7 +33,9 @@ def test_shipped_file_validates(path):
 @pytest.mark.parametrize("path", LAUNCHERS, ids=lambda p: p.name)
 def test_launchers_keep_token_auth_and_install_kiln_like_make_demo(path):
     cfg = load(path)
-    assert all("RAY_AUTH_MODE=token" in " ".join(cfg[k]) for k in ("head_start_ray_commands", "worker_start_ray_commands"))
+    assert all(
+        "RAY_AUTH_MODE=token" in " ".join(cfg[k]) for k in ("head_start_ray_commands", "worker_start_ray_commands")
+    )
     assert any("make install" in c for c in cfg["setup_commands"])
     assert "~/.ray/auth_token" in cfg["file_mounts"]
 
@@ -54,21 +56,32 @@ def mutated(cfg: dict, path: str, value) -> dict:
     return cfg
 
 
-@pytest.mark.parametrize("path,value,expected", [
-    ("max_worker", 3, "'max_worker' was unexpected"),                       # typo: Ray's schema
-    ("available_node_types.gpu-spot.resources", None, "'resources' is a required property"),
-    ("available_node_types.gpu-spot.min_workers", "2", "available_node_types.gpu-spot.min_workers: expected an integer"),
-    ("max_workers", "two", "max_workers: expected an integer"),
-    ("available_node_types.gpu-spot.node_config", "m5.large", "gpu-spot.node_config: expected a mapping"),
-    ("available_node_types.gpu-spot.resources", "GPU=1", "gpu-spot.resources: expected a mapping"),
-    ("setup_commands", "export WANDB_API_KEY=sk-planted-Zq1", "setup_commands: expected a list"),
-    ("provider", None, "'provider' is a required property"),
-    ("head_node_type", "cpu-head", "'cpu-head' is not one of available_node_types"),
-    ("available_node_types.gpu-spot.min_workers", 9, "min_workers 9 > max_workers 8"),
-    ("worker_start_ray_commands", ["ray start --address=$RAY_HEAD_IP:6379"], "without RAY_AUTH_MODE=token"),
-    ("head_start_ray_commands", ["RAY_AUTH_MODE=token ray start --head --dashboard-host=0.0.0.0"], "binds to 0.0.0.0"),
-    ("setup_commands", ["echo hi"], "nothing installs Kiln"),
-])
+@pytest.mark.parametrize(
+    "path,value,expected",
+    [
+        ("max_worker", 3, "'max_worker' was unexpected"),  # typo: Ray's schema
+        ("available_node_types.gpu-spot.resources", None, "'resources' is a required property"),
+        (
+            "available_node_types.gpu-spot.min_workers",
+            "2",
+            "available_node_types.gpu-spot.min_workers: expected an integer",
+        ),
+        ("max_workers", "two", "max_workers: expected an integer"),
+        ("available_node_types.gpu-spot.node_config", "m5.large", "gpu-spot.node_config: expected a mapping"),
+        ("available_node_types.gpu-spot.resources", "GPU=1", "gpu-spot.resources: expected a mapping"),
+        ("setup_commands", "export WANDB_API_KEY=sk-planted-Zq1", "setup_commands: expected a list"),
+        ("provider", None, "'provider' is a required property"),
+        ("head_node_type", "cpu-head", "'cpu-head' is not one of available_node_types"),
+        ("available_node_types.gpu-spot.min_workers", 9, "min_workers 9 > max_workers 8"),
+        ("worker_start_ray_commands", ["ray start --address=$RAY_HEAD_IP:6379"], "without RAY_AUTH_MODE=token"),
+        (
+            "head_start_ray_commands",
+            ["RAY_AUTH_MODE=token ray start --head --dashboard-host=0.0.0.0"],
+            "binds to 0.0.0.0",
+        ),
+        ("setup_commands", ["echo hi"], "nothing installs Kiln"),
+    ],
+)
 def test_launcher_mistakes_are_named(path, value, expected):
     problems = check_launcher(mutated(AWS, path, value))
     assert any(expected in p for p in problems), problems
@@ -80,24 +93,55 @@ CLUSTER = load(REPO / "cluster" / "kuberay" / "raycluster.yaml")
 JOB = load(REPO / "cluster" / "kuberay" / "rayjob.yaml")
 
 
-@pytest.mark.parametrize("doc,path,value,expected", [
-    (CLUSTER, "apiVersion", "ray.io/v1alpha1", "expected ray.io/v1"),
-    (CLUSTER, "kind", "RayService", "expected one of RayCluster, RayJob"),
-    (CLUSTER, "spec.headGroupSpec", None, "spec.headGroupSpec: required"),
-    (CLUSTER, "spec.authOptions", None, "expected `token`"),
-    (CLUSTER, "spec.workerGroupSpecs", [{"groupName": "gpu", "replicas": 9, "maxReplicas": 8,
-                                         "template": {"spec": {"containers": [{"name": "w", "image": "i"}]}}}],
-     "minReplicas <= replicas <= maxReplicas"),
-    (CLUSTER, "spec.workerGroupSpecs", [{"groupName": "gpu", "template": {"spec": {"containers": [{"name": "w"}]}}}],
-     "containers[0].image: required"),
-    (CLUSTER, "spec.workerGroupSpecs", [{"groupName": "gpu", "replicas": "2"}], "workerGroupSpecs.0.replicas: expected an integer"),
-    (CLUSTER, "metadata", "kiln", "metadata: expected a mapping"),
-    (CLUSTER, "spec.headGroupSpec", {"template": "pod"}, "headGroupSpec.template: expected a mapping"),
-    (CLUSTER, "spec.workerGroupSpecs", [{"groupName": "gpu", "template": {"spec": {"containers": [
-        {"name": "w", "image": "i", "env": "RAY_AUTH_MODE=token"}]}}}], "containers.0.env: expected a list"),
-    (JOB, "spec.entrypoint", None, "spec.entrypoint: required"),
-    (JOB, "spec.rayClusterSpec", None, "needs rayClusterSpec"),
-])
+@pytest.mark.parametrize(
+    "doc,path,value,expected",
+    [
+        (CLUSTER, "apiVersion", "ray.io/v1alpha1", "expected ray.io/v1"),
+        (CLUSTER, "kind", "RayService", "expected one of RayCluster, RayJob"),
+        (CLUSTER, "spec.headGroupSpec", None, "spec.headGroupSpec: required"),
+        (CLUSTER, "spec.authOptions", None, "expected `token`"),
+        (
+            CLUSTER,
+            "spec.workerGroupSpecs",
+            [
+                {
+                    "groupName": "gpu",
+                    "replicas": 9,
+                    "maxReplicas": 8,
+                    "template": {"spec": {"containers": [{"name": "w", "image": "i"}]}},
+                }
+            ],
+            "minReplicas <= replicas <= maxReplicas",
+        ),
+        (
+            CLUSTER,
+            "spec.workerGroupSpecs",
+            [{"groupName": "gpu", "template": {"spec": {"containers": [{"name": "w"}]}}}],
+            "containers[0].image: required",
+        ),
+        (
+            CLUSTER,
+            "spec.workerGroupSpecs",
+            [{"groupName": "gpu", "replicas": "2"}],
+            "workerGroupSpecs.0.replicas: expected an integer",
+        ),
+        (CLUSTER, "metadata", "kiln", "metadata: expected a mapping"),
+        (CLUSTER, "spec.headGroupSpec", {"template": "pod"}, "headGroupSpec.template: expected a mapping"),
+        (
+            CLUSTER,
+            "spec.workerGroupSpecs",
+            [
+                {
+                    "groupName": "gpu",
+                    "template": {"spec": {"containers": [{"name": "w", "image": "i", "env": "RAY_AUTH_MODE=token"}]}},
+                }
+            ],
+            "containers.0.env: expected a list",
+        ),
+        (JOB, "spec.entrypoint", None, "spec.entrypoint: required"),
+        (JOB, "spec.rayClusterSpec", None, "needs rayClusterSpec"),
+    ],
+)
 def test_kuberay_mistakes_are_named(doc, path, value, expected):
     problems = check_kuberay(mutated(doc, path, value))
     assert any(expected in p for p in problems), problems
@@ -107,8 +151,20 @@ def test_cli_checks_every_file_and_reports_each_problem_without_traceback(tmp_pa
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump(mutated(AWS, "max_worker", 3)))
     missing = tmp_path / "missing.yaml"
-    proc = subprocess.run([sys.executable, "-m", "kiln.cli", "cluster", "check", str(REPO / "cluster" / "onprem.yaml"),
-                           str(bad), str(missing)], capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kiln.cli",
+            "cluster",
+            "check",
+            str(REPO / "cluster" / "onprem.yaml"),
+            str(bad),
+            str(missing),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 2
     assert "onprem.yaml: ok" in proc.stdout
     assert "bad.yaml" in proc.stderr and "'max_worker' was unexpected" in proc.stderr
@@ -119,13 +175,21 @@ def test_cli_checks_every_file_and_reports_each_problem_without_traceback(tmp_pa
 SECRET = "wJalrXUtnFEMIK7MDENGbPxRfiCY"
 
 
-@pytest.mark.parametrize("plant, where", [
-    (lambda d: d["setup_commands"].append(f"export AWS_SECRET_ACCESS_KEY={SECRET}"), "setup_commands[3]"),
-    (lambda d: d["provider"].__setitem__("aws_secret_access_key", SECRET), "provider.aws_secret_access_key"),
-    (lambda d: d["head_setup_commands"].append("echo export MLFLOW_TRACKING_URI=http://u:hunter22@10.0.0.1:5000"),
-     "head_setup_commands[3]"),
-    (lambda d: d["setup_commands"].append("echo AKIAIOSFODNN7EXAMPLE"), "setup_commands[3]"),
-], ids=["shell-export", "secret-key", "url-password", "aws-key-shape"])
+@pytest.mark.parametrize(
+    "plant, where",
+    [
+        (lambda d: d["setup_commands"].append(f"export AWS_SECRET_ACCESS_KEY={SECRET}"), "setup_commands[3]"),
+        (lambda d: d["provider"].__setitem__("aws_secret_access_key", SECRET), "provider.aws_secret_access_key"),
+        (
+            lambda d: d["head_setup_commands"].append(
+                "echo export MLFLOW_TRACKING_URI=http://u:hunter22@10.0.0.1:5000"
+            ),
+            "head_setup_commands[3]",
+        ),
+        (lambda d: d["setup_commands"].append("echo AKIAIOSFODNN7EXAMPLE"), "setup_commands[3]"),
+    ],
+    ids=["shell-export", "secret-key", "url-password", "aws-key-shape"],
+)
 def test_a_cluster_file_holding_a_credential_is_refused_without_echoing_it(tmp_path, plant, where):
     doc = load(REPO / "cluster" / "aws-gpu.yaml")
     plant(doc)
@@ -147,15 +211,23 @@ def test_a_kubernetes_secret_as_a_literal_env_value_is_refused():
     assert len(found) == 1 and "env AWS_SECRET_ACCESS_KEY has a literal value" in found[0]
 
 
-@pytest.mark.parametrize("make, needle", [
-    (lambda p: p.mkdir(), "a directory, not a cluster file"),
-    (lambda p: p.write_bytes(Path("/bin/ls").read_bytes()[:4096]), "is not UTF-8 text"),
-], ids=["directory", "binary"])
+@pytest.mark.parametrize(
+    "make, needle",
+    [
+        (lambda p: p.mkdir(), "a directory, not a cluster file"),
+        (lambda p: p.write_bytes(Path("/bin/ls").read_bytes()[:4096]), "is not UTF-8 text"),
+    ],
+    ids=["directory", "binary"],
+)
 def test_a_directory_or_a_binary_is_named(tmp_path, make, needle):
     path = tmp_path / "c.yaml"
     make(path)
-    out = subprocess.run([str(Path(sys.executable).parent / "kiln"), "cluster", "check", str(path)],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [str(Path(sys.executable).parent / "kiln"), "cluster", "check", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2 and "Traceback" not in out.stderr and needle in out.stderr
 
 
@@ -164,9 +236,16 @@ def test_every_shown_job_submission_carries_the_runtime_env():
     `kiln` they installed, not the checkout's. Every `ray job submit` the cluster files and the
     README show gives the runtime env instead."""
     shown = [REPO / "README.md", *sorted((REPO / "cluster").rglob("*.yaml")), REPO / "cluster/README.md"]
-    submits = [(p.name, line) for p in shown for line in p.read_text().splitlines() if "ray job submit" in line
-               and "--address" in line]
+    submits = [
+        (p.name, line)
+        for p in shown
+        for line in p.read_text().splitlines()
+        if "ray job submit" in line and "--address" in line
+    ]
     assert len(submits) >= 6, submits  # the four cluster headers, README's cluster section
-    bad = [(name, line) for name, line in submits
-           if "--working-dir" in line or "--runtime-env jobs/runtime_env.yaml" not in line]
+    bad = [
+        (name, line)
+        for name, line in submits
+        if "--working-dir" in line or "--runtime-env jobs/runtime_env.yaml" not in line
+    ]
     assert not bad, bad

@@ -22,11 +22,25 @@ from kiln.parallel.engine import initialize
 
 
 def engine():
-    cfg = load_config(None, ["model.flavour=debug", "model.vocab_size=512", "model.seq_len=64",
-                             "parallel.num_workers=1", "parallel.zero_stage=2", "train.precision=fp32"])
+    cfg = load_config(
+        None,
+        [
+            "model.flavour=debug",
+            "model.vocab_size=512",
+            "model.seq_len=64",
+            "parallel.num_workers=1",
+            "parallel.zero_stage=2",
+            "train.precision=fp32",
+        ],
+    )
     _world_from_env(use_gpu=False)
-    ds, _ = initialize(cfg, cfg.model.shape(), 1, device=torch.device("cpu"),
-                       scheduler_fn=lambda opt: build_scheduler(opt, cfg.schedule, cfg.train.max_steps))
+    ds, _ = initialize(
+        cfg,
+        cfg.model.shape(),
+        1,
+        device=torch.device("cpu"),
+        scheduler_fn=lambda opt: build_scheduler(opt, cfg.schedule, cfg.train.max_steps),
+    )
     eng = DeepSpeedEngine(ds, pipeline=False)
     # One real step, so the checkpoint carries Adam's moments as well as the weights.
     x = torch.randint(0, 512, (2, 65))

@@ -25,14 +25,17 @@ def test_slices_stay_inside_numa_nodes_and_never_overlap():
     assert cores_for(1, 2, {0, 1, 6, 7}, nodes) == [6, 7]  # only what the process may use
 
 
-@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
-                    reason="needs Linux and two allowed CPUs")
+@pytest.mark.skipif(
+    not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2, reason="needs Linux and two allowed CPUs"
+)
 def test_a_worker_is_pinned_to_its_core_and_logs_it():
     mine = sorted(os.sched_getaffinity(0))
-    code = ("import logging, os, sys; logging.basicConfig(level=logging.INFO, stream=sys.stdout)\n"
-            "from kiln.core.affinity import pin_worker\n"
-            "import threading; t = threading.Thread(target=lambda: None); t.start(); t.join()\n"
-            "print(sorted(pin_worker(1, 2, 1.0)), sorted(os.sched_getaffinity(0)))")
+    code = (
+        "import logging, os, sys; logging.basicConfig(level=logging.INFO, stream=sys.stdout)\n"
+        "from kiln.core.affinity import pin_worker\n"
+        "import threading; t = threading.Thread(target=lambda: None); t.start(); t.join()\n"
+        "print(sorted(pin_worker(1, 2, 1.0)), sorted(os.sched_getaffinity(0)))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True).stdout
     *logs, result = out.strip().splitlines()
     pinned, now = result.split("] [")
@@ -40,7 +43,9 @@ def test_a_worker_is_pinned_to_its_core_and_logs_it():
     assert int(now.strip("[]")) in mine
     assert any("local rank 1 pinned to cores" in line for line in logs), out
     # too many workers for the cores: left alone, and said why
-    code = ("import logging, sys; logging.basicConfig(level=logging.INFO, stream=sys.stdout)\n"
-            f"from kiln.core.affinity import pin_worker; print(pin_worker(0, {len(mine) + 1}, 1.0))")
+    code = (
+        "import logging, sys; logging.basicConfig(level=logging.INFO, stream=sys.stdout)\n"
+        f"from kiln.core.affinity import pin_worker; print(pin_worker(0, {len(mine) + 1}, 1.0))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True).stdout
     assert out.strip().endswith("None") and "not pinned" in out, out

@@ -10,8 +10,7 @@ from kiln.core import checkpoint
 from kiln.errors import ConfigError
 
 
-def _fake(root, step: int, world: int, markers: int | None = None, partial: bool = False,
-          score: float | None = None):
+def _fake(root, step: int, world: int, markers: int | None = None, partial: bool = False, score: float | None = None):
     d = root / (f"step_{step:08d}" + (".partial" if partial else ""))
     (d / checkpoint.TAG).mkdir(parents=True)
     (d / "latest").write_text(checkpoint.TAG)  # what DeepSpeed writes, complete or not
@@ -43,7 +42,8 @@ def test_resume_from_a_root_takes_the_newest_complete_step(tmp_path):
     _fake(tmp_path, 10, world=2)
     _fake(tmp_path, 20, world=2)
     assert checkpoint.resolve_resume(str(tmp_path), world_size=2) == checkpoint.Resume(
-        str(tmp_path / "step_00000020"), 20, None)
+        str(tmp_path / "step_00000020"), 20, None
+    )
 
 
 def test_resume_from_a_ray_run_takes_its_complete_checkpoint_of_highest_step(tmp_path):
@@ -52,7 +52,8 @@ def test_resume_from_a_ray_run_takes_its_complete_checkpoint_of_highest_step(tmp
         _fake(tmp_path, step, world=2, markers=1 if step == 40 else None).rename(tmp_path / f"checkpoint_{when}")
     (tmp_path / "checkpoint_manager_snapshot.json").write_text("{}")
     assert checkpoint.resolve_resume(str(tmp_path), world_size=2).directory == str(
-        tmp_path / "checkpoint_2026-11-24_10-00-03.0")
+        tmp_path / "checkpoint_2026-11-24_10-00-03.0"
+    )
 
 
 def test_resume_from_an_incomplete_step_is_refused_by_name(tmp_path):
@@ -62,8 +63,10 @@ def test_resume_from_an_incomplete_step_is_refused_by_name(tmp_path):
 
 
 def _card(world: int = 1, micro: int = 4, accum: int = 1, stages: int = 1, tp: int = 1, **more) -> dict:
-    return {"parallel": {"zero_stage": 2, "pipeline_stages": stages, "tensor_parallel": tp},
-            "batch": {"micro_batch_size": micro, "micro_batches_per_step": accum}} | more
+    return {
+        "parallel": {"zero_stage": 2, "pipeline_stages": stages, "tensor_parallel": tp},
+        "batch": {"micro_batch_size": micro, "micro_batches_per_step": accum},
+    } | more
 
 
 def test_another_number_of_replicas_keeps_the_global_batch_through_accumulation(tmp_path):
@@ -77,12 +80,18 @@ def test_another_number_of_replicas_keeps_the_global_batch_through_accumulation(
     assert (same.micro_batches_per_step, same.batch_changed, same.reshard) == (2, False, False)
     for world, micro, accum in ((1, 2, 6), (3, 2, 2), (3, 4, 1), (6, 2, 1)):
         regroup = checkpoint.resolve_resume(str(d), world, _card(micro=micro, accum=7)).regroup
-        assert (regroup.data_parallel_size, regroup.micro_batches_per_step, regroup.batch_changed) == (world, accum, False)
+        assert (regroup.data_parallel_size, regroup.micro_batches_per_step, regroup.batch_changed) == (
+            world,
+            accum,
+            False,
+        )
         assert regroup.reshard
     with pytest.raises(ConfigError) as e:
         checkpoint.resolve_resume(str(d), 4, _card(micro=2, accum=1))
-    assert ("trained on 12 sequences per step (2 replicas x 3 micro-batches x 2), which 4 replicas x "
-            "train.micro_batch_size = 2 cannot divide") in str(e.value) and "train.allow_batch_change" in str(e.value)
+    assert (
+        "trained on 12 sequences per step (2 replicas x 3 micro-batches x 2), which 4 replicas x "
+        "train.micro_batch_size = 2 cannot divide"
+    ) in str(e.value) and "train.allow_batch_change" in str(e.value)
     changed = checkpoint.resolve_resume(str(d), 4, _card(micro=2, accum=1), allow_batch_change=True).regroup
     assert (changed.micro_batches_per_step, changed.batch_changed) == (2, True)  # 16 is nearer 12 than 8 (a tie)
     assert "from 12 to 16 sequences per step" in changed.describe()
@@ -102,12 +111,18 @@ def test_a_resume_that_changes_the_pipeline_or_tensor_split_is_refused(tmp_path)
     assert checkpoint.resolve_resume(str(d), 2, _card(tp=2)).step == 10
     with pytest.raises(ConfigError, match=r"parallel.tensor_parallel = 2; this run has 1 and 1.*set them as the"):
         checkpoint.resolve_resume(str(d), 2, _card())
-    with pytest.raises(ConfigError, match=r"written by 1 data-parallel replicas; this run has 2.*"
-                                          r"parallel.num_workers = 2"):
+    with pytest.raises(
+        ConfigError,
+        match=r"written by 1 data-parallel replicas; this run has 2.*"
+        r"parallel.num_workers = 2",
+    ):
         checkpoint.resolve_resume(str(d), 4, _card(tp=2))
     (d / checkpoint.CARD).write_text(json.dumps(_card(stages=2)))
-    with pytest.raises(ConfigError, match=r"parallel.pipeline_stages = 2 and parallel.tensor_parallel = 1; this run "
-                                          r"has 1 and 1"):
+    with pytest.raises(
+        ConfigError,
+        match=r"parallel.pipeline_stages = 2 and parallel.tensor_parallel = 1; this run "
+        r"has 1 and 1",
+    ):
         checkpoint.resolve_resume(str(d), 2, _card())
 
 
@@ -161,6 +176,7 @@ def test_resume_across_precision_layouts_is_refused_naming_both(tmp_path, card):
     d = _fake(tmp_path, 10, world=1)
     if card != "none":
         (d / checkpoint.CARD).write_text(json.dumps({"precision": AUTOCAST if card == "autocast" else WEIGHTS}))
+
     def resume(precision: dict) -> int:
         return checkpoint.resolve_resume(str(d), 1, {"precision": precision}).step
 

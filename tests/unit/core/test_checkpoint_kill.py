@@ -24,8 +24,9 @@ TRIALS = 10
 
 
 def _write_then_kill(root: Path, delay: float, result: dict) -> None:
-    proc = subprocess.Popen([sys.executable, WRITER, "write", str(root)], stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, WRITER, "write", str(root)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    )
     saved = 0
     try:
         for line in proc.stdout:  # wait until it has saved once, then let it run `delay` more seconds
@@ -33,8 +34,11 @@ def _write_then_kill(root: Path, delay: float, result: dict) -> None:
                 saved = int(line.split()[1])
                 break
         deadline = time.time() + delay
-        reader = threading.Thread(target=lambda: [result.__setitem__("saved", int(ln.split()[1]))
-                                                  for ln in proc.stdout if ln.startswith("saved ")])
+        reader = threading.Thread(
+            target=lambda: [
+                result.__setitem__("saved", int(ln.split()[1])) for ln in proc.stdout if ln.startswith("saved ")
+            ]
+        )
         reader.start()
         time.sleep(max(0.0, deadline - time.time()))
         proc.send_signal(signal.SIGKILL)
@@ -51,8 +55,10 @@ def test_resume_picks_the_last_complete_checkpoint_after_random_kills(tmp_path):
     rng = random.Random(20261123)
     roots = [tmp_path / f"trial{i}" for i in range(TRIALS)]
     results = [{} for _ in roots]
-    threads = [threading.Thread(target=_write_then_kill, args=(root, rng.uniform(0.0, 1.5), res))
-               for root, res in zip(roots, results, strict=True)]
+    threads = [
+        threading.Thread(target=_write_then_kill, args=(root, rng.uniform(0.0, 1.5), res))
+        for root, res in zip(roots, results, strict=True)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -70,8 +76,9 @@ def test_resume_picks_the_last_complete_checkpoint_after_random_kills(tmp_path):
     # Most kills must land inside a save (the writer does nothing else), or this proves little.
     assert mid_write >= TRIALS // 2, f"only {mid_write} of {TRIALS} kills left a partial checkpoint"
 
-    out = subprocess.run([sys.executable, WRITER, "load", *map(str, roots)], capture_output=True, text=True,
-                         timeout=600)
+    out = subprocess.run(
+        [sys.executable, WRITER, "load", *map(str, roots)], capture_output=True, text=True, timeout=600
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     loaded = json.loads(out.stdout.strip().splitlines()[-1])
     for root in roots:

@@ -49,8 +49,15 @@ class PlainEngine:
 
     def save(self, directory, client_state):
         os.makedirs(os.path.join(directory, checkpoint.TAG), exist_ok=True)
-        torch.save({"model": self.model.state_dict(), "opt": self.opt.state_dict(), "sched": self.sched.state_dict(),
-                    "client": client_state}, os.path.join(directory, checkpoint.TAG, "plain.pt"))
+        torch.save(
+            {
+                "model": self.model.state_dict(),
+                "opt": self.opt.state_dict(),
+                "sched": self.sched.state_dict(),
+                "client": client_state,
+            },
+            os.path.join(directory, checkpoint.TAG, "plain.pt"),
+        )
 
     def load(self, directory, reshard=False):  # one process: nothing is partitioned, nothing to re-cut
         state = torch.load(os.path.join(directory, checkpoint.TAG, "plain.pt"), weights_only=False)
@@ -84,22 +91,34 @@ def _run(cfg, mcfg, root):
     opt = build_optimizer(model, cfg.optim, on_cuda=False)
     sched = build_scheduler(opt, cfg.schedule, cfg.train.max_steps)
     engine = PlainEngine(model, opt, sched, cfg.micro_batches_per_step)
-    source = ParquetSource(cfg.data.path and resolve_against_data(cfg)[1], 0, 1, cfg.train.micro_batch_size,
-                           cfg.train.eval_batches)
+    source = ParquetSource(
+        cfg.data.path and resolve_against_data(cfg)[1], 0, 1, cfg.train.micro_batch_size, cfg.train.eval_batches
+    )
     return train_loop(cfg, mcfg, WorldInfo(), engine, sched, source, Sinks(), root), model
 
 
 def test_a_plain_torch_engine_trains_checkpoints_and_resumes_through_the_loop(byte_dataset, tmp_path):
-    overrides = [f"data.path={byte_dataset}", "parallel.num_workers=1", "train.max_steps=6", "train.eval_every=3",
-                 "train.checkpoint_every=3", "train.eval_batches=2", "train.grad_accum_steps=2",
-                 "train.micro_batch_size=4", "logging.progress_every=1000", "train.health.policy=off"]
+    overrides = [
+        f"data.path={byte_dataset}",
+        "parallel.num_workers=1",
+        "train.max_steps=6",
+        "train.eval_every=3",
+        "train.checkpoint_every=3",
+        "train.eval_batches=2",
+        "train.grad_accum_steps=2",
+        "train.micro_batch_size=4",
+        "logging.progress_every=1000",
+        "train.health.policy=off",
+    ]
     cfg, _ = resolve_against_data(load_config(None, overrides))
     mcfg = cfg.model.shape()
     final, whole = _run(cfg, mcfg, str(tmp_path / "a"))
     assert final["step"] == 6 and torch.isfinite(torch.tensor(final["loss/val"]))
     assert checkpoint.is_complete(str(tmp_path / "a" / "step_00000003"))
     # Resuming from step 3 through the same seam ends where the run without a stop ended.
-    resumed_cfg, _ = resolve_against_data(load_config(None, [*overrides, f"train.resume_from={tmp_path}/a/step_00000003"]))
+    resumed_cfg, _ = resolve_against_data(
+        load_config(None, [*overrides, f"train.resume_from={tmp_path}/a/step_00000003"])
+    )
     _, resumed = _run(resumed_cfg, mcfg, str(tmp_path / "b"))
     for (name, a), b in zip(whole.state_dict().items(), resumed.state_dict().values()):
         assert torch.equal(a, b), name

@@ -84,14 +84,19 @@ def test_injections_hit_rank_0_once():
     assert other.inject(loss, 3).item() == 2.0
 
 
-@pytest.mark.parametrize("overrides, needle", [
-    (["train.health.policy=retry"], "train.health.policy = 'retry' is not allowed"),
-    (["train.health.inject=nan@0"], "train.health.inject = 'nan@0': nan@0 is not nan@STEP or spike@STEP"),
-    (["train.health.spike_factor=0.5"], "train.health.spike_factor = 0.5: expected 0 (off) or a number > 1"),
-    (["train.health.max_rollbacks=0"], "max_rollbacks = 0: expected integers >= 1"),
-    (["train.health.policy=skip", "parallel.pipeline_stages=2", "parallel.zero_stage=1"],
-     "train.health.policy = 'skip' with parallel.pipeline_stages > 1"),
-])
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        (["train.health.policy=retry"], "train.health.policy = 'retry' is not allowed"),
+        (["train.health.inject=nan@0"], "train.health.inject = 'nan@0': nan@0 is not nan@STEP or spike@STEP"),
+        (["train.health.spike_factor=0.5"], "train.health.spike_factor = 0.5: expected 0 (off) or a number > 1"),
+        (["train.health.max_rollbacks=0"], "max_rollbacks = 0: expected integers >= 1"),
+        (
+            ["train.health.policy=skip", "parallel.pipeline_stages=2", "parallel.zero_stage=1"],
+            "train.health.policy = 'skip' with parallel.pipeline_stages > 1",
+        ),
+    ],
+)
 def test_config_mistakes_are_named(overrides, needle):
     with pytest.raises(ConfigError) as e:
         load_config(str(REPO / "jobs/configs/debug.yaml"), overrides)
@@ -108,9 +113,12 @@ def test_each_policy_on_a_real_run(byte_dataset, tmp_path):
         # a second bad loss once the one rollback allowed is spent stops the run
         "capped": ["train.checkpoint_every=4", "train.health.inject=nan@6,nan@9", "train.health.max_rollbacks=1"],
     }
-    procs = {name: _start(byte_dataset, tmp_path / name,
-                          [f"train.health.policy={'rollback' if name == 'capped' else name}", *sets])
-             for name, sets in runs.items()}
+    procs = {
+        name: _start(
+            byte_dataset, tmp_path / name, [f"train.health.policy={'rollback' if name == 'capped' else name}", *sets]
+        )
+        for name, sets in runs.items()
+    }
     out = {name: (p.communicate(timeout=600), p.returncode) for name, p in procs.items()}
 
     (_, err), rc = out["skip"]
@@ -118,8 +126,9 @@ def test_each_policy_on_a_real_run(byte_dataset, tmp_path):
     run, client = _run(tmp_path / "skip")
     tags = _health_tags(run)
     assert tags[0] == "step 6: skipped the step's 2 micro-batch(es): loss is not finite on 1 of 1 rank(s)", tags
-    assert tags[1].startswith("step 12: skipped the step's 2 micro-batch(es): loss ") \
-        and "x the running median" in tags[1], tags
+    assert (
+        tags[1].startswith("step 12: skipped the step's 2 micro-batch(es): loss ") and "x the running median" in tags[1]
+    ), tags
     skipped = client.get_metric_history(run.info.run_id, "health/skipped_batches")
     assert sorted((m.step, m.value) for m in skipped) == [(6, 2.0), (12, 4.0)]
     losses = _losses(client, run)
@@ -130,8 +139,9 @@ def test_each_policy_on_a_real_run(byte_dataset, tmp_path):
     assert rc == 0, err[-3000:]
     run, client = _run(tmp_path / "rollback")
     tags = _health_tags(run)
-    assert tags == ["step 6: rolled back to step_00000004, skipping the data of steps 5-6: "
-                    "loss is not finite on 1 of 1 rank(s)"], tags
+    assert tags == [
+        "step 6: rolled back to step_00000004, skipping the data of steps 5-6: loss is not finite on 1 of 1 rank(s)"
+    ], tags
     assert [m.value for m in client.get_metric_history(run.info.run_id, "health/rollbacks")] == [1.0]
     losses = _losses(client, run)  # steps 5 and 6 were trained twice (on different data)
     assert sorted({s for s, _ in losses}) == list(range(1, 15)) and all(math.isfinite(v) for _, v in losses)
@@ -139,34 +149,61 @@ def test_each_policy_on_a_real_run(byte_dataset, tmp_path):
 
     (_, err), rc = out["stop"]
     assert rc == 1, err[-3000:]  # a runtime failure (kiln.errors)
-    assert "kiln: error: training stopped at step 6: loss is not finite on 1 of 1 rank(s) " \
-           "(train.health.policy = stop); the newest complete checkpoint is " in err, err[-3000:]
+    assert (
+        "kiln: error: training stopped at step 6: loss is not finite on 1 of 1 rank(s) "
+        "(train.health.policy = stop); the newest complete checkpoint is " in err
+    ), err[-3000:]
     assert "Traceback" not in err
     run, client = _run(tmp_path / "stop")
-    assert run.info.status == "FAILED" and _health_tags(run) == ["step 6: stopped: loss is not finite on 1 of 1 rank(s)"]
+    assert run.info.status == "FAILED" and _health_tags(run) == [
+        "step 6: stopped: loss is not finite on 1 of 1 rank(s)"
+    ]
     root = tmp_path / "stop" / "runs" / run.info.run_name
     assert sorted(p.name for p in root.iterdir()) == ["kiln-run.json", "step_00000004"]
     assert checkpoint.is_complete(str(root / "step_00000004"))
 
     (_, err), rc = out["capped"]
     assert rc == 1, err[-3000:]  # a runtime failure (kiln.errors)
-    assert "kiln: error: training stopped at step 9: loss is not finite on 1 of 1 rank(s) (1 rollback(s) " \
-           "already, train.health.max_rollbacks = 1); the newest complete checkpoint is " in err, err[-3000:]
+    assert (
+        "kiln: error: training stopped at step 9: loss is not finite on 1 of 1 rank(s) (1 rollback(s) "
+        "already, train.health.max_rollbacks = 1); the newest complete checkpoint is " in err
+    ), err[-3000:]
     run, client = _run(tmp_path / "capped")
-    assert _health_tags(run) == ["step 6: rolled back to step_00000004, skipping the data of steps 5-6: "
-                                 "loss is not finite on 1 of 1 rank(s)",
-                                 "step 9: stopped: loss is not finite on 1 of 1 rank(s)"], _health_tags(run)
+    assert _health_tags(run) == [
+        "step 6: rolled back to step_00000004, skipping the data of steps 5-6: loss is not finite on 1 of 1 rank(s)",
+        "step 9: stopped: loss is not finite on 1 of 1 rank(s)",
+    ], _health_tags(run)
     assert run.info.status == "FAILED"
 
 
 def _start(byte_dataset, where: Path, sets: list[str]) -> subprocess.Popen:
     where.mkdir()
-    overrides = [f"data.path={byte_dataset}", "train.max_steps=14", "train.eval_every=0", "train.micro_batch_size=8",
-                 "train.grad_accum_steps=2", "schedule.warmup_steps=2", "logging.progress_every=1",
-                 f"logging.tracking_uri=sqlite:///{where}/mlflow.db", f"train.storage_path={where}/runs", *sets]
-    return subprocess.Popen([sys.executable, "-m", "kiln.launch.local", "--config", str(REPO / "jobs/configs/debug.yaml"),
-                             *[a for o in overrides for a in ("--set", o)]],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=where)
+    overrides = [
+        f"data.path={byte_dataset}",
+        "train.max_steps=14",
+        "train.eval_every=0",
+        "train.micro_batch_size=8",
+        "train.grad_accum_steps=2",
+        "schedule.warmup_steps=2",
+        "logging.progress_every=1",
+        f"logging.tracking_uri=sqlite:///{where}/mlflow.db",
+        f"train.storage_path={where}/runs",
+        *sets,
+    ]
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kiln.launch.local",
+            "--config",
+            str(REPO / "jobs/configs/debug.yaml"),
+            *[a for o in overrides for a in ("--set", o)],
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=where,
+    )
 
 
 def _run(where: Path):

@@ -59,7 +59,8 @@ def test_keep_is_logged_and_a_bad_mode_is_one_config_error(caplog):
 
     with caplog.at_level("INFO", logger="kiln.core.host_memory"):
         apply_host_malloc("keep")
-    assert any(r.message.startswith("host malloc: glibc") and "keeps freed memory" in r.message
-               for r in caplog.records), [r.message for r in caplog.records]
+    assert any(
+        r.message.startswith("host malloc: glibc") and "keeps freed memory" in r.message for r in caplog.records
+    ), [r.message for r in caplog.records]
     with pytest.raises(ConfigError, match="parallel.host_malloc"):
         load_config(None, ["parallel.host_malloc=sometimes"])

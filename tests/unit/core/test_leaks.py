@@ -21,7 +21,7 @@ def test_a_planted_host_leak_is_warned_about_once_and_reported(caplog):
     warnings = [r.getMessage() for r in caplog.records if "possible memory leak" in r.getMessage()]
     assert len(warnings) == 1, warnings
     assert warnings[0].startswith("possible memory leak: host memory grew ") and "MiB/step" in warnings[0]
-    assert all(r == 0.0 for r in rates[:5 + WINDOW - 1])  # warm-up, then a full window first
+    assert all(r == 0.0 for r in rates[: 5 + WINDOW - 1])  # warm-up, then a full window first
     assert 7 * 2**20 < rates[-1] < 9 * 2**20, rates[-1]  # about the 8 MiB a step planted
 
 

@@ -23,8 +23,9 @@ def test_the_cpu_peak_is_the_best_of_several_probes_whose_time_is_not_the_steps(
     monkeypatch.setattr(meter_mod, "measured_peak_flops", probe)
     cfg = load_config(None, ["model.flavour=debug", "model.vocab_size=256", "model.seq_len=32", "train.max_steps=20"])
     meter = StepMeter(cfg, cfg.model.shape(), 1, torch.device("cpu"), tokens_per_step=1000, done=0)
-    engine = types.SimpleNamespace(grad_norm=lambda: None, memory=lambda: {"memory/params_bytes": 80.0},
-                                   overflow=lambda: (0, 0.0))  # the `Engine` seam's reads
+    engine = types.SimpleNamespace(
+        grad_norm=lambda: None, memory=lambda: {"memory/params_bytes": 80.0}, overflow=lambda: (0, 0.0)
+    )  # the `Engine` seam's reads
     mfus = []
     for step in range(1, 21):
         meter.begin()

@@ -65,12 +65,15 @@ def test_sgd_nesterov_and_rmsprop_take_their_settings():
     assert sgd.param_groups[0]["weight_decay"] == 0.1 and sgd.param_groups[1]["weight_decay"] == 0.0
 
 
-@pytest.mark.parametrize("sets, needle", [
-    (["optim.name=adagrad"], "optim.name = 'adagrad' is not allowed"),
-    (["optim.nesterov=true", "optim.name=adamw"], "Nesterov needs optim.name = 'sgd'"),
-    (["optim.no_decay=norms,gains"], "optim.no_decay = 'norms,gains' is out of range"),
-    (["schedule.restart_mult=0"], "schedule.restart_mult = 0 is out of range"),
-])
+@pytest.mark.parametrize(
+    "sets, needle",
+    [
+        (["optim.name=adagrad"], "optim.name = 'adagrad' is not allowed"),
+        (["optim.nesterov=true", "optim.name=adamw"], "Nesterov needs optim.name = 'sgd'"),
+        (["optim.no_decay=norms,gains"], "optim.no_decay = 'norms,gains' is out of range"),
+        (["schedule.restart_mult=0"], "schedule.restart_mult = 0 is out of range"),
+    ],
+)
 def test_bad_optimizer_settings_are_named(sets, needle):
     from kiln.config import load_config
     from kiln.errors import ConfigError

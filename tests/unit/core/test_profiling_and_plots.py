@@ -17,8 +17,9 @@ def _keep_mib(n: int) -> bytearray:
 
 
 def test_profiler_window_writes_a_chrome_trace_top_operators_and_a_host_memory_profile():
-    prof = StepProfiler(ProfileConfig(start_step=2, steps=2, ranks="0,1"), rank=1, world_size=2,
-                        device=torch.device("cpu"))
+    prof = StepProfiler(
+        ProfileConfig(start_step=2, steps=2, ranks="0,1"), rank=1, world_size=2, device=torch.device("cpu")
+    )
     a = torch.randn(64, 64)
     windows, held = [], []
     for step in range(1, 6):
@@ -36,7 +37,9 @@ def test_profiler_window_writes_a_chrome_trace_top_operators_and_a_host_memory_p
     report = (out / "host_memory_rank1.txt").read_text()
     peak = float(re.search(r"peak host memory in the window: ([\d.]+) MiB", report).group(1))
     assert peak >= 48, report
-    assert re.search(r"^\s+48\.\d\d MiB in\s+2 allocation\(s\)  _keep_mib .*test_profiling_and_plots\.py", report, re.M), report
+    assert re.search(
+        r"^\s+48\.\d\d MiB in\s+2 allocation\(s\)  _keep_mib .*test_profiling_and_plots\.py", report, re.M
+    ), report
     assert (out / "host_memory_rank1.html").read_text().lstrip().startswith("<!DOCTYPE html>")
     # ranks not listed, and start_step 0, do not profile
     assert not StepProfiler(ProfileConfig(start_step=2, ranks="0"), 1, 2, torch.device("cpu")).enabled
@@ -44,12 +47,15 @@ def test_profiler_window_writes_a_chrome_trace_top_operators_and_a_host_memory_p
     assert ProfileConfig(ranks="all").rank_set(3) == {0, 1, 2}
 
 
-@pytest.mark.parametrize("override, says", [
-    ("train.profile.start_step=199", "run past train.max_steps = 200"),
-    ("train.profile.ranks=0,x", "expected comma-separated ranks or 'all'"),
-    ("train.profile.ranks=2", "ranks run 0..1"),
-    ("train.profile.steps=0", "steps >= 1"),
-])
+@pytest.mark.parametrize(
+    "override, says",
+    [
+        ("train.profile.start_step=199", "run past train.max_steps = 200"),
+        ("train.profile.ranks=0,x", "expected comma-separated ranks or 'all'"),
+        ("train.profile.ranks=2", "ranks run 0..1"),
+        ("train.profile.steps=0", "steps >= 1"),
+    ],
+)
 def test_bad_profile_windows_are_refused(override, says):
     sets = ["train.max_steps=200", "train.profile.start_step=5", "train.profile.steps=3", override]
     with pytest.raises(ConfigError, match=re.escape(says)):
@@ -69,8 +75,10 @@ def test_training_plots_from_a_history(tmp_path):
         "loss/val": [(10, 3.1), (20, 2.8), (30, 2.7)],
         "lr": [(s, 1e-3 * min(1, s / 5)) for s in steps],
         "throughput/tokens_per_s": [(s, 1000.0 + s) for s in steps],
-        "time/data_wait_s": [(s, 0.01) for s in steps], "time/forward_s": [(s, 0.1) for s in steps],
-        "time/backward_s": [(s, 0.2) for s in steps], "time/optimizer_s": [(s, 0.05) for s in steps],
+        "time/data_wait_s": [(s, 0.01) for s in steps],
+        "time/forward_s": [(s, 0.1) for s in steps],
+        "time/backward_s": [(s, 0.2) for s in steps],
+        "time/optimizer_s": [(s, 0.05) for s in steps],
     }
     written = training_plots(history, tmp_path)
     assert [p.name for p in written] == ["loss.png", "lr.png", "throughput.png", "step_time.png"]

@@ -34,8 +34,11 @@ def test_a_plugged_in_optimizer_reaches_the_config_the_planner_and_the_cli(fake,
     assert "name: fake" in text and "'fake']" in text and "name: half" in text and "'half']" in text
     # The planner counts its three states: three times SGD's one.
     assert _plan_optim_gib(capsys, "fake") == pytest.approx(3 * _plan_optim_gib(capsys, "sgd"), abs=0.02)
-    plan = next(a for a in build_parser()._subparsers._group_actions[0].choices["plan"]._actions
-                if "--optimizer" in a.option_strings)
+    plan = next(
+        a
+        for a in build_parser()._subparsers._group_actions[0].choices["plan"]._actions
+        if "--optimizer" in a.option_strings
+    )
     assert "fake" in plan.choices and list(plan.choices)[-1] == "fake"
     cfg = load_config(None, ["optim.name=fake", "schedule.name=half", "schedule.warmup_steps=2"])
     assert isinstance(build_optimizer(torch.nn.Linear(2, 2), cfg.optim, on_cuda=False), torch.optim.SGD)

@@ -15,8 +15,10 @@ from kiln.storage import resolve
 transformers = pytest.importorskip("transformers")
 
 # ChatML, as Qwen's tokenizers carry it.
-CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>'"
-          " + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+CHATML = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>'"
+    " + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
 
 
 @pytest.fixture(scope="module")
@@ -29,22 +31,51 @@ def chat(corpus, tmp_path_factory):
     texts = [p.read_text() for p in sorted(Path(corpus[0]).glob("*.py"))]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
-    tok.train_from_iterator(texts, trainers.BpeTrainer(
-        vocab_size=500, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    tok.train_from_iterator(
+        texts,
+        trainers.BpeTrainer(
+            vocab_size=500,
+            special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        ),
+    )
     (tmp / "tok").mkdir()
     tok.save(str(tmp / "tok" / "tokenizer.json"))
-    (tmp / "tok" / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
-        "chat_template": CHATML}))
+    (tmp / "tok" / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "eos_token": "<|im_end|>",
+                "pad_token": "<|endoftext|>",
+                "chat_template": CHATML,
+            }
+        )
+    )
     lines = [line.strip() for text in texts[:3] for line in text.splitlines() if len(line.strip()) > 20]
-    records = [{"messages": [{"role": "system", "content": "You write Python."},
-                             {"role": "user", "content": lines[i]}, {"role": "assistant", "content": lines[i + 1]},
-                             {"role": "user", "content": lines[i + 2]}, {"role": "assistant", "content": lines[i + 3]}]}
-               for i in range(0, min(len(lines) - 4, 400), 4)]
+    records = [
+        {
+            "messages": [
+                {"role": "system", "content": "You write Python."},
+                {"role": "user", "content": lines[i]},
+                {"role": "assistant", "content": lines[i + 1]},
+                {"role": "user", "content": lines[i + 2]},
+                {"role": "assistant", "content": lines[i + 3]},
+            ]
+        }
+        for i in range(0, min(len(lines) - 4, 400), 4)
+    ]
     (tmp / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    prepare(PrepareConfig(inputs=[str(tmp / "chat.jsonl")], output=str(tmp / "ds"), tokenizer=str(tmp / "tok"),
-                          seq_len=64, val_fraction=0.5, chat_field="messages"))
+    prepare(
+        PrepareConfig(
+            inputs=[str(tmp / "chat.jsonl")],
+            output=str(tmp / "ds"),
+            tokenizer=str(tmp / "tok"),
+            seq_len=64,
+            val_fraction=0.5,
+            chat_field="messages",
+        )
+    )
     return load_manifest(resolve(str(tmp / "ds"))), records, transformers.AutoTokenizer.from_pretrained(tmp / "tok")
 
 
@@ -62,6 +93,6 @@ def test_each_conversation_is_the_templates_tokens_and_only_assistant_turns_are_
     ends = [i for i, t in enumerate(ids) if t == eot]
     assert len(ends) > 10 and not any(scored[i] for i in ends)  # the separator is never a target
     for a, b in zip(ends, ends[1:]):  # each whole conversation between two separators
-        messages = expected[tuple(ids[a + 1:b])]  # the template's tokens, exactly
-        said = theirs.decode([t for t, s in zip(ids[a + 1:b], scored[a + 1:b]) if s])
+        messages = expected[tuple(ids[a + 1 : b])]  # the template's tokens, exactly
+        said = theirs.decode([t for t, s in zip(ids[a + 1 : b], scored[a + 1 : b]) if s])
         assert said == "".join(m["content"] + "<|im_end|>\n" for m in messages if m["role"] == "assistant")

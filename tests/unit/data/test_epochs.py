@@ -34,8 +34,7 @@ def test_a_reshuffled_pass_is_every_row_once_in_another_order_each_epoch_within_
             firsts.setdefault(s, i)
         opened = sorted(firsts, key=firsts.get)
         lasts = {s: i for i, (_, s, _) in enumerate(rows)}
-        assert all(sum(firsts[t] <= i <= lasts[t] for t in opened) <= WINDOW_SHARDS
-                   for i in range(0, len(rows), 97))
+        assert all(sum(firsts[t] <= i <= lasts[t] for t in opened) <= WINDOW_SHARDS for i in range(0, len(rows), 97))
     assert epochs[0] != epochs[1] != epochs[2]
     again = EpochOrder([Blocks.of(shard_rows, 32)], [1.0], seed=11, reshuffle=True)
     assert _rows(again.layout(1)) == epochs[1]  # a function of the seed and the epoch alone
@@ -60,12 +59,12 @@ def test_a_mixture_follows_its_weights_and_covers_each_dataset_once_per_pass():
     epochs = [_rows(order.layout(e)) for e in range(4)]
     stream = {d: [r for rows in epochs for r in rows if r[0] == d] for d in (0, 1)}
     for d, n_rows in ((0, 4 * 64), (1, 30 * 64)):
-        passes = [stream[d][i:i + n_rows] for i in range(0, len(stream[d]) - n_rows + 1, n_rows)]
+        passes = [stream[d][i : i + n_rows] for i in range(0, len(stream[d]) - n_rows + 1, n_rows)]
         assert passes and all(len(set(p)) == n_rows for p in passes), d  # every row once per pass
     # the interleave: in any stretch, the share of each dataset is its weight up to sampling error
     labels = np.array([r[0] for r in epochs[0]])
     for lo in range(0, len(labels) - 512, 512):
-        share = labels[lo:lo + 512].mean()
+        share = labels[lo : lo + 512].mean()
         assert abs(share - 0.5) < 4 * np.sqrt(0.25 / (512 / 16)), (lo, share)  # blocks of 16 rows
 
 
@@ -73,13 +72,15 @@ def test_replicas_of_a_shuffled_epoch_read_disjoint_rows_whose_steps_cover_it():
     order = EpochOrder([Blocks.of([96, 96, 40], 32), Blocks.of([128], 32)], [2.0, 1.0], seed=1, reshuffle=True)
     layout = order.layout(2)
     world, micro = 3, 8
-    got = [[(s.source, s.shard, int(r)) for s in replica_slices(layout, rank, world, micro) for r in s.index]
-           for rank in range(world)]
+    got = [
+        [(s.source, s.shard, int(r)) for s in replica_slices(layout, rank, world, micro) for r in s.index]
+        for rank in range(world)
+    ]
     rows = _rows(layout)
     per = len(got[0])
     assert all(len(g) == per for g in got) and per == layout.rows // (world * micro) * micro
-    steps = [row for j in range(per // micro) for g in got for row in g[j * micro:(j + 1) * micro]]
-    assert steps == rows[:len(steps)]  # the chunks of a step are consecutive rows of the epoch
+    steps = [row for j in range(per // micro) for g in got for row in g[j * micro : (j + 1) * micro]]
+    assert steps == rows[: len(steps)]  # the chunks of a step are consecutive rows of the epoch
 
 
 @pytest.mark.parametrize("reshuffle", [False, True])

@@ -25,7 +25,7 @@ def _records(corpus) -> list[dict]:
         lines = path.read_text().splitlines()
         for i, line in enumerate(lines):
             if line.lstrip().startswith("def ") and i + 3 < len(lines):
-                out.append({"prompt": line.strip() + " → ", "response": "\n".join(lines[i + 1:i + 4]) + " ✓"})
+                out.append({"prompt": line.strip() + " → ", "response": "\n".join(lines[i + 1 : i + 4]) + " ✓"})
     return out
 
 
@@ -35,8 +35,17 @@ def instruct(corpus, tmp_path_factory):
     records = _records(corpus)
     (tmp / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     out = tmp / "ds"
-    prepare(PrepareConfig(inputs=[str(tmp / "sft.jsonl")], output=str(out), tokenizer="byte", seq_len=32, val_fraction=0.5,
-                          prompt_field="prompt", response_field="response"))
+    prepare(
+        PrepareConfig(
+            inputs=[str(tmp / "sft.jsonl")],
+            output=str(out),
+            tokenizer="byte",
+            seq_len=32,
+            val_fraction=0.5,
+            prompt_field="prompt",
+            response_field="response",
+        )
+    )
     return load_manifest(resolve(str(out))), records
 
 
@@ -50,9 +59,9 @@ def test_only_response_tokens_and_their_end_are_scored(instruct):
     ends = [i for i, t in enumerate(ids) if t == EOT]
     assert len(ends) > 5
     for start, end in zip(ends, ends[1:]):  # each whole example between two ends
-        text = bytes(ids[start + 1:end])
+        text = bytes(ids[start + 1 : end])
         prompt_bytes = by_text[text]  # it is one of the records, whole
-        assert scored[start + 1:end + 1] == [False] * prompt_bytes + [True] * (end - start - prompt_bytes)
+        assert scored[start + 1 : end + 1] == [False] * prompt_bytes + [True] * (end - start - prompt_bytes)
 
 
 def test_the_loss_counts_only_responses_as_computed_by_hand(instruct):
@@ -65,8 +74,12 @@ def test_the_loss_counts_only_responses_as_computed_by_hand(instruct):
     with torch.no_grad():
         logits = model(inputs)
         ours = next_token_loss(logits, targets).item()
-        terms = [-torch.log_softmax(logits[b, t], -1)[int(rows[b, t + 1])].item()
-                 for b in range(rows.shape[0]) for t in range(rows.shape[1] - 1) if rows[b, t + 1] >= 0]
+        terms = [
+            -torch.log_softmax(logits[b, t], -1)[int(rows[b, t + 1])].item()
+            for b in range(rows.shape[0])
+            for t in range(rows.shape[1] - 1)
+            if rows[b, t + 1] >= 0
+        ]
     assert 0 < len(terms) < targets.numel()  # some scored, some not
     assert abs(ours - sum(terms) / len(terms)) <= 1e-5
     assert next_token_loss(logits, torch.full_like(targets, -100)).item() == 0.0  # nothing scored: 0, not NaN
@@ -76,8 +89,15 @@ def test_instruction_records_are_checked(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"prompt": "a", "response": "b"}) + "\n" + json.dumps({"prompt": "c"}) + "\n")
     with pytest.raises(DataError, match=r"bad.jsonl:2: expected an object with a string field 'response'"):
-        prepare(PrepareConfig(inputs=[str(bad)], output=str(tmp_path / "o"), tokenizer="byte",
-                              prompt_field="prompt", response_field="response"))
+        prepare(
+            PrepareConfig(
+                inputs=[str(bad)],
+                output=str(tmp_path / "o"),
+                tokenizer="byte",
+                prompt_field="prompt",
+                response_field="response",
+            )
+        )
     with pytest.raises(ConfigError, match="--prompt-field and --response-field go together"):
         prepare(PrepareConfig(inputs=[str(bad)], output=str(tmp_path / "o"), tokenizer="byte", prompt_field="prompt"))
     assert not (tmp_path / "o").exists()
@@ -92,23 +112,38 @@ def test_a_tokenizer_that_adds_bos_puts_one_at_the_start_of_each_example(corpus,
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
-    tok.train_from_iterator([p.read_text() for p in sorted(Path(corpus[0]).glob("*.py"))], trainers.BpeTrainer(
-        vocab_size=400, special_tokens=["<|endoftext|>", "<|begin_of_text|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    tok.train_from_iterator(
+        [p.read_text() for p in sorted(Path(corpus[0]).glob("*.py"))],
+        trainers.BpeTrainer(
+            vocab_size=400,
+            special_tokens=["<|endoftext|>", "<|begin_of_text|>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        ),
+    )
     bos, eot = tok.token_to_id("<|begin_of_text|>"), tok.token_to_id("<|endoftext|>")
-    tok.post_processor = processors.TemplateProcessing(single="<|begin_of_text|> $A", special_tokens=[
-        ("<|begin_of_text|>", bos)])
+    tok.post_processor = processors.TemplateProcessing(
+        single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", bos)]
+    )
     (tmp_path / "tok").mkdir()
     tok.save(str(tmp_path / "tok" / "tokenizer.json"))
     records = _records(corpus)[:200]
     (tmp_path / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    prepare(PrepareConfig(inputs=[str(tmp_path / "sft.jsonl")], output=str(tmp_path / "ds"),
-                          tokenizer=str(tmp_path / "tok"), seq_len=32, val_fraction=0.5,
-                          prompt_field="prompt", response_field="response"))
+    prepare(
+        PrepareConfig(
+            inputs=[str(tmp_path / "sft.jsonl")],
+            output=str(tmp_path / "ds"),
+            tokenizer=str(tmp_path / "tok"),
+            seq_len=32,
+            val_fraction=0.5,
+            prompt_field="prompt",
+            response_field="response",
+        )
+    )
     manifest = load_manifest(resolve(str(tmp_path / "ds")))
     rows = torch.cat([r for _, r in ParquetSource(manifest, 0, 1, 4).epoch("val")]).reshape(-1)
     ids = torch.where(rows < 0, -rows - 1, rows).tolist()
     ends = [i for i, t in enumerate(ids) if t == eot]
-    examples = [ids[a + 1:b] for a, b in zip(ends, ends[1:])]
+    examples = [ids[a + 1 : b] for a, b in zip(ends, ends[1:])]
     assert len(examples) > 5
     assert all(e.count(bos) == 1 and e[0] == bos and rows[ends[0] + 1] < 0 for e in examples)

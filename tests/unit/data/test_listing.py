@@ -41,7 +41,7 @@ def test_units_cover_every_file_once_in_a_seeded_order_of_windows(tmp_path, monk
     assert sorted(first) == [f.uri for f in files]  # every file once
     assert first == order(1) and first != order(2)  # deterministic, and the seed decides
     for w in range(0, 100, 16):  # a file stays in its window: the shuffle holds 16 files at once
-        assert set(first[w:w + 16]) == {f.uri for f in files[w:w + 16]}
+        assert set(first[w : w + 16]) == {f.uri for f in files[w : w + 16]}
     assert first[:16] != [f.uri for f in files[:16]]
 
 

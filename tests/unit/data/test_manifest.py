@@ -46,14 +46,18 @@ def test_missing_or_incomplete_dataset(tmp_path):
         load_manifest(resolve(str(tmp_path / "half")))
 
 
-@pytest.mark.parametrize("mutate, needle", [
-    (lambda d: d.__setitem__("tokenizer", "byte"), "tokenizer: expected an object (got 'byte')"),
-    (lambda d: d["splits"]["train"]["shards"][0].pop("bytes"), "splits.train.shards.0.bytes: Field required"),
-    (lambda d: d["splits"].pop("val"), "splits.val: Field required"),
-    (lambda d: d.__setitem__("seq_len", "x"), "seq_len: Input should be a valid integer"),
-    (lambda d: d["splits"]["train"]["shards"][0].__setitem__("sha256", "00"), "splits.train.shards.0.sha256"),
-    (lambda d: d.clear() or d.update({"x": 42}), "is not a Kiln manifest"),
-], ids=["tokenizer-a-string", "shard-without-bytes", "no-val-split", "seq-len-a-string", "bad-sha", "foreign-json"])
+@pytest.mark.parametrize(
+    "mutate, needle",
+    [
+        (lambda d: d.__setitem__("tokenizer", "byte"), "tokenizer: expected an object (got 'byte')"),
+        (lambda d: d["splits"]["train"]["shards"][0].pop("bytes"), "splits.train.shards.0.bytes: Field required"),
+        (lambda d: d["splits"].pop("val"), "splits.val: Field required"),
+        (lambda d: d.__setitem__("seq_len", "x"), "seq_len: Input should be a valid integer"),
+        (lambda d: d["splits"]["train"]["shards"][0].__setitem__("sha256", "00"), "splits.train.shards.0.sha256"),
+        (lambda d: d.clear() or d.update({"x": 42}), "is not a Kiln manifest"),
+    ],
+    ids=["tokenizer-a-string", "shard-without-bytes", "no-val-split", "seq-len-a-string", "bad-sha", "foreign-json"],
+)
 def test_a_manifest_of_the_wrong_shape_is_refused_naming_the_field(dataset_copy, mutate, needle):
     path = dataset_copy / "manifest.json"
     doc = json.loads(path.read_text())
@@ -76,7 +80,11 @@ def test_verify_checks_the_seq_len_against_the_shards(dataset_copy):
     doc = json.loads(path.read_text())
     doc["seq_len"] = 16
     path.write_text(json.dumps(doc))
-    out = subprocess.run([str(Path(sys.executable).parent / "kiln"), "data", "verify", str(dataset_copy)],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [str(Path(sys.executable).parent / "kiln"), "data", "verify", str(dataset_copy)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 1 and "Traceback" not in out.stderr  # a runtime failure, not a usage error
     assert "has column 'tokens'" in out.stderr and "(seq_len 16) needs" in out.stderr

@@ -32,8 +32,9 @@ def _owner(*datasets: Dataset) -> dict[tuple, int]:
 
 @pytest.fixture(scope="module")
 def mixture(byte_dataset, prose_dataset):
-    cfg, datasets = resolve_against_data(load_config(None, [
-        f"data.mix=[{{path: {byte_dataset}, weight: 1}}, {{path: {prose_dataset}, weight: 3}}]"]))
+    cfg, datasets = resolve_against_data(
+        load_config(None, [f"data.mix=[{{path: {byte_dataset}, weight: 1}}, {{path: {prose_dataset}, weight: 3}}]"])
+    )
     assert [d.name for d in datasets] == ["bytes", "prose"] and cfg.data.path == str(byte_dataset)
     return datasets
 
@@ -53,8 +54,9 @@ def test_the_realised_mix_follows_the_weights_and_is_what_the_metrics_say(mixtur
     streams = [_take(_source(mixture, r), 0, n) for r in range(WORLD)]
     counts = Counter()
     for j in (per_epoch // 3, per_epoch, n):  # after a third of an epoch, one epoch, and more
-        counts = Counter(owner[(i, tuple(row.tolist()))] for s in streams for ids, rows in s[:j]
-                         for i, row in zip(ids, rows))
+        counts = Counter(
+            owner[(i, tuple(row.tolist()))] for s in streams for ids, rows in s[:j] for i, row in zip(ids, rows)
+        )
         share = counts[1] / sum(counts.values())
         blocks = sum(counts.values()) / 64  # the order's unit: 64 rows at seq_len 64
         assert abs(share - 0.75) < 4 * np.sqrt(0.75 * 0.25 / blocks) + 0.01, (j, share)
@@ -63,8 +65,12 @@ def test_the_realised_mix_follows_the_weights_and_is_what_the_metrics_say(mixtur
         assert metrics["data/mix/bytes_frac"] == pytest.approx(1 - share, abs=1e-12)
     # Each dataset's rows come once per pass over it. Prose, weighted above its size, makes more
     # than one pass an epoch; code, below it, less than one.
-    order = [owner[(i, tuple(row.tolist()))] * (1 << 40) + i for j in range(per_epoch) for s in streams
-             for i, row in zip(*s[j])]
+    order = [
+        owner[(i, tuple(row.tolist()))] * (1 << 40) + i
+        for j in range(per_epoch)
+        for s in streams
+        for i, row in zip(*s[j])
+    ]
     for d, ds in enumerate(mixture):
         ids = [x for x in order if x >> 40 == d]
         rows = ds.manifest.split("train")["rows"]
@@ -83,7 +89,7 @@ def test_a_mixture_resumes_exactly_mid_epoch_and_across_epochs(mixture, reshuffl
         assert [ids for ids, _ in resumed] == [ids for ids, _ in whole[k:]], k
         assert all((a == b).all() for (_, a), (_, b) in zip(resumed, whole[k:]))
     if reshuffle:  # the second epoch is another order of rows
-        assert [ids for ids, _ in whole[per_epoch:per_epoch + 6]] != [ids for ids, _ in whole[:6]]
+        assert [ids for ids, _ in whole[per_epoch : per_epoch + 6]] != [ids for ids, _ in whole[:6]]
 
 
 def test_one_dataset_reshuffled_covers_every_row_once_per_epoch_in_a_new_order(byte_dataset):
@@ -96,11 +102,13 @@ def test_one_dataset_reshuffled_covers_every_row_once_per_epoch_in_a_new_order(b
     assert len(set(epochs[0])) == len(epochs[0]) and len(set(epochs[1])) == len(epochs[1])
     assert epochs[0] != epochs[1] and len(set(epochs[0]) & set(epochs[1])) > 0.99 * len(epochs[0])
     m = datasets[0].manifest
-    in_manifest_order = [first + i for (e, _), first in zip(m.shards("train"), m.first_ids("train"))
-                         for i in range(e["rows"])][:len(epochs[0])]
+    in_manifest_order = [
+        first + i for (e, _), first in zip(m.shards("train"), m.first_ids("train")) for i in range(e["rows"])
+    ][: len(epochs[0])]
     fixed = ParquetSource(datasets, 0, 1, MICRO)  # no reshuffle: the manifest's order, every epoch
-    assert [list(itertools.chain(*(ids.tolist() for ids, _ in fixed.epoch("train", 0, e)))) for e in (0, 1)] == \
-        [in_manifest_order] * 2
+    assert [list(itertools.chain(*(ids.tolist() for ids, _ in fixed.epoch("train", 0, e)))) for e in (0, 1)] == [
+        in_manifest_order
+    ] * 2
     assert sorted(epochs[0]) == sorted(in_manifest_order)
 
 
@@ -109,6 +117,9 @@ def test_datasets_of_another_tokenizer_are_refused_naming_the_one(byte_dataset, 
 
     bpe = tmp_path_factory.mktemp("data") / "bpe"
     prepare(PrepareConfig(inputs=corpus[:1], output=str(bpe), tokenizer="bpe", vocab_size=300, seq_len=64))
-    with pytest.raises(ConfigError, match=r"data\.mix\[1\] = .*bpe was tokenized with another tokenizer than "
-                                          r"data\.mix\[0\].*--tokenizer byte"):
+    with pytest.raises(
+        ConfigError,
+        match=r"data\.mix\[1\] = .*bpe was tokenized with another tokenizer than "
+        r"data\.mix\[0\].*--tokenizer byte",
+    ):
         resolve_against_data(load_config(None, [f"data.mix=[{{path: {byte_dataset}}}, {{path: {bpe}}}]"]))

@@ -7,14 +7,7 @@ import pytest
 import torch
 
 from kiln.data.manifest import load_manifest
-from kiln.data.order import (
-    Slice,
-    batches_per_epoch,
-    expected_ids,
-    read_slice,
-    replica_slices,
-    whole_shards,
-)
+from kiln.data.order import Slice, batches_per_epoch, expected_ids, read_slice, replica_slices, whole_shards
 from kiln.data.sources import ParquetSource, _checked_order, _micro_batches
 from kiln.errors import DataError
 from kiln.storage import resolve
@@ -33,14 +26,15 @@ def _slices(shard_rows: list[int], rank: int, world: int, micro: int, skip: int 
     return replica_slices(whole_shards(shard_rows), rank, world, micro, skip)
 
 
-@pytest.mark.parametrize("shard_rows,world,micro", [([10, 10, 10], 2, 4), ([7, 3, 11, 1], 3, 2), ([5], 4, 1),
-                                                    ([4, 4], 1, 3)])
+@pytest.mark.parametrize(
+    "shard_rows,world,micro", [([10, 10, 10], 2, 4), ([7, 3, 11, 1], 3, 2), ([5], 4, 1), ([4, 4], 1, 3)]
+)
 def test_each_step_reads_consecutive_rows_whatever_the_world_size(shard_rows, world, micro):
     per_epoch = batches_per_epoch(sum(shard_rows), world, micro)
     got = [_rows(_slices(shard_rows, r, world, micro), shard_rows) for r in range(world)]
     assert [len(g) for g in got] == [per_epoch * micro] * world
     # micro-batch j of every replica, side by side: the rows of step j, consecutive
-    steps = [row for j in range(per_epoch) for g in got for row in g[j * micro:(j + 1) * micro]]
+    steps = [row for j in range(per_epoch) for g in got for row in g[j * micro : (j + 1) * micro]]
     assert steps == list(range(per_epoch * micro * world))
 
 
@@ -109,9 +103,14 @@ def test_a_resumed_source_sees_every_sample_once_across_an_epoch_boundary(byte_d
         assert ids(source(0), k) + ids(source(k), total - k) == uninterrupted, k
     epoch = list(itertools.chain(*uninterrupted[:per_epoch]))
     assert len(set(epoch)) == len(epoch) == per_epoch * 8
-    rows = [i for (e, _), first in zip(manifest.shards("train"), manifest.first_ids("train"))
-            for i in range(first, first + e["rows"])]  # the split's rows in manifest order
-    assert uninterrupted[:per_epoch] == [rows[(2 * j + 1) * 8 : (2 * j + 2) * 8] for j in range(per_epoch)]  # chunks 1, 3, 5, ...
+    rows = [
+        i
+        for (e, _), first in zip(manifest.shards("train"), manifest.first_ids("train"))
+        for i in range(first, first + e["rows"])
+    ]  # the split's rows in manifest order
+    assert uninterrupted[:per_epoch] == [
+        rows[(2 * j + 1) * 8 : (2 * j + 2) * 8] for j in range(per_epoch)
+    ]  # chunks 1, 3, 5, ...
     assert uninterrupted[per_epoch] == uninterrupted[0]  # the next epoch starts over, same order
     replica0 = ParquetSource(manifest, 0, 2, 8)
     replica0.skip = 0
@@ -125,8 +124,11 @@ def test_a_resume_on_another_number_of_replicas_goes_on_at_the_same_row(byte_dat
     `after` replicas' micro-batches do not end there, at the next row they do (never a row
     twice, fewer than one micro-batch per replica left out); at and after an epoch's end too."""
     manifest = load_manifest(resolve(str(byte_dataset)))
-    rows = [i for (e, _), first in zip(manifest.shards("train"), manifest.first_ids("train"))
-            for i in range(first, first + e["rows"])]  # an epoch's rows in order (one dataset)
+    rows = [
+        i
+        for (e, _), first in zip(manifest.shards("train"), manifest.first_ids("train"))
+        for i in range(first, first + e["rows"])
+    ]  # an epoch's rows in order (one dataset)
     micro = 4
     per_epoch = batches_per_epoch(len(rows), before, micro)
     for k in (6, 7, per_epoch - 1, per_epoch, per_epoch + 3):
@@ -136,7 +138,9 @@ def test_a_resume_on_another_number_of_replicas_goes_on_at_the_same_row(byte_dat
         sources = [ParquetSource(manifest, r, after, micro) for r in range(after)]
         first = [next(iter(s.train_samples(skip=skips[0])))[0].tolist() for s in sources]
         start = rows.index(first[0][0])
-        assert [i for b in first for i in b] == rows[start:start + after * micro]  # consecutive rows, replica by replica
+        assert [i for b in first for i in b] == rows[
+            start : start + after * micro
+        ]  # consecutive rows, replica by replica
         if read + after * micro > batches_per_epoch(len(rows), after, micro) * after * micro:
             assert start == 0  # the epoch's tail for `after` replicas: the next epoch begins
         else:

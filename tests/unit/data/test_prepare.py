@@ -78,24 +78,47 @@ def test_jsonl_and_parquet_inputs(tmp_path):
     recs = [{"text": f"record {i} " * 40, "meta": i} for i in range(6)]
     (tmp_path / "a.jsonl").write_text("\n".join(json.dumps(r) for r in recs))
     pq.write_table(pa.table({"body": [r["text"] for r in recs]}), tmp_path / "b.parquet")
-    m1 = prepare(PrepareConfig(inputs=[str(tmp_path / "a.jsonl")], output=str(tmp_path / "o1"), tokenizer="byte", seq_len=16))
-    m2 = prepare(PrepareConfig(inputs=[str(tmp_path / "b.parquet")], output=str(tmp_path / "o2"), tokenizer="byte",
-                               seq_len=16, text_field="body"))
+    m1 = prepare(
+        PrepareConfig(inputs=[str(tmp_path / "a.jsonl")], output=str(tmp_path / "o1"), tokenizer="byte", seq_len=16)
+    )
+    m2 = prepare(
+        PrepareConfig(
+            inputs=[str(tmp_path / "b.parquet")],
+            output=str(tmp_path / "o2"),
+            tokenizer="byte",
+            seq_len=16,
+            text_field="body",
+        )
+    )
     assert m1["documents"] == m2["documents"] == {"train": 5, "val": 1}
     assert m1["splits"]["train"]["tokens"] == m2["splits"]["train"]["tokens"]
 
 
-@pytest.mark.parametrize("setup, needle", [
-    (lambda d: None, "does not exist"),
-    (lambda d: d.mkdir(), "holds no text files"),
-    (lambda d: (d.mkdir(), (d / "a.txt").write_text("  \n\n ")), "the corpus is empty"),
-    (lambda d: (d.mkdir(), (d / "x.parquet").write_bytes(b"PAR1 this is not parquet")), "x.parquet is not a readable Parquet file"),
-    (lambda d: (d.mkdir(), pq.write_table(pa.table({"body": ["some text"] * 9}), d / "x.parquet")),
-     "x.parquet has no column 'text' (columns: ['body'])"),
-    (lambda d: (d.mkdir(), (d / "x.jsonl").write_text('{"text": "ok"}\n{broken\n')), "x.jsonl:2: not valid JSON"),
-    (lambda d: (d.mkdir(), (d / "x.jsonl").write_text('{"content": "ok"}\n')), "expected an object with a string field 'text'"),
-    (lambda d: (d.mkdir(), (d / "a.txt").write_text("tiny"), (d / "b.txt").write_text("tiny")), "too small for --seq-len"),
-])
+@pytest.mark.parametrize(
+    "setup, needle",
+    [
+        (lambda d: None, "does not exist"),
+        (lambda d: d.mkdir(), "holds no text files"),
+        (lambda d: (d.mkdir(), (d / "a.txt").write_text("  \n\n ")), "the corpus is empty"),
+        (
+            lambda d: (d.mkdir(), (d / "x.parquet").write_bytes(b"PAR1 this is not parquet")),
+            "x.parquet is not a readable Parquet file",
+        ),
+        (
+            lambda d: (d.mkdir(), pq.write_table(pa.table({"body": ["some text"] * 9}), d / "x.parquet")),
+            "x.parquet has no column 'text' (columns: ['body'])",
+        ),
+        (lambda d: (d.mkdir(), (d / "x.jsonl").write_text('{"text": "ok"}\n{broken\n')), "x.jsonl:2: not valid JSON"),
+        (
+            lambda d: (d.mkdir(), (d / "x.jsonl").write_text('{"content": "ok"}\n')),
+            "expected an object with a string field 'text'",
+        ),
+        (
+            lambda d: (d.mkdir(), (d / "a.txt").write_text("tiny"), (d / "b.txt").write_text("tiny")),
+            "too small for --seq-len",
+        ),
+    ],
+)
 def test_bad_corpora_fail_cleanly_and_leave_nothing(tmp_path, setup, needle):
     src = tmp_path / "src"
     setup(src)
@@ -135,8 +158,12 @@ def test_directory_of_foreign_files_is_refused(tmp_path, corpus):
 
 
 def test_bad_settings():
-    for kwargs, needle in [({"tokenizer": "wordpiece"}, "--tokenizer"), ({"seq_len": 1}, "--seq-len"),
-                           ({"val_fraction": 1.5}, "--val-fraction"), ({"tokenizer": "bpe", "vocab_size": 10}, "--vocab-size")]:
+    for kwargs, needle in [
+        ({"tokenizer": "wordpiece"}, "--tokenizer"),
+        ({"seq_len": 1}, "--seq-len"),
+        ({"val_fraction": 1.5}, "--val-fraction"),
+        ({"tokenizer": "bpe", "vocab_size": 10}, "--vocab-size"),
+    ]:
         with pytest.raises(KilnError, match=needle):
             prepare(PrepareConfig(inputs=["x"], output="y", **kwargs))
 
@@ -150,17 +177,21 @@ def test_binary_input_is_refused_or_skipped_and_counted(tmp_path, corpus):
     with pytest.raises(DataError, match=f"input {binary} holds binary data.*--on-binary skip"):
         prepare(PrepareConfig(inputs=inputs, output=str(tmp_path / "a"), tokenizer="byte", seq_len=32))
     assert not (tmp_path / "a").exists()
-    m = prepare(PrepareConfig(inputs=inputs, output=str(tmp_path / "b"), tokenizer="byte", seq_len=32,
-                              on_binary="skip"))
+    m = prepare(
+        PrepareConfig(inputs=inputs, output=str(tmp_path / "b"), tokenizer="byte", seq_len=32, on_binary="skip")
+    )
     assert m["input"] == {"binary_files_skipped": 1, "invalid_utf8_chars": 400, "bad_records_skipped": 0}
     assert json.loads((tmp_path / "b" / "manifest.json").read_text())["input"] == m["input"]
 
 
-@pytest.mark.parametrize("kwargs, needle", [
-    ({"vocab_size": -7}, "--vocab-size -7: expected a positive integer"),
-    ({"shard_tokens": -1}, "--shard-tokens -1: expected at least one row"),
-    ({"on_binary": "maybe"}, "--on-binary 'maybe'"),
-])
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        ({"vocab_size": -7}, "--vocab-size -7: expected a positive integer"),
+        ({"shard_tokens": -1}, "--shard-tokens -1: expected at least one row"),
+        ({"on_binary": "maybe"}, "--on-binary 'maybe'"),
+    ],
+)
 def test_settings_that_would_be_ignored_or_absurd_are_refused(tmp_path, corpus, kwargs, needle):
     with pytest.raises(KilnError, match=needle):
         prepare(PrepareConfig(inputs=corpus[:1], output=str(tmp_path / "ds"), tokenizer="byte", seq_len=32, **kwargs))

@@ -39,12 +39,15 @@ def test_jsonl_byte_ranges_read_each_record_once_and_bad_records_are_named_or_co
     src = tmp_path / "d.jsonl"
     _jsonl(src, 600, bad_at=517)
     common = dict(inputs=[str(src)], tokenizer="byte", seq_len=32, unit_bytes=4096)
-    with pytest.raises(DataError, match=rf"{src}:517: expected an object with a string field 'text'.*--on-bad-record skip"):
+    with pytest.raises(
+        DataError, match=rf"{src}:517: expected an object with a string field 'text'.*--on-bad-record skip"
+    ):
         prepare(PrepareConfig(output=str(tmp_path / "a"), **common))
     assert not (tmp_path / "a").exists() and not list(tmp_path.glob(".a.partial-*"))  # nothing of it is left
     split = prepare(PrepareConfig(output=str(tmp_path / "b"), on_bad_record="skip", **common))
-    whole = prepare(PrepareConfig(output=str(tmp_path / "c"), on_bad_record="skip",
-                                  **(common | {"unit_bytes": 1 << 20})))
+    whole = prepare(
+        PrepareConfig(output=str(tmp_path / "c"), on_bad_record="skip", **(common | {"unit_bytes": 1 << 20}))
+    )
     assert split["units"] > 10 and whole["units"] == 1  # the file was cut into byte ranges
     for m in (split, whole):
         assert sum(m["documents"].values()) == 599 and m["input"]["bad_records_skipped"] == 1
@@ -61,8 +64,13 @@ def test_a_large_parquet_file_is_cut_into_row_group_ranges_each_read_once_and_al
 
     texts = [f"row {i}: " + "lorem ipsum dolor sit amet " * (20 + i % 13) for i in range(4000)]
     src = tmp_path / "d.parquet"  # 40 row groups of 100 rows (~90 KB each), and a column not asked for
-    pq.write_table(pa.table({"text": texts, "other": ["x" * 200] * len(texts)}), src, row_group_size=100,
-                   compression="none", use_dictionary=False)
+    pq.write_table(
+        pa.table({"text": texts, "other": ["x" * 200] * len(texts)}),
+        src,
+        row_group_size=100,
+        compression="none",
+        use_dictionary=False,
+    )
     units = list(_cut(list_inputs([str(src)]), 256 << 10))
     assert len(units) > 10 and all(len(u.pieces) == 1 and u.pieces[0].end > 0 for u in units)
 
@@ -91,8 +99,11 @@ def test_throughput_is_over_the_span_to_the_last_record_back():
     # two workers, 10 s from the pipeline's start to the last record back: 1 s before the first
     # unit (an actor's start), units of 4 + 5 s and 4 s, the last ending 0.5 s before the span's end
     rec = {"bytes": 10_000_000, "splits": {"train": {"tokens": 900}, "val": {"tokens": 100}}}
-    done = [rec | {"started": 101.0, "seconds": 4.0, "pid": 1}, rec | {"started": 105.0, "seconds": 4.5, "pid": 1},
-            rec | {"started": 101.5, "seconds": 4.0, "pid": 2}]
+    done = [
+        rec | {"started": 101.0, "seconds": 4.0, "pid": 1},
+        rec | {"started": 105.0, "seconds": 4.5, "pid": 1},
+        rec | {"started": 101.5, "seconds": 4.0, "pid": 2},
+    ]
     t = _throughput(done, began=100.0, ended=110.0)
     assert t["seconds"] == 10.0 and t["mb_per_s"] == 3.0 and t["tokens_per_s"] == 300.0 and t["workers"] == 2
     assert t["busy_s"] == 12.5 and t["mb_per_busy_s"] == 30 / 12.5
@@ -104,8 +115,23 @@ def test_a_prepare_killed_midway_resumes_and_gives_the_same_dataset(tmp_path, co
     # 5d3d2f6: 5), the last ones could finish between two looks and nothing was left to kill.
     # A unit of one document draws it for validation with --val-fraction's chance: 0.3 of 22.
     inputs = [a for d in corpus for a in ("--input", d)]
-    args = ["data", "prepare", *inputs, "--tokenizer", "bpe", "--vocab-size", "512", "--seq-len", "64",
-            "--unit-bytes", "1024", "--val-fraction", "0.3", "--workers", "0"]
+    args = [
+        "data",
+        "prepare",
+        *inputs,
+        "--tokenizer",
+        "bpe",
+        "--vocab-size",
+        "512",
+        "--seq-len",
+        "64",
+        "--unit-bytes",
+        "1024",
+        "--val-fraction",
+        "0.3",
+        "--workers",
+        "0",
+    ]
     ref = subprocess.run([KILN, *args, "--output", str(tmp_path / "ref")], capture_output=True, text=True, timeout=600)
     assert ref.returncode == 0, ref.stderr[-2000:]
     n_units = json.loads((tmp_path / "ref/manifest.json").read_text())["units"]
@@ -147,8 +173,11 @@ def _kill_after_three_units(args: list[str], out: Path) -> bool:
 def test_each_replica_reads_about_its_share_of_the_bytes(tmp_path, corpus):
     """Micro-batches of whole row groups: n replicas read ~1/n of the split each. Micro-batches
     smaller than a row group: every replica fetches groups it mostly does not use."""
-    prepare(PrepareConfig(inputs=corpus[:2], output=str(tmp_path / "ds"), tokenizer="byte", seq_len=64,
-                          shard_tokens=1 << 16))
+    prepare(
+        PrepareConfig(
+            inputs=corpus[:2], output=str(tmp_path / "ds"), tokenizer="byte", seq_len=64, shard_tokens=1 << 16
+        )
+    )
     manifest = load_manifest(resolve(str(tmp_path / "ds")))
     group = row_group_rows(64)
     assert group == manifest.raw["row_group_rows"] == 64
@@ -173,8 +202,10 @@ def test_each_replica_reads_about_its_share_of_the_bytes(tmp_path, corpus):
 def test_a_tokenizer_actor_starts_without_torch():
     """What a Ray tokenizer actor imports (its class's module) must not pull in torch, which
     cost each actor seconds of start (bench/results/data.md: the first unit waited 4.6 s)."""
-    code = ("import sys, kiln.ray.prepare, kiln.data.shards, kiln.data.inputs\n"
-            "print(sorted(m for m in ('torch', 'deepspeed', 'mlflow') if m in sys.modules))")
+    code = (
+        "import sys, kiln.ray.prepare, kiln.data.shards, kiln.data.inputs\n"
+        "print(sorted(m for m in ('torch', 'deepspeed', 'mlflow') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]", out.stdout
@@ -190,16 +221,23 @@ def test_a_prepares_driver_loads_neither_torch_nor_ray_train(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     (tmp_path / "a.txt").write_text("some text, and more of it\n" * 50)
-    code = ("import sys\nfrom kiln.cli import main\ntry:\n    sys.exit(main())\nfinally:\n"
-            "    print(sorted(m for m in ('torch', 'deepspeed', 'mlflow', 'ray.train', 'kiln.ray.prepare') "
-            "if m in sys.modules), file=sys.stderr)")
+    code = (
+        "import sys\nfrom kiln.cli import main\ntry:\n    sys.exit(main())\nfinally:\n"
+        "    print(sorted(m for m in ('torch', 'deepspeed', 'mlflow', 'ray.train', 'kiln.ray.prepare') "
+        "if m in sys.modules), file=sys.stderr)"
+    )
     common = [sys.executable, "-c", code, "data", "prepare", "--input", str(tmp_path / "a.txt"), "--seq-len", "16"]
-    whole = subprocess.run([*common, "--output", str(tmp_path / "ds"), "--workers", "0"],
-                           capture_output=True, text=True, timeout=120)
+    whole = subprocess.run(
+        [*common, "--output", str(tmp_path / "ds"), "--workers", "0"], capture_output=True, text=True, timeout=120
+    )
     assert whole.returncode == 0 and (tmp_path / "ds" / "manifest.json").exists(), whole.stderr[-2000:]
     assert whole.stderr.strip().splitlines()[-1] == "[]", whole.stderr[-2000:]
-    on_ray = subprocess.run([*common, "--output", str(tmp_path / "ds2"), "--address", f"127.0.0.1:{port}"],
-                            capture_output=True, text=True, timeout=120)
+    on_ray = subprocess.run(
+        [*common, "--output", str(tmp_path / "ds2"), "--address", f"127.0.0.1:{port}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert on_ray.returncode == 1 and f"no Ray cluster answers at 127.0.0.1:{port}" in on_ray.stderr, on_ray.stderr
     assert on_ray.stderr.strip().splitlines()[-1] == "['kiln.ray.prepare']", on_ray.stderr[-2000:]
     assert not (tmp_path / "ds2").exists()

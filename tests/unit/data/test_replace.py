@@ -25,8 +25,9 @@ def _files(root: Path) -> dict[str, bytes]:
 
 
 def _cfg(corpus, output, seq_len=32, shard_tokens=4096, **kw) -> PrepareConfig:
-    return PrepareConfig(inputs=corpus[:1], output=str(output), tokenizer="byte", seq_len=seq_len,
-                         shard_tokens=shard_tokens, **kw)
+    return PrepareConfig(
+        inputs=corpus[:1], output=str(output), tokenizer="byte", seq_len=seq_len, shard_tokens=shard_tokens, **kw
+    )
 
 
 def test_overwrite_replaces_only_the_datasets_own_files(tmp_path, corpus):
@@ -82,12 +83,16 @@ def test_protected_places_are_never_overwritten(where, tmp_path, corpus, monkeyp
 
 @pytest.fixture
 def s3(monkeypatch):
-    for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                 "AWS_DEFAULT_REGION": "us-east-1"}.items():
+    for k, v in {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }.items():
         monkeypatch.setenv(k, v)
     port = free_port()
-    proc = subprocess.Popen([MOTO, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [MOTO, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     deadline = time.monotonic() + 30
     while True:
         try:

@@ -44,8 +44,9 @@ def test_export_replaces_only_its_own_earlier_export(tiny_hf, tmp_path, capsys):
     assert (lookalike / "README.md").read_text() == "# model card"
 
 
-@pytest.mark.parametrize("device,needle", [("cuda:7", "--device cuda:7"), ("gpu0", "--device gpu0"),
-                                           ("meta", "--device meta")])
+@pytest.mark.parametrize(
+    "device,needle", [("cuda:7", "--device cuda:7"), ("gpu0", "--device gpu0"), ("meta", "--device meta")]
+)
 def test_a_device_this_machine_lacks_is_one_line(tiny_hf, capsys, device, needle):
     assert main(["generate", "--model", str(tiny_hf), "--prompt", "a", "--device", device]) == 2
     assert f"kiln: error: {needle}" in capsys.readouterr().err
@@ -89,4 +90,3 @@ def test_export_in_bf16_shards_as_save_pretrained_does_and_loads_back(tiny_hf, t
     assert next(theirs.parameters()).dtype == torch.bfloat16
     mine = load_model(str(halved))
     assert torch.equal(mine.state["wte.weight"][:300], reference["transformer.wte.weight"].to(torch.bfloat16).float())
-

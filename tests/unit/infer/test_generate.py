@@ -71,7 +71,7 @@ def test_a_cache_sized_ahead_is_allocated_once_and_gives_the_same_logits(model):
         cache = KVCache(model.cfg.n_layer, capacity)
         logits = [model.decode(idx[:, :5], cache)]
         buffers = (cache.k[0].data_ptr(), cache.v[-1].data_ptr())
-        logits += [model.decode(idx[:, t:t + 1], cache) for t in range(5, idx.shape[1])]
+        logits += [model.decode(idx[:, t : t + 1], cache) for t in range(5, idx.shape[1])]
         moved = (cache.k[0].data_ptr(), cache.v[-1].data_ptr()) != buffers
         assert moved == (capacity == 0), capacity  # 5 slots, doubled to 10 and to 20
         runs[capacity] = torch.stack(logits, 1)
@@ -83,8 +83,10 @@ def test_a_cache_sized_ahead_is_allocated_once_and_gives_the_same_logits(model):
 
 
 def test_a_seed_reproduces_a_sample_and_another_seed_differs(model):
-    runs = {seed: generate(model, PROMPTS, Sampling(max_new_tokens=40, temperature=1.0, seed=seed), 0, VOCAB).tokens
-            for seed in (1, 1, 2)}
+    runs = {
+        seed: generate(model, PROMPTS, Sampling(max_new_tokens=40, temperature=1.0, seed=seed), 0, VOCAB).tokens
+        for seed in (1, 1, 2)
+    }
     again = generate(model, PROMPTS, Sampling(max_new_tokens=40, temperature=1.0, seed=1), 0, VOCAB).tokens
     assert again == runs[1] and runs[2] != runs[1]
 
@@ -94,9 +96,9 @@ def test_generation_stops_at_end_of_text(model):
     free = generate(model, PROMPTS, s, eot_id=0, vocab_size=VOCAB).tokens
     eot = free[0][4]  # pretend the fifth token of row 0 ends the text
     stopped = generate(model, PROMPTS, Sampling(max_new_tokens=30, temperature=0), eot_id=eot, vocab_size=VOCAB).tokens
-    assert stopped[0] == free[0][:free[0].index(eot)]
+    assert stopped[0] == free[0][: free[0].index(eot)]
     for row, full in zip(stopped[1:], free[1:]):
-        assert row == (full[:full.index(eot)] if eot in full else full)
+        assert row == (full[: full.index(eot)] if eot in full else full)
 
 
 def test_each_sampling_control_follows_its_definition():

@@ -34,8 +34,11 @@ def test_a_kiln_error_is_one_line_with_its_class_exit_code(capsys):
 
 
 def test_an_environment_error_is_one_line_exit_1_with_its_traceback_saved(capsys):
-    for exc in (PermissionError(13, "Permission denied", "/data/out"), UnicodeDecodeError("utf-8", b"\xff", 0, 1, "bad"),
-                yaml.YAMLError("mapping values are not allowed")):
+    for exc in (
+        PermissionError(13, "Permission denied", "/data/out"),
+        UnicodeDecodeError("utf-8", b"\xff", 0, 1, "bad"),
+        yaml.YAMLError("mapping values are not allowed"),
+    ):
         code, err = _run(capsys, exc)
         lines = err.splitlines()
         assert code == 1 and len(lines) == 1 and lines[0].startswith("kiln: error: "), err

@@ -20,8 +20,12 @@ pytestmark = pytest.mark.slow  # whole training jobs or engines: not in `make te
 
 REPO = Path(__file__).resolve().parents[3]
 # Credentials as users hand them over: in the environment, and inside a URL in the config.
-PLANTED_ENV = {"AWS_SECRET_ACCESS_KEY": "planted-aws-secret-0001", "AWS_SESSION_TOKEN": "planted-aws-session-0002",
-               "MLFLOW_TRACKING_TOKEN": "planted-mlflow-token-0003", "RAY_AUTH_TOKEN": "planted-ray-token-0004"}
+PLANTED_ENV = {
+    "AWS_SECRET_ACCESS_KEY": "planted-aws-secret-0001",
+    "AWS_SESSION_TOKEN": "planted-aws-session-0002",
+    "MLFLOW_TRACKING_TOKEN": "planted-mlflow-token-0003",
+    "RAY_AUTH_TOKEN": "planted-ray-token-0004",
+}
 PLANTED_ENDPOINT = "https://kiln:planted-endpoint-pw-0005@minio.invalid:9000"
 PLANTED = [*PLANTED_ENV.values(), "planted-endpoint-pw-0005"]
 
@@ -29,14 +33,42 @@ PLANTED = [*PLANTED_ENV.values(), "planted-endpoint-pw-0005"]
 def _run_local(byte_dataset, tmp_path, *overrides, ranks=1, tty=False, args=()):
     launcher = [sys.executable, "-m", "kiln.launch.local"]
     if ranks > 1:  # torchrun sets RANK/WORLD_SIZE/MASTER_* for each process
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
-                    "--master-port", str(free_port()), "-m", "kiln.launch.local"]
-    cmd = [*launcher, "--config", str(REPO / "jobs/configs/debug.yaml"),
-           "--set", f"data.path={byte_dataset}", "--set", "train.max_steps=30", "--set", "train.eval_every=15",
-           "--set", "schedule.warmup_steps=5", "--set", "train.micro_batch_size=8",
-           "--set", f"logging.tracking_uri=sqlite:///{tmp_path}/mlflow.db", "--set", "logging.experiment=local",
-           "--set", f"train.storage_path={tmp_path}/runs", "--set", f"data.s3_endpoint={PLANTED_ENDPOINT}",
-           *[a for o in overrides for a in ("--set", o)], *args]
+        launcher = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(ranks),
+            "--master-port",
+            str(free_port()),
+            "-m",
+            "kiln.launch.local",
+        ]
+    cmd = [
+        *launcher,
+        "--config",
+        str(REPO / "jobs/configs/debug.yaml"),
+        "--set",
+        f"data.path={byte_dataset}",
+        "--set",
+        "train.max_steps=30",
+        "--set",
+        "train.eval_every=15",
+        "--set",
+        "schedule.warmup_steps=5",
+        "--set",
+        "train.micro_batch_size=8",
+        "--set",
+        f"logging.tracking_uri=sqlite:///{tmp_path}/mlflow.db",
+        "--set",
+        "logging.experiment=local",
+        "--set",
+        f"train.storage_path={tmp_path}/runs",
+        "--set",
+        f"data.s3_endpoint={PLANTED_ENDPOINT}",
+        *[a for o in overrides for a in ("--set", o)],
+        *args,
+    ]
     env = dict(os.environ, **PLANTED_ENV, **shared_cache_in(tmp_path))
     env.pop("TORCH_EXTENSIONS_DIR", None)  # Kiln's choice of cache is what is tested
     if not tty:
@@ -80,11 +112,13 @@ def test_loop_trains_without_ray(byte_dataset, tmp_path, zero_stage, ranks):
     # It keeps only the newest two.
     # The single process saves every 10 steps and keeps the best one by validation loss (plus
     # the newest, which a resume needs).
-    timed = (["train.checkpoint_every_minutes=0.0001", "train.keep_checkpoints=2"] if ranks > 1 else
-             ["train.checkpoint_every=10", "train.keep_checkpoints=1", "train.keep_checkpoints_by=loss/val"])
+    timed = (
+        ["train.checkpoint_every_minutes=0.0001", "train.keep_checkpoints=2"]
+        if ranks > 1
+        else ["train.checkpoint_every=10", "train.keep_checkpoints=1", "train.keep_checkpoints_by=loss/val"]
+    )
     # The single process has its stderr on a terminal: it draws the progress bar there.
-    out = _run_local(byte_dataset, tmp_path, f"parallel.zero_stage={zero_stage}", *timed, ranks=ranks,
-                     tty=ranks == 1)
+    out = _run_local(byte_dataset, tmp_path, f"parallel.zero_stage={zero_stage}", *timed, ranks=ranks, tty=ranks == 1)
     assert out.returncode == 0, out.stderr[-3000:]
     frames = [f for f in out.stderr.split("\r\x1b[K") if f.startswith("[")]
     if ranks == 1:  # redrawn in place (carriage return, erase line), the last frame kept
@@ -113,7 +147,10 @@ def test_loop_trains_without_ray(byte_dataset, tmp_path, zero_stage, ranks):
     assert len(run.data.tags["mlflow.source.git.commit"]) == 40
     (used,) = client.get_run(run.info.run_id).inputs.dataset_inputs
     manifest = json.loads((Path(run.data.params["data.path"]) / "manifest.json").read_text())
-    assert (used.dataset.name, used.dataset.digest) == (Path(run.data.params["data.path"]).name, manifest["fingerprint"])
+    assert (used.dataset.name, used.dataset.digest) == (
+        Path(run.data.params["data.path"]).name,
+        manifest["fingerprint"],
+    )
     assert [(t.key, t.value) for t in used.tags] == [("mlflow.data.context", "training")]
     assert run.data.params["parallel.num_workers"] == str(ranks)  # the world size torchrun gave
     root = tmp_path / "runs" / run.info.run_name
@@ -139,8 +176,15 @@ def test_loop_trains_without_ray(byte_dataset, tmp_path, zero_stage, ranks):
 def _assert_no_planted_secret(client, run, out, tmp_path) -> None:
     """Search everything the run logged: params, tags, metric names, every artifact, the console."""
     assert run.data.params["data.s3_endpoint"] == "https://kiln:***@minio.invalid:9000"  # logged, masked
-    logged = [out.stdout, out.stderr, *run.data.params, *run.data.params.values(), *run.data.tags,
-              *run.data.tags.values(), *run.data.metrics]
+    logged = [
+        out.stdout,
+        out.stderr,
+        *run.data.params,
+        *run.data.params.values(),
+        *run.data.tags,
+        *run.data.tags.values(),
+        *run.data.metrics,
+    ]
     artifacts = Path(client.download_artifacts(run.info.run_id, "", str(tmp_path / "artifacts")))
     files = [p for p in artifacts.rglob("*") if p.is_file()]
     assert any(p.name == "config.yaml" for p in files), files
@@ -162,8 +206,11 @@ def _name_as_rank(rank: int, tmp: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=2)
     cfg = load_config(str(REPO / "jobs/configs/debug.yaml"))
     # As if the ranks had read their clocks either side of a second.
-    cfg = dataclasses.replace(cfg, logging=dataclasses.replace(cfg.logging, run_name=f"debug-2026112{rank}"),
-                              train=dataclasses.replace(cfg.train, storage_path=f"{tmp}/runs{rank}"))
+    cfg = dataclasses.replace(
+        cfg,
+        logging=dataclasses.replace(cfg.logging, run_name=f"debug-2026112{rank}"),
+        train=dataclasses.replace(cfg.train, storage_path=f"{tmp}/runs{rank}"),
+    )
     agreed = agree_on_run_name(cfg, WorldInfo(rank=rank, world_size=2, device=torch.device("cpu")))
     Path(tmp, f"rank{rank}").write_text(f"{agreed.logging.run_name} {agreed.train.storage_path}")
     dist.destroy_process_group()
@@ -179,8 +226,9 @@ def test_torchrun_ranks_agree_on_rank0s_run_name(tmp_path):
     assert said == {f"debug-20261120 {tmp_path}/runs0"}
 
 
-def test_a_run_resumed_from_a_checkpoint_matches_the_uninterrupted_run(byte_dataset, prose_dataset, tmp_path,
-                                                                       checkpoint_tensors):
+def test_a_run_resumed_from_a_checkpoint_matches_the_uninterrupted_run(
+    byte_dataset, prose_dataset, tmp_path, checkpoint_tensors
+):
     """fp32 on CPU: run A trains 16 steps and saves at 8 and 16; run B resumes from A's step 8
     and trains on to 16. B's losses equal A's step for step, and its final weights and
     optimizer state are bitwise A's: the resume restored everything and read the same data.
@@ -194,36 +242,55 @@ def test_a_run_resumed_from_a_checkpoint_matches_the_uninterrupted_run(byte_data
 
     from kiln.core.schedule import ScheduleConfig, lr_multiplier
 
-    common = ["train.max_steps=16", "train.checkpoint_every=8", "train.eval_every=0", "parallel.zero_stage=2",
-              "model.dropout=0.1", "train.health.policy=skip", "train.health.inject=nan@5", "data.reshuffle=true",
-              f"data.mix=[{{path: {byte_dataset}, name: code}}, {{path: {prose_dataset}, weight: 2}}]"]
+    common = [
+        "train.max_steps=16",
+        "train.checkpoint_every=8",
+        "train.eval_every=0",
+        "parallel.zero_stage=2",
+        "model.dropout=0.1",
+        "train.health.policy=skip",
+        "train.health.inject=nan@5",
+        "data.reshuffle=true",
+        f"data.mix=[{{path: {byte_dataset}, name: code}}, {{path: {prose_dataset}, weight: 2}}]",
+    ]
     a = _run_local(byte_dataset, tmp_path, *common, "logging.run_name=uninterrupted")
     assert a.returncode == 0, a.stderr[-3000:]
     runs = tmp_path / "runs"
-    b = _run_local(byte_dataset, tmp_path, *common, "logging.run_name=resumed",
-                   f"train.resume_from={runs / 'uninterrupted' / 'step_00000008'}")
+    b = _run_local(
+        byte_dataset,
+        tmp_path,
+        *common,
+        "logging.run_name=resumed",
+        f"train.resume_from={runs / 'uninterrupted' / 'step_00000008'}",
+    )
     assert b.returncode == 0, b.stderr[-3000:]
     assert "resumed from" in b.stderr and "at step 8" in b.stderr
 
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     exp = client.get_experiment_by_name("local").experiment_id
     by_name = {r.info.run_name: r for r in client.search_runs([exp])}
-    history = {name: {m.step: m.value for m in client.get_metric_history(r.info.run_id, "loss/train")}
-               for name, r in by_name.items()}
+    history = {
+        name: {m.step: m.value for m in client.get_metric_history(r.info.run_id, "loss/train")}
+        for name, r in by_name.items()
+    }
     assert sorted(history["resumed"]) == list(range(9, 17))
     for step in range(9, 17):
         want, got = history["uninterrupted"][step], history["resumed"][step]
         assert abs(got - want) <= 1e-6 * abs(want), (step, want, got)
-    mix = {name: {m.step: m.value for m in client.get_metric_history(r.info.run_id, "data/mix/prose_frac")}
-           for name, r in by_name.items()}
+    mix = {
+        name: {m.step: m.value for m in client.get_metric_history(r.info.run_id, "data/mix/prose_frac")}
+        for name, r in by_name.items()
+    }
     # a few blocks of 64 rows so far: the share is the order's, far from 2/3 yet (test_mixture
     # checks it against the weights over epochs)
     assert mix["resumed"][16] == mix["uninterrupted"][16] and 0 < mix["resumed"][16] <= 1, mix
     params = by_name["resumed"].data.params
     assert (params["data.mix.code.weight"], params["data.mix.prose.weight"]) == ("1.0", "2.0")
     assert params["data.path"] == str(byte_dataset)
-    assert {d.dataset.name for d in client.get_run(by_name["resumed"].info.run_id).inputs.dataset_inputs} == \
-        {"bytes", "prose"}
+    assert {d.dataset.name for d in client.get_run(by_name["resumed"].info.run_id).inputs.dataset_inputs} == {
+        "bytes",
+        "prose",
+    }
 
     want = checkpoint_tensors(runs / "uninterrupted" / "step_00000016")
     got = checkpoint_tensors(runs / "resumed" / "step_00000016")
@@ -233,8 +300,17 @@ def test_a_run_resumed_from_a_checkpoint_matches_the_uninterrupted_run(byte_data
     assert not differ, differ[:10]
 
     parent = sorted(p.name for p in (runs / "uninterrupted").iterdir())
-    c = _run_local(byte_dataset, tmp_path, *common, "logging.run_name=forked", "train.max_steps=20",
-                   "optim.lr=0.02", "optim.weight_decay=0.0", "schedule.name=constant", args=["--fork", "uninterrupted"])
+    c = _run_local(
+        byte_dataset,
+        tmp_path,
+        *common,
+        "logging.run_name=forked",
+        "train.max_steps=20",
+        "optim.lr=0.02",
+        "optim.weight_decay=0.0",
+        "schedule.name=constant",
+        args=["--fork", "uninterrupted"],
+    )
     assert c.returncode == 0, c.stderr[-3000:]
     assert sorted(p.name for p in (runs / "uninterrupted").iterdir()) == parent  # the parent is left as it was
     fork = client.search_runs([exp], "attributes.run_name = 'forked'")[0]
@@ -264,8 +340,11 @@ def _fork_from_s3(byte_dataset, tmp_path, common, client, exp, parent_id):
 
     keys = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
     port = free_port()
-    server = subprocess.Popen([str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        [str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     old = {k: os.environ.get(k) for k in keys}
     os.environ.update(keys)
     try:
@@ -277,15 +356,29 @@ def _fork_from_s3(byte_dataset, tmp_path, common, client, exp, parent_id):
             except Exception:  # noqa: BLE001 - not up yet
                 time.sleep(0.2)
         s3 = pafs.S3FileSystem(endpoint_override=f"127.0.0.1:{port}", scheme="http", region="us-east-1")
-        pafs.copy_files(str(tmp_path / "runs" / "uninterrupted"), "kiln-fork/runs/uninterrupted",
-                        source_filesystem=pafs.LocalFileSystem(), destination_filesystem=s3)
+        pafs.copy_files(
+            str(tmp_path / "runs" / "uninterrupted"),
+            "kiln-fork/runs/uninterrupted",
+            source_filesystem=pafs.LocalFileSystem(),
+            destination_filesystem=s3,
+        )
         copies = set(glob.glob(os.path.join(tempfile.gettempdir(), "kiln-ckpt-*")))
-        d = _run_local(byte_dataset, tmp_path, *common, "logging.run_name=forked-s3", "train.max_steps=20",
-                       "optim.lr=0.02", "optim.weight_decay=0.0", "schedule.name=constant", f"data.s3_endpoint={endpoint}",
-                       args=["--fork", "s3://kiln-fork/runs/uninterrupted"])
+        d = _run_local(
+            byte_dataset,
+            tmp_path,
+            *common,
+            "logging.run_name=forked-s3",
+            "train.max_steps=20",
+            "optim.lr=0.02",
+            "optim.weight_decay=0.0",
+            "schedule.name=constant",
+            f"data.s3_endpoint={endpoint}",
+            args=["--fork", "s3://kiln-fork/runs/uninterrupted"],
+        )
         assert d.returncode == 0, d.stderr[-3000:]
-        bad = _run_local(byte_dataset, tmp_path, f"data.s3_endpoint={endpoint}",
-                         args=["--fork", "s3://kiln-fork/runs/nothing-here"])
+        bad = _run_local(
+            byte_dataset, tmp_path, f"data.s3_endpoint={endpoint}", args=["--fork", "s3://kiln-fork/runs/nothing-here"]
+        )
     finally:
         server.terminate()
         server.wait(timeout=30)
@@ -294,15 +387,28 @@ def _fork_from_s3(byte_dataset, tmp_path, common, client, exp, parent_id):
     tags = client.search_runs([exp], "attributes.run_name = 'forked-s3'")[0].data.tags
     assert tags["kiln.parent.checkpoint"] == "s3://kiln-fork/runs/uninterrupted/step_00000016"
     assert (tags["kiln.parent.step"], tags["kiln.parent.run"], tags["kiln.parent.mlflow_run_id"]) == (
-        "16", "uninterrupted", parent_id)
-    losses = {name: [(m.step, m.value) for m in sorted(client.get_metric_history(
-        client.search_runs([exp], f"attributes.run_name = '{name}'")[0].info.run_id, "loss/train"),
-        key=lambda m: m.step)] for name in ("forked", "forked-s3")}
+        "16",
+        "uninterrupted",
+        parent_id,
+    )
+    losses = {
+        name: [
+            (m.step, m.value)
+            for m in sorted(
+                client.get_metric_history(
+                    client.search_runs([exp], f"attributes.run_name = '{name}'")[0].info.run_id, "loss/train"
+                ),
+                key=lambda m: m.step,
+            )
+        ]
+        for name in ("forked", "forked-s3")
+    }
     assert losses["forked-s3"] == losses["forked"] and len(losses["forked"]) == 4, losses
     assert set(glob.glob(os.path.join(tempfile.gettempdir(), "kiln-ckpt-*"))) <= copies  # its copy is gone
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1] == (
         "kiln: error: train.resume_from = 's3://kiln-fork/runs/nothing-here': no such directory in storage "
-        "(or it is empty)"), bad.stderr[-2000:]
+        "(or it is empty)"
+    ), bad.stderr[-2000:]
 
 
 def test_a_compiled_run_checkpoints_and_resumes_like_an_eager_one(byte_dataset, tmp_path, checkpoint_tensors):
@@ -316,16 +422,25 @@ def test_a_compiled_run_checkpoints_and_resumes_like_an_eager_one(byte_dataset, 
     assert a.returncode == 0, a.stderr[-3000:]
     assert "compile " in a.stdout and "(the first step, less a steady one)" in a.stdout, a.stdout
     runs = tmp_path / "runs"
-    b = _run_local(byte_dataset, tmp_path, *common, "logging.run_name=eager",
-                   f"train.resume_from={runs / 'compiled' / 'step_00000004'}")
+    b = _run_local(
+        byte_dataset,
+        tmp_path,
+        *common,
+        "logging.run_name=eager",
+        f"train.resume_from={runs / 'compiled' / 'step_00000004'}",
+    )
     assert b.returncode == 0, b.stderr[-3000:]
     saved = checkpoint_tensors(runs / "compiled" / "step_00000008")
     assert saved.keys() == checkpoint_tensors(runs / "eager" / "step_00000008").keys()
     assert not [k for k in saved if "_orig_mod" in k]
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
-    runs_by_name = {r.info.run_name: r for r in client.search_runs([client.get_experiment_by_name("local").experiment_id])}
-    history = {n: {m.step: m.value for m in client.get_metric_history(r.info.run_id, "loss/train")}
-               for n, r in runs_by_name.items()}
+    runs_by_name = {
+        r.info.run_name: r for r in client.search_runs([client.get_experiment_by_name("local").experiment_id])
+    }
+    history = {
+        n: {m.step: m.value for m in client.get_metric_history(r.info.run_id, "loss/train")}
+        for n, r in runs_by_name.items()
+    }
     compile_s = float(re.search(r"compile\s+([\d.]+) s", a.stdout).group(1))
     assert compile_s > 1.0, a.stdout  # inductor takes seconds even for this model
     for step in range(5, 9):

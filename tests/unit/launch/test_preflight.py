@@ -15,15 +15,25 @@ DEAD_S3 = "http://127.0.0.1:9"  # nothing listens: an S3 endpoint that cannot be
 
 FAULTS = {
     # (run-config overrides, sweep-file fields, what the error must say for the Ray / local / sweep driver)
-    "storage": (["train.storage_path=s3://kiln-no-bucket/runs", f"data.s3_endpoint={DEAD_S3}"],
-                {"storage_path": "s3://kiln-no-bucket/sweeps", "overrides": {"data.s3_endpoint": DEAD_S3}},
-                {"ray": "train.storage_path: cannot reach s3://kiln-no-bucket/runs",
-                 "local": "train.storage_path = 's3://kiln-no-bucket/runs': the local launcher writes checkpoints",
-                 "sweep": "sweep.storage_path: cannot reach s3://kiln-no-bucket/sweeps"}),
-    "data": (["data.path={tmp}/no-such-dataset"], {"overrides": {"data.path": "{tmp}/no-such-dataset"}},
-             dict.fromkeys(("ray", "local", "sweep"), "no-such-dataset does not exist")),
-    "memory plan": (["parallel.device_memory_gib=0.001"], {"overrides": {"parallel.device_memory_gib": 0.001}},
-                    dict.fromkeys(("ray", "local", "sweep"), "the run needs an estimated")),
+    "storage": (
+        ["train.storage_path=s3://kiln-no-bucket/runs", f"data.s3_endpoint={DEAD_S3}"],
+        {"storage_path": "s3://kiln-no-bucket/sweeps", "overrides": {"data.s3_endpoint": DEAD_S3}},
+        {
+            "ray": "train.storage_path: cannot reach s3://kiln-no-bucket/runs",
+            "local": "train.storage_path = 's3://kiln-no-bucket/runs': the local launcher writes checkpoints",
+            "sweep": "sweep.storage_path: cannot reach s3://kiln-no-bucket/sweeps",
+        },
+    ),
+    "data": (
+        ["data.path={tmp}/no-such-dataset"],
+        {"overrides": {"data.path": "{tmp}/no-such-dataset"}},
+        dict.fromkeys(("ray", "local", "sweep"), "no-such-dataset does not exist"),
+    ),
+    "memory plan": (
+        ["parallel.device_memory_gib=0.001"],
+        {"overrides": {"parallel.device_memory_gib": 0.001}},
+        dict.fromkeys(("ray", "local", "sweep"), "the run needs an estimated"),
+    ),
 }
 
 
@@ -38,25 +48,41 @@ def nothing_starts(monkeypatch):
     def started(*args, **kwargs):
         raise AssertionError("a driver went past a failed preflight")
 
-    for target in ("kiln.launch.on_ray.connect_ray", "kiln.sweep.run.connect_ray",
-                   "kiln.launch.local._world_from_env", "kiln.launch.local.run_worker"):
+    for target in (
+        "kiln.launch.on_ray.connect_ray",
+        "kiln.sweep.run.connect_ray",
+        "kiln.launch.local._world_from_env",
+        "kiln.launch.local.run_worker",
+    ):
         monkeypatch.setattr(target, started)
 
 
 def _run_config(byte_dataset, tmp_path, overrides):
-    base = [f"data.path={byte_dataset}", f"logging.tracking_uri=sqlite:///{tmp_path}/mlflow.db",
-            f"train.storage_path={tmp_path}/runs", "train.max_steps=2"]
+    base = [
+        f"data.path={byte_dataset}",
+        f"logging.tracking_uri=sqlite:///{tmp_path}/mlflow.db",
+        f"train.storage_path={tmp_path}/runs",
+        "train.max_steps=2",
+    ]
     return load_config(None, base + [o.format(tmp=tmp_path) for o in overrides])
 
 
 def _sweep(byte_dataset, tmp_path, fields):
-    overrides = {"data.path": str(byte_dataset), "logging.tracking_uri": f"sqlite:///{tmp_path}/mlflow.db",
-                 "train.max_steps": 20}
-    overrides.update({k: v.format(tmp=tmp_path) if isinstance(v, str) else v
-                      for k, v in fields.get("overrides", {}).items()})
-    doc = {"name": "preflight", "base": str(REPO / "jobs/configs/debug.yaml"),
-           "storage_path": fields.get("storage_path", str(tmp_path / "sweeps")),
-           "space": {"optim.name": {"choice": ["adamw", "sgd"]}}, "overrides": overrides}
+    overrides = {
+        "data.path": str(byte_dataset),
+        "logging.tracking_uri": f"sqlite:///{tmp_path}/mlflow.db",
+        "train.max_steps": 20,
+    }
+    overrides.update(
+        {k: v.format(tmp=tmp_path) if isinstance(v, str) else v for k, v in fields.get("overrides", {}).items()}
+    )
+    doc = {
+        "name": "preflight",
+        "base": str(REPO / "jobs/configs/debug.yaml"),
+        "storage_path": fields.get("storage_path", str(tmp_path / "sweeps")),
+        "space": {"optim.name": {"choice": ["adamw", "sgd"]}},
+        "overrides": overrides,
+    }
     path = tmp_path / "sweep.yaml"
     path.write_text(yaml.safe_dump(doc))
     from kiln.sweep.config import load_sweep
@@ -66,8 +92,9 @@ def _sweep(byte_dataset, tmp_path, fields):
 
 @pytest.mark.parametrize("fault", FAULTS)
 @pytest.mark.parametrize("driver", ["ray", "local", "sweep"])
-def test_a_failed_check_stops_every_driver_before_it_starts(driver, fault, byte_dataset, tmp_path, clean_env,
-                                                            nothing_starts):
+def test_a_failed_check_stops_every_driver_before_it_starts(
+    driver, fault, byte_dataset, tmp_path, clean_env, nothing_starts
+):
     run_overrides, sweep_fields, expected = FAULTS[fault]
     with pytest.raises(KilnError) as e:
         if driver == "ray":
@@ -123,24 +150,50 @@ def test_dry_run_prints_the_resolved_plan_and_starts_nothing(byte_dataset, tmp_p
     import subprocess
     import sys
 
-    kiln = [str(Path(sys.executable).parent / "kiln"), "train", "--dry-run", "--config", str(REPO / "jobs/configs/debug.yaml")]
-    out = subprocess.run([*kiln, "--set", f"data.path={byte_dataset}", "--set", "parallel.num_workers=4",
-                          "--set", "parallel.tensor_parallel=2"], cwd=tmp_path, capture_output=True, text=True,
-                         timeout=120)
+    kiln = [
+        str(Path(sys.executable).parent / "kiln"),
+        "train",
+        "--dry-run",
+        "--config",
+        str(REPO / "jobs/configs/debug.yaml"),
+    ]
+    out = subprocess.run(
+        [
+            *kiln,
+            "--set",
+            f"data.path={byte_dataset}",
+            "--set",
+            "parallel.num_workers=4",
+            "--set",
+            "parallel.tensor_parallel=2",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "every pre-launch check passed; nothing was started" in out.stdout
-    for line in ("  data         " + str(byte_dataset), "  model        debug: 2 layers", "ZeRO-2",
-                 "  parallel     4 worker(s) (2 data-parallel x 2 tensor-parallel)",
-                 "  memory       ", "  checkpoints  " + str(tmp_path / "runs"), "  MLflow       sqlite:///"):
+    for line in (
+        "  data         " + str(byte_dataset),
+        "  model        debug: 2 layers",
+        "ZeRO-2",
+        "  parallel     4 worker(s) (2 data-parallel x 2 tensor-parallel)",
+        "  memory       ",
+        "  checkpoints  " + str(tmp_path / "runs"),
+        "  MLflow       sqlite:///",
+    ):
         assert line in out.stdout, out.stdout
     assert list(tmp_path.iterdir()) == []  # no mlflow.db, no runs/, no Ray session here
-    bad = subprocess.run([*kiln, "--set", f"data.path={tmp_path}/nope"], cwd=tmp_path, capture_output=True,
-                         text=True, timeout=120)
+    bad = subprocess.run(
+        [*kiln, "--set", f"data.path={tmp_path}/nope"], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
     assert bad.returncode == 1 and "kiln: error: dataset" in bad.stderr and "does not exist" in bad.stderr
 
 
-def test_the_checkpoint_s_shape_is_read_once_before_launch_and_handed_to_the_workers(tiny_hf, corpus, tmp_path,
-                                                                                      monkeypatch):
+def test_the_checkpoint_s_shape_is_read_once_before_launch_and_handed_to_the_workers(
+    tiny_hf, corpus, tmp_path, monkeypatch
+):
     """model.init_from's config.json is read once, by preflight; the shape it resolves travels
     with the config (Checked.model, the Ray workers' loop config), and no worker-side module reads
     the checkpoint's config again."""
@@ -150,20 +203,32 @@ def test_the_checkpoint_s_shape_is_read_once_before_launch_and_handed_to_the_wor
     from kiln import hf_checkpoint
     from kiln.launch.preflight import preflight
 
-    kiln.data.prepare(inputs=[corpus[0]], output=str(tmp_path / "ds"), tokenizer=str(tiny_hf), seq_len=64,
-                      shard_tokens=1 << 16)
+    kiln.data.prepare(
+        inputs=[corpus[0]], output=str(tmp_path / "ds"), tokenizer=str(tiny_hf), seq_len=64, shard_tokens=1 << 16
+    )
     reads = []
     real = hf_checkpoint.read_config
     monkeypatch.setattr(hf_checkpoint, "read_config", lambda d: reads.append(d) or real(d))
-    cfg = load_config(None, [f"model.init_from={tiny_hf}", f"data.path={tmp_path / 'ds'}", "parallel.num_workers=1",
-                             f"logging.tracking_uri=sqlite:///{tmp_path}/mlflow.db",
-                             f"train.storage_path={tmp_path}/runs"])
+    cfg = load_config(
+        None,
+        [
+            f"model.init_from={tiny_hf}",
+            f"data.path={tmp_path / 'ds'}",
+            "parallel.num_workers=1",
+            f"logging.tracking_uri=sqlite:///{tmp_path}/mlflow.db",
+            f"train.storage_path={tmp_path}/runs",
+        ],
+    )
     checked = preflight(cfg)
     assert len(reads) == 1
     assert (checked.model.n_layer, checked.model.d_model, checked.model.vocab_size) == (2, 32, 300)
     worker_side = [p for d in ("core", "parallel", "ray") for p in (REPO / "platform/kiln" / d).rglob("*.py")]
-    callers = {str(p.relative_to(REPO)) for p in worker_side for node in ast.walk(ast.parse(p.read_text()))
-               if isinstance(node, ast.Name) and node.id in ("read_config", "pretrained_shape")}
+    callers = {
+        str(p.relative_to(REPO))
+        for p in worker_side
+        for node in ast.walk(ast.parse(p.read_text()))
+        if isinstance(node, ast.Name) and node.id in ("read_config", "pretrained_shape")
+    }
     assert callers == set()
 
 
@@ -193,11 +258,21 @@ def test_resume_from_auto_names_a_run_by_what_it_trains(byte_dataset, tmp_path, 
     assert name("logging.run_name=mine") == "mine"
     # A job gets auto unless its command says otherwise; `kiln train` gets a new name each time.
     same = [f"--set={o}" for o in (f"data.path={byte_dataset}", "train.max_steps=2")]
-    job = subprocess.run([sys.executable, str(REPO / "jobs/pretrain.py"), "--dry-run", *same], cwd=tmp_path,
-                         capture_output=True, text=True, timeout=120)
+    job = subprocess.run(
+        [sys.executable, str(REPO / "jobs/pretrain.py"), "--dry-run", *same],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert job.returncode == 0 and f"  run          {first} " in job.stdout, job.stdout + job.stderr[-2000:]
-    kiln = subprocess.run([str(Path(sys.executable).parent / "kiln"), "train", "--dry-run", *same], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=120)
+    kiln = subprocess.run(
+        [str(Path(sys.executable).parent / "kiln"), "train", "--dry-run", *same],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert kiln.returncode == 0 and "  run          debug-20" in kiln.stdout, kiln.stdout  # debug-<date>-<time>
     # The local launcher does not resume by name: auto is refused there, in one line.
     with pytest.raises(KilnError, match="train.resume_from = 'auto' resumes a run submitted again on Ray"):

@@ -25,10 +25,31 @@ KILN_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ kiln[\w.]*: ")  # t
 def test_the_demo_console_is_kilns_own_lines_ending_in_the_summary(byte_dataset, tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI")} | ENV_SECRETS
     out = subprocess.run(
-        [KILN, "train", "--config", str(REPO / "jobs/configs/debug.yaml"), "--set", f"data.path={byte_dataset}",
-         "--set", "train.max_steps=40", "--set", "train.eval_every=20", "--set", "train.checkpoint_every=40",
-         "--set", DS_SET, "--set", f"data.s3_endpoint=http://{TOKEN_USER}@127.0.0.1:9"],
-        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+        [
+            KILN,
+            "train",
+            "--config",
+            str(REPO / "jobs/configs/debug.yaml"),
+            "--set",
+            f"data.path={byte_dataset}",
+            "--set",
+            "train.max_steps=40",
+            "--set",
+            "train.eval_every=20",
+            "--set",
+            "train.checkpoint_every=40",
+            "--set",
+            DS_SET,
+            "--set",
+            f"data.s3_endpoint=http://{TOKEN_USER}@127.0.0.1:9",
+        ],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=600,
+    )
     lines = out.stdout.splitlines()
     assert out.returncode == 0, out.stdout[-4000:]
     start = next(i for i, line in enumerate(lines) if line.startswith("Kiln run '"))
@@ -51,12 +72,24 @@ def test_the_demo_console_is_kilns_own_lines_ending_in_the_summary(byte_dataset,
 
     # No planted secret in anything the run printed or wrote (the MLflow store's bytes included),
     # nor in `kiln runs list` over that store.
-    listed = subprocess.run([KILN, "runs", "list", "--experiment", "kiln-demo"], cwd=tmp_path, env=env,
-                            capture_output=True, text=True, timeout=120)
+    listed = subprocess.run(
+        [KILN, "runs", "list", "--experiment", "kiln-demo"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert listed.returncode == 0 and "debug" in listed.stdout, listed.stderr[-2000:]
     # The same as JSON, the experiment from MLflow's own variable.
-    as_json = subprocess.run([KILN, "runs", "list", "--json"], cwd=tmp_path, capture_output=True, text=True,
-                             env=env | {"MLFLOW_EXPERIMENT_NAME": "kiln-demo"}, timeout=120)
+    as_json = subprocess.run(
+        [KILN, "runs", "list", "--json"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=env | {"MLFLOW_EXPERIMENT_NAME": "kiln-demo"},
+        timeout=120,
+    )
     assert as_json.returncode == 0, as_json.stderr[-2000:]
     (run,) = json.loads(as_json.stdout)
     assert run["status"] == "FINISHED" and run["params"]["train.max_steps"] == "40", run

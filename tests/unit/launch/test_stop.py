@@ -18,9 +18,23 @@ REPO = Path(__file__).resolve().parents[3]
 
 def test_sigterm_marks_the_run_killed(byte_dataset, tmp_path):
     db = f"sqlite:///{tmp_path}/mlflow.db"
-    cmd = [sys.executable, "-m", "kiln.launch.local", "--config", str(REPO / "jobs/configs/debug.yaml"),
-           "--set", f"data.path={byte_dataset}", "--set", f"logging.tracking_uri={db}",
-           "--set", "logging.experiment=stop", "--set", "train.max_steps=100000", "--set", "parallel.num_workers=1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kiln.launch.local",
+        "--config",
+        str(REPO / "jobs/configs/debug.yaml"),
+        "--set",
+        f"data.path={byte_dataset}",
+        "--set",
+        f"logging.tracking_uri={db}",
+        "--set",
+        "logging.experiment=stop",
+        "--set",
+        "train.max_steps=100000",
+        "--set",
+        "parallel.num_workers=1",
+    ]
     proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
@@ -58,6 +72,7 @@ def test_the_exit_code_is_128_plus_the_signal_that_stopped_the_command():
     def raising(e):
         def command():
             raise e
+
         return command
 
     assert run_reporting_errors(raising(KeyboardInterrupt())) == 130

@@ -37,8 +37,14 @@ from kiln.plan.memory import estimate, plan_input
 from kiln.topology import ParallelDims
 
 BASE = [
-    "model.flavour=debug", "train.precision=fp32", "train.micro_batch_size=4", "train.max_steps=20",
-    "train.eval_every=0", "train.eval_batches=2", "schedule.warmup_steps=5", "optim.lr=3e-3",
+    "model.flavour=debug",
+    "train.precision=fp32",
+    "train.micro_batch_size=4",
+    "train.max_steps=20",
+    "train.eval_every=0",
+    "train.eval_batches=2",
+    "schedule.warmup_steps=5",
+    "optim.lr=3e-3",
     "logging.progress_every=100",
 ]
 
@@ -68,8 +74,12 @@ def run_one(spec: dict, data: str, root: str, world) -> dict:
     cfg, _ = resolve_against_data(load_config(None, overrides))
     dims = ParallelDims.of(cfg.parallel, world.world_size)
     mcfg = cfg.model.shape()
-    source = ParquetSource(cfg_manifest(cfg), dims.coords(world.rank).data_parallel_rank, dims.data_parallel_size,
-                           cfg.train.micro_batch_size)
+    source = ParquetSource(
+        cfg_manifest(cfg),
+        dims.coords(world.rank).data_parallel_rank,
+        dims.data_parallel_size,
+        cfg.train.micro_batch_size,
+    )
     out: dict = {}
     if spec.get("state"):
         engine, _ = build_engine(cfg, mcfg, world)
@@ -88,7 +98,9 @@ def run_one(spec: dict, data: str, root: str, world) -> dict:
     capture = Capture()
     engine, scheduler = build_engine(cfg, mcfg, world)
     source = RecordingSource(source)
-    final = train_loop(cfg, mcfg, world, engine, scheduler, source, Sinks(logger=capture), os.path.join(root, spec["name"]))
+    final = train_loop(
+        cfg, mcfg, world, engine, scheduler, source, Sinks(logger=capture), os.path.join(root, spec["name"])
+    )
     out["ids"] = all_ranks(source.ids)  # every rank's micro-batches' sample ids, in the order read
     out["loss"] = [capture.history[s]["loss/train"] for s in sorted(capture.history)]
     out["steps"] = sorted(capture.history)
@@ -134,8 +146,9 @@ def state_dtypes(engine) -> dict[str, set[str]]:
     return {
         "params": {str(p.dtype) for p in module.parameters()},
         "stepped": {str(p.dtype) for g in opt.param_groups for p in g["params"]},
-        "optimizer_state": {str(v.dtype) for s in opt.state.values() for v in s.values()
-                            if torch.is_tensor(v) and v.dim() > 0},
+        "optimizer_state": {
+            str(v.dtype) for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0
+        },
     }
 
 
@@ -159,10 +172,22 @@ def launch(tmp: Path, name: str, specs: list, ranks: int, data: Path, timeout: i
     out = tmp / f"{name}.out.json"
     launcher = [sys.executable]
     if ranks > 1:
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
-                    "--master-port", str(free_port())]
-    proc = subprocess.run([*launcher, __file__, str(out), str(data), str(root), str(tmp / f"{name}.json")],
-                          capture_output=True, text=True, timeout=timeout, cwd=tmp)
+        launcher = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(ranks),
+            "--master-port",
+            str(free_port()),
+        ]
+    proc = subprocess.run(
+        [*launcher, __file__, str(out), str(data), str(root), str(tmp / f"{name}.json")],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=tmp,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())
 

@@ -70,8 +70,7 @@ print(json.dumps({"flags": flags, "same": same, "moved": moved, "reduced": len(r
 
 @pytest.fixture(scope="module")
 def out():
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(free_port())], capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(free_port())], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

@@ -27,4 +27,5 @@ def test_a_dead_builds_lock_is_removed_and_a_live_ones_kept(monkeypatch, tmp_pat
     assert not dead.exists()
     assert live.exists()  # a build under way in another process
     assert [r.message for r in caplog.records if "lock" in r.message] == [
-        f"removing {dead}: an op build that died 21 min ago left it, and every run would wait on it"]
+        f"removing {dead}: an op build that died 21 min ago left it, and every run would wait on it"
+    ]

@@ -29,10 +29,13 @@ OPTIMIZERS = {
 }
 OPTIMIZER_RUNS = [
     {"name": f"{opt}-zero{stage}", "set": [*sets, f"parallel.zero_stage={stage}", f"train.max_steps={OPTIMIZER_STEPS}"]}
-    for opt, sets in OPTIMIZERS.items() for stage in (0, 1, 2, 3)
+    for opt, sets in OPTIMIZERS.items()
+    for stage in (0, 1, 2, 3)
 ] + [
-    {"name": f"{opt}-fsdp2", "set": [*sets, "parallel.engine=fsdp2", "parallel.zero_stage=3",
-                                     f"train.max_steps={OPTIMIZER_STEPS}"]}
+    {
+        "name": f"{opt}-fsdp2",
+        "set": [*sets, "parallel.engine=fsdp2", "parallel.zero_stage=3", f"train.max_steps={OPTIMIZER_STEPS}"],
+    }
     for opt, sets in OPTIMIZERS.items()
 ]
 FSDP2 = ["parallel.engine=fsdp2", "parallel.zero_stage=3"]
@@ -45,8 +48,10 @@ TWO_RANKS = [
     {"name": "zero2", "set": ["parallel.zero_stage=2"]},
     {"name": "zero3", "set": ["parallel.zero_stage=3"]},
     {"name": "zero2-offload", "set": ["parallel.zero_stage=2", "parallel.offload_optimizer=cpu"]},
-    {"name": "zero3-offload", "set": ["parallel.zero_stage=3", "parallel.offload_optimizer=cpu",
-                                      "parallel.offload_params=cpu"]},
+    {
+        "name": "zero3-offload",
+        "set": ["parallel.zero_stage=3", "parallel.offload_optimizer=cpu", "parallel.offload_params=cpu"],
+    },
     {"name": "zero2-ckpt", "set": ["parallel.zero_stage=2", "model.activation_checkpointing=true"]},
     {"name": "bf16-zero2", "set": ["parallel.zero_stage=2", "train.precision=bf16"]},
     {"name": "bf16-zero0-dtypes", "set": ["parallel.zero_stage=0", "train.precision=bf16"], "dtypes": True},
@@ -61,16 +66,39 @@ TWO_RANKS = [
     {"name": "fsdp2-bf16-dtypes", "set": [*FSDP2, "train.precision=bf16"], "dtypes": True},
     {"name": "llama-fsdp2-ckpt", "set": ["model.flavour=llama-debug", *FSDP2, "model.activation_checkpointing=true"]},
     # The Llama family (RoPE, RMSNorm, SwiGLU, GQA, untied head) under the same machinery.
-    {"name": "llama-zero2-ckpt", "set": ["model.flavour=llama-debug", "parallel.zero_stage=2",
-                                         "model.activation_checkpointing=true"]},
+    {
+        "name": "llama-zero2-ckpt",
+        "set": ["model.flavour=llama-debug", "parallel.zero_stage=2", "model.activation_checkpointing=true"],
+    },
     {"name": "llama-zero3", "set": ["model.flavour=llama-debug", "parallel.zero_stage=3"]},
     # Pipelines last: a PipelineEngine leaves DeepSpeed's process-global topology set.
-    {"name": "pp2", "set": ["parallel.zero_stage=0", "parallel.pipeline_stages=2", "parallel.micro_batches=2",
-                            "train.checkpoint_every=10"]},
-    {"name": "pp2-resumed", "set": ["parallel.zero_stage=0", "parallel.pipeline_stages=2",
-                                    "parallel.micro_batches=2", "train.resume_from={root}/pp2/step_00000010"]},
-    {"name": "llama-pp2", "set": ["model.flavour=llama-debug", "parallel.zero_stage=0", "parallel.pipeline_stages=2",
-                                  "parallel.micro_batches=2"]},
+    {
+        "name": "pp2",
+        "set": [
+            "parallel.zero_stage=0",
+            "parallel.pipeline_stages=2",
+            "parallel.micro_batches=2",
+            "train.checkpoint_every=10",
+        ],
+    },
+    {
+        "name": "pp2-resumed",
+        "set": [
+            "parallel.zero_stage=0",
+            "parallel.pipeline_stages=2",
+            "parallel.micro_batches=2",
+            "train.resume_from={root}/pp2/step_00000010",
+        ],
+    },
+    {
+        "name": "llama-pp2",
+        "set": [
+            "model.flavour=llama-debug",
+            "parallel.zero_stage=0",
+            "parallel.pipeline_stages=2",
+            "parallel.micro_batches=2",
+        ],
+    },
 ]
 # Tensor parallelism (DeepSpeed AutoTP) in a process group of its own: its (data, tensor) mesh is
 # process-global in DeepSpeed, like a pipeline's topology. 2 ranks x TP=2 is one replica, so 2
@@ -89,8 +117,19 @@ DP_TP = [{"name": "dp2-tp2", "set": ["parallel.tensor_parallel=2", "parallel.zer
 # 4 ranks = 2 data-parallel replicas x 2 stages, on 2 cores: oversubscribed on purpose. Layers
 # split uniformly here (the runs above balance parameters, the default), over 4 blocks so that
 # each stage gets some: [embedding, 3 blocks | 1 block, norm, head].
-HYBRID = [{"name": "pp2-dp2", "set": ["parallel.zero_stage=1", "parallel.pipeline_stages=2", "parallel.micro_batches=2",
-                                      "parallel.partition_method=uniform", "model.n_layer=4", "train.max_steps=30"]}]
+HYBRID = [
+    {
+        "name": "pp2-dp2",
+        "set": [
+            "parallel.zero_stage=1",
+            "parallel.pipeline_stages=2",
+            "parallel.micro_batches=2",
+            "parallel.partition_method=uniform",
+            "model.n_layer=4",
+            "train.max_steps=30",
+        ],
+    }
+]
 
 
 @pytest.fixture(scope="module")
@@ -111,8 +150,21 @@ def _max_rel(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) / abs(y) for x, y in zip(a, b))
 
 
-@pytest.mark.parametrize("name", ["zero0", "zero1", "zero2", "zero3", "pp2", "zero2-offload", "zero3-offload",
-                                  "zero2-ckpt", "fsdp2-zero2", "fsdp2-zero3"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "zero0",
+        "zero1",
+        "zero2",
+        "zero3",
+        "pp2",
+        "zero2-offload",
+        "zero3-offload",
+        "zero2-ckpt",
+        "fsdp2-zero2",
+        "fsdp2-zero3",
+    ],
+)
 def test_matches_single_worker_reference(runs, name):
     ref, run = runs["reference"]["loss"], runs[name]["loss"]
     assert len(run) == STEPS
@@ -199,11 +251,25 @@ def test_the_llama_family_trains_alike_under_zero_pipeline_and_recompute(runs):
         assert _max_rel(runs[name]["loss"], ref) <= 1e-4, name
 
 
-@pytest.mark.parametrize("name,replicas", [("zero0", 2), ("zero1", 2), ("zero2", 2), ("zero3", 2),
-                                           ("zero3-offload", 2), ("pp2", 1), ("llama-zero2-ckpt", 2),
-                                           ("llama-zero3", 2), ("llama-pp2", 1), ("fsdp2-zero3", 2),
-                                           ("llama-fsdp2-ckpt", 2), ("tp2-zero0", 1),
-                                           ("tp2-zero2", 1), ("llama-tp2-zero1", 1)])
+@pytest.mark.parametrize(
+    "name,replicas",
+    [
+        ("zero0", 2),
+        ("zero1", 2),
+        ("zero2", 2),
+        ("zero3", 2),
+        ("zero3-offload", 2),
+        ("pp2", 1),
+        ("llama-zero2-ckpt", 2),
+        ("llama-zero3", 2),
+        ("llama-pp2", 1),
+        ("fsdp2-zero3", 2),
+        ("llama-fsdp2-ckpt", 2),
+        ("tp2-zero0", 1),
+        ("tp2-zero2", 1),
+        ("llama-tp2-zero1", 1),
+    ],
+)
 def test_a_checkpoint_consolidates_to_the_model_that_was_evaluated(runs, tmp, byte_dataset, name, replicas):
     """`kiln export`'s reader merges every sharding (ZeRO partitions, pipeline layer files) into
     the whole model: its validation loss on the run's own eval batches is the one the run logged."""
@@ -218,7 +284,9 @@ def test_a_checkpoint_consolidates_to_the_model_that_was_evaluated(runs, tmp, by
     model = loaded.build()
     losses = []
     for rank in range(replicas):  # what `evaluate` did: each replica its first eval batches, averaged
-        for i, batch in enumerate(ParquetSource(load_manifest(resolve(str(byte_dataset))), rank, replicas, 4).val_batches()):
+        for i, batch in enumerate(
+            ParquetSource(load_manifest(resolve(str(byte_dataset))), rank, replicas, 4).val_batches()
+        ):
             if i == 2:  # train.eval_batches in the harness
                 break
             with torch.no_grad():

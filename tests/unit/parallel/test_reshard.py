@@ -35,14 +35,27 @@ SHARDED = [s for s in STAGES if s != "zero0"]  # whose optimizer state is cut pe
 
 def _run(name: str, ranks: int, stage: str, *more: str, state: bool = False) -> dict:
     """A spec of `ranks` ranks; grad accumulation is left to the resume unless `more` sets it."""
-    spec = {"name": name, "set": [f"train.micro_batch_size={MICRO}", f"train.max_steps={STEPS}",
-                                  f"train.checkpoint_every={SAVED}", *STAGES[stage], *more]}
+    spec = {
+        "name": name,
+        "set": [
+            f"train.micro_batch_size={MICRO}",
+            f"train.max_steps={STEPS}",
+            f"train.checkpoint_every={SAVED}",
+            *STAGES[stage],
+            *more,
+        ],
+    }
     return spec | ({"state": True} if state else {})
 
 
 def _writer(ranks: int, stage: str) -> dict:
-    return _run(f"w{ranks}-{stage}", ranks, stage, f"train.grad_accum_steps={SEQUENCES // (MICRO * ranks)}",
-                *_INDEXED.get(f"w{ranks}-{stage}", []))
+    return _run(
+        f"w{ranks}-{stage}",
+        ranks,
+        stage,
+        f"train.grad_accum_steps={SEQUENCES // (MICRO * ranks)}",
+        *_INDEXED.get(f"w{ranks}-{stage}", []),
+    )
 
 
 # data.index_log of the writer and the run that resumed its checkpoint on 3 ranks, in one directory
@@ -57,15 +70,27 @@ def _from(writer: str, stage: str) -> str:
 def runs(byte_dataset, tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("reshard")
     one = [_writer(1, s) for s in STAGES]
-    two = [*(_writer(2, s) for s in STAGES), *(_run(f"1to2-{s}", 2, s, _from("w1", s)) for s in STAGES),
-           *(_run(f"kept2-{s}", 2, s, _from("w2", s), state=True) for s in SHARDED)]
+    two = [
+        *(_writer(2, s) for s in STAGES),
+        *(_run(f"1to2-{s}", 2, s, _from("w1", s)) for s in STAGES),
+        *(_run(f"kept2-{s}", 2, s, _from("w2", s), state=True) for s in SHARDED),
+    ]
     back = [_run(f"2to1-{s}", 1, s, _from("w2", s)) for s in STAGES]
-    three = [*(_run(f"2to3-{s}", 3, s, _from("w2", s), *_INDEXED.get(f"2to3-{s}", [])) for s in STAGES),
-             *(_run(f"cut3-{s}", 3, s, _from("w2", s), state=True) for s in SHARDED),
-             # 3 ranks x 3 cannot make 12 a step: allowed, the run goes on with its own batch
-             {"name": "2to3-changed", "set": ["train.micro_batch_size=3", f"train.max_steps={STEPS}",
-                                              "parallel.zero_stage=2", "train.allow_batch_change=true",
-                                              _from("w2", "zero2")]}]
+    three = [
+        *(_run(f"2to3-{s}", 3, s, _from("w2", s), *_INDEXED.get(f"2to3-{s}", [])) for s in STAGES),
+        *(_run(f"cut3-{s}", 3, s, _from("w2", s), state=True) for s in SHARDED),
+        # 3 ranks x 3 cannot make 12 a step: allowed, the run goes on with its own batch
+        {
+            "name": "2to3-changed",
+            "set": [
+                "train.micro_batch_size=3",
+                f"train.max_steps={STEPS}",
+                "parallel.zero_stage=2",
+                "train.allow_batch_change=true",
+                _from("w2", "zero2"),
+            ],
+        },
+    ]
     results = launch(tmp, "one", one, 1, byte_dataset, timeout=600)
     results |= launch(tmp, "two", two, 2, byte_dataset, timeout=900)
     results |= launch(tmp, "back", back, 1, byte_dataset, timeout=600)
@@ -76,7 +101,7 @@ def runs(byte_dataset, tmp_path_factory) -> dict:
 def _ids(run: dict, steps: int, per_step: int) -> list[int]:
     """The sample ids a run trained on in its first `steps` steps, over all ranks (each rank
     drew `per_step` micro-batches a step; what it read ahead is left out)."""
-    return [i for rank in run["ids"] for batch in rank[:steps * per_step] for i in batch]
+    return [i for rank in run["ids"] for batch in rank[: steps * per_step] for i in batch]
 
 
 TRANSITIONS = [(1, 2), (2, 1), (2, 3)]
@@ -136,7 +161,7 @@ def test_the_index_log_holds_each_step_as_the_run_that_kept_it_trained_it(runs):
 
     def expected(run: dict, step: int, ranks: int) -> list[int]:  # its micro-batches of that step
         per = SEQUENCES // (MICRO * ranks)
-        return [i for rank in run["ids"] for batch in rank[(step - 1) * per:step * per] for i in batch]
+        return [i for rank in run["ids"] for batch in rank[(step - 1) * per : step * per] for i in batch]
 
     for step in range(1, STEPS + 1):
         run, ranks, first = (writer, 2, 1) if step <= SAVED else (resumed, 3, SAVED + 1)

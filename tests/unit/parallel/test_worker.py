@@ -8,8 +8,11 @@ KILN = Path(__file__).resolve().parents[3] / "platform" / "kiln"
 
 
 def _called(path: Path) -> set[str]:
-    return {n.func.attr if isinstance(n.func, ast.Attribute) else getattr(n.func, "id", "")
-            for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Call)}
+    return {
+        n.func.attr if isinstance(n.func, ast.Attribute) else getattr(n.func, "id", "")
+        for n in ast.walk(ast.parse(path.read_text()))
+        if isinstance(n, ast.Call)
+    }
 
 
 def test_both_launchers_call_the_one_worker_set_up():

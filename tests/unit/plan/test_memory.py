@@ -7,16 +7,7 @@ import pytest
 from kiln.errors import ConfigError
 from kiln.model import config_for
 from kiln.model_size import largest_layer_params, num_params
-from kiln.plan.memory import (
-    GIB,
-    PlanInput,
-    estimate,
-    first_fit,
-    format_table,
-    options,
-    plan_input,
-    refuse_if_too_big,
-)
+from kiln.plan.memory import GIB, PlanInput, estimate, first_fit, format_table, options, plan_input, refuse_if_too_big
 
 
 @pytest.mark.parametrize("flavour", ["gpt2-124m", "1.3b", "13b"])
@@ -37,10 +28,12 @@ def test_model_states_agree_with_deepspeed_estimators(flavour, gpus):
         ours = device_bytes(zero_stage=2, offload_optimizer="cpu" if offload else "none")
         assert ours == pytest.approx(ds, rel=1e-6), (offload, ours, ds)
     for opt_off, par_off in ((False, False), (True, False), (True, True)):
-        _, ds, *_ = estimate_zero3_model_states_mem_needs(psi, largest, num_gpus_per_node=gpus, cpu_offload=opt_off,
-                                                      cpu_offload_params=par_off)
-        ours = device_bytes(zero_stage=3, offload_optimizer="cpu" if opt_off else "none",
-                            offload_params="cpu" if par_off else "none")
+        _, ds, *_ = estimate_zero3_model_states_mem_needs(
+            psi, largest, num_gpus_per_node=gpus, cpu_offload=opt_off, cpu_offload_params=par_off
+        )
+        ours = device_bytes(
+            zero_stage=3, offload_optimizer="cpu" if opt_off else "none", offload_params="cpu" if par_off else "none"
+        )
         assert ours == pytest.approx(ds, rel=1e-6), (opt_off, par_off, ours, ds)
 
 
@@ -58,8 +51,14 @@ def test_zero_paper_figure_for_7_5b_on_64_gpus():
 
 
 def test_plans_a_13b_model_on_64_h100s_without_hardware():
-    base = PlanInput(model=config_for("13b", vocab_size=50304), world_size=64, device_memory_gib=80,
-                     micro_batch=1, zero_stage=0, precision="bf16")
+    base = PlanInput(
+        model=config_for("13b", vocab_size=50304),
+        world_size=64,
+        device_memory_gib=80,
+        micro_batch=1,
+        zero_stage=0,
+        precision="bf16",
+    )
     assert not estimate(base).fits  # 13B with plain data parallelism needs ~16 bytes x 13B per GPU
     best = first_fit(base)
     assert best is not None and best.estimate.fits and best.plan.zero_stage >= 1
@@ -68,9 +67,14 @@ def test_plans_a_13b_model_on_64_h100s_without_hardware():
     assert all(not o.estimate.fits or o.cost >= best.cost for o in ranked)
     table = format_table(base)
     assert "recommended (cheapest that fits)" in table and "12.9B params" in table
-    assert len([line for line in table.splitlines() if "tensor_parallel=" not in line and line.rstrip().endswith(("1.00", "1.15", "1.33", "1.50",
-                                                                              "1.53", "1.72", "2.00", "2.29",
-                                                                              "4.31", "5.74"))]) == len(ranked)
+    assert len(
+        [
+            line
+            for line in table.splitlines()
+            if "tensor_parallel=" not in line
+            and line.rstrip().endswith(("1.00", "1.15", "1.33", "1.50", "1.53", "1.72", "2.00", "2.29", "4.31", "5.74"))
+        ]
+    ) == len(ranked)
 
 
 def test_activation_checkpointing_and_pipeline_shrink_activations():
@@ -84,8 +88,14 @@ def test_activation_checkpointing_and_pipeline_shrink_activations():
 
 
 def test_refusal_names_the_overflow_and_the_first_option_that_fits():
-    base = PlanInput(model=config_for("1.3b", vocab_size=50304), world_size=8, device_memory_gib=24,
-                     micro_batch=1, zero_stage=0, precision="bf16")
+    base = PlanInput(
+        model=config_for("1.3b", vocab_size=50304),
+        world_size=8,
+        device_memory_gib=24,
+        micro_batch=1,
+        zero_stage=0,
+        precision="bf16",
+    )
     with pytest.raises(ConfigError) as e:
         refuse_if_too_big(base, "parallel.device_memory_gib")
     msg = str(e.value)
@@ -125,8 +135,9 @@ def test_tensor_parallel_divides_the_split_weights_and_most_activations():
     two = estimate(PlanInput(model=m, world_size=2, micro_batch=1, precision="bf16", tensor_parallel=2))
     assert one.params - two.params == 2 * (split_params(m) // 2)  # bf16: 2 bytes per split weight halved away
     assert 0.5 * one.activations < two.activations < 0.75 * one.activations  # norms and inputs stay whole
-    base = PlanInput(model=m, world_size=8, micro_batch=1, precision="bf16", device_memory_gib=24,
-                     activation_checkpointing=True)
+    base = PlanInput(
+        model=m, world_size=8, micro_batch=1, precision="bf16", device_memory_gib=24, activation_checkpointing=True
+    )
     table = format_table(base)
     assert "tensor_parallel=4 (2 data-parallel x 4 tensor-parallel)" in table
     # At 40 GiB ZeRO-3 fits without checkpointing (cost 1.15), and so does TP=2 at ZeRO-2 (1.10):
@@ -143,6 +154,9 @@ def test_kiln_plan_tells_an_elastic_run_how_often_to_checkpoint():
     never = elastic_advice(load_config(None, ["parallel.num_workers=[1, 2]", "parallel.resize_check_s=120"]))
     assert "memory is planned for 1 worker(s)" in never and "checkpoint at least every 120 s" in never
     assert "train.checkpoint_every_minutes = 2" in never and "now never (each resize starts again at step 0)" in never
-    some = elastic_advice(load_config(None, ["parallel.num_workers=[1, 2]", "train.checkpoint_every=50",
-                                             "train.checkpoint_every_minutes=5"]))
+    some = elastic_advice(
+        load_config(
+            None, ["parallel.num_workers=[1, 2]", "train.checkpoint_every=50", "train.checkpoint_every_minutes=5"]
+        )
+    )
     assert "now every 50 steps and every 5 min" in some

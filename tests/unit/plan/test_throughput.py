@@ -66,9 +66,30 @@ def test_cluster_yaml_gives_the_preferred_gpu_group_and_its_size():
 
 
 def test_kiln_plan_cluster_prints_throughput_time_and_cost():
-    proc = subprocess.run([sys.executable, "-m", "kiln.cli", "plan", "--cluster", str(REPO / "cluster/aws-gpu.yaml"),
-                           "--model", "1.3b", "--precision", "bf16", "--micro-batch", "4", "--zero-stage", "2",
-                           "--target-tokens", "1e9", "--usd-per-hour", "100"], capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kiln.cli",
+            "plan",
+            "--cluster",
+            str(REPO / "cluster/aws-gpu.yaml"),
+            "--model",
+            "1.3b",
+            "--precision",
+            "bf16",
+            "--micro-batch",
+            "4",
+            "--zero-stage",
+            "2",
+            "--target-tokens",
+            "1e9",
+            "--usd-per-hour",
+            "100",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert "64 x A100-40GB" in out and "tokens/s:" in out
@@ -92,8 +113,10 @@ def test_preemptions_cost_a_resize_and_half_a_checkpoint_interval_each():
 
 def test_tensor_parallel_divides_compute_and_adds_four_exposed_all_reduces_per_block():
     c = Cluster(P5, 1, "x")
-    dp8, tp2 = throughput(plan(world_size=8, zero_stage=1), c), throughput(plan(world_size=8, zero_stage=1,
-                                                                              tensor_parallel=2), c)
+    dp8, tp2 = (
+        throughput(plan(world_size=8, zero_stage=1), c),
+        throughput(plan(world_size=8, zero_stage=1, tensor_parallel=2), c),
+    )
     head = 6 * M.vocab_size * M.d_model  # per token, on both tensor-parallel ranks
     assert tp2.compute_s == pytest.approx(dp8.compute_s * (flops_per_token(M) + head) / flops_per_token(M) / 2)
     activation = 8 * 2048 * M.d_model * 2  # b x s x h in bf16

@@ -22,8 +22,9 @@ def test_line_counts_trials_tracks_the_best_and_bounds_the_eta():
     s.result("abc_00000", {"step": 30, "loss/val": 5.0})
     s.finished("abc_00000")  # stopped by ASHA at step 30
     # 45 trial-steps in 100 s; the whole budget is 15 x 60 = 900, so at most 855 more: 1900 s.
-    assert s.line(now=100.0) == ("sweep 1/15 trials done | running: 00001 step 15/60 | best loss/val 4.9000 "
-                                 "(00001) | 1m40s | eta <= 31m40s")
+    assert s.line(now=100.0) == (
+        "sweep 1/15 trials done | running: 00001 step 15/60 | best loss/val 4.9000 (00001) | 1m40s | eta <= 31m40s"
+    )
     s.result("abc_00001", {"step": 30, "loss/val": float("nan")})  # a NaN is never the best
     s.finished("abc_00001", failed=True)
     assert "2/15 trials done (1 failed) | running: - | best loss/val 4.9000 (00001)" in s.line(now=200.0)

@@ -13,8 +13,14 @@ DS = "planted-sweep-ds-Rt41"
 
 def _sweep_file(tmp_path, name, byte_dataset, secrets: bool):
     (tmp_path / "base.yaml").write_text(f"data:\n  path: {byte_dataset}\ntrain:\n  max_steps: 20\n  eval_every: 10\n")
-    extra = (f"overrides:\n  data.s3_endpoint: http://kiln:{PW}@127.0.0.1:9\n"
-             f"  parallel.deepspeed.aws_secret_access_key: {DS}\n") if secrets else ""
+    extra = (
+        (
+            f"overrides:\n  data.s3_endpoint: http://kiln:{PW}@127.0.0.1:9\n"
+            f"  parallel.deepspeed.aws_secret_access_key: {DS}\n"
+        )
+        if secrets
+        else ""
+    )
     path = tmp_path / f"{name}.yaml"
     path.write_text(f"name: {name}\nbase: base.yaml\nspace:\n  optim.lr: {{loguniform: [1e-4, 1e-2]}}\n{extra}")
     return load_sweep(path)

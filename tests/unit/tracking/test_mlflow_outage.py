@@ -35,11 +35,31 @@ def test_training_goes_on_through_an_mlflow_outage_and_loses_no_metric(byte_data
     root = tmp_path / "services"
     services.up(root, port=port)
     url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "kiln.launch.local", "--config", str(REPO / "jobs/configs/debug.yaml"),
-           "--set", f"data.path={byte_dataset}", "--set", f"train.max_steps={STEPS}",
-           "--set", "train.eval_every=0", "--set", "train.micro_batch_size=4", "--set", "schedule.warmup_steps=5",
-           "--set", f"logging.tracking_uri={url}", "--set", "logging.experiment=outage",
-           "--set", "logging.progress_every=5", "--set", f"train.storage_path={tmp_path}/runs"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kiln.launch.local",
+        "--config",
+        str(REPO / "jobs/configs/debug.yaml"),
+        "--set",
+        f"data.path={byte_dataset}",
+        "--set",
+        f"train.max_steps={STEPS}",
+        "--set",
+        "train.eval_every=0",
+        "--set",
+        "train.micro_batch_size=4",
+        "--set",
+        "schedule.warmup_steps=5",
+        "--set",
+        f"logging.tracking_uri={url}",
+        "--set",
+        "logging.experiment=outage",
+        "--set",
+        "logging.progress_every=5",
+        "--set",
+        f"train.storage_path={tmp_path}/runs",
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
@@ -128,9 +148,9 @@ def test_a_killed_rank_loses_no_metric_it_handed_over_and_its_restart_delivers_t
         "for step in range(1, 13):\n"
         "    logger.log({'loss/train': 10.0 - step, 'lr': 0.001}, step)\n"
         "print('logged', flush=True)\n"
-        "sys.stdin.read()\n")
-    proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            text=True)
+        "sys.stdin.read()\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "logged"
     finally:

@@ -5,16 +5,31 @@ from kiln.tracking.server import resolve_tracking_uri, ui_command
 
 
 def test_secrets_are_redacted():
-    params = {"optim.lr": 0.1, "data.s3_secret_access_key": "abc", "logging.api_token": "t",
-              "x.password": "p", "aws_access_key_id": "AKIA", "data.path": "s3://b/p", "HF_TOKEN": "hf",
-              "x.tokens_secret": "s", "data.tokenizer": "bpe", "data.train_tokens": 1339392, "data.val_tokens": 9}
+    params = {
+        "optim.lr": 0.1,
+        "data.s3_secret_access_key": "abc",
+        "logging.api_token": "t",
+        "x.password": "p",
+        "aws_access_key_id": "AKIA",
+        "data.path": "s3://b/p",
+        "HF_TOKEN": "hf",
+        "x.tokens_secret": "s",
+        "data.tokenizer": "bpe",
+        "data.train_tokens": 1339392,
+        "data.val_tokens": 9,
+    }
     out = redact(params)
     assert out["optim.lr"] == 0.1 and out["data.path"] == "s3://b/p"
     # the tokenizer and token counts are plain settings, not credentials
     assert out["data.tokenizer"] == "bpe" and out["data.train_tokens"] == 1339392
-    assert {k for k, v in out.items() if v == REDACTED} == {"data.s3_secret_access_key", "logging.api_token",
-                                                            "x.password", "aws_access_key_id", "HF_TOKEN",
-                                                            "x.tokens_secret"}
+    assert {k for k, v in out.items() if v == REDACTED} == {
+        "data.s3_secret_access_key",
+        "logging.api_token",
+        "x.password",
+        "aws_access_key_id",
+        "HF_TOKEN",
+        "x.tokens_secret",
+    }
 
 
 def test_tracking_uri_resolution(monkeypatch, tmp_path):
@@ -36,10 +51,16 @@ def test_url_passwords_and_environment_secrets_are_scrubbed(monkeypatch):
     assert scrub("https://kiln:p4ss@minio.internal:9000/x") == "https://kiln:***@minio.internal:9000/x"
     assert scrub("s3://bucket/path and http://host:5000") == "s3://bucket/path and http://host:5000"
     assert scrub("key wJalrXUtnFEMI/K7MDENG leaked; mode token") == "key *** leaked; mode token"
-    tree = {"parallel": {"deepspeed": {"wandb": {"api_key": "k-123456789", "project": "p"}}},
-            "data": {"s3_endpoint": "http://u:pw123456@minio:9000"}, "list": ["wJalrXUtnFEMI/K7MDENG"]}
-    assert redact_tree(tree) == {"parallel": {"deepspeed": {"wandb": {"api_key": REDACTED, "project": "p"}}},
-                                 "data": {"s3_endpoint": "http://u:***@minio:9000"}, "list": [REDACTED]}
+    tree = {
+        "parallel": {"deepspeed": {"wandb": {"api_key": "k-123456789", "project": "p"}}},
+        "data": {"s3_endpoint": "http://u:pw123456@minio:9000"},
+        "list": ["wJalrXUtnFEMI/K7MDENG"],
+    }
+    assert redact_tree(tree) == {
+        "parallel": {"deepspeed": {"wandb": {"api_key": REDACTED, "project": "p"}}},
+        "data": {"s3_endpoint": "http://u:***@minio:9000"},
+        "list": [REDACTED],
+    }
 
 
 def test_the_first_process_to_end_a_run_decides_its_status(tmp_path):

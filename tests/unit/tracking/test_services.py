@@ -15,9 +15,15 @@ from kiln.tracking import services
 
 def _record(root, procs_and_starts):
     guard.mark(root, services.SERVICES)  # as `up` marks its directory
-    write_private(root / services.STATE, json.dumps([
-        {"name": f"svc{i}", "pid": p.pid, "url": "http://127.0.0.1:1", "log": "l", "started": started}
-        for i, (p, started) in enumerate(procs_and_starts)]))
+    write_private(
+        root / services.STATE,
+        json.dumps(
+            [
+                {"name": f"svc{i}", "pid": p.pid, "url": "http://127.0.0.1:1", "log": "l", "started": started}
+                for i, (p, started) in enumerate(procs_and_starts)
+            ]
+        ),
+    )
 
 
 def test_down_stops_what_up_started_and_leaves_a_reused_pid_alone(tmp_path):
@@ -25,8 +31,13 @@ def test_down_stops_what_up_started_and_leaves_a_reused_pid_alone(tmp_path):
     stranger = subprocess.Popen(["sleep", "600"], start_new_session=True)
     try:
         # `stranger` has the pid the file records, but started an hour after the recorded start.
-        _record(tmp_path, [(ours, psutil.Process(ours.pid).create_time()),
-                           (stranger, psutil.Process(stranger.pid).create_time() - 3600)])
+        _record(
+            tmp_path,
+            [
+                (ours, psutil.Process(ours.pid).create_time()),
+                (stranger, psutil.Process(stranger.pid).create_time() - 3600),
+            ],
+        )
         assert [alive for _, alive in services.status(tmp_path)] == [True, False]
         stopped = services.down(tmp_path)
         assert [s.pid for s in stopped] == [ours.pid, stranger.pid]  # what the file listed
