@@ -22,7 +22,7 @@ import copy
 import dataclasses
 import os
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -186,7 +186,7 @@ def bf16_autocast(
 
 
 # ---- loading ----------------------------------------------------------------------------------
-def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()) -> RunConfig:
+def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] = ()) -> RunConfig:
     """Read a YAML run config (or the defaults), apply `a.b=c` overrides, validate."""
     tree = yamlfile.read_mapping(path, f"config file {str(path)!r}") if path is not None else {}
     return config_from_dict(tree, overrides)

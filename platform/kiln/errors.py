@@ -39,7 +39,8 @@ def user_error_in(failure: BaseException) -> KilnError | None:
     reaches the driver wrapped: Ray Train keeps each worker's exception in
     `WorkerGroupError.worker_failures`, inside a wrapper that holds it as `_base_exc`; Tune and
     Ray tasks chain theirs as `cause` or `__cause__`. Finding it lets the CLI say it in one line."""
-    todo, seen = [failure], set()
+    todo: list[BaseException | None] = [failure]
+    seen: set[int] = set()
     while todo:
         e = todo.pop(0)
         if e is None or id(e) in seen:

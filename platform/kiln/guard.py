@@ -176,7 +176,7 @@ def check_file_target(
         raise error(f"{named}: exists and is not a {kind} Kiln wrote; it is never overwritten: choose a new path")
 
 
-def writable_dir(path: str | os.PathLike) -> bool:
+def writable_dir(path: str | os.PathLike[str]) -> bool:
     """Whether this process can create files in the directory `path`. Tried, not inferred from
     mode bits (root ignores them; a read-only mount does not show in them): an unnamed temp file
     (O_TMPFILE on Linux) that leaves nothing behind."""

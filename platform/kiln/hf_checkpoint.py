@@ -258,7 +258,7 @@ def _rope_fields(rope: dict, path: Path) -> dict:
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind not in ROPE_TYPES:
         raise ConfigError(f"{path}: rope type {kind!r} is not supported; expected one of {list(ROPE_TYPES)}")
-    fields = {"rope_scaling": ROPE_TYPES[kind]}
+    fields: dict[str, str | float | int] = {"rope_scaling": ROPE_TYPES[kind]}
     try:
         if kind != "default":
             fields["rope_factor"] = float(rope["factor"])
@@ -417,7 +417,8 @@ def hf_state(cfg: GPTConfig, state: dict[str, torch.Tensor], vocab_size: int) ->
     out = {}
     for ours, (names, transposed) in name_table(cfg).items():
         t = state.get(ours)
-        if t is None:  # a bias Kiln's model does not have
+        if t is None:  # a bias Kiln's model does not have (GPT-2's, which Hugging Face's always has)
+            assert full is not None
             t = torch.zeros(full[ours])
         if ours in ("wte.weight", "lm_head.weight"):
             t = t[:vocab_size]

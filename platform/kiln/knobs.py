@@ -113,7 +113,7 @@ def field_docs(cls: type) -> dict[str, str]:
         tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     except (OSError, TypeError):
         return {}
-    body = tree.body[0].body
+    body = tree.body[0].body  # type: ignore[attr-defined]  # getsource(cls) parses to its ClassDef
     docs = {}
     for node, nxt in zip(body, body[1:]):
         if (
@@ -129,7 +129,7 @@ def field_docs(cls: type) -> dict[str, str]:
 
 def _coerce_number(value: Any, tp: type, where: str) -> Any:
     """An int or float field's value, or ConfigError naming `where`."""
-    number = None
+    number: int | float | None = None
     if tp is int:
         if isinstance(value, bool):
             raise ConfigError(f"{where} = {value!r} is not an integer")
@@ -209,7 +209,7 @@ def _unknown_key(key: str, valid: list[str], where: str) -> ConfigError:
     return ConfigError(f"unknown config key {path!r}{hint}")
 
 
-def build_section(cls: type, raw: dict[str, Any], where: str = ""):
+def build_section(cls: Any, raw: dict[str, Any], where: str = ""):
     """A config dataclass from a raw mapping, every key and value checked (`where`: its dotted name)."""
     if not isinstance(raw, dict):
         raise ConfigError(f"{where or 'config'} must be a mapping, got {raw!r}")
@@ -295,16 +295,18 @@ def annotated_yaml(cfg: Any) -> str:
     lines: list[str] = []
     for section in dataclasses.fields(cfg):
         value = getattr(cfg, section.name)
-        lines.append(f"# {field_docs(type(cfg)).get(section.name, '')}")
+        config_type: type = type(cfg)
+        section_type: type = type(value)
+        lines.append(f"# {field_docs(config_type).get(section.name, '')}")
         lines.append(f"{section.name}:")
-        docs = field_docs(type(value))
+        docs = field_docs(section_type)
         for f in dataclasses.fields(value):
             doc = docs.get(f.name, "")
             if RANGE in f.metadata or CHOICE in f.metadata:
                 doc += f" Allowed: {field_range(type(value), f.name)[1]}."
             lines.extend(f"  # {line}" for line in textwrap.wrap(doc.strip(), 94))
             v = getattr(value, f.name)
-            v = dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v
+            v = dataclasses.asdict(v) if dataclasses.is_dataclass(v) and not isinstance(v, type) else v
             dumped = yaml.safe_dump({f.name: v}, default_flow_style=True)
             lines.append("  " + dumped.strip()[1:-1])
         lines.append("")

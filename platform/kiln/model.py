@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -159,7 +160,7 @@ def padded_vocab(vocab_size: int, multiple: int = 64) -> int:
     return ((vocab_size + multiple - 1) // multiple) * multiple
 
 
-def config_for(flavour: str, **overrides) -> GPTConfig:
+def config_for(flavour: str, **overrides: Any) -> GPTConfig:
     """The GPTConfig of a named flavour, with any field overridden (e.g. vocab_size, seq_len)."""
     if flavour not in FLAVOURS:
         raise KeyError(f"unknown model flavour {flavour!r}; choose one of {sorted(FLAVOURS)}")
@@ -199,6 +200,7 @@ class KVCache:
                 return positions, None
             return positions, (positions[:, None] >= torch.arange(S, device=positions.device))[None, None]
         if valid is None:
+            assert self.valid is not None  # else the branch above returned
             valid = torch.ones(self.valid.shape[0], T, dtype=torch.bool, device=device)
         past = (
             self.valid if self.valid is not None else torch.ones(valid.shape[0], start, dtype=torch.bool, device=device)
@@ -217,16 +219,16 @@ class KVCache:
         (`extend` has counted them already); return all S so far, as views of the buffers."""
         end = self.length
         start = end - k.shape[2]
-        held = self.k[layer]
-        if held is None or held.shape[2] < end:
-            size = max(self.capacity, end, 2 * (held.shape[2] if held is not None else 0))
+        held_k, held_v = self.k[layer], self.v[layer]
+        if held_k is None or held_v is None or held_k.shape[2] < end:
+            size = max(self.capacity, end, 2 * (held_k.shape[2] if held_k is not None else 0))
             grown_k, grown_v = (t.new_empty(*t.shape[:2], size, t.shape[3]) for t in (k, v))
-            if held is not None:
-                grown_k[:, :, :start], grown_v[:, :, :start] = held[:, :, :start], self.v[layer][:, :, :start]
-            self.k[layer], self.v[layer] = grown_k, grown_v
-        self.k[layer][:, :, start:end] = k
-        self.v[layer][:, :, start:end] = v
-        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+            if held_k is not None and held_v is not None:
+                grown_k[:, :, :start], grown_v[:, :, :start] = held_k[:, :, :start], held_v[:, :, :start]
+            self.k[layer], self.v[layer] = held_k, held_v = grown_k, grown_v
+        held_k[:, :, start:end] = k
+        held_v[:, :, start:end] = v
+        return held_k[:, :, :end], held_v[:, :, :end]
 
 
 def norm(cfg: GPTConfig) -> nn.Module:
@@ -454,7 +456,9 @@ class GPT(nn.Module):
             cos, sin = cos[None], sin[None]
         return cos[:, None], sin[:, None]
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Logits for `idx` (B, T); with `targets`, also the mean next-token cross-entropy."""
         T = idx.shape[1]
         if self.cfg.seq_len < T:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+from collections.abc import Iterable
 from typing import Any
 
 # "token" as in a credential, not the tokenizer or a count of tokens (data.tokenizer, data.train_tokens).
@@ -67,6 +68,7 @@ def redact_tree(tree: Any) -> Any:
 def redacted_paths(tree: Any, prefix: str = "") -> list[str]:
     """The dotted paths in a tree whose values `redact_tree` masks: what a file written with
     the masked tree no longer holds."""
+    items: Iterable[tuple[Any, Any]]
     if isinstance(tree, dict):
         items = tree.items()
     elif isinstance(tree, list):

@@ -66,10 +66,11 @@ def check_launcher(cfg: dict) -> list[str]:
         problems.append("provider.head_ip: a local cluster needs the head machine's address")
 
     setup = " ".join(cfg.get("setup_commands", []) + cfg.get("head_setup_commands", []))
-    if "make install" not in setup and "pip install" not in setup:
+    image = (cfg.get("docker") or {}).get("image")
+    if not image and "make install" not in setup and "pip install" not in setup:
         problems.append(
-            "setup_commands: nothing installs Kiln; use `cd ~/kiln && make install`, as "
-            "`make demo` does (torch first, then DeepSpeed, then Kiln)"
+            "docker.image: nothing installs Kiln; run Kiln's image (`make image`, cluster/Dockerfile), or "
+            "`cd ~/kiln && make install` in setup_commands"
         )
     for key in ("head_start_ray_commands", "worker_start_ray_commands"):
         cmds = " ".join(cfg.get(key, []))
@@ -97,7 +98,7 @@ def _schema_words(e) -> str:
     return f"does not satisfy the schema's {e.validator!r} rule"
 
 
-def _containers(template: dict, where: str, problems: list[str]) -> list[dict]:
+def _containers(template: Any, where: str, problems: list[str]) -> list[dict]:
     containers = ((template or {}).get("spec") or {}).get("containers")
     if not containers:
         problems.append(f"{where}.template.spec.containers: at least one container is required")

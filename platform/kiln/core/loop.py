@@ -144,6 +144,7 @@ class _Training:
         dims = ParallelDims.of(cfg.parallel, world.world_size)
         if resumed.regroup is not None:  # written by another number of replicas: the same row, in this run's terms
             written = resumed.regroup.written
+            assert written.micro_batch_size is not None  # a regroup needs the batch it was written with
             consumed = source.rescaled_skip(consumed, written.dims.data_parallel_size, written.micro_batch_size)
         regroup = resumed.regroup or sized_for(cfg, dims)  # (an elastic run below its most workers)
         if regroup is not None:
@@ -234,6 +235,7 @@ class _Training:
         step_s = meter.step_time(step)
         # One all-reduce per metrics step. The time since the last save rides along, so every
         # rank takes the same save decision.
+        assert result.loss is not None  # a skipped step publishes nothing
         loss_train, wait, since_save = mean_over_ranks(
             [result.loss.item(), result.data_wait_s, self.policy.seconds_since_save()], device
         )

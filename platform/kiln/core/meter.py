@@ -125,6 +125,7 @@ class StepMeter:
         self.evaluated(time.perf_counter() - start)
 
     def mfu(self, tokens_per_s: float) -> float:
+        assert self.peak is not None  # measured or from the datasheet before any MFU is asked for
         return self.flops_per_token * tokens_per_s / (self.peak * self.world_size)
 
     def _fp16(self, engine: Engine, step: int, rank: int) -> dict[str, float]:

@@ -149,7 +149,8 @@ def param_groups(
 ) -> list[dict]:
     exempt = no_decay_kinds(no_decay)
     kinds = parameter_kinds(model, shape_of)
-    decay, rest = [], []
+    decay: list[nn.Parameter] = []
+    rest: list[nn.Parameter] = []
     for p in model.parameters():  # tied weights appear once
         if p.requires_grad:
             (rest if kinds.get(id(p), "matmuls") in exempt else decay).append(p)

@@ -85,9 +85,9 @@ class DevicePrefetcher:
         item = self._q.get()
         if item is _END or isinstance(item, BaseException):
             self._finished = True
-            if item is _END:
-                raise StopIteration
-            raise item
+            if isinstance(item, BaseException):
+                raise item
+            raise StopIteration
         return item
 
     def _to_device(self, batch: torch.Tensor) -> torch.Tensor:

@@ -83,8 +83,8 @@ class StepProfiler:
             activities.append(torch.profiler.ProfilerActivity.CUDA)
             torch.cuda.memory._record_memory_history(max_entries=100_000)
         self._out = temp_dir(None, "profile")
-        self._prof = torch.profiler.profile(activities=activities, record_shapes=True, with_stack=False)
-        self._prof.__enter__()
+        self._prof = prof = torch.profiler.profile(activities=activities, record_shapes=True, with_stack=False)
+        prof.__enter__()
         self._memray = _host_tracker(self._out / f"host_memory_rank{self.rank}.bin")
         if self._memray is not None:
             # Entered here, not in a helper: memray follows the frames entered after it starts, and

@@ -122,6 +122,7 @@ def regroup(where: str, written: Written, run: Written, allow_batch_change: bool
             f"as many replicas: set parallel.num_workers = {was.world_size}"
         )
     micro_batches, changed = _micro_batches(where, written, run, allow_batch_change)
+    assert run.micro_batch_size is not None  # this run's own batch is always known
     return Regroup(written, now.data_parallel_size, run.micro_batch_size, micro_batches, changed)
 
 

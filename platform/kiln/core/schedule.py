@@ -20,7 +20,7 @@ t = step - warmup_steps, T = max_steps - warmup_steps, p = min(1, t / T) and flo
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from kiln.guard import tag, write_file
@@ -88,7 +88,7 @@ def lr_multiplier(step: int, sched: ScheduleConfig, max_steps: int) -> float:
 PLOT_POINTS = 2000  # enough to draw every schedule's shape, warmup included, at the plot's width
 
 
-def lr_curve(sched: ScheduleConfig, peak_lr: float, max_steps: int, steps=None) -> list[float]:
+def lr_curve(sched: ScheduleConfig, peak_lr: float, max_steps: int, steps: Iterable[int] | None = None) -> list[float]:
     """The LR at each of `steps` (1-based optimizer steps; default every step of the run), in order."""
     return [peak_lr * lr_multiplier(s - 1, sched, max_steps) for s in (steps or range(1, max_steps + 1))]
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -35,7 +36,7 @@ class PhaseTimer:
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
         self.on = True
-        self._marks: list[tuple[str | None, object]] = []
+        self._marks: list[tuple[str | None, Any]] = []  # perf_counter() floats, or CUDA events
 
     def start(self) -> None:
         """A phase run begins (after the micro-batch's data is in hand)."""
@@ -126,6 +127,7 @@ def train_step(
         timer.lap("time/optimizer_s")
         loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
     gate.open = True
+    assert loss_sum is not None  # micro_batches >= 1
     if reason is None:
         return StepResult(loss_sum / micro_batches, wait)
     if guard.cfg.policy == "skip":

@@ -144,7 +144,7 @@ def read_unit(unit: Unit, opts: ReadOptions, stats: ReadStats) -> Iterator[tuple
         stats.invalid_utf8_chars += document_text(doc).count("\ufffd")
     if unit.tail_split and len(docs) == 1 and isinstance(docs[0], str):
         cut = int(len(docs[0]) * (1 - opts.val_fraction))  # one document: its tail is held out
-        labelled = [("train", docs[0][:cut]), ("val", docs[0][cut:])]
+        labelled: list[tuple[str, Document]] = [("train", docs[0][:cut]), ("val", docs[0][cut:])]
     else:
         labelled = [(split, d) for split, d in zip(_val_draw(len(docs), opts, unit.index), docs)]
     for split, doc in labelled:

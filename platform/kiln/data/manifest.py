@@ -192,7 +192,7 @@ def check_shards(manifest: Manifest) -> None:
             low, high = _token_range(meta)
             # Instruction data stores prompt tokens as -(id + 1) (kiln.model.inputs_and_targets).
             lowest = -manifest.vocab_size if "loss_mask" in manifest.raw else 0
-            if high is not None and (low < lowest or high >= manifest.vocab_size):
+            if low is not None and high is not None and (low < lowest or high >= manifest.vocab_size):
                 raise DataError(
                     f"shard {loc.uri} holds token ids {low}..{high}, but the manifest's "
                     f"tokenizer.vocab_size is {manifest.vocab_size}: expected ids in "

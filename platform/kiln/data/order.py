@@ -23,6 +23,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -147,7 +148,8 @@ class _FooterCache:
     dataset, `kiln.data.epochs`)."""
 
     def __init__(self, capacity: int):
-        self.capacity, self._held, self._lock = capacity, {}, threading.Lock()
+        self.capacity, self._lock = capacity, threading.Lock()
+        self._held: dict = {}
 
     def get(self, uri: str, f: _Counted) -> pq.FileMetaData:
         # A shard rewritten in place with another content of the very same size would get a
@@ -180,7 +182,7 @@ _FOOTERS = _FooterCache(4 * WINDOW_SHARDS)
 class _Counted:
     """A file that counts the bytes read through it: what a replica's reads cost, measured."""
 
-    def __init__(self, f):
+    def __init__(self, f: Any) -> None:  # a file opened for reading (local or pyarrow S3)
         self.f, self.bytes_read = f, 0
 
     def read(self, n: int = -1) -> bytes:

@@ -207,6 +207,7 @@ class OrderedSource:
     def val_batches(self) -> Iterable[torch.Tensor]:
         if self._val_thread is None:
             self.prefetch()
+        assert self._val_thread is not None
         self._val_thread.join()
         if self._val_error is not None:
             raise self._val_error

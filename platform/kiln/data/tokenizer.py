@@ -128,6 +128,9 @@ class BPETokenizer:
         return self._tok.to_str()
 
 
+Tokenizer = ByteTokenizer | BPETokenizer  # what a dataset's manifest describes
+
+
 def unigram_entropy_bits(counts: np.ndarray) -> float:
     """Entropy of the token frequency distribution, in bits per token: the loss floor of a model
     that knows only how often each token occurs."""

@@ -25,7 +25,7 @@ from typing_extensions import NotRequired, TypedDict
 from kiln import hf_checkpoint as hf
 from kiln.core.checkpoint import CARD, MARKER, TAG, is_complete, latest_complete, newest_reported
 from kiln.data.manifest import load_manifest
-from kiln.data.tokenizer import pretrained
+from kiln.data.tokenizer import Tokenizer, pretrained
 from kiln.devices import name_deepspeed_accelerator
 from kiln.errors import ConfigError, KilnError
 from kiln.model import GPT, GPTConfig, shape_problem
@@ -43,7 +43,7 @@ class LoadedModel:
     cfg: GPTConfig
     state: dict[str, torch.Tensor]
     """fp32 weights in Kiln's names (lm_head is wte where the embeddings are tied)."""
-    tokenizer: object
+    tokenizer: Tokenizer
     """A kiln.data.tokenizer tokenizer (vocab_size, eot_id, encode_batch, decode, hf_json)."""
     source: str
     """The directory the weights came from (a resolved run gives its newest checkpoint)."""
@@ -207,7 +207,7 @@ def _pipeline_layers(state_dir: str, cfg: GPTConfig) -> dict[str, torch.Tensor]:
     names = {0: "", cfg.n_layer + 1: "ln_f."} | {i + 1: f"blocks.{i}." for i in range(cfg.n_layer)}
     if not cfg.tie_embeddings:
         names[cfg.n_layer + 2] = "lm_head."
-    state = {}
+    state: dict[str, torch.Tensor] = {}
     for layer, prefix in names.items():
         if layer not in files:
             raise ConfigError(f"{state_dir}: layer_{layer:02d}-model_states.pt is missing")

@@ -109,7 +109,8 @@ def run_local(cfg: RunConfig, started: float | None = None) -> Summary | None:
     init_distributed(world.device.type == "cuda")
     cfg = agree_on_run_name(cfg, world)
 
-    run, logger = None, NullLogger()
+    run = None
+    logger: NullLogger | MLflowLogger = NullLogger()
     if world.rank == 0:
         from kiln.tracking.client import installed
 

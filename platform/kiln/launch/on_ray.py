@@ -81,7 +81,7 @@ def train(
     with run.finishing():
         stream = progress_stream or sys.stderr
         bar = bar or (TerminalBar(stream) if is_terminal(stream) else None)
-        board = ProgressBoard.remote() if bar is not None else None
+        board = ProgressBoard.remote() if bar is not None else None  # type: ignore[attr-defined]  # a Ray actor
         trainer = build_trainer(
             cfg,
             checked.model,
@@ -145,7 +145,7 @@ def _log_model(cfg: RunConfig, run, checkpoint: str | None, metrics: dict) -> st
         model_id, version = log_model(
             run.client, run.run_id, checkpoint, metrics, int(metrics.get("step", 0)), cfg.logging.register_as
         )
-    except (KilnError, OSError, *errors()) as e:
+    except (KilnError, OSError, *errors()) as e:  # type: ignore[misc]  # errors() is a tuple of classes
         log.warning(
             "the model was not logged to MLflow (%s); kiln export %s --output DIR exports it",
             str(e).splitlines()[0] if str(e) else type(e).__name__,
@@ -274,7 +274,7 @@ def check_tensor_parallel_nodes(cfg: RunConfig, nodes: list[dict]) -> None:
     most = max((int(n["Resources"].get(per_worker[0], 0) // per_worker[1]) for n in nodes if n.get("Alive")), default=0)
     if most < p.tensor_parallel:
         raise ConfigError(
-            cfg.dims.node_problem(most, True) + f" (the largest node of the cluster holds {most} "
+            (cfg.dims.node_problem(most, True) or "") + f" (the largest node of the cluster holds {most} "
             f"worker(s) of {per_worker[1]:g} {per_worker[0]})"
         )
 

@@ -13,6 +13,7 @@ import dataclasses
 import logging
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kiln.config import RunConfig
@@ -165,7 +166,7 @@ AUTO = "auto"  # train.resume_from: an unnamed run is named by what it trains, s
 RESUME_ENV = "KILN_RESUME_FROM"  # train.resume_from where the config leaves it empty (jobs/pretrain.py: auto)
 
 
-def with_run_name(cfg: RunConfig, datasets: list[Dataset] = (), local: bool = False) -> RunConfig:
+def with_run_name(cfg: RunConfig, datasets: Sequence[Dataset] = (), local: bool = False) -> RunConfig:
     """Fill in what the driver decides once for all workers: the run name and where it is stored.
     A run without a `logging.run_name` is named `<model>-<time>`, a new run each time; under
     `train.resume_from: auto`, `<model>-<digest>` of what it trains (`training_digest`), so the
@@ -193,7 +194,7 @@ def with_run_name(cfg: RunConfig, datasets: list[Dataset] = (), local: bool = Fa
     )
 
 
-def training_digest(cfg: RunConfig, datasets: list[Dataset]) -> str:
+def training_digest(cfg: RunConfig, datasets: Sequence[Dataset]) -> str:
     """Ten hex digits naming what a run trains: every setting of its model, data, optimizer,
     schedule and loop, and its data by content (the manifests' fingerprints, not where the files
     are: a job reads them from a new temporary copy each time). Not where it runs or logs

@@ -75,12 +75,13 @@ class Summary:
         not the run, which has completed."""
         from kiln.tracking.client import errors
 
+        failures: tuple[type[BaseException], ...] = (OSError, *errors())
         try:
             run.log_metrics(self.scalars(), step=int(self.metrics.get("step", 0)))
             run.log_text(self.render() + "\n", "summary.txt")
             if self.worker_log and os.path.isfile(self.worker_log):
                 run.log_file(self.worker_log, "logs")
-        except (OSError, *errors()) as e:
+        except failures as e:
             log.warning(
                 "the run's summary did not reach MLflow: %s", str(e).splitlines()[0] if str(e) else type(e).__name__
             )

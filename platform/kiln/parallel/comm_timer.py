@@ -47,7 +47,7 @@ class CollectiveTimer:
             self._seconds += time.perf_counter() - begin
             return out
 
-        all_reduce.__wrapped__ = original
+        all_reduce.__wrapped__ = original  # type: ignore[attr-defined]  # as functools.wraps sets it
         dist.all_reduce = all_reduce
 
     def read(self) -> float:

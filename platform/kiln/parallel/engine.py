@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import logging
 import shutil
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -78,7 +79,7 @@ def kiln_deepspeed_config(cfg: RunConfig, data_parallel_size: int, mcfg: GPTConf
         zero["offload_param"] = _offload(p.offload_params, cfg)
     micro_batches = cfg.micro_batches_per_step
     autocast = cfg.autocast
-    ds = {
+    ds: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
         "gradient_accumulation_steps": micro_batches,
         "train_batch_size": t.micro_batch_size * micro_batches * data_parallel_size,
@@ -462,7 +463,7 @@ def install_fp32_clipping(engine) -> None:
 
 
 def global_grad_norm(
-    grads: list[torch.Tensor], group, device: torch.device, whole: list[torch.Tensor] = ()
+    grads: list[torch.Tensor], group, device: torch.device, whole: Sequence[torch.Tensor] = ()
 ) -> torch.Tensor:
     """The L2 norm of `grads` summed over `group`'s ranks (None: this rank's alone) together with
     `whole`, gradients every rank of the group holds alike (counted once), on the device."""

@@ -55,7 +55,7 @@ import dataclasses
 import itertools
 from dataclasses import dataclass
 
-from kiln.config import bf16_autocast
+from kiln.config import RunConfig, bf16_autocast
 from kiln.core.optim import OPTIMIZERS
 from kiln.model import GPTConfig
 from kiln.model_size import block_params, largest_layer_params, num_params, split_params
@@ -426,8 +426,8 @@ def format_table(base: PlanInput, per_node: int = 8) -> str:
 
 
 # ---- the trainer's pre-launch check ---------------------------------------------------------------
-def plan_input(cfg, mcfg: GPTConfig, device_memory_gib: float) -> PlanInput:
-    """The planner's view of a run config (`cfg` is a kiln.config.RunConfig)."""
+def plan_input(cfg: RunConfig, mcfg: GPTConfig, device_memory_gib: float) -> PlanInput:
+    """The planner's view of a run config."""
     p, t = cfg.parallel, cfg.train
     return PlanInput(
         model=mcfg,

@@ -65,7 +65,8 @@ class ShardSliceDatasource(Datasource):
 
 def _grouped(slices: list[Slice], row_bytes: int) -> list[list[Slice]]:
     """Consecutive slices in groups of at least TASK_BYTES of rows (the last may be smaller)."""
-    groups, held = [[]], 0
+    groups: list[list[Slice]] = [[]]
+    held = 0
     for s in slices:
         if held >= TASK_BYTES:
             groups.append([])

@@ -23,7 +23,7 @@ log = logging.getLogger("kiln.train")
 class ProgressBoard:
     """Holds the newest progress a run's rank 0 posted."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.latest: dict | None = None
 
     def post(self, p: dict) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -154,7 +155,7 @@ def trial_config(base_tree: dict[str, Any], params: dict[str, Any], conditional:
     return cfg
 
 
-def load_sweep(path: str | os.PathLike, overrides: list[str] = ()) -> Sweep:
+def load_sweep(path: str | os.PathLike, overrides: Sequence[str] = ()) -> Sweep:
     """Read and validate a sweep file; `overrides` are `a.b=c` on the sweep file itself."""
     p = Path(path)
     raw = yamlfile.read_mapping(p, f"sweep file {str(p)!r}")

@@ -404,8 +404,8 @@ class _InterruptBridge:
 
 def _first_line(error: BaseException) -> str:
     cause = error
-    while getattr(cause, "cause", None) is not None or cause.__cause__ is not None:
-        cause = getattr(cause, "cause", None) or cause.__cause__
+    while (deeper := getattr(cause, "cause", None) or cause.__cause__) is not None:
+        cause = deeper
     text = str(cause).strip().splitlines()
     return text[-1] if text else type(cause).__name__
 
@@ -508,7 +508,7 @@ def summarise(sweep: Sweep, results, parent: Run, uri: str, max_steps: int) -> S
 
 def _close_parent(parent: Run, summary: SweepSummary, sweep: Sweep) -> None:
     best = summary.best
-    metrics = {
+    metrics: dict[str, float] = {
         "sweep/trials": len(summary.trials),
         "sweep/trial_steps_run": summary.trial_steps_run,
         "sweep/trial_steps_full": summary.trial_steps_full,

@@ -249,9 +249,10 @@ class Run:
         """End the run with its block: FINISHED, KILLED when its process was stopped (Ctrl-C, or
         SIGTERM from `ray job stop` or a scheduler: `kiln.launch.console` makes it an interrupt,
         Ray's driver handler an exit, or one of `stopped_by`), else FAILED."""
+        stops: tuple[type[BaseException], ...] = (KeyboardInterrupt, SystemExit, *stopped_by)
         try:
             yield self
-        except (KeyboardInterrupt, SystemExit, *stopped_by):
+        except stops:
             self.finish(False, "KILLED")
             raise
         except BaseException:

@@ -228,7 +228,8 @@ def evaluate_model(
     from kiln.storage import is_mlflow_model, resolve
     from kiln.tracking.client import log_metrics
 
-    uri, source_run = tracking_uri, run_id
+    uri = tracking_uri
+    source_run: str | None = run_id
     manifest = load_manifest(resolve(data, s3_endpoint))
     with downloaded(spec, uri) if is_mlflow_model(spec) else contextlib.nullcontext(spec) as local:
         if is_mlflow_model(spec):

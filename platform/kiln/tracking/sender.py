@@ -161,8 +161,7 @@ class Sender:
         # The caller may delete its directory as soon as this returns: send a copy.
         copy = temp_dir(None, "artifacts") / "files"  # the marked temp dir is its parent
         shutil.copytree(local_dir, copy)
-        copy = str(copy)
-        self._put(_Batch(artifacts=(copy, artifact_path)))
+        self._put(_Batch(artifacts=(str(copy), artifact_path)))
 
     def pending_metrics(self) -> int:
         with self._cv:

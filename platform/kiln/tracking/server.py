@@ -34,7 +34,7 @@ def server_address(uri: str) -> tuple[str, int] | None:
         port = parsed.port
     except ValueError:
         raise ConfigError(f"{scrub(uri)}: the port is not a number") from None
-    return parsed.hostname, port or (443 if parsed.scheme == "https" else 80)
+    return parsed.hostname or "", port or (443 if parsed.scheme == "https" else 80)
 
 
 # The schemes MLflow 3 has tracking stores for (a database's may name its driver:

@@ -212,7 +212,7 @@ def up(
         url = f"http://{host}:{port}"
         started.append(Service("mlflow", proc.pid, url, str(mlflow_log), _started(proc.pid) or 0.0))
         _wait_http(f"{url}/health", proc, timeout, mlflow_log)
-        if prometheus:
+        if prom_bin:
             started.append(_start_prometheus(prom_bin, root, host, prometheus_port, timeout))
     except BaseException:
         _stop(started)
