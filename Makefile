@@ -2,34 +2,32 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-TORCH_VERSION ?= 2.13.0
 STAMP := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
 STDLIB := $(shell $(PY) -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')
 
 DEMO_DATA := data/stdlib-bpe/manifest.json
 
-.PHONY: install install-test demo test test-fast lint bench clean prometheus-tools
+.PHONY: install install-test constraints demo test test-fast lint bench clean prometheus-tools image
 
-$(STAMP): pyproject.toml
-	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip setuptools wheel
-	# torch first: a bare `torch` requirement would pull a multi-GB CUDA build.
-	$(BIN)/pip install -q torch==$(TORCH_VERSION)
-	# DeepSpeed's sdist imports torch while building; build no CUDA ops (JIT on demand instead).
-	DS_BUILD_OPS=0 $(BIN)/pip install -q --no-build-isolation "deepspeed>=0.19,<0.20"
-	$(BIN)/pip install -q -e .
-	# Build DeepSpeed's shared-memory allreduce and CPU Adam ops now (~3 min once), into this
-	# environment's own cache (kiln.parallel.ops), rather than inside the first training run.
-	$(BIN)/python -m kiln.parallel.ops
+# cluster/install.sh: torch (CPU) first, DeepSpeed, Kiln (editable here), then DeepSpeed's CPU ops;
+# the container image (cluster/Dockerfile) runs the same script. Versions: constraints.txt.
+$(STAMP): pyproject.toml constraints.txt cluster/install.sh
+	PY=$(PY) sh cluster/install.sh $(VENV) editable
 	touch $@
 
 $(TEST_STAMP): $(STAMP)
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[test]'
 	touch $@
 
 install: $(STAMP)
 install-test: $(TEST_STAMP)
+
+# After a dependency changes in pyproject.toml: `make install-test constraints` pins what that
+# environment now runs (torch without its +cpu label, so that a CUDA build satisfies it too).
+constraints: $(TEST_STAMP)
+	{ grep '^#' constraints.txt; $(BIN)/pip freeze --exclude-editable | sed 's/+cpu$$//'; } > constraints.txt.tmp
+	mv constraints.txt.tmp constraints.txt
 
 # A real corpus that ships with Python (the stdlib's own sources), tokenized with a 2048-token BPE.
 $(DEMO_DATA): $(STAMP)
@@ -63,17 +61,21 @@ test-fast: $(TEST_STAMP) prometheus-tools
 # DeepSpeed or Ray. Their versions are the test extra's, read from pyproject.toml.
 LINT_VENV := .venv-lint
 LINT_STAMP := $(LINT_VENV)/.installed
-LINT_TOOLS = $(shell $(PY) -c 'import re, tomllib; test = tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["test"]; print(" ".join(chr(39) + s + chr(39) for s in test if re.match(r"(ruff|import-linter)\b", s)))')
+LINT_TOOLS = $(shell $(PY) -c 'import re, tomllib; test = tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["test"]; print(" ".join(chr(39) + s + chr(39) for s in test if re.match(r"(ruff|import-linter|mypy)\b", s)))')
 
 $(LINT_STAMP): pyproject.toml
 	test -x $(LINT_VENV)/bin/python || $(PY) -m venv $(LINT_VENV)
 	$(LINT_VENV)/bin/pip install -q $(LINT_TOOLS)
 	touch $@
 
-# ruff, then the architecture contracts of pyproject.toml's [tool.importlinter] (ARCHITECTURE.md),
-# read from the source tree (import-linter parses the imports; it imports nothing it checks).
+# ruff's lints and its formatting, the types ([tool.mypy]), then the architecture contracts of
+# pyproject.toml's [tool.importlinter] (ARCHITECTURE.md), read from the source tree
+# (import-linter parses the imports; it imports nothing it checks). .pre-commit-config.yaml
+# runs the same tools on each commit.
 lint: $(LINT_STAMP)
 	$(LINT_VENV)/bin/ruff check .
+	$(LINT_VENV)/bin/ruff format --check .
+	$(LINT_VENV)/bin/mypy
 	PYTHONPATH=platform $(LINT_VENV)/bin/lint-imports --no-logo
 
 bench: $(DEMO_DATA)
@@ -89,6 +91,18 @@ bench: $(DEMO_DATA)
 	$(BIN)/python -m bench.prepare
 	# The example sweep with ASHA and with every trial to the end (~30 min on 2 cores).
 	$(BIN)/python -m bench.sweep_asha
+
+# Kiln's image for clusters (cluster/Dockerfile), both variants, tagged as cluster/*.yaml and
+# cluster/kuberay/ name them (tests/unit/cluster/test_cluster_files.py checks that they agree);
+# then the CPU image's smoke run (cluster/image_smoke.sh: the version and a 5-step training run).
+IMAGE := ghcr.io/kiln-llm/kiln
+VERSION = $(shell $(PY) -c 'import tomllib; print(tomllib.load(open("pyproject.toml", "rb"))["project"]["version"])')
+CUDA_BASE := nvidia/cuda:12.8.1-cudnn-devel-ubuntu24.04
+image:
+	docker build -f cluster/Dockerfile -t $(IMAGE):$(VERSION)-cpu --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cpu .
+	docker build -f cluster/Dockerfile -t $(IMAGE):$(VERSION)-cuda --build-arg BASE=$(CUDA_BASE) \
+		--build-arg APT_PYTHON="python3 python3-dev python3-venv" .
+	docker run --rm -v "$$PWD/cluster/image_smoke.sh:/smoke.sh:ro" $(IMAGE):$(VERSION)-cpu sh /smoke.sh
 
 clean:
 	rm -rf $(VENV) $(LINT_VENV) data runs mlflow.db mlruns mlartifacts

@@ -100,7 +100,18 @@ def ray_cluster(tmp_path_factory):
     if shutil.which("ray", path=str(BIN)) is None:
         pytest.fail("ray CLI not found next to the interpreter")
     # Workers report metrics every 2 s (Ray's default 10 s would leave a short run few points).
-    env = dict(os.environ, RAY_AUTH_MODE="token", RAY_metrics_report_interval_ms="2000", **S3_ENV)
+    # The GCS declares a node dead after 3 failed health checks 2 s apart (Ray's defaults, 5
+    # checks 3 s apart with a 10 s timeout, took 70 s to notice test_two_nodes' killed node).
+    # A killed raylet refuses the check at once; a live one has 5 s to answer each.
+    env = dict(
+        os.environ,
+        RAY_AUTH_MODE="token",
+        RAY_metrics_report_interval_ms="2000",
+        RAY_health_check_period_ms="2000",
+        RAY_health_check_timeout_ms="5000",
+        RAY_health_check_failure_threshold="3",
+        **S3_ENV,
+    )
     gcs_port, dash_port = free_port(), free_port()
     # With RAY_AUTH_MODE=token, `ray start` wants a token to exist; a fresh machine has none.
     # This creates ~/.ray/auth_token only when missing (output captured: it prints the token).

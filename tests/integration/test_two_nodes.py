@@ -38,7 +38,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from ray_nodes import BIN, node_ports  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
-STEPS = 600  # ~0.1 s a step here: long enough to grow, checkpoint at two workers and shrink
+STEPS = (
+    360  # ~0.2 s a step: time to grow, checkpoint at two workers and shrink; 2 epochs of 164 steps and a third begun
+)
 LABEL = "kiln_node_b"  # the second node's custom resource: how the test tells the nodes apart
 PREFIX = "cluster-runs/spread/"  # the run's directory in the bucket (train.storage_path/run name)
 
@@ -314,7 +316,7 @@ def _submit_and_kill(node, dashboard, env, s3_server, s3_dataset, mlflow_url, tm
         "--set",
         "parallel.resize_check_s=5",
         "--set",
-        "parallel.start_timeout_s=60",
+        "parallel.start_timeout_s=30",
         "--set",
         f"train.max_steps={STEPS}",
         "--set",

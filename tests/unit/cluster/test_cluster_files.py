@@ -1,12 +1,18 @@
 """Every shipped cluster file validates; each kind of mistake in one is caught and named."""
 
 import copy
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    import tomli as tomllib
 
 from kiln.cluster.check import check_cluster_file, check_kuberay, check_launcher, ray_schema
 
@@ -30,14 +36,34 @@ def test_shipped_file_validates(path):
     assert check_cluster_file(path)
 
 
+def _image() -> str:
+    """The image `make image` tags for GPU clusters: the Makefile's IMAGE and the package version."""
+    makefile = (REPO / "Makefile").read_text()
+    image = re.search(r"^IMAGE := (\S+)$", makefile, re.M).group(1)
+    version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    assert "-t $(IMAGE):$(VERSION)-cuda" in makefile
+    return f"{image}:{version}-cuda"
+
+
 @pytest.mark.parametrize("path", LAUNCHERS, ids=lambda p: p.name)
-def test_launchers_keep_token_auth_and_install_kiln_like_make_demo(path):
+def test_launchers_keep_token_auth_and_run_kilns_image(path):
     cfg = load(path)
     assert all(
         "RAY_AUTH_MODE=token" in " ".join(cfg[k]) for k in ("head_start_ray_commands", "worker_start_ray_commands")
     )
-    assert any("make install" in c for c in cfg["setup_commands"])
-    assert "~/.ray/auth_token" in cfg["file_mounts"]
+    assert cfg["docker"]["image"] == _image() and cfg["docker"]["container_name"]
+    commands = " ".join(c for k in cfg if k.endswith("_commands") for c in cfg[k])
+    assert "make install" not in commands and ".venv" not in commands  # Kiln is in the image
+    assert list(cfg["file_mounts"]) == ["~/.ray/auth_token"]
+
+
+@pytest.mark.parametrize("path", KUBERAY, ids=lambda p: p.name)
+def test_kuberay_pods_run_the_same_image(path):
+    doc = load(path)
+    spec = doc["spec"]["rayClusterSpec"] if doc["kind"] == "RayJob" else doc["spec"]
+    groups = [spec["headGroupSpec"], *spec["workerGroupSpecs"]]
+    images = {c["image"] for g in groups for c in g["template"]["spec"]["containers"]}
+    assert images == {_image()}, images
 
 
 AWS = load(REPO / "cluster" / "aws-gpu.yaml")
@@ -79,7 +105,7 @@ def mutated(cfg: dict, path: str, value) -> dict:
             ["RAY_AUTH_MODE=token ray start --head --dashboard-host=0.0.0.0"],
             "binds to 0.0.0.0",
         ),
-        ("setup_commands", ["echo hi"], "nothing installs Kiln"),
+        ("docker", None, "docker.image: nothing installs Kiln"),
     ],
 )
 def test_launcher_mistakes_are_named(path, value, expected):
@@ -178,7 +204,7 @@ SECRET = "wJalrXUtnFEMIK7MDENGbPxRfiCY"
 @pytest.mark.parametrize(
     "plant, where",
     [
-        (lambda d: d["setup_commands"].append(f"export AWS_SECRET_ACCESS_KEY={SECRET}"), "setup_commands[3]"),
+        (lambda d: d["setup_commands"].append(f"export AWS_SECRET_ACCESS_KEY={SECRET}"), "setup_commands[1]"),
         (lambda d: d["provider"].__setitem__("aws_secret_access_key", SECRET), "provider.aws_secret_access_key"),
         (
             lambda d: d["head_setup_commands"].append(
@@ -186,7 +212,7 @@ SECRET = "wJalrXUtnFEMIK7MDENGbPxRfiCY"
             ),
             "head_setup_commands[3]",
         ),
-        (lambda d: d["setup_commands"].append("echo AKIAIOSFODNN7EXAMPLE"), "setup_commands[3]"),
+        (lambda d: d["setup_commands"].append("echo AKIAIOSFODNN7EXAMPLE"), "setup_commands[1]"),
     ],
     ids=["shell-export", "secret-key", "url-password", "aws-key-shape"],
 )
