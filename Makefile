@@ -8,7 +8,7 @@ STDLIB := $(shell $(PY) -c 'import sysconfig; print(sysconfig.get_paths()["stdli
 
 DEMO_DATA := data/stdlib-bpe/manifest.json
 
-.PHONY: install install-test constraints demo test test-fast lint bench clean prometheus-tools image
+.PHONY: install install-test constraints demo test test-fast lint docs bench clean prometheus-tools image
 
 # cluster/install.sh: torch (CPU) first, DeepSpeed, Kiln (editable here), then DeepSpeed's CPU ops;
 # the container image (cluster/Dockerfile) runs the same script. Versions: constraints.txt.
@@ -49,7 +49,7 @@ prometheus-tools:
 		$$SUDO apt-get install -y -qq --no-install-recommends prometheus >/dev/null 2>&1 \
 		|| { $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq --no-install-recommends prometheus; }; }
 
-test: $(TEST_STAMP) prometheus-tools lint
+test: $(TEST_STAMP) prometheus-tools lint docs
 	$(BIN)/python -m pytest tests --durations=40
 
 # The inner loop: everything but the integration tests (a Ray cluster) and the `slow` ones
@@ -61,7 +61,7 @@ test-fast: $(TEST_STAMP) prometheus-tools
 # DeepSpeed or Ray. Their versions are the test extra's, read from pyproject.toml.
 LINT_VENV := .venv-lint
 LINT_STAMP := $(LINT_VENV)/.installed
-LINT_TOOLS = $(shell $(PY) -c 'import re, tomllib; test = tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["test"]; print(" ".join(chr(39) + s + chr(39) for s in test if re.match(r"(ruff|import-linter|mypy)\b", s)))')
+LINT_TOOLS = $(shell $(PY) -c 'import re, tomllib; test = tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["test"]; print(" ".join(chr(39) + s + chr(39) for s in test if re.match(r"(ruff|import-linter|mypy|mkdocs)\b", s)))')
 
 $(LINT_STAMP): pyproject.toml
 	test -x $(LINT_VENV)/bin/python || $(PY) -m venv $(LINT_VENV)
@@ -77,6 +77,11 @@ lint: $(LINT_STAMP)
 	$(LINT_VENV)/bin/ruff format --check .
 	$(LINT_VENV)/bin/mypy
 	PYTHONPATH=platform $(LINT_VENV)/bin/lint-imports --no-logo
+
+# The reference (docs/, mkdocs.yml) built strictly: a broken link or anchor between pages fails.
+# The site goes to $(LINT_VENV)/site; `$(LINT_VENV)/bin/mkdocs serve` shows it locally.
+docs: $(LINT_STAMP)
+	$(LINT_VENV)/bin/mkdocs build --strict --quiet --site-dir $(LINT_VENV)/site
 
 bench: $(DEMO_DATA)
 	$(BIN)/python -m bench.throughput

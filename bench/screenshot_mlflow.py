@@ -1,7 +1,7 @@
 """Screenshot the MLflow UI comparing the trials of one Kiln sweep (headless Chromium).
 
     python -m bench.screenshot_mlflow --tracking-uri sqlite:///runs/bench-mlflow.db \
-        --experiment kiln-sweeps --sweep NAME --out bench/mlflow-sweep-compare.png
+        --experiment kiln-sweeps --sweep NAME --out runs/mlflow-sweep-compare.png
 
 Starts `mlflow server` on loopback, opens its compare-runs page for the sweep's child runs, and
 checks through MLflow's REST API that the page's runs are the sweep's trials before it shoots.
@@ -31,7 +31,7 @@ def main() -> None:
     p.add_argument("--tracking-uri", required=True)
     p.add_argument("--experiment", default="kiln-sweeps")
     p.add_argument("--sweep", required=True)
-    p.add_argument("--out", default="bench/mlflow-sweep-compare.png")
+    p.add_argument("--out", default="runs/mlflow-sweep-compare.png")
     p.add_argument("--size", default="1600,1100")
     args = p.parse_args()
     chromium = shutil.which("chromium") or sys.exit("chromium not found: apt-get install chromium")

@@ -1,8 +1,7 @@
 """Renders the Kiln Grafana dashboard's panels to one PNG from a real Prometheus' data.
 
 The same panels, queries, layout and legends as grafana/kiln-training.json, drawn with
-matplotlib from Prometheus' HTTP API, for where Grafana cannot run (this is how the README's
-screenshot is made) and for a quick look at a finished run:
+matplotlib from Prometheus' HTTP API, for where Grafana cannot run and for a quick look at a finished run:
 
     python dashboards/render_panels.py --prometheus http://127.0.0.1:9090 --run debug-20261123-101500 \\
         --last 15m --out dashboard.png

@@ -87,10 +87,6 @@ def test_modules_stay_small_and_the_config_does_no_io():
         assert calls & io == set(), (name, calls & io)
 
 
-# Images the README shows today; issue 43's docs/ move is where they stop being committed.
-SHOWN_IMAGES = {"bench/mlflow-sweep-compare.png", "dashboards/kiln-training.png"}
-
-
 def test_the_repository_holds_a_licence_and_no_binary_files():
     """Apache-2.0, said in LICENSE and the package metadata; no wheel, archive, checkpoint or
     dataset among the tracked files (a NUL byte in a file's first 8 KiB marks it binary), and
@@ -100,7 +96,7 @@ def test_the_repository_holds_a_licence_and_no_binary_files():
     tracked = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True).stdout
     paths = [p for p in tracked.decode().split("\0") if p and (REPO / p).is_file()]
     binary = {p for p in paths if b"\0" in (REPO / p).read_bytes()[:8192]}
-    assert binary <= SHOWN_IMAGES, sorted(binary - SHOWN_IMAGES)
+    assert not binary, sorted(binary)
     ignored = subprocess.run(
         [
             "git",

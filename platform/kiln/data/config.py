@@ -38,7 +38,7 @@ class DataConfig:
     over every dataset's val split. Empty: `path` alone."""
     reshuffle: bool = False
     """Reshuffle the train rows every epoch, by train.seed (shards, then blocks within windows of
-    shards, then the rows of each block; see the README's data order). False: every epoch in
+    shards, then the rows of each block; docs/data-order.md). False: every epoch in
     the order the dataset was written, which `kiln data prepare` already shuffled."""
     s3_endpoint: str = ""
     """S3-compatible endpoint URL (MinIO, moto, ...). Empty: $AWS_ENDPOINT_URL, else AWS."""

@@ -5,7 +5,7 @@ The unit of order is the **block**: `row_group_rows` consecutive rows of one sha
 one Parquet row group of a streamed prepare. Whatever the order, a replica whose micro-batches
 span whole blocks still reads only its own row groups (`kiln.data.order.read_slice`).
 
-The rules (the README's data-order section says the same):
+The rules (docs/data-order.md says the same):
 
 - A dataset's train blocks come in **passes**; in one pass every block of the dataset comes
   once, so a sample id comes once per pass. Without `data.reshuffle` every pass is the

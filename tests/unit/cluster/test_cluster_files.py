@@ -259,9 +259,10 @@ def test_a_directory_or_a_binary_is_named(tmp_path, make, needle):
 
 def test_every_shown_job_submission_carries_the_runtime_env():
     """`--working-dir .` alone skips jobs/runtime_env.yaml's py_modules: nodes would run the
-    `kiln` they installed, not the checkout's. Every `ray job submit` the cluster files and the
-    README show gives the runtime env instead."""
-    shown = [REPO / "README.md", *sorted((REPO / "cluster").rglob("*.yaml")), REPO / "cluster/README.md"]
+    `kiln` they installed, not the checkout's. Every `ray job submit` the cluster files, the
+    README and docs/ show gives the runtime env instead."""
+    shown = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), *sorted((REPO / "cluster").rglob("*.yaml"))]
+    shown.append(REPO / "cluster/README.md")
     submits = [
         (p.name, line)
         for p in shown

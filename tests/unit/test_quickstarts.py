@@ -1,0 +1,122 @@
+"""The README's quickstarts run as written, from a clean directory holding only the repository's
+jobs/: each command line of their bash blocks goes to bash with `.venv/bin` first on the PATH.
+
+What each run changes, and why:
+- the CPU quickstart's `my-corpus/` is the stdlib's email and http packages, its 500 training steps are
+  5, and `runs/<run>` is the run it made;
+- the GPU quickstart runs its data step and `kiln plan` (the training line needs a GPU, and runs
+  when a device is lent: bench/gpu_speed.sh);
+- the fine-tuning quickstart's `/models/my-llama` is a tiny random Llama (transformers'
+  `save_pretrained`, a 512-token context, a BPE tokenizer), `sft.jsonl` holds prompt/response
+  records, and its `kiln train` line is a `--dry-run` (every pre-launch check against that
+  checkpoint and data); its generate and export lines need a trained model, which
+  tests/integration/test_finetune_on_ray.py trains, exports and samples.
+"""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+README = (REPO / "README.md").read_text()
+STDLIB = Path(sysconfig.get_paths()["stdlib"])
+
+
+def _block(heading: str) -> list[str]:
+    section = README[README.index(f"## {heading}") :]
+    section = section[: section.index("\n## ", 4)]
+    block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
+    lines = block.replace("\\\n", " ").splitlines()
+    return [re.sub(r"\s+#[^'\"]*$", "", line).strip() for line in lines if line.strip()]
+
+
+def _run(line: str, cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
+    env = os.environ | {"PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    out = subprocess.run(["bash", "-c", line], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, (line, out.stdout[-2000:], out.stderr[-3000:])
+    assert "Traceback" not in out.stderr, (line, out.stderr[-3000:])
+    return out
+
+
+@pytest.fixture
+def clean_dir(tmp_path) -> Path:
+    (tmp_path / "jobs").symlink_to(REPO / "jobs")
+    return tmp_path
+
+
+def test_the_cpu_quickstart(clean_dir):
+    prepare, dry_run, train, generate, mlflow_ui = _block("CPU quickstart: your own text")
+    for package in ("email", "http"):
+        shutil.copytree(
+            STDLIB / package, clean_dir / "my-corpus" / package, ignore=shutil.ignore_patterns("__pycache__")
+        )
+    _run(prepare, clean_dir)
+    assert (clean_dir / "data/mine/manifest.json").is_file()
+    assert "memory" in _run(dry_run, clean_dir).stdout
+    assert "--set train.max_steps=500" in train
+    out = _run(train.replace("train.max_steps=500", "train.max_steps=5"), clean_dir)
+    assert "5 steps on 2 worker(s)" in out.stdout + out.stderr
+    (run,) = [p.name for p in (clean_dir / "runs").iterdir() if p.is_dir()]
+    sampled = _run(generate.replace("runs/<run>", f"runs/{run}"), clean_dir)
+    assert re.search(r"60 tokens in [\d.]+ s", sampled.stdout + sampled.stderr)
+    assert mlflow_ui.startswith("mlflow ui --backend-store-uri sqlite:///mlflow.db")
+    assert (clean_dir / "mlflow.db").is_file()
+
+
+def test_the_gpu_quickstarts_data_step_and_plan(clean_dir):
+    install, prepare, plan, train = _block("GPU quickstart: GPT-2 small from a fresh clone")
+    assert install == "make install && source .venv/bin/activate"
+    _run(prepare, clean_dir)
+    manifest = json.loads((clean_dir / "data/stdlib-bpe-1024/manifest.json").read_text())
+    assert manifest["seq_len"] == 1024 and manifest["tokenizer"]["vocab_size"] == 8192
+    out = _run(plan, clean_dir)
+    assert "12 layers x d_model 768" in out.stdout and "micro-batch 64 x seq 1024" in out.stdout, out.stdout
+    assert train.startswith("kiln train --config jobs/configs/gpt2-124m.yaml")
+
+
+def _tiny_llama(directory: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from kiln.data.tokenizer import BPETokenizer
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=320,
+        max_position_embeddings=512,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    transformers.LlamaForCausalLM(config).save_pretrained(directory)
+    texts = [p.read_text() for p in sorted((STDLIB / "json").glob("*.py"))]
+    (directory / "tokenizer.json").write_text(BPETokenizer.train(texts, 300).to_json())
+
+
+def test_the_fine_tuning_quickstarts_data_and_pre_launch_checks(clean_dir):
+    prepare, train, generate, export = _block("Fine-tuning quickstart: a Hugging Face checkpoint")
+    model = clean_dir / "models" / "my-llama"
+    _tiny_llama(model)
+    texts = [p.read_text() for p in sorted((STDLIB / "json").glob("*.py"))]
+    with (clean_dir / "sft.jsonl").open("w") as f:
+        for t in texts * 40:  # enough for a validation micro-batch on each of the recipe's 2 workers
+            f.write(json.dumps({"prompt": t[:200], "response": t[200:600]}) + "\n")
+    _run(prepare.replace("/models/my-llama", str(model)), clean_dir)
+    out = _run(train.replace("/models/my-llama", str(model)) + " --dry-run", clean_dir)
+    assert "my-llama (init_from)" in out.stdout and "Llama architecture" in out.stdout, out.stdout
+    assert generate.startswith("kiln generate --model models:/my-llama-sft/1")
+    assert export.startswith("kiln export runs/my-llama-sft")
