@@ -2,8 +2,10 @@
 jobs/: each command line of their bash blocks goes to bash with `.venv/bin` first on the PATH.
 
 What each run changes, and why:
-- the CPU quickstart's `my-corpus/` is the stdlib's email and http packages, its 500 training steps are
-  5, and `runs/<run>` is the run it made;
+- the CPU quickstart's `my-corpus/` is the stdlib's email and http packages, and it runs the data
+  step and the dry run; its training and sampling lines are the two commands `make demo` runs on
+  the demo's data (run here as written, with 5 steps, they passed in a fresh clone on 2026-11-27,
+  and took 98 s of the suite's time, which is why they are left to `make demo`);
 - the GPU quickstart runs its data step and `kiln plan` (the training line needs a GPU, and runs
   when a device is lent: bench/gpu_speed.sh);
 - the fine-tuning quickstart's `/models/my-llama` is a tiny random Llama (transformers'
@@ -54,7 +56,7 @@ def clean_dir(tmp_path) -> Path:
     return tmp_path
 
 
-def test_the_cpu_quickstart(clean_dir):
+def test_the_cpu_quickstarts_data_and_pre_launch_checks(clean_dir):
     prepare, dry_run, train, generate, mlflow_ui = _block("CPU quickstart: your own text")
     for package in ("email", "http"):
         shutil.copytree(
@@ -62,15 +64,16 @@ def test_the_cpu_quickstart(clean_dir):
         )
     _run(prepare, clean_dir)
     assert (clean_dir / "data/mine/manifest.json").is_file()
-    assert "memory" in _run(dry_run, clean_dir).stdout
-    assert "--set train.max_steps=500" in train
-    out = _run(train.replace("train.max_steps=500", "train.max_steps=5"), clean_dir)
-    assert "5 steps on 2 worker(s)" in out.stdout + out.stderr
-    (run,) = [p.name for p in (clean_dir / "runs").iterdir() if p.is_dir()]
-    sampled = _run(generate.replace("runs/<run>", f"runs/{run}"), clean_dir)
-    assert re.search(r"60 tokens in [\d.]+ s", sampled.stdout + sampled.stderr)
+    out = _run(dry_run, clean_dir)
+    assert "memory" in out.stdout and "data/mine" in out.stdout, out.stdout
+    # Training and sampling are `make demo`'s two commands on the demo's own data.
+    demo = (REPO / "Makefile").read_text().split("\ndemo:")[1].split("\n\n")[0]
+    assert (
+        train.startswith("kiln train --config jobs/configs/debug.yaml")
+        and "kiln train --config jobs/configs/debug.yaml" in demo
+    )
+    assert generate.startswith("kiln generate --model ") and "kiln generate --model" in demo
     assert mlflow_ui.startswith("mlflow ui --backend-store-uri sqlite:///mlflow.db")
-    assert (clean_dir / "mlflow.db").is_file()
 
 
 def test_the_gpu_quickstarts_data_step_and_plan(clean_dir):
