@@ -25,7 +25,7 @@ def resolve_tracking_uri(configured: str = "") -> str:
     return uri
 
 
-def server_address(uri: str) -> tuple[str, int] | None:
+def server_address(uri: str) -> tuple[str | None, int] | None:
     """(host, port) of an HTTP(S) tracking server; None for a local store (sqlite, file)."""
     parsed = urlparse(without_userinfo(uri))  # a password holding '#' or '?' misleads urllib
     if parsed.scheme not in ("http", "https"):
@@ -34,7 +34,7 @@ def server_address(uri: str) -> tuple[str, int] | None:
         port = parsed.port
     except ValueError:
         raise ConfigError(f"{scrub(uri)}: the port is not a number") from None
-    return parsed.hostname or "", port or (443 if parsed.scheme == "https" else 80)
+    return parsed.hostname, port or (443 if parsed.scheme == "https" else 80)
 
 
 # The schemes MLflow 3 has tracking stores for (a database's may name its driver:
