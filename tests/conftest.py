@@ -120,6 +120,30 @@ def tiny_hf(tmp_path_factory, corpus) -> Path:
     return d
 
 
+@pytest.fixture(scope="session")
+def tiny_llama():
+    """Makes a tiny random Llama in Hugging Face format (transformers' `save_pretrained`) with a
+    300-token BPE tokenizer trained on `texts`, as a checkpoint a user downloaded:
+    `tiny_llama(directory, texts, **LlamaConfig fields)` returns (the transformers model, the
+    tokenizer). Grouped-query attention (4 heads, 2 key/value heads), 2 layers, vocab 320."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from kiln.data.tokenizer import BPETokenizer
+
+    def make(directory: Path, texts: list[str], **fields):
+        tok = BPETokenizer.train(texts, 300)
+        torch.manual_seed(0)
+        shape = dict(vocab_size=320, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+        shape |= dict(bos_token_id=tok.eot_id, eos_token_id=tok.eot_id)  # as GPT-2's: end-of-text both
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape | fields)).eval()
+        model.save_pretrained(directory)
+        (directory / "tokenizer.json").write_text(tok.to_json())
+        return model, tok
+
+    return make
+
+
 def pytest_collection_modifyitems(config, items):
     """Every test under tests/integration carries the `integration` marker (`make test-fast`
     leaves them out with the `slow` ones)."""

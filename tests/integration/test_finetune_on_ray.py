@@ -14,7 +14,6 @@ from kiln.config import load_config  # noqa: E402
 from kiln.data.manifest import load_manifest  # noqa: E402
 from kiln.data.prepare import PrepareConfig, prepare  # noqa: E402
 from kiln.data.sources import ParquetSource  # noqa: E402
-from kiln.data.tokenizer import BPETokenizer  # noqa: E402
 from kiln.errors import ConfigError  # noqa: E402
 from kiln.infer.commands import export  # noqa: E402
 from kiln.infer.generate import Sampling, generate  # noqa: E402
@@ -26,29 +25,20 @@ MICRO_BATCH = 4
 
 
 @pytest.fixture(scope="module")
-def pretrained(tmp_path_factory, corpus):
+def pretrained(tmp_path_factory, corpus, tiny_llama):
     """(checkpoint dir, the transformers model, a dataset tokenized with its tokenizer)."""
     tmp = tmp_path_factory.mktemp("finetune")
     texts = [p.read_text() for p in sorted(Path(corpus[0]).glob("*.py"))]
-    tok = BPETokenizer.train(texts, 300)
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=320,
+    ckpt = tmp / "tiny-llama"
+    model, _ = tiny_llama(
+        ckpt,
+        texts,
         hidden_size=64,
         intermediate_size=176,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         max_position_embeddings=128,
         tie_word_embeddings=False,
         rope_theta=1000.0,
-        bos_token_id=tok.eot_id,
-        eos_token_id=tok.eot_id,
     )
-    model = transformers.LlamaForCausalLM(cfg).eval()
-    ckpt = tmp / "tiny-llama"
-    model.save_pretrained(ckpt)
-    (ckpt / "tokenizer.json").write_text(tok.to_json())
     data = tmp / "data"
     prepare(PrepareConfig(inputs=corpus, output=str(data), tokenizer=str(ckpt), seq_len=32, shard_tokens=1 << 15))
     return ckpt, model, data

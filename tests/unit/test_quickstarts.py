@@ -87,34 +87,11 @@ def test_the_gpu_quickstarts_data_step_and_plan(clean_dir):
     assert train.startswith("kiln train --config jobs/configs/gpt2-124m.yaml")
 
 
-def _tiny_llama(directory: Path) -> None:
-    transformers = pytest.importorskip("transformers")
-    import torch
-
-    from kiln.data.tokenizer import BPETokenizer
-
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=320,
-        max_position_embeddings=512,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    transformers.LlamaForCausalLM(config).save_pretrained(directory)
-    texts = [p.read_text() for p in sorted((STDLIB / "json").glob("*.py"))]
-    (directory / "tokenizer.json").write_text(BPETokenizer.train(texts, 300).to_json())
-
-
-def test_the_fine_tuning_quickstarts_data_and_pre_launch_checks(clean_dir):
+def test_the_fine_tuning_quickstarts_data_and_pre_launch_checks(clean_dir, tiny_llama):
     prepare, train, generate, export = _block("Fine-tuning quickstart: a Hugging Face checkpoint")
     model = clean_dir / "models" / "my-llama"
-    _tiny_llama(model)
     texts = [p.read_text() for p in sorted((STDLIB / "json").glob("*.py"))]
+    tiny_llama(model, texts, hidden_size=32, intermediate_size=64, max_position_embeddings=512)
     with (clean_dir / "sft.jsonl").open("w") as f:
         for t in texts * 40:  # enough for a validation micro-batch on each of the recipe's 2 workers
             f.write(json.dumps({"prompt": t[:200], "response": t[200:600]}) + "\n")
