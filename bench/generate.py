@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from bench.common import machine, publish, results_file
-from kiln import hf_checkpoint
+from kiln import hf_export
 from kiln.data.tokenizer import ByteTokenizer
 from kiln.infer.generate import Sampling, generate
 from kiln.model import GPT, GPTConfig
@@ -43,7 +43,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 def _transformers(model: GPT, tmp: Path):
     import transformers
 
-    hf_checkpoint.write(model.cfg, model.state_dict(), ByteTokenizer(), 257, tmp)
+    hf_export.write(model.cfg, model.state_dict(), ByteTokenizer(), 257, tmp)
     return transformers.AutoModelForCausalLM.from_pretrained(tmp).eval()
 
 

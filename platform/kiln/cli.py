@@ -187,7 +187,8 @@ def _runs(args: argparse.Namespace) -> int:
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    from kiln.sweep.run import SWEEP_SUMMARY, run_sweep
+    from kiln.sweep.run import run_sweep
+    from kiln.sweep.summary import SWEEP_SUMMARY
 
     summary_json = _output_file(args.summary_json, "--summary-json", SWEEP_SUMMARY, [args.config])
     if args.resume:
@@ -205,7 +206,7 @@ def _sweep(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from kiln.hf_checkpoint import shard_size
+    from kiln.hf_export import shard_size
     from kiln.infer.commands import export
     from kiln.model_size import num_params
 

@@ -43,15 +43,14 @@ def test_kiln_is_imported_from_platform_dir():
 
 
 def test_modules_stay_small_and_the_config_does_no_io():
-    """No module of the package over 600 lines (as `ruff format` lays them out, one argument a
-    line where a call does not fit), no function over 80; the config's modules
+    """No module of the package over 500 lines, no function over 80; the config's modules
     (the composition, its language and the sections' homes that are config only) under 400 and
     free of I/O: the model's shape is read by preflight, never by the config."""
     import ast
 
     kiln = REPO / "platform" / "kiln"
     too_long = [
-        f"{p.relative_to(kiln)}: {n}" for p in kiln.rglob("*.py") if (n := len(p.read_text().splitlines())) > 600
+        f"{p.relative_to(kiln)}: {n}" for p in kiln.rglob("*.py") if (n := len(p.read_text().splitlines())) > 500
     ]
     assert too_long == []
     functions = [

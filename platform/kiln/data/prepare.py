@@ -48,6 +48,7 @@ from kiln.data.inputs import ReadOptions, ReadStats, read_unit
 from kiln.data.listing import UnitRef, Units, place, spill
 from kiln.data.manifest import FORMAT_VERSION, MANIFEST, SAMPLE_ID, TOKENIZER_FILE, TOKENS
 from kiln.data.prepare_config import PrepareConfig, config_from, validate_config
+from kiln.data.prepare_progress import Progress, throughput
 from kiln.data.shards import UNITS_DIR, UnitJob, UnitWorker, row_group_rows
 from kiln.data.tokenizer import BPETokenizer, ByteTokenizer, describe, pretrained, unigram_entropy_bits
 from kiln.errors import ConfigError, DataError
@@ -346,12 +347,12 @@ def _build(cfg: PrepareConfig, units: Units, staged: Location, key: str, executo
     todo = [i for i in range(len(units)) if i not in records]
     running = executor(job, [units.ref(i) for i in todo])  # starts Ray, where it runs there: not the pipeline's time
     began = ended = time.time()
-    with _Progress(units, records) as bar:
+    with Progress(units, records) as bar:
         for rec in running:
             records[rec["unit"]] = _folded(rec, counts)
             bar.update(rec)
             ended = time.time()  # the last record back: Ray's shutdown after it is, like its start, not the pipeline's
-    rate = _throughput([records[i] for i in todo], began, ended)
+    rate = throughput([records[i] for i in todo], began, ended)
     return _manifest(cfg, tok, [records[i] for i in range(len(units))], counts, key, rate)
 
 
@@ -374,33 +375,6 @@ def _drop_records(staged: Location) -> None:
         delete_stored(staged.fs, records.join(rel).path, proof="this prepare's own unit records")
     if not staged.is_s3 and records.exists():
         delete_stored(staged.fs, records.path, proof="this prepare's own records folder", directory=True)
-
-
-def _throughput(done: list[dict], began: float, ended: float) -> dict:
-    """What this run prepared (a resume counts only its own units), per second of the span
-    from the pipeline's start (`began`, unix time; the actors' start is in it) to the last
-    record back (`ended`)."""
-    mb = sum(r["bytes"] for r in done) / 1e6
-    tokens = sum(r["splits"][s]["tokens"] for r in done for s in ("train", "val"))
-    busy = sum(r["seconds"] for r in done)  # the workers' own time on the units
-    seconds = ended - began
-    # how long the first unit waited for a worker (an actor's start), and the last one's end
-    # before the end (its record's way back); the rest of the idle time is the workers' uneven shares
-    first = min((r["started"] for r in done if "started" in r), default=began) - began
-    last = max((r["started"] + r["seconds"] for r in done if "started" in r), default=ended)
-    return {
-        "seconds": round(seconds, 3),
-        "workers": len({r.get("pid") for r in done}),
-        "nodes": len({r.get("node") for r in done}),
-        "units": len(done),
-        "mb": round(mb, 3),
-        "mb_per_s": mb / max(seconds, 1e-9),
-        "tokens_per_s": tokens / max(seconds, 1e-9),
-        "busy_s": round(busy, 3),
-        "mb_per_busy_s": mb / max(busy, 1e-9),
-        "first_unit_after_s": round(max(0.0, first), 3),
-        "after_last_unit_s": round(max(0.0, ended - last), 3),
-    }
 
 
 def _manifest(cfg: PrepareConfig, tok, records: list[dict], counts: np.ndarray, key: str, rate: dict) -> dict:
@@ -472,39 +446,3 @@ def _manifest(cfg: PrepareConfig, tok, records: list[dict], counts: np.ndarray, 
         "throughput": rate,
         "splits": splits,
     }
-
-
-class _Progress:
-    """A bar over the input bytes with rows, tokens/s and the ETA (tqdm, where stderr is a
-    terminal); elsewhere a log line at every tenth of the units."""
-
-    def __init__(self, units: Units, done: dict[int, dict]):
-        from tqdm.auto import tqdm
-
-        self.units, self.seen, self.t0, self.tokens = len(units), len(done), time.perf_counter(), 0
-        self.rows = sum(r["splits"][s]["rows"] for r in done.values() for s in ("train", "val"))
-        self.bar = tqdm(
-            total=int(units.sizes.sum()),
-            initial=sum(r["bytes"] for r in done.values()),
-            unit="B",
-            unit_scale=True,
-            desc="prepare",
-            disable=None,
-            mininterval=1.0,
-        )
-
-    def __enter__(self) -> _Progress:
-        return self
-
-    def update(self, rec: dict) -> None:
-        self.seen += 1
-        self.rows += sum(rec["splits"][s]["rows"] for s in ("train", "val"))
-        self.tokens += sum(rec["splits"][s]["tokens"] for s in ("train", "val"))
-        tok_s = self.tokens / max(time.perf_counter() - self.t0, 1e-9)
-        self.bar.set_postfix_str(f"{self.rows:,} rows, {tok_s:,.0f} tok/s", refresh=False)
-        self.bar.update(rec["bytes"])
-        if self.bar.disable and self.seen * 10 // self.units > (self.seen - 1) * 10 // self.units:
-            log.info("prepare: %d/%d units, %d rows, %.0f tokens/s", self.seen, self.units, self.rows, tok_s)
-
-    def __exit__(self, *exc) -> None:
-        self.bar.close()

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from kiln import guard
+from kiln import guard, hf_export
 from kiln import hf_checkpoint as hf
 from kiln.errors import ConfigError
 from kiln.infer.generate import Generated, Sampling, TextStream, generate
@@ -31,7 +31,7 @@ def export(
     overwrite: bool = False,
     s3_endpoint: str = "",
     dtype: str = "fp32",
-    max_shard_size: int | str = hf.MAX_SHARD_SIZE,
+    max_shard_size: int | str = hf_export.MAX_SHARD_SIZE,
 ) -> tuple[LoadedModel, list[str]]:
     """Write `spec`'s model as a Hugging Face directory at `output`, whole or not at all. A local
     one is written into a hidden sibling and swapped into place by the write guard (`kiln.guard`);
@@ -46,7 +46,9 @@ def export(
     loaded = load_model(spec)
     staged = guard.temp_dir(out.parent, out.name)
     try:
-        files = hf.write(loaded.cfg, loaded.state, loaded.tokenizer, loaded.vocab_size, staged, dtype, max_shard_size)
+        files = hf_export.write(
+            loaded.cfg, loaded.state, loaded.tokenizer, loaded.vocab_size, staged, dtype, max_shard_size
+        )
         staged.chmod(0o755)  # mkdtemp's 0700 would hide the export from other users
         guard.replace_dir(staged, out, EXPORT, replace=overwrite)
     finally:
@@ -72,7 +74,7 @@ def _export_to_s3(
         raise ConfigError(f"--output {output}: already holds an earlier export; pass --overwrite to replace it")
     loaded = load_model(spec)
     with tempfile.TemporaryDirectory(prefix="kiln-export-") as tmp:
-        files = hf.write(
+        files = hf_export.write(
             loaded.cfg, loaded.state, loaded.tokenizer, loaded.vocab_size, Path(tmp), dtype, max_shard_size
         )
         if present:

@@ -17,7 +17,8 @@ import pytest
 
 from kiln.data.inputs import Piece, ReadOptions
 from kiln.data.manifest import load_manifest
-from kiln.data.prepare import PrepareConfig, _throughput, prepare
+from kiln.data.prepare import PrepareConfig, prepare
+from kiln.data.prepare_progress import throughput
 from kiln.data.shards import row_group_rows
 from kiln.data.sources import ParquetSource
 from kiln.errors import DataError
@@ -104,7 +105,7 @@ def test_throughput_is_over_the_span_to_the_last_record_back():
         rec | {"started": 105.0, "seconds": 4.5, "pid": 1},
         rec | {"started": 101.5, "seconds": 4.0, "pid": 2},
     ]
-    t = _throughput(done, began=100.0, ended=110.0)
+    t = throughput(done, began=100.0, ended=110.0)
     assert t["seconds"] == 10.0 and t["mb_per_s"] == 3.0 and t["tokens_per_s"] == 300.0 and t["workers"] == 2
     assert t["busy_s"] == 12.5 and t["mb_per_busy_s"] == 30 / 12.5
     assert t["first_unit_after_s"] == 1.0 and t["after_last_unit_s"] == 0.5
