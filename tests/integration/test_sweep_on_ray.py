@@ -236,7 +236,8 @@ def test_pbt_exploits_by_forking_another_trials_checkpoint(byte_dataset, tmp_pat
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     summary = json.loads(out.read_text())
     assert summary["exploits"] >= 1 and "PBT: " in proc.stdout, summary
-    assert all(t["status"] == "completed" and t["steps"] == PBT_STEPS for t in summary["trials"]), summary
+    ended = [(t["trial_id"], t["status"], t["steps"]) for t in summary["trials"]]
+    assert all(status == "completed" and steps == PBT_STEPS for _, status, steps in ended), (ended, proc.stdout[-3000:])
 
     client = MlflowClient(db)
     exp = client.get_experiment_by_name("pbt-it")
