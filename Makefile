@@ -10,10 +10,11 @@ DEMO_DATA := data/stdlib-bpe/manifest.json
 
 .PHONY: install install-test constraints demo test test-fast lint docs bench clean prometheus-tools image
 
-# cluster/install.sh: torch (CPU) first, DeepSpeed, Kiln (editable here), then DeepSpeed's CPU ops;
+# cluster/install.sh: torch (CPU) first, DeepSpeed, Kiln (editable here, with MLflow's server for
+# `mlflow ui`), then DeepSpeed's CPU ops;
 # the container image (cluster/Dockerfile) runs the same script. Versions: constraints.txt.
 $(STAMP): pyproject.toml constraints.txt cluster/install.sh
-	PY=$(PY) sh cluster/install.sh $(VENV) editable
+	PY=$(PY) EXTRAS=server sh cluster/install.sh $(VENV) editable
 	touch $@
 
 $(TEST_STAMP): $(STAMP)
@@ -106,7 +107,7 @@ CUDA_BASE := nvidia/cuda:12.8.1-cudnn-devel-ubuntu24.04
 image:
 	docker build -f cluster/Dockerfile -t $(IMAGE):$(VERSION)-cpu --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cpu .
 	docker build -f cluster/Dockerfile -t $(IMAGE):$(VERSION)-cuda --build-arg BASE=$(CUDA_BASE) \
-		--build-arg APT_PYTHON="python3 python3-dev python3-venv" .
+		--build-arg APT_PYTHON="python3 python3-dev python3-venv" --build-arg EXTRAS=server,gpu .
 	docker run --rm -v "$$PWD/cluster/image_smoke.sh:/smoke.sh:ro" $(IMAGE):$(VERSION)-cpu sh /smoke.sh
 
 clean:

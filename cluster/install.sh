@@ -8,7 +8,8 @@
 # Environment: PY (the Python that makes VENV; python3), TORCH_VERSION (constraints.txt's), TORCH_INDEX
 # (a further wheel index for torch, e.g. https://download.pytorch.org/whl/cpu, whose 2.13.0+cpu
 # outranks PyPI's CUDA build; default none),
-# CONSTRAINTS (constraints.txt: the versions CI tested). Run from the repository root.
+# CONSTRAINTS (constraints.txt: the versions CI tested), EXTRAS (Kiln's extras, comma-separated:
+# server, gpu, profile; default none). Run from the repository root.
 set -eu
 VENV=$1
 MODE=${2:-}
@@ -23,10 +24,11 @@ test -x "$VENV/bin/python" || "$PY" -m venv "$VENV"
 $PIP ${TORCH_INDEX:+--extra-index-url "$TORCH_INDEX"} "torch==$TORCH_VERSION"
 # DeepSpeed's sdist imports torch while building; build no CUDA ops (JIT on demand instead).
 DS_BUILD_OPS=0 $PIP --no-build-isolation "deepspeed>=0.19,<0.20"
+KILN=".${EXTRAS:+[$EXTRAS]}"
 if [ "$MODE" = editable ]; then
-    $PIP -e .
+    $PIP -e "$KILN"
 else
-    $PIP .
+    $PIP "$KILN"
 fi
 # Build DeepSpeed's shared-memory allreduce and CPU Adam ops now (~3 min once), into this
 # environment's own cache (kiln.parallel.ops), rather than inside the first training run.

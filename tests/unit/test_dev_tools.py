@@ -103,8 +103,12 @@ def test_constraints_pin_every_dependency_inside_its_range_at_what_runs_here():
 
 def test_make_install_and_the_image_install_through_one_script():
     makefile = (REPO / "Makefile").read_text()
-    assert "sh cluster/install.sh $(VENV) editable" in makefile
+    # Both with MLflow's server (the `server` extra): `mlflow ui` here, `mlflow server` on a cluster's head.
+    assert "EXTRAS=server sh cluster/install.sh $(VENV) editable" in makefile
     dockerfile = (REPO / "cluster" / "Dockerfile").read_text()
+    assert re.search(r"^ARG EXTRAS=server$", dockerfile, re.M), "the image installs the server extra"
+    assert "--build-arg EXTRAS=server,gpu" in makefile  # the CUDA image: NVML for GPU system metrics
+    assert '$PIP -e "$KILN"' in (REPO / "cluster" / "install.sh").read_text()
     runs = re.findall(r"^RUN (.+)$", dockerfile, re.M)
     assert any(r.startswith("sh cluster/install.sh /opt/kiln/venv") for r in runs), runs
     # The image's build context holds what the script and the package need, and no more.

@@ -64,16 +64,25 @@ def _predict(self, context, model_input, params=None) -> list[str]:
 KilnTextModel.predict = _predict
 
 
-def save_pyfunc(export_dir: Path, path: Path) -> None:
-    from mlflow.models import infer_signature
+def signature():
+    """Strings in, strings out, `PARAMS` as the params: the signature `infer_signature(["def "],
+    ["main():"], params=PARAMS)` infers, written out because inferring a schema imports scipy,
+    which mlflow-skinny leaves out (without it MLflow logs a warning and types both sides Any)."""
+    from mlflow.models import ModelSignature
+    from mlflow.types import ColSpec, DataType, ParamSchema, ParamSpec, Schema
 
-    signature = infer_signature(["def "], ["main():"], params=PARAMS)
+    kinds = {int: DataType.long, float: DataType.double}
+    params = ParamSchema([ParamSpec(name, kinds[type(v)], v) for name, v in PARAMS.items()])
+    return ModelSignature(Schema([ColSpec(DataType.string)]), Schema([ColSpec(DataType.string)]), params)
+
+
+def save_pyfunc(export_dir: Path, path: Path) -> None:
     with _quiet():
         mlflow.pyfunc.save_model(
             path=str(path),
             python_model=str(Path(__file__).with_name("pyfunc_entry.py")),
             artifacts={EXPORT: str(export_dir)},
-            signature=signature,
+            signature=signature(),
             pip_requirements=["torch", "safetensors", "tokenizers", "numpy"],
         )
 

@@ -127,7 +127,21 @@ def check_reachable(uri: str, timeout: float = 5.0) -> None:
         ) from None
 
 
+SERVER_EXTRA = "pip install 'kiln[server]'"  # MLflow's server and UI (pyproject's `server` extra)
+
+
+def server_missing() -> str | None:
+    """The module MLflow's server and UI import first that this environment lacks, or None.
+    Kiln depends on mlflow-skinny, which has neither; the `server` extra adds them."""
+    try:
+        import flask  # noqa: F401  (mlflow.server's first import)
+    except ImportError as e:
+        return e.name or "flask"
+    return None
+
+
 def ui_command(uri: str) -> str:
     if uri.startswith(("http://", "https://")):
         return f"open {scrub(uri)}"
-    return f"mlflow ui --backend-store-uri {scrub(uri)} --host 127.0.0.1 --port 5000"
+    command = f"mlflow ui --backend-store-uri {scrub(uri)} --host 127.0.0.1 --port 5000"
+    return command if server_missing() is None else f"{command}  (after {SERVER_EXTRA})"

@@ -33,6 +33,7 @@ from kiln import guard
 from kiln.errors import KilnError
 from kiln.schemas import validated
 from kiln.storage import write_private
+from kiln.tracking.server import SERVER_EXTRA, server_missing
 
 log = logging.getLogger("kiln.tracking.services")
 STATE = "services.json"
@@ -180,6 +181,9 @@ def up(
                 f"port {p} on {host} is in use; pick another for {name} with "
                 f"--{'port' if name == 'MLflow' else 'prometheus-port'}"
             )
+    missing = server_missing()
+    if missing:
+        raise KilnError(f"MLflow's server needs {missing}, which this environment lacks: {SERVER_EXTRA}")
     prom_bin = shutil.which("prometheus") if prometheus else None
     if prometheus and not prom_bin:
         raise KilnError(
