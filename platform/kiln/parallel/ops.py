@@ -56,9 +56,27 @@ def init_distributed(on_cuda: bool) -> None:
     shared cache inside the local launcher's start-up (29 s on 2 cores where that cache was
     empty or another environment's)."""
     use_environment_cache()
+    deepspeed = import_deepspeed()
+    deepspeed.init_distributed(dist_backend="nccl" if on_cuda else "gloo")
+
+
+def import_deepspeed():
+    """`import deepspeed` without the MLflow import that its autotuner module tries on load
+    (0.85-1.0 s alone; the demo's non-logging rank used 0.3-0.5 CPU-s less by its first step,
+    bench/results/startup.md): Kiln never runs DeepSpeed's autotuner, and a
+    rank that logs nothing needs no MLflow. A process that imported MLflow already (the rank
+    that logs, the driver) imports DeepSpeed as it is. Called first by every worker's comm set-up
+    (`init_distributed`), so DeepSpeed is not imported before it there."""
+    if "deepspeed" not in sys.modules and "mlflow" not in sys.modules:
+        sys.modules["mlflow"] = None  # type: ignore[assignment]  # `import mlflow` fails; the autotuner catches it
+        try:
+            import deepspeed
+        finally:
+            if "mlflow" in sys.modules and sys.modules["mlflow"] is None:
+                del sys.modules["mlflow"]  # MLflow imports normally from here on
     import deepspeed
 
-    deepspeed.init_distributed(dist_backend="nccl" if on_cuda else "gloo")
+    return deepspeed
 
 
 def shutdown_distributed() -> None:

@@ -29,3 +29,24 @@ def test_a_dead_builds_lock_is_removed_and_a_live_ones_kept(monkeypatch, tmp_pat
     assert [r.message for r in caplog.records if "lock" in r.message] == [
         f"removing {dead}: an op build that died 21 min ago left it, and every run would wait on it"
     ]
+
+
+def test_deepspeed_imports_without_mlflow_in_a_rank_that_logs_nothing_and_mlflow_still_imports_after():
+    """DeepSpeed's autotuner tries `import mlflow` on load; a rank that logs nothing skips it. A
+    process that imported MLflow first keeps DeepSpeed's view of it."""
+    import subprocess
+
+    probe = (
+        "import sys\n"
+        "from kiln.parallel.ops import import_deepspeed\n"
+        "{first}"
+        "import_deepspeed()\n"
+        "import deepspeed.autotuning.autotuner as tuner\n"
+        "before = 'mlflow' in sys.modules\n"
+        "import mlflow\n"
+        "print(before, tuner.has_mlflow, mlflow.MlflowClient.__name__)\n"
+    )
+    for first, expected in (("", "False False MlflowClient"), ("import mlflow\n", "True True MlflowClient")):
+        out = subprocess.run([sys.executable, "-c", probe.format(first=first)], capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert out.stdout.split("\n")[-2] == expected, (first, out.stdout)
