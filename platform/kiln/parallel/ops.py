@@ -68,7 +68,7 @@ def import_deepspeed():
     that logs, the driver) imports DeepSpeed as it is. Called first by every worker's comm set-up
     (`init_distributed`), so DeepSpeed is not imported before it there."""
     if "deepspeed" not in sys.modules and "mlflow" not in sys.modules:
-        sys.modules["mlflow"] = None  # type: ignore[assignment]  # `import mlflow` fails; the autotuner catches it
+        sys.modules["mlflow"] = None  # `import mlflow` fails; the autotuner catches it
         try:
             import deepspeed
         finally:
