@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import tempfile
 import time
 import warnings
@@ -76,15 +77,38 @@ def signature():
     return ModelSignature(Schema([ColSpec(DataType.string)]), Schema([ColSpec(DataType.string)]), params)
 
 
+# What the model's code imports beyond MLflow and the standard library, as distributions: measured
+# by loading a logged model where only its own files give `kiln` (tests/unit/tracking/test_model_serving.py).
+SERVING_DISTRIBUTIONS = ("torch", "safetensors", "tokenizers", "numpy")
+
+
+def pip_requirements() -> list[str]:
+    """`SERVING_DISTRIBUTIONS` pinned at this environment's versions (a local label such as
+    +cpu dropped, so that another build of the same release fits)."""
+    from importlib.metadata import version
+
+    return [f"{name}=={version(name).split('+')[0]}" for name in SERVING_DISTRIBUTIONS]
+
+
 def save_pyfunc(export_dir: Path, path: Path) -> None:
+    """The MLflow model of a Hugging Face export. Kiln's own code travels with it (`code_paths`:
+    the `kiln` package, a few hundred KB of Python) and its requirements are its imports, so it
+    loads and serves wherever MLflow builds an environment from those alone (`mlflow models
+    serve`, `build-docker`), with no Kiln installed. The alternative, MLflow's transformers
+    flavour, would tie serving to transformers' generation rather than Kiln's, and make every
+    logging rank import transformers."""
+    package = Path(__file__).resolve().parents[1]
     with _quiet():
         mlflow.pyfunc.save_model(
             path=str(path),
             python_model=str(Path(__file__).with_name("pyfunc_entry.py")),
             artifacts={EXPORT: str(export_dir)},
             signature=signature(),
-            pip_requirements=["torch", "safetensors", "tokenizers", "numpy"],
+            code_paths=[str(package)],
+            pip_requirements=pip_requirements(),
         )
+    for cache in (path / "code").rglob("__pycache__"):  # this Python's bytecode: no use elsewhere
+        shutil.rmtree(cache)
 
 
 @contextlib.contextmanager
