@@ -1,7 +1,9 @@
 """Hugging Face checkpoint -> Kiln -> fine-tune on Ray (2 workers, ZeRO-2 and ZeRO-3) -> export
--> transformers, on a tiny random Llama with grouped-query attention and an untied head (built
-here with transformers' `save_pretrained`; nothing is downloaded)."""
+-> transformers, on a tiny random Llama with grouped-query attention and an untied head, and on
+each other family Kiln loads (built with transformers' `save_pretrained`; nothing is downloaded)."""
 
+import json
+import sys
 import time
 from pathlib import Path
 
@@ -9,6 +11,8 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from hf_models import VOCAB, saved  # noqa: E402
 
 from kiln.config import load_config  # noqa: E402
 from kiln.data.manifest import load_manifest  # noqa: E402
@@ -42,6 +46,59 @@ def pretrained(tmp_path_factory, corpus, tiny_llama):
     data = tmp / "data"
     prepare(PrepareConfig(inputs=corpus, output=str(data), tokenizer=str(ckpt), seq_len=32, shard_tokens=1 << 15))
     return ckpt, model, data
+
+
+@pytest.fixture(scope="module")
+def families(tmp_path_factory, corpus):
+    """A directory for each family's checkpoint to go in, and a dataset tokenized with their
+    tokenizer (one BPE, the same for every family: `hf_models.saved`)."""
+    tmp = tmp_path_factory.mktemp("families")
+    saved("gpt2-untied", tmp / "tokenizer-source", corpus)
+    data = tmp / "data"
+    prepare(
+        PrepareConfig(
+            inputs=corpus, output=str(data), tokenizer=str(tmp / "tokenizer-source"), seq_len=32, shard_tokens=1 << 15
+        )
+    )
+    return tmp, data
+
+
+# Qwen2's q/k/v biases, Mistral's sliding window, an explicit head_dim, Llama 3's RoPE scaling
+# and GPT-2's untied head: each loads on Ray's workers, trains and exports as its own family.
+@pytest.mark.parametrize(
+    "kind, model_type",
+    [
+        ("qwen2", "qwen2"),
+        ("mistral", "llama"),
+        ("llama-head-dim", "llama"),
+        ("llama3-rope", "llama"),
+        ("gpt2-untied", "gpt2"),
+    ],
+)
+def test_finetune_each_family_on_ray_and_export_it(ray_cluster, families, corpus, tmp_path, kind, model_type):
+    address, _, _ = ray_cluster
+    root, data = families
+    ckpt = root / kind
+    original = saved(kind, ckpt, corpus)
+    summary = train(
+        _config(ckpt, data, tmp_path, f"ft-{kind}", "train.max_steps=6", "logging.log_model=false"), address=address
+    )
+    from mlflow.tracking import MlflowClient
+
+    history = sorted(
+        MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").get_metric_history(summary.run_id, "loss/train"),
+        key=lambda m: m.step,
+    )
+    assert abs(history[0].value - _first_step_loss(original, data)) <= 1e-4  # it started from the checkpoint
+    assert history[-1].value < history[0].value  # and it learned
+    out = tmp_path / "export"
+    loaded, _ = export(summary.checkpoint, str(out))
+    assert json.loads((out / "config.json").read_text())["model_type"] == model_type
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    x = torch.randint(0, VOCAB, (2, 24))
+    with torch.no_grad():
+        assert (theirs(x).logits - loaded.build()(x)[..., :VOCAB]).abs().max().item() <= 1e-5
+        assert (original(x).logits - theirs(x).logits).abs().max().item() > 1e-3  # the export is the trained one
 
 
 def _config(ckpt, data, tmp, name, *more):

@@ -5,117 +5,30 @@ Tiny random checkpoints are built with transformers (`save_pretrained`), nothing
 """
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from hf_models import KINDS, VOCAB, saved  # noqa: E402
 
 from kiln import hf_checkpoint as hf  # noqa: E402
 from kiln.cli import main  # noqa: E402
-from kiln.data.tokenizer import BPETokenizer, ByteTokenizer  # noqa: E402
+from kiln.data.tokenizer import ByteTokenizer  # noqa: E402
 from kiln.errors import ConfigError  # noqa: E402
 from kiln.infer.commands import export  # noqa: E402
 from kiln.infer.generate import Sampling, generate  # noqa: E402
 from kiln.infer.load import load_model  # noqa: E402
 
-VOCAB = 300
 
-
-def _model(kind: str, seed: int = 0):
-    """A random transformers model whose biases and norms are not their init values (so a
-    dropped or misplaced one shows), and whose logits are peaked enough for greedy text to vary.
-    The Llamas: grouped-query attention (4 query heads, 2 key/value heads) with untied
-    embeddings, and plain multi-head attention with tied ones."""
-    torch.manual_seed(seed)
-    ids = dict(vocab_size=VOCAB, bos_token_id=0, eos_token_id=0, initializer_range=0.2)
-    if kind.startswith("gpt2"):
-        model = transformers.GPT2LMHeadModel(
-            transformers.GPT2Config(
-                n_positions=64, n_embd=32, n_layer=2, n_head=4, tie_word_embeddings=kind == "gpt2", **ids
-            )
-        )
-    elif kind in FAMILIES:
-        config_class, extra = FAMILIES[kind]
-        model = transformers.AutoModelForCausalLM.from_config(
-            config_class(
-                hidden_size=32,
-                intermediate_size=88,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                max_position_embeddings=64,
-                tie_word_embeddings=False,
-                rms_norm_eps=1e-6,
-                rope_theta=500.0,
-                **extra,
-                **ids,
-            )
-        )
-    else:
-        gqa = kind != "llama-tied"
-        model = transformers.LlamaForCausalLM(
-            transformers.LlamaConfig(
-                hidden_size=32,
-                intermediate_size=88,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                num_key_value_heads=2 if gqa else 4,
-                max_position_embeddings=64,
-                tie_word_embeddings=not gqa,
-                rms_norm_eps=1e-6,
-                rope_parameters=ROPE.get(kind, {"rope_type": "default", "rope_theta": 500.0}),
-                **ids,
-            )
-        )
-    model.eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "ln" in name or "norm" in name or "bias" in name:
-                p.add_(torch.randn_like(p) * 0.1)
-    return model
-
-
-# Llama 3.1's scaling with its context cut to 32 tokens, so that on 8-wide heads (wavelengths
-# 6.3, 30, 140 and 660 tokens at theta 500) one pair is kept, one blended and two divided.
-ROPE = {
-    "llama3-rope": {
-        "rope_type": "llama3",
-        "rope_theta": 500.0,
-        "factor": 4.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 32,
-    },
-    "llama-linear-rope": {"rope_type": "linear", "rope_theta": 500.0, "factor": 2.0},
-}
-
-
-# Qwen2 (q/k/v biases), Mistral (a sliding window of 48 tokens, wider than what the tests feed:
-# Kiln's context is the window) and a Llama whose heads are 16 wide on a 32-wide model.
-FAMILIES = {
-    "qwen2": (transformers.Qwen2Config, {}),
-    "mistral": (transformers.MistralConfig, {"sliding_window": 48}),
-    "llama-head-dim": (transformers.LlamaConfig, {"head_dim": 16}),
-}
-
-
-@pytest.fixture(scope="module", params=["gpt2", "gpt2-untied", "llama-gqa", "llama-tied", *ROPE, *FAMILIES])
+@pytest.fixture(scope="module", params=KINDS)
 def checkpoint(request, tmp_path_factory, corpus):
     """A transformers model saved in several shards, with a BPE tokenizer of its vocab."""
     d = tmp_path_factory.mktemp("hf") / request.param
-    return d, _saved(request.param, d, corpus, max_shard_size="40KB")
-
-
-def _saved(kind: str, d, corpus, **save):
-    """`_model(kind)` saved at `d` with a BPE tokenizer of its vocab, trained on the corpus; the model."""
-    from pathlib import Path
-
-    model = _model(kind)
-    model.save_pretrained(d, **save)
-    texts = [p.read_text() for p in sorted(Path(corpus[0]).glob("*.py"))]
-    (d / "tokenizer.json").write_text(BPETokenizer.train(texts, VOCAB).to_json())
-    return model
+    return d, saved(request.param, d, corpus, max_shard_size="40KB")
 
 
 def test_a_sharded_checkpoint_loads_with_transformers_logits(checkpoint):
@@ -357,7 +270,7 @@ def test_an_export_keeps_the_base_tokenizers_config_and_chat_template(corpus, tm
     from kiln.storage import resolve
 
     base = tmp_path / "base"
-    _saved("llama-gqa", base, corpus)
+    saved("llama-gqa", base, corpus)
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": "<|endoftext|>",
@@ -396,7 +309,7 @@ def test_generate_chat_tokenizes_the_prompt_as_transformers_and_replies_as_it_do
     from kiln.infer.commands import chat_encoder
 
     base = tmp_path / "chat"
-    model = _saved("llama-gqa", base, corpus)
+    model = saved("llama-gqa", base, corpus)
     (base / "tokenizer_config.json").write_text(
         json.dumps(
             {

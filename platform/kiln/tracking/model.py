@@ -98,17 +98,17 @@ def save_pyfunc(export_dir: Path, path: Path) -> None:
     flavour, would tie serving to transformers' generation rather than Kiln's, and make every
     logging rank import transformers."""
     package = Path(__file__).resolve().parents[1]
-    with _quiet():
+    with tempfile.TemporaryDirectory(prefix="kiln-code-") as staged, _quiet():
+        # The package's sources only: this Python's bytecode is of no use elsewhere.
+        code = shutil.copytree(package, Path(staged) / "kiln", ignore=shutil.ignore_patterns("__pycache__"))
         mlflow.pyfunc.save_model(
             path=str(path),
             python_model=str(Path(__file__).with_name("pyfunc_entry.py")),
             artifacts={EXPORT: str(export_dir)},
             signature=signature(),
-            code_paths=[str(package)],
+            code_paths=[str(code)],
             pip_requirements=pip_requirements(),
         )
-    for cache in (path / "code").rglob("__pycache__"):  # this Python's bytecode: no use elsewhere
-        shutil.rmtree(cache)
 
 
 @contextlib.contextmanager
