@@ -94,6 +94,7 @@ bench: $(DEMO_DATA)
 	$(BIN)/python -m bench.startup_cpu
 	$(BIN)/python -m bench.background_cost
 	$(BIN)/python -m bench.generate
+	$(BIN)/python -m bench.generate --compile
 	$(BIN)/python -m bench.prepare
 	# The example sweep with ASHA and with every trial to the end (~30 min on 2 cores).
 	$(BIN)/python -m bench.sweep_asha

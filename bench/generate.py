@@ -55,8 +55,31 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
+class CompiledDecode:
+    """`model` with its decode step compiled (`torch.compile`, dynamic shapes: the cache grows each
+    step), as `generate` calls it. Compiled once per shape's first calls (the warm-up), so the
+    timed rounds are the steady state; the compile time is reported apart."""
+
+    def __init__(self, model: GPT):
+        self.model, self.cfg = model, model.cfg
+        self.decode = torch.compile(model.decode, dynamic=True)
+
+    def parameters(self):
+        return self.model.parameters()
+
+    def eval(self):
+        return self
+
+
 def measure(
-    cfg: GPTConfig, batch: int, prompt_len: int, new: int, rounds: int, device: str = "cpu", dtype: str = "fp32"
+    cfg: GPTConfig,
+    batch: int,
+    prompt_len: int,
+    new: int,
+    rounds: int,
+    device: str = "cpu",
+    dtype: str = "fp32",
+    compiled: bool = False,
 ) -> dict[str, float]:
     torch.manual_seed(0)
     model = GPT(cfg).eval()
@@ -76,6 +99,12 @@ def measure(
     }
     with torch.no_grad():
         mine = generate(model, ids, s, 256, 257).tokens
+        if compiled:
+            fast = CompiledDecode(model)
+            start = time.perf_counter()
+            assert generate(fast, ids, s, 256, 257).tokens == mine, "the compiled decode gives other tokens"
+            compile_s = time.perf_counter() - start
+            runs["kiln, compiled decode"] = lambda: generate(fast, ids, s, 256, 257)
         ref = theirs.generate(prompts, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=256)
         theirs_tokens = ref[:, prompt_len:].tolist()
         if dtype == "fp32":
@@ -89,7 +118,10 @@ def measure(
             order = list(runs) if r % 2 == 0 else list(reversed(runs))
             for name in order:
                 times[name].append(_timed(runs[name]))
-    return {k: batch * new / statistics.median(v) for k, v in times.items()}
+    out = {k: batch * new / statistics.median(v) for k, v in times.items()}
+    if compiled:
+        out["first compiled call, s"] = compile_s
+    return out
 
 
 def main() -> int:
@@ -100,10 +132,15 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    ap.add_argument(
+        "--compile", action="store_true", help="also time Kiln's decode step under torch.compile (the Llama shape only)"
+    )
     ap.add_argument("--results", default=results_file("generation"))
     ap.add_argument("--no-write", action="store_true", help="print only; do not append to bench/results/generation.md")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.compile:
+        return _compiled(args)
     rows = []
     for name, cfg in SHAPES.items():
         for batch in (1, 8):
@@ -125,6 +162,41 @@ def main() -> int:
             "Kiln's and transformers' tokens are identical (in fp32).",
             "",
             "| model | params | prompts | Kiln, KV cache | Kiln, no cache | transformers | cache speed-up | Kiln / transformers |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|",
+            *rows,
+            "",
+        ]
+    )
+    if not args.no_write:
+        publish(table, args.results)
+    return 0
+
+
+def _compiled(args) -> int:
+    """Kiln's Llama decode eager and compiled, against transformers, in one run."""
+    name, rows = "llama 8x512, GQA 8/2", []
+    for batch in (1, 8):
+        tps = measure(
+            SHAPES[name], batch, args.prompt_len, args.new_tokens, args.rounds, args.device, args.dtype, compiled=True
+        )
+        rows.append(
+            f"| {name} | {batch} | {tps['kiln, KV cache']:,.0f} | {tps['kiln, compiled decode']:,.0f} | "
+            f"{tps['transformers']:,.0f} | {tps['kiln, compiled decode'] / tps['kiln, KV cache']:.2f} | "
+            f"{tps['kiln, compiled decode'] / tps['transformers']:.2f} | {tps['first compiled call, s']:.1f} s |"
+        )
+        print(rows[-1], flush=True)
+    table = "\n".join(
+        [
+            f"## Compiled decode on {args.device}, {args.dtype}, {time.strftime('%Y-%m-%d %H:%M')} ({machine()}, "
+            f"{args.threads} threads)",
+            "",
+            f"Command: `python -m bench.generate {' '.join(sys.argv[1:])}`. Greedy, {args.prompt_len}-token prompts, "
+            f"{args.new_tokens} new tokens; tokens/s of new tokens, medians of the rounds, after a warm-up. The "
+            "compiled decode's tokens are checked equal to the eager decode's first; its first call (the compile) "
+            "is timed apart.",
+            "",
+            "| model | prompts | Kiln, eager | Kiln, compiled decode | transformers | compiled / eager | "
+            "compiled / transformers | first compiled call |",
             "|---|---:|---:|---:|---:|---:|---:|---:|",
             *rows,
             "",
