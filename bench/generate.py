@@ -152,17 +152,38 @@ def main() -> int:
                 f"{tps['kiln, KV cache'] / tps['transformers']:.2f} |"
             )
             print(rows[-1], flush=True)
+    return _publish(
+        args,
+        "Generation",
+        f"Greedy, {args.prompt_len}-token prompts, {args.new_tokens} new tokens each; tokens/s of new tokens (prompt "
+        "processing included), medians of the rounds. Each row first checks that Kiln's and transformers' tokens are "
+        "identical (in fp32).",
+        [
+            "model",
+            "params",
+            "prompts",
+            "Kiln, KV cache",
+            "Kiln, no cache",
+            "transformers",
+            "cache speed-up",
+            "Kiln / transformers",
+        ],
+        rows,
+    )
+
+
+def _publish(args, title: str, note: str, columns: list[str], rows: list[str]) -> int:
+    """One results section: the title with the device, dtype, time and machine, the command and
+    `note`, then the table (its first column left-aligned, the others right-aligned)."""
     table = "\n".join(
         [
-            f"## Generation on {args.device}, {args.dtype}, {time.strftime('%Y-%m-%d %H:%M')} ({machine()}, "
+            f"## {title} on {args.device}, {args.dtype}, {time.strftime('%Y-%m-%d %H:%M')} ({machine()}, "
             f"{args.threads} threads)",
             "",
-            f"Command: `python -m bench.generate {' '.join(sys.argv[1:])}`. Greedy, {args.prompt_len}-token prompts, {args.new_tokens} new tokens each; "
-            "tokens/s of new tokens (prompt processing included), medians of the rounds. Each row first checks that "
-            "Kiln's and transformers' tokens are identical (in fp32).",
+            f"Command: `python -m bench.generate {' '.join(sys.argv[1:])}`. {note}",
             "",
-            "| model | params | prompts | Kiln, KV cache | Kiln, no cache | transformers | cache speed-up | Kiln / transformers |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|",
+            "| " + " | ".join(columns) + " |",
+            "|---|" + "---:|" * (len(columns) - 1),
             *rows,
             "",
         ]
@@ -185,26 +206,24 @@ def _compiled(args) -> int:
             f"{tps['kiln, compiled decode'] / tps['transformers']:.2f} | {tps['first compiled call, s']:.1f} s |"
         )
         print(rows[-1], flush=True)
-    table = "\n".join(
+    return _publish(
+        args,
+        "Compiled decode",
+        f"Greedy, {args.prompt_len}-token prompts, {args.new_tokens} new tokens; tokens/s of new tokens, medians of "
+        "the rounds, after a warm-up. The compiled decode's tokens are checked equal to the eager decode's first; its "
+        "first call (the compile) is timed apart.",
         [
-            f"## Compiled decode on {args.device}, {args.dtype}, {time.strftime('%Y-%m-%d %H:%M')} ({machine()}, "
-            f"{args.threads} threads)",
-            "",
-            f"Command: `python -m bench.generate {' '.join(sys.argv[1:])}`. Greedy, {args.prompt_len}-token prompts, "
-            f"{args.new_tokens} new tokens; tokens/s of new tokens, medians of the rounds, after a warm-up. The "
-            "compiled decode's tokens are checked equal to the eager decode's first; its first call (the compile) "
-            "is timed apart.",
-            "",
-            "| model | prompts | Kiln, eager | Kiln, compiled decode | transformers | compiled / eager | "
-            "compiled / transformers | first compiled call |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|",
-            *rows,
-            "",
-        ]
+            "model",
+            "prompts",
+            "Kiln, eager",
+            "Kiln, compiled decode",
+            "transformers",
+            "compiled / eager",
+            "compiled / transformers",
+            "first compiled call",
+        ],
+        rows,
     )
-    if not args.no_write:
-        publish(table, args.results)
-    return 0
 
 
 if __name__ == "__main__":

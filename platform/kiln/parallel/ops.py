@@ -67,15 +67,14 @@ def import_deepspeed():
     rank that logs nothing needs no MLflow. A process that imported MLflow already (the rank
     that logs, the driver) imports DeepSpeed as it is. Called first by every worker's comm set-up
     (`init_distributed`), so DeepSpeed is not imported before it there."""
-    if "deepspeed" not in sys.modules and "mlflow" not in sys.modules:
+    hide = "deepspeed" not in sys.modules and "mlflow" not in sys.modules
+    if hide:
         sys.modules["mlflow"] = None  # `import mlflow` fails; the autotuner catches it
-        try:
-            import deepspeed
-        finally:
-            if "mlflow" in sys.modules and sys.modules["mlflow"] is None:
-                del sys.modules["mlflow"]  # MLflow imports normally from here on
-    import deepspeed
-
+    try:
+        import deepspeed
+    finally:
+        if hide and "mlflow" in sys.modules and sys.modules["mlflow"] is None:
+            del sys.modules["mlflow"]  # MLflow imports normally from here on
     return deepspeed
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import socket
 from urllib.parse import urlparse
@@ -131,13 +132,10 @@ SERVER_EXTRA = "pip install 'kiln[server]'"  # MLflow's server and UI (pyproject
 
 
 def server_missing() -> str | None:
-    """The module MLflow's server and UI import first that this environment lacks, or None.
-    Kiln depends on mlflow-skinny, which has neither; the `server` extra adds them."""
-    try:
-        import flask  # noqa: F401  (mlflow.server's first import)
-    except ImportError as e:
-        return e.name or "flask"
-    return None
+    """The module MLflow's server and UI import first (flask) if this environment lacks it, or
+    None. Kiln depends on mlflow-skinny, which has neither; the `server` extra adds them. Looked
+    up, not imported: the summary asks at the end of every run."""
+    return "flask" if importlib.util.find_spec("flask") is None else None
 
 
 def ui_command(uri: str) -> str:

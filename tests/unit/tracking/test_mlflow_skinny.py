@@ -18,6 +18,9 @@ from kiln.tracking.model import PARAMS, signature
 from kiln.tracking.server import ui_command
 
 REPO = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(REPO / "tests"))
+from hidden_imports import HIDE  # noqa: E402
+
 # The modules of the packages full `mlflow` adds to mlflow-skinny and Kiln's own dependencies
 # (measured: a fresh `cluster/install.sh` without extras lacks exactly these distributions).
 ONLY_FULL_MLFLOW = {
@@ -34,25 +37,13 @@ ONLY_FULL_MLFLOW = {
 
 # Runs with the modules above unimportable: a sqlite store written in-process, a run's metrics,
 # and a model saved as Kiln saves it, logged, loaded back and asked for text.
-SKINNY_RUN = """
-import importlib.abc, json, sys
+SKINNY_RUN = (
+    HIDE
+    + """
+import json
 HIDDEN = json.loads(sys.argv[1])  # module: distribution
-BLOCKED, DISTS = set(HIDDEN), {d.lower() for d in HIDDEN.values()} | {"mlflow"}
-
-class Hide(importlib.abc.MetaPathFinder):  # as if not installed: no module, no distribution
-    def __init__(self, inner):
-        self.inner = inner
-
-    def find_spec(self, name, path, target=None):
-        if name.split(".")[0] in BLOCKED:
-            return None
-        return self.inner.find_spec(name, path, target)
-
-    def find_distributions(self, *args, **kwargs):
-        found = getattr(self.inner, "find_distributions", lambda *a, **k: ())(*args, **kwargs)
-        return (d for d in found if d.metadata["Name"].lower() not in DISTS)
-
-sys.meta_path[:] = [Hide(f) for f in sys.meta_path]
+BLOCKED = set(HIDDEN)
+hide(lambda name, spec: name.split(".")[0] in BLOCKED, [*HIDDEN.values(), "mlflow"])
 from pathlib import Path
 import mlflow
 from mlflow import MlflowClient
@@ -78,6 +69,7 @@ print(json.dumps({
     "skinny": mlflow.version.IS_MLFLOW_SKINNY,
 }))
 """
+)
 
 
 def test_the_modules_blocked_are_what_full_mlflow_adds_to_kilns_dependencies():

@@ -14,28 +14,17 @@ import kiln
 from kiln.tracking.model import SERVING_DISTRIBUTIONS, save_pyfunc
 
 CHECKOUT_KILN = str(Path(kiln.__file__).resolve().parent)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from hidden_imports import HIDE  # noqa: E402
 
 # Loads the model and generates greedily with the checkout's `kiln` (module and distribution)
 # unfindable, as in an environment built from the model's requirements alone.
-SERVE = """
-import importlib.abc, json, sys
+SERVE = (
+    HIDE
+    + """
+import json
 CHECKOUT = sys.argv[1]
-
-class Hide(importlib.abc.MetaPathFinder):
-    def __init__(self, inner):
-        self.inner = inner
-
-    def find_spec(self, name, path, target=None):
-        spec = self.inner.find_spec(name, path, target)
-        if spec is not None and (spec.origin or "").startswith(CHECKOUT):
-            return None
-        return spec
-
-    def find_distributions(self, *args, **kwargs):
-        found = getattr(self.inner, "find_distributions", lambda *a, **k: ())(*args, **kwargs)
-        return (d for d in found if d.metadata["Name"] != "kiln")
-
-sys.meta_path[:] = [Hide(f) for f in sys.meta_path]
+hide(lambda name, spec: (spec.origin or "").startswith(CHECKOUT), ["kiln"])
 try:
     import kiln
     raise SystemExit("the checkout's kiln is still importable")
@@ -55,6 +44,7 @@ print(json.dumps({
     ),
 }))
 """
+)
 
 
 def _name(name: str) -> str:
