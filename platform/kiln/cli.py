@@ -212,7 +212,12 @@ def _export(args: argparse.Namespace) -> int:
 
     max_shard = shard_size(args.max_shard_size)
     with _local_model(args.model, args.tracking_uri) as local:
-        loaded, files = export(local, args.output, args.overwrite, args.s3_endpoint, args.dtype, max_shard)
+        loaded, files = export(
+            local, args.output, args.overwrite, args.s3_endpoint, args.dtype, max_shard, args.adapters
+        )
+    if args.adapters:
+        print(f"exported {loaded.source}'s LoRA adapters -> {args.output} (PEFT's layout, base {loaded.base})")
+        return 0
     arch = "GPT-2" if loaded.cfg.arch == "gpt" else "Qwen2" if loaded.cfg.qkv_bias else "Llama"
     print(
         f"exported {loaded.source} -> {args.output}: {arch} architecture, {num_params(loaded.cfg):,} "

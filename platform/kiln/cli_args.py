@@ -257,6 +257,13 @@ def _export_parser(sub) -> None:
         help="largest weight file, as transformers takes it (default 5GB; more weights go in "
         "shards listed by model.safetensors.index.json)",
     )
+    exp.add_argument(
+        "--adapters",
+        action="store_true",
+        help="a LoRA checkpoint's adapters alone, in PEFT's layout (adapter_model.safetensors and "
+        "adapter_config.json, for PeftModel.from_pretrained on the base); without it, the model with "
+        "the adapters merged in",
+    )
     exp.add_argument("--tracking-uri", default="", help=_TRACKING_HELP)
 
 

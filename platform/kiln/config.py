@@ -143,6 +143,31 @@ def _check_across(cfg: RunConfig) -> None:
     problem = elastic_batch_problem(cfg)
     if problem:
         raise ConfigError(problem)
+    if cfg.model.lora.on:
+        _check_lora(cfg)
+
+
+def _check_lora(cfg: RunConfig) -> None:
+    """Where LoRA runs: on DeepSpeed at ZeRO 0-2, one stage, no tensor parallelism, from a
+    pretrained checkpoint."""
+    p = cfg.parallel
+    if not cfg.model.init_from:
+        raise ConfigError(
+            "model.lora.rank > 0 without model.init_from: adapters train on top of a pretrained "
+            "model, and a LoRA checkpoint holds only them; expected a checkpoint to start from"
+        )
+    layout = [
+        ("parallel.engine", p.engine, p.engine == "deepspeed", "'deepspeed'"),
+        ("parallel.zero_stage", p.zero_stage, p.zero_stage <= 2, "0, 1 or 2"),
+        ("parallel.pipeline_stages", p.pipeline_stages, p.pipeline_stages == 1, "1"),
+        ("parallel.tensor_parallel", p.tensor_parallel, p.tensor_parallel == 1, "1"),
+    ]
+    for name, value, ok, expected in layout:
+        if not ok:
+            raise ConfigError(
+                f"{name} = {value!r} with model.lora: LoRA runs on DeepSpeed at ZeRO 0-2 without pipeline or "
+                f"tensor parallelism; expected {expected}"
+            )
 
 
 def _check_fsdp2(cfg: RunConfig) -> None:

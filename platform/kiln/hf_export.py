@@ -197,3 +197,58 @@ def _rope_parameters(cfg: GPTConfig) -> dict:
             "original_max_position_embeddings": cfg.rope_original_context,
         }
     return out
+
+
+# ---- LoRA adapters in PEFT's layout --------------------------------------------------------------
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+def adapter_state(cfg: GPTConfig, adapters: dict[str, torch.Tensor], lora) -> dict[str, torch.Tensor]:
+    """Kiln's adapters (`blocks.i.<module>.lora_{a,b}.<target>`) under the names PEFT gives a
+    Hugging Face Llama, Qwen2 or Mistral (`base_model.model.model.layers.i.self_attn.q_proj.
+    lora_A.weight`, ...). Kiln's per-projection adapters are PEFT's, so nothing is split. GPT-2's
+    c_attn fuses q, k and v, where PEFT would hold one adapter: refused."""
+    if cfg.arch != "llama":
+        raise ConfigError(
+            "--adapters: PEFT's layout for GPT-2 gives its fused c_attn one adapter, where Kiln trains one per "
+            "projection; export the merged model instead (without --adapters)"
+        )
+    from kiln.lora import ATTENTION, target_rows
+
+    rows = target_rows(cfg)
+    out = {}
+    for i in range(cfg.n_layer):
+        for t in lora.target_list:
+            ours = f"blocks.{i}.{rows[t][0]}"
+            theirs = f"base_model.model.model.layers.{i}.{'self_attn' if t in ATTENTION else 'mlp'}.{t}"
+            out[f"{theirs}.lora_A.weight"] = adapters[f"{ours}.lora_a.{t}"].float().contiguous()
+            out[f"{theirs}.lora_B.weight"] = adapters[f"{ours}.lora_b.{t}"].float().contiguous()
+    return out
+
+
+def write_adapters(
+    cfg: GPTConfig, adapters: dict[str, torch.Tensor], lora, base: str, directory: Path, dtype: str = "fp32"
+) -> list[str]:
+    """The adapters as PEFT saves them (`adapter_model.safetensors`, `adapter_config.json`), for
+    `PeftModel.from_pretrained(<the base>, directory)`; `base` is the checkpoint they adapt."""
+    from safetensors.torch import save_file
+
+    cast = EXPORT_DTYPES[dtype][0]
+    weights = {k: v.to(cast) for k, v in adapter_state(cfg, adapters, lora).items()}
+    save_file(weights, str(directory / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base,
+        "r": lora.rank,
+        "lora_alpha": lora.alpha,
+        "lora_dropout": lora.dropout,
+        "target_modules": sorted(lora.target_list),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "inference_mode": True,
+    }
+    (directory / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    return [ADAPTER_WEIGHTS, ADAPTER_CONFIG]

@@ -8,11 +8,12 @@ every worker with the config, so no worker reads config.json again.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from kiln.knobs import check_ranges, knob, span
 from kiln.limits import MAX_SEQ_LEN
+from kiln.lora import LoraConfig
 from kiln.model import FLAVOURS, GPTConfig, config_for
 
 
@@ -39,8 +40,13 @@ class ModelConfig:
     the flavour's and its weights the random init; the data must be tokenized with its tokenizer
     (`kiln data prepare --tokenizer <the directory>`), which is checked before launch."""
 
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """Low-rank adapters (`kiln.lora`): with lora.rank > 0 the checkpoint's weights stay frozen
+    and only the adapters train, and checkpoints hold only them."""
+
     def check(self) -> None:
         check_ranges(self, "model")
+        self.lora.check()
 
     def shape(self, pretrained: GPTConfig | None = None) -> GPTConfig:
         """The model's shape; vocab_size and seq_len must be resolved (non-zero) by now. With

@@ -63,34 +63,41 @@ def families(tmp_path_factory, corpus):
     return tmp, data
 
 
-# Qwen2's q/k/v biases, Mistral's sliding window, an explicit head_dim, Llama 3's RoPE scaling
-# and GPT-2's untied head: each loads on Ray's workers, trains and exports as its own family.
+# Qwen2's q/k/v biases (trained as LoRA adapters, the base frozen), Mistral's sliding window, an
+# explicit head_dim, Llama 3's RoPE scaling and GPT-2's untied head: each loads on Ray's workers,
+# trains and exports as its own family.
+LORA = ("model.lora.rank=8", "optim.lr=1e-2", "train.eval_every=2", "train.eval_batches=4")
+
+
 @pytest.mark.parametrize(
-    "kind, model_type",
+    "kind, model_type, more",
     [
-        ("qwen2", "qwen2"),
-        ("mistral", "llama"),
-        ("llama-head-dim", "llama"),
-        ("llama3-rope", "llama"),
-        ("gpt2-untied", "gpt2"),
+        ("qwen2", "qwen2", LORA),
+        ("mistral", "llama", ()),
+        ("llama-head-dim", "llama", ()),
+        ("llama3-rope", "llama", ()),
+        ("gpt2-untied", "gpt2", ()),
     ],
+    ids=["qwen2-lora", "mistral", "llama-head-dim", "llama3-rope", "gpt2-untied"],
 )
-def test_finetune_each_family_on_ray_and_export_it(ray_cluster, families, corpus, tmp_path, kind, model_type):
+def test_finetune_each_family_on_ray_and_export_it(ray_cluster, families, corpus, tmp_path, kind, model_type, more):
     address, _, _ = ray_cluster
     root, data = families
     ckpt = root / kind
     original = saved(kind, ckpt, corpus)
     summary = train(
-        _config(ckpt, data, tmp_path, f"ft-{kind}", "train.max_steps=6", "logging.log_model=false"), address=address
+        _config(ckpt, data, tmp_path, f"ft-{kind}", "train.max_steps=6", "logging.log_model=false", *more),
+        address=address,
     )
     from mlflow.tracking import MlflowClient
 
-    history = sorted(
-        MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").get_metric_history(summary.run_id, "loss/train"),
-        key=lambda m: m.step,
-    )
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    history = sorted(client.get_metric_history(summary.run_id, "loss/train"), key=lambda m: m.step)
     assert abs(history[0].value - _first_step_loss(original, data)) <= 1e-4  # it started from the checkpoint
     assert history[-1].value < history[0].value  # and it learned
+    if more == LORA:  # adapters alone: the base's first loss, then a lower validation loss
+        val = sorted(client.get_metric_history(summary.run_id, "loss/val"), key=lambda m: m.step)
+        assert len(val) == 3 and val[-1].value < val[0].value, [(m.step, m.value) for m in val]
     out = tmp_path / "export"
     loaded, _ = export(summary.checkpoint, str(out))
     assert json.loads((out / "config.json").read_text())["model_type"] == model_type

@@ -22,6 +22,7 @@ LINT = Path(sys.executable).parent / "lint-imports"
 PLANTS = {
     "core-loop": ("core/_planted_ray.py", "import ray\n"),
     "model": ("model.py", None),  # model.py itself gets `import numpy` (its contract names the module)
+    "lora": ("lora.py", None),  # and lora.py `import numpy`
     "generation": ("infer/generate.py", None),  # and generate.py `import mlflow`
     "mlflow-owner": ("launch/_planted_mlflow.py", "import mlflow\n"),
     "deepspeed-owner": ("infer/_planted_deepspeed.py", "import deepspeed\n"),
@@ -32,6 +33,7 @@ PLANTS = {
 }
 APPENDED = {
     "model.py": "import numpy\n",
+    "lora.py": "import numpy\n",
     "infer/generate.py": "import mlflow\n",
     "parallel/fsdp2_engine.py": "import deepspeed\n",
 }

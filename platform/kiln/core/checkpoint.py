@@ -68,8 +68,18 @@ def model_card(cfg: RunConfig, mcfg: GPTConfig) -> dict:
             "gpt": asdict(mcfg),
             **layout_card(cfg),
             "data": {"path": d.path, "s3_endpoint": d.s3_endpoint, "s3_region": d.s3_region},
+            **lora_card(cfg),
         }
     )
+
+
+def lora_card(cfg: RunConfig) -> dict:
+    """A LoRA checkpoint holds the adapters alone: the card names them and the base they adapt,
+    which `kiln export` reads the frozen weights from (with the data's S3 endpoint)."""
+    from dataclasses import asdict
+
+    m = cfg.model
+    return {"lora": asdict(m.lora), "init_from": m.init_from} if m.lora.on else {}
 
 
 def layout_card(cfg: RunConfig) -> dict:

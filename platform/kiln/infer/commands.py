@@ -32,23 +32,23 @@ def export(
     s3_endpoint: str = "",
     dtype: str = "fp32",
     max_shard_size: int | str = hf_export.MAX_SHARD_SIZE,
+    adapters: bool = False,
 ) -> tuple[LoadedModel, list[str]]:
     """Write `spec`'s model as a Hugging Face directory at `output`, whole or not at all. A local
     one is written into a hidden sibling and swapped into place by the write guard (`kiln.guard`);
     an s3:// one (no rename there) is uploaded file by file with config.json last, so a partial
     upload is not a loadable checkpoint. An existing `output` is replaced only with `overwrite`,
     and only if Kiln's marker says it is an export. The weights are in `dtype` (fp32: the
-    checkpoint's master weights as they are), in shards of at most `max_shard_size`."""
+    checkpoint's master weights as they are), in shards of at most `max_shard_size`. With
+    `adapters`, a LoRA checkpoint's adapters alone, in PEFT's layout."""
     if output.startswith("s3://"):
-        return _export_to_s3(spec, output, overwrite, s3_endpoint, dtype, max_shard_size)
+        return _export_to_s3(spec, output, overwrite, s3_endpoint, dtype, max_shard_size, adapters)
     check_target(output, overwrite=overwrite, inputs=(spec,))
     out = guard.local_path(output)
     loaded = load_model(spec)
     staged = guard.temp_dir(out.parent, out.name)
     try:
-        files = hf_export.write(
-            loaded.cfg, loaded.state, loaded.tokenizer, loaded.vocab_size, staged, dtype, max_shard_size
-        )
+        files = _write(loaded, staged, dtype, max_shard_size, adapters)
         staged.chmod(0o755)  # mkdtemp's 0700 would hide the export from other users
         guard.replace_dir(staged, out, EXPORT, replace=overwrite)
     finally:
@@ -56,8 +56,25 @@ def export(
     return loaded, [*files, guard.MARKER]
 
 
+def _write(loaded: LoadedModel, directory: Path, dtype: str, max_shard_size: int | str, adapters: bool) -> list[str]:
+    """The export's files in `directory`: the whole model (a LoRA one merged), or its adapters."""
+    if not adapters:
+        return hf_export.write(
+            loaded.cfg, loaded.state, loaded.tokenizer, loaded.vocab_size, directory, dtype, max_shard_size
+        )
+    if loaded.adapters is None or loaded.lora is None:
+        raise ConfigError(f"--adapters: {loaded.source} is not a LoRA checkpoint (it has no adapters to write)")
+    return hf_export.write_adapters(loaded.cfg, loaded.adapters, loaded.lora, loaded.base, directory, dtype)
+
+
 def _export_to_s3(
-    spec: str, output: str, overwrite: bool, s3_endpoint: str, dtype: str, max_shard_size: int | str
+    spec: str,
+    output: str,
+    overwrite: bool,
+    s3_endpoint: str,
+    dtype: str,
+    max_shard_size: int | str,
+    adapters: bool = False,
 ) -> tuple[LoadedModel, list[str]]:
     from kiln.storage import resolve
 
@@ -74,9 +91,7 @@ def _export_to_s3(
         raise ConfigError(f"--output {output}: already holds an earlier export; pass --overwrite to replace it")
     loaded = load_model(spec)
     with tempfile.TemporaryDirectory(prefix="kiln-export-") as tmp:
-        files = hf_export.write(
-            loaded.cfg, loaded.state, loaded.tokenizer, loaded.vocab_size, Path(tmp), dtype, max_shard_size
-        )
+        files = _write(loaded, Path(tmp), dtype, max_shard_size, adapters)
         if present:
             # The old export stops loading first.
             guard.delete_stored(out.fs, out.join(hf.CONFIG).path, proof="an export's, by its marker")

@@ -11,6 +11,7 @@ are read here, since DeepSpeed's tool covers neither.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import pickle
@@ -28,6 +29,7 @@ from kiln.data.manifest import load_manifest
 from kiln.data.tokenizer import Tokenizer, pretrained
 from kiln.devices import name_deepspeed_accelerator
 from kiln.errors import ConfigError, KilnError
+from kiln.lora import LoraConfig
 from kiln.model import GPT, GPTConfig, shape_problem
 from kiln.parallel.fsdp2_engine import is_fsdp2_checkpoint, merged_state
 from kiln.parallel.zero_checkpoint import is_zero_sharded, merged_fp32_state
@@ -50,6 +52,12 @@ class LoadedModel:
     vocab_size: int
     """The real vocab: rows past it are Kiln's padding to a multiple of 64, never targets, so
     never sampled and not exported."""
+    adapters: dict[str, torch.Tensor] | None = None
+    """A LoRA checkpoint's adapters, in Kiln's names (`state` has them merged already)."""
+    lora: LoraConfig | None = None
+    """And their rank, scale and targets."""
+    base: str = ""
+    """And the checkpoint they adapt (`model.init_from`)."""
 
     def build(self, device: str | torch.device = "cpu") -> GPT:
         """The GPT with these weights, in eval mode; weights that are not finite are refused
@@ -95,7 +103,32 @@ def load_model(spec: str) -> LoadedModel:
             f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         ) from None
     tokenizer = _dataset_tokenizer(card, ckpt)
-    return LoadedModel(cfg, state, tokenizer, ckpt, int(tokenizer.vocab_size))
+    loaded = LoadedModel(cfg, state, tokenizer, ckpt, int(tokenizer.vocab_size))
+    return with_base(loaded, card) if "lora" in card else loaded
+
+
+def with_base(loaded: LoadedModel, card: dict) -> LoadedModel:
+    """A LoRA checkpoint's adapters merged into the base weights its card names: the model that
+    computes what the adapted one did. The adapters stay on `adapters` for a PEFT export."""
+    from kiln.lora import merge
+
+    lora = LoraConfig(**card["lora"])
+    data = card["data"]
+    base_dir = card.get("init_from", "")
+    try:
+        base = hf.load(
+            hf.init_from_dir(base_dir, data.get("s3_endpoint", ""), data.get("s3_region", "us-east-1")), loaded.cfg
+        )
+    except (ConfigError, OSError) as e:
+        raise ConfigError(
+            f"{loaded.source}: a LoRA checkpoint holds only its adapters, and the base model it adapts, "
+            f"{base_dir!r}, cannot be read: {e}"
+        ) from None
+    adapters = {k: v for k, v in loaded.state.items() if ".lora_" in k}
+    merged = merge(base | adapters, loaded.cfg, lora)
+    if loaded.cfg.tie_embeddings:
+        merged["lm_head.weight"] = merged["wte.weight"]
+    return dataclasses.replace(loaded, state=merged, adapters=adapters, lora=lora, base=base_dir)
 
 
 def checkpoint_of(path: Path) -> str:
@@ -127,12 +160,21 @@ class _Data(TypedDict):
     s3_region: NotRequired[str]
 
 
+class _Lora(TypedDict):
+    rank: int
+    alpha: float
+    dropout: float
+    targets: str
+
+
 class _Card(TypedDict):
     """What `kiln.core.checkpoint.model_card` writes; checked as it is read."""
 
     gpt: GPTConfig
     parallel: _Parallel
     data: _Data
+    lora: NotRequired[_Lora]  # a LoRA run's: its checkpoints hold the adapters alone
+    init_from: NotRequired[str]  # and the base they adapt
 
 
 _CARD = pydantic.TypeAdapter(_Card)
@@ -179,7 +221,7 @@ def consolidate(ckpt: str, cfg: GPTConfig, pipeline_stages: int, tensor_parallel
             os.path.join(state_dir, "mp_rank_00_model_states.pt"), map_location="cpu", weights_only=False
         )["module"]  # Kiln's own file (ZeRO-0: whole on each rank)
     state = {k: v.float() for k, v in state.items()}
-    if cfg.tie_embeddings:
+    if cfg.tie_embeddings and "wte.weight" in state:  # a LoRA checkpoint has the adapters alone
         state["lm_head.weight"] = state["wte.weight"]
     return state
 

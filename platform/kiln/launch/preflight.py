@@ -16,6 +16,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kiln import lora
 from kiln.config import RunConfig
 from kiln.core.checkpoint import layout_card, resolve_resume
 from kiln.core.config import RUN_NAME
@@ -150,6 +151,9 @@ def check_init_from(cfg: RunConfig) -> GPTConfig | None:
         check_weights(init_from_dir(m.init_from, d.s3_endpoint, d.s3_region), shape)
     except ConfigError as e:
         raise ConfigError(f"model.init_from = {m.init_from!r}: {e}") from None
+    problem = lora.problem(m.lora, shape) if m.lora.on else None
+    if problem:
+        raise ConfigError(problem)
     return shape
 
 

@@ -46,14 +46,20 @@ class DeepSpeedEngine:
     def set_training(self, on: bool) -> None:
         self.ds.train() if on else self.ds.eval()
 
+    @property
+    def frozen(self) -> bool:
+        """Whether part of the model is frozen (LoRA's base): its checkpoints leave it out, as
+        it is rebuilt from `model.init_from`."""
+        return any(not p.requires_grad for p in self.ds.module.parameters())
+
     def save(self, directory: str, client_state: dict) -> None:
-        self.ds.save_checkpoint(directory, tag=TAG, client_state=client_state)
+        self.ds.save_checkpoint(directory, tag=TAG, client_state=client_state, exclude_frozen_parameters=self.frozen)
 
     def load(self, directory: str, reshard: bool = False) -> dict:
         if not (reshard and is_zero_sharded(os.path.join(directory, TAG))):
             # Unsharded optimizer state (ZeRO-0 in fp32) is whole in every data-parallel
             # rank's model file, so it loads at any number of them as it is.
-            _, client = self.ds.load_checkpoint(directory, tag=TAG)
+            _, client = self.ds.load_checkpoint(directory, tag=TAG, load_module_strict=not self.frozen)
             return client
         with universal_copy(directory, TAG) as (root, tag):
             # DeepSpeed reads the switch at load time only; it is left as the config had it.

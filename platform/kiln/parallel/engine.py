@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kiln import lora
 from kiln.config import RunConfig
 from kiln.core.collectives import ranks
 from kiln.core.optim import StepGate, build_optimizer, build_scheduler, gate_optimizer, param_groups
@@ -379,6 +380,8 @@ def initialize(cfg: RunConfig, mcfg: GPTConfig, data_parallel_size: int, device:
         )
     else:
         model = build_model(cfg, mcfg, ds_config, device)
+    if cfg.model.lora.on:  # ZeRO 0-2 only (the config says so): the model is whole here
+        lora.apply(model, cfg.model.lora, cfg.train.seed)
     if cfg.train.compile:
         # In place (nn.Module.compile): the state dict keeps its names, so compiled and eager
         # runs share checkpoints. Compilation happens at the first forward, inside step 1.

@@ -57,6 +57,7 @@ from dataclasses import dataclass
 
 from kiln.config import RunConfig, bf16_autocast
 from kiln.core.optim import OPTIMIZERS
+from kiln.lora import adapter_params
 from kiln.model import GPTConfig
 from kiln.model_size import block_params, largest_layer_params, num_params, split_params
 from kiln.topology import ParallelDims, deepspeed_refusal
@@ -102,6 +103,9 @@ class PlanInput:
     use_gpu: bool = True
     engine: str = "deepspeed"
     """parallel.engine: DeepSpeed's ZeRO (above), or FSDP2 (`fsdp2_states`)."""
+    adapters: int = 0
+    """LoRA's trainable parameters (`kiln.lora.adapter_params`), 0 without LoRA: then the
+    gradients, master weights and optimizer state are theirs alone, and the base is weights only."""
 
     @property
     def dims(self) -> ParallelDims:
@@ -162,13 +166,14 @@ def estimate(p: PlanInput) -> Estimate:
     if p.engine == "fsdp2":
         return fsdp2_states(p, psi, k)
 
-    params = e * psi / (n if s == 3 else 1)
-    grads = e * psi / (n if s >= 2 else 1)
+    trained = p.adapters or psi  # what has gradients and optimizer state
+    params = e * (psi + p.adapters) / (n if s == 3 else 1)
+    grads = e * trained / (n if s >= 2 else 1)
     mixed = e == 2
     shard = n if s >= 1 else 1
-    master = 4 * psi / shard if (mixed or s >= 1) else 0
-    fp32_grads = 4 * psi / shard if (mixed or s >= 1) else 0
-    states = 4 * k * psi / shard
+    master = 4 * trained / shard if (mixed or s >= 1) else 0
+    fp32_grads = 4 * trained / shard if (mixed or s >= 1) else 0
+    states = 4 * k * trained / shard
     gathered = 2 * e * largest_layer_params(m) // p.tensor_parallel if s == 3 else 0
     if s == 3:  # the 16-bit gradients are reduce-scattered straight into fp32 partitions
         grads = 0
@@ -446,6 +451,7 @@ def plan_input(cfg: RunConfig, mcfg: GPTConfig, device_memory_gib: float) -> Pla
         mixed_precision=t.mixed_precision,
         use_gpu=p.use_gpu,
         engine=p.engine,
+        adapters=adapter_params(mcfg, cfg.model.lora),
     )
 
 

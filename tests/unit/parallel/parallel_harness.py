@@ -29,6 +29,7 @@ from kiln.core.sinks import Sinks
 from kiln.data.check import resolve_against_data
 from kiln.data.sources import ParquetSource
 from kiln.launch.local import _world_from_env
+from kiln.launch.preflight import check_init_from
 from kiln.parallel.deepspeed_engine import inner_optimizer
 from kiln.parallel.engine import build_engine
 from kiln.parallel.fsdp2_engine import gathered_state as fsdp2_gathered_state
@@ -71,9 +72,13 @@ class Capture:
 
 def run_one(spec: dict, data: str, root: str, world) -> dict:
     overrides = [*BASE, f"data.path={data}", f"parallel.num_workers={world.world_size}", *spec.get("set", [])]
-    cfg, _ = resolve_against_data(load_config(None, overrides))
+    if spec.get("base"):  # start from a Hugging Face checkpoint of that flavour (LoRA needs one)
+        overrides.append(f"model.init_from={pretrained_base(spec['base'], data, root, world)}")
+    cfg = load_config(None, overrides)
+    shape = check_init_from(cfg)
+    cfg, _ = resolve_against_data(cfg, shape)
     dims = ParallelDims.of(cfg.parallel, world.world_size)
-    mcfg = cfg.model.shape()
+    mcfg = cfg.model.shape(shape)
     source = ParquetSource(
         cfg_manifest(cfg),
         dims.coords(world.rank).data_parallel_rank,
@@ -107,7 +112,33 @@ def run_one(spec: dict, data: str, root: str, world) -> dict:
     out["final"] = final
     est = estimate(plan_input(cfg, mcfg, 1.0))
     out["planned"] = {"params": est.params, "optimizer_states": est.optimizer_states}
+    module = engine.ds.module if hasattr(engine, "ds") else engine.model
+    out["trainable"] = sum(p.numel() for p in module.parameters() if p.requires_grad)
+    out["params"] = sum(p.numel() for p in module.parameters())
     return out
+
+
+def pretrained_base(flavour: str, data: str, root: str, world) -> str:
+    """A Hugging Face checkpoint of `flavour` (seeded random weights, the data's tokenizer),
+    written once by rank 0 with `kiln.hf_export`; its directory."""
+    import torch.distributed as dist
+
+    from kiln import hf_export
+    from kiln.model import GPT, config_for, padded_vocab
+
+    directory = Path(root) / f"base-{flavour}"
+    if world.rank == 0 and not directory.exists():
+        manifest = cfg_manifest(load_config(None, [f"data.path={data}"]))
+        tokenizer = manifest.tokenizer()
+        vocab = int(tokenizer.vocab_size)
+        mcfg = config_for(flavour, vocab_size=padded_vocab(vocab), seq_len=manifest.seq_len)
+        torch.manual_seed(1)
+        model = GPT(mcfg)
+        directory.mkdir(parents=True)
+        hf_export.write(mcfg, model.state_dict(), tokenizer, vocab, directory)
+    if dist.is_initialized():
+        dist.barrier()
+    return str(directory)
 
 
 class RecordingSource:

@@ -39,6 +39,7 @@ OPTIMIZER_RUNS = [
     for opt, sets in OPTIMIZERS.items()
 ]
 FSDP2 = ["parallel.engine=fsdp2", "parallel.zero_stage=3"]
+LORA = ["model.lora.rank=4", "optim.lr=1e-2"]  # every projection of every block
 
 # Same global batch everywhere: 8 sequences per step, as 2 ranks x 4, or 2 micro-batches x 4.
 REFERENCE = [{"name": "reference", "set": ["parallel.zero_stage=0", "train.grad_accum_steps=2"]}]
@@ -71,6 +72,20 @@ TWO_RANKS = [
         "set": ["model.flavour=llama-debug", "parallel.zero_stage=2", "model.activation_checkpointing=true"],
     },
     {"name": "llama-zero3", "set": ["model.flavour=llama-debug", "parallel.zero_stage=3"]},
+    # LoRA (model.lora) on a Hugging Face Llama checkpoint (`pretrained_base`): ZeRO-2 over two
+    # ranks against ZeRO-0, a resume, and the full fine-tune its checkpoint is compared with.
+    {"name": "lora-zero2", "base": "llama-debug", "set": [*LORA, "parallel.zero_stage=2", "train.checkpoint_every=10"]},
+    {
+        "name": "lora-zero2-resumed",
+        "base": "llama-debug",
+        "set": [*LORA, "parallel.zero_stage=2", "train.resume_from={root}/lora-zero2/step_00000010"],
+    },
+    {"name": "lora-zero0", "base": "llama-debug", "set": [*LORA, "parallel.zero_stage=0"]},
+    {
+        "name": "full-zero2",
+        "base": "llama-debug",
+        "set": ["parallel.zero_stage=2", "train.checkpoint_every=10", "train.max_steps=10"],
+    },
     # Pipelines last: a PipelineEngine leaves DeepSpeed's process-global topology set.
     {
         "name": "pp2",
@@ -344,3 +359,65 @@ def test_a_tensor_parallel_export_loads_in_transformers_with_kilns_logits(runs, 
         a, b = theirs(x).logits, ours(x)
     n = min(a.shape[-1], b.shape[-1])  # the export may drop the padding rows of the vocabulary
     assert n >= loaded.vocab_size and (a[..., :n] - b[..., :n]).abs().max().item() <= 1e-5
+
+
+def test_lora_trains_only_its_adapters_and_resumes_exactly(runs, tmp):
+    """LoRA at ZeRO-2 on two ranks: the trainable count is the formula's, the run learns and
+    equals ZeRO-0's, the planner counts what the engine holds, a resume goes on exactly, and the
+    checkpoint is smaller than the full fine-tune's by the adapters' share of the weights."""
+    from kiln.hf_checkpoint import read_config
+    from kiln.lora import LoraConfig, adapter_params
+
+    lora, zero0, resumed, full = (runs[n] for n in ("lora-zero2", "lora-zero0", "lora-zero2-resumed", "full-zero2"))
+    base = read_config(tmp / "ckpt" / "base-llama-debug")
+    assert lora["trainable"] == adapter_params(base, LoraConfig(rank=4)) == zero0["trainable"]
+    assert full["trainable"] == full["params"] == lora["params"] - lora["trainable"]  # the base, frozen
+    assert len(lora["loss"]) == STEPS and sum(lora["loss"][-5:]) < sum(lora["loss"][:5]) - 1.5  # a random base
+    assert _max_rel(lora["loss"], zero0["loss"]) <= 1e-4
+    assert resumed["steps"] == list(range(11, STEPS + 1))
+    assert _max_rel(resumed["loss"], lora["loss"][10:]) <= 1e-6
+    for name in ("lora-zero2", "lora-zero0"):
+        held, planned = runs[name]["final"], runs[name]["planned"]
+        assert held["memory/optimizer_state_bytes"] == pytest.approx(planned["optimizer_states"], rel=0.10), name
+        assert held["memory/params_bytes"] == pytest.approx(planned["params"], rel=0.10), name
+
+    def state_bytes(name):
+        return sum(f.stat().st_size for f in (tmp / "ckpt" / name / "step_00000010" / "state").iterdir())
+
+    share = lora["trainable"] / full["params"]  # fp32 weights, master and two moments: 16 bytes each
+    assert 0.8 * share <= state_bytes("lora-zero2") / state_bytes("full-zero2") <= 1.3 * share
+
+
+def test_a_lora_checkpoint_exports_merged_and_as_peft_adapters(runs, tmp):
+    """The merged model computes what base + adapters compute (1e-5); the adapter export in
+    PEFT's layout, loaded by peft onto transformers' model of the base, gives the same logits, as
+    does the merged export loaded by transformers."""
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    from kiln import lora as kiln_lora
+    from kiln.infer.commands import export
+    from kiln.infer.load import load_model
+
+    base_dir = tmp / "ckpt" / "base-llama-debug"
+    ckpt = tmp / "ckpt" / "lora-zero2" / "step_00000010"
+    merged = load_model(str(ckpt))
+    assert merged.lora is not None and merged.adapters
+    unmerged = load_model(str(base_dir)).build()
+    kiln_lora.apply(unmerged, merged.lora, seed=0)
+    missing, unexpected = unmerged.load_state_dict(merged.adapters, strict=False)
+    assert not unexpected and all(not kiln_lora.is_adapter(k) for k in missing)
+    ours = merged.build()
+    x = torch.randint(0, merged.vocab_size, (2, 40))
+    with torch.no_grad():
+        assert (ours(x) - unmerged.eval()(x)).abs().max().item() <= 1e-5
+        assert (ours(x) - load_model(str(base_dir)).build()(x)).abs().max().item() > 1e-3  # the adapters did something
+    export(str(ckpt), str(tmp / "peft"), adapters=True)
+    export(str(ckpt), str(tmp / "merged"))
+    theirs = peft.PeftModel.from_pretrained(
+        transformers.AutoModelForCausalLM.from_pretrained(base_dir), tmp / "peft"
+    ).eval()
+    flat = transformers.AutoModelForCausalLM.from_pretrained(tmp / "merged").eval()
+    V = merged.vocab_size
+    with torch.no_grad():
+        assert (theirs(x).logits - ours(x)[..., :V]).abs().max().item() <= 1e-5
+        assert (flat(x).logits - ours(x)[..., :V]).abs().max().item() <= 1e-5
