@@ -90,6 +90,7 @@ bench: $(DEMO_DATA)
 	$(BIN)/python -m bench.step_ab
 	$(BIN)/python -m bench.tensor_parallel
 	$(BIN)/python -m bench.checkpoint_overhead
+	$(BIN)/python -m bench.lora
 	$(BIN)/python -m bench.resize
 	$(BIN)/python -m bench.startup_cpu
 	$(BIN)/python -m bench.background_cost

@@ -37,6 +37,7 @@ from kiln.core.resize import elastic_batch_problem
 from kiln.core.schedule import ScheduleConfig
 from kiln.data.config import DataConfig, MixSource  # noqa: F401  (MixSource: a section's item)
 from kiln.errors import ConfigError
+from kiln.lora import layout_problem
 from kiln.model_config import ModelConfig
 from kiln.storage import absolute, is_url
 from kiln.topology import ParallelConfig, ParallelDims
@@ -156,18 +157,9 @@ def _check_lora(cfg: RunConfig) -> None:
             "model.lora.rank > 0 without model.init_from: adapters train on top of a pretrained "
             "model, and a LoRA checkpoint holds only them; expected a checkpoint to start from"
         )
-    layout = [
-        ("parallel.engine", p.engine, p.engine == "deepspeed", "'deepspeed'"),
-        ("parallel.zero_stage", p.zero_stage, p.zero_stage <= 2, "0, 1 or 2"),
-        ("parallel.pipeline_stages", p.pipeline_stages, p.pipeline_stages == 1, "1"),
-        ("parallel.tensor_parallel", p.tensor_parallel, p.tensor_parallel == 1, "1"),
-    ]
-    for name, value, ok, expected in layout:
-        if not ok:
-            raise ConfigError(
-                f"{name} = {value!r} with model.lora: LoRA runs on DeepSpeed at ZeRO 0-2 without pipeline or "
-                f"tensor parallelism; expected {expected}"
-            )
+    problem = layout_problem(p.engine, p.zero_stage, p.pipeline_stages, p.tensor_parallel)
+    if problem:
+        raise ConfigError(problem)
 
 
 def _check_fsdp2(cfg: RunConfig) -> None:

@@ -136,12 +136,7 @@ def write(
             "pad_token": eot_text,
             "model_max_length": cfg.seq_len,
         },
-        "special_tokens_map.json": {
-            "bos_token": eot_text,
-            "eos_token": eot_text,
-            "unk_token": eot_text,
-            "pad_token": eot_text,
-        },
+        "special_tokens_map.json": _special_tokens(base, eot_text),
     }
     for name, body in files.items():
         (directory / name).write_text(base[name] if name in base else json.dumps(body, indent=2) + "\n")
@@ -149,6 +144,17 @@ def write(
         (directory / name).write_text(base[name])
     (directory / "tokenizer.json").write_text(tokenizer.hf_json())
     return [*weight_files, *files, *sorted(set(base) - set(files)), "tokenizer.json"]
+
+
+def _special_tokens(base: dict[str, str], eot_text: str) -> dict:
+    """special_tokens_map.json: the base tokenizer's own tokens where its tokenizer_config.json
+    names them (transformers reads this file over that one, so a different map here would
+    change, say, the BOS its chat template writes), else end-of-text for each, as GPT-2's."""
+    kinds = ("bos_token", "eos_token", "unk_token", "pad_token")
+    named = json.loads(base.get("tokenizer_config.json", "{}"))
+    if any(k in named for k in kinds):
+        return {k: named[k] for k in kinds if k in named}
+    return dict.fromkeys(kinds, eot_text)
 
 
 def _save_sharded(weights: dict[str, torch.Tensor], directory: Path, max_shard_size: int | str) -> list[str]:

@@ -291,23 +291,32 @@ def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def annotated_yaml(cfg: Any) -> str:
-    """A config of sections as YAML, each field's docstring and allowed range as a comment above it."""
+    """A config of sections as YAML, each field's docstring and allowed range as a comment above it
+    (a nested section's fields too, indented under it)."""
     lines: list[str] = []
+    config_type: type = type(cfg)  # a class, which field_docs caches by
     for section in dataclasses.fields(cfg):
-        value = getattr(cfg, section.name)
-        config_type: type = type(cfg)
-        section_type: type = type(value)
         lines.append(f"# {field_docs(config_type).get(section.name, '')}")
         lines.append(f"{section.name}:")
-        docs = field_docs(section_type)
-        for f in dataclasses.fields(value):
-            doc = docs.get(f.name, "")
-            if RANGE in f.metadata or CHOICE in f.metadata:
-                doc += f" Allowed: {field_range(type(value), f.name)[1]}."
-            lines.extend(f"  # {line}" for line in textwrap.wrap(doc.strip(), 94))
-            v = getattr(value, f.name)
-            v = dataclasses.asdict(v) if dataclasses.is_dataclass(v) and not isinstance(v, type) else v
-            dumped = yaml.safe_dump({f.name: v}, default_flow_style=True)
-            lines.append("  " + dumped.strip()[1:-1])
+        lines += _annotated_fields(getattr(cfg, section.name), "  ")
         lines.append("")
     return "\n".join(lines)
+
+
+def _annotated_fields(section: Any, indent: str) -> list[str]:
+    lines: list[str] = []
+    section_type: type = type(section)
+    docs = field_docs(section_type)
+    for f in dataclasses.fields(section):
+        doc = docs.get(f.name, "")
+        if RANGE in f.metadata or CHOICE in f.metadata:
+            doc += f" Allowed: {field_range(type(section), f.name)[1]}."
+        lines.extend(f"{indent}# {line}" for line in textwrap.wrap(doc.strip(), 96 - len(indent)))
+        v = getattr(section, f.name)
+        if dataclasses.is_dataclass(v) and not isinstance(v, type):
+            lines.append(f"{indent}{f.name}:")
+            lines += _annotated_fields(v, indent + "  ")
+            continue
+        dumped = yaml.safe_dump({f.name: v}, default_flow_style=True)
+        lines.append(indent + dumped.strip()[1:-1])
+    return lines

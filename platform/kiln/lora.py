@@ -112,6 +112,24 @@ def problem(lora: LoraConfig, cfg: GPTConfig) -> str | None:
     return None
 
 
+def layout_problem(engine: str, zero_stage: int, pipeline_stages: int, tensor_parallel: int) -> str | None:
+    """Why LoRA cannot train in this parallel layout, naming the field, or None: DeepSpeed at
+    ZeRO 0-2 without pipeline or tensor parallelism (asked by the config and the planner)."""
+    layout = [
+        ("parallel.engine", engine, engine == "deepspeed", "'deepspeed'"),
+        ("parallel.zero_stage", zero_stage, zero_stage <= 2, "0, 1 or 2"),
+        ("parallel.pipeline_stages", pipeline_stages, pipeline_stages == 1, "1"),
+        ("parallel.tensor_parallel", tensor_parallel, tensor_parallel == 1, "1"),
+    ]
+    for name, value, ok, expected in layout:
+        if not ok:
+            return (
+                f"{name} = {value!r} with model.lora: LoRA runs on DeepSpeed at ZeRO 0-2 without pipeline or "
+                f"tensor parallelism; expected {expected}"
+            )
+    return None
+
+
 def adapter_params(cfg: GPTConfig, lora: LoraConfig) -> int:
     """The trainable parameters LoRA adds: r x (in + out) per target per block (the formula the
     planner counts and a test checks against the built model)."""
@@ -120,6 +138,18 @@ def adapter_params(cfg: GPTConfig, lora: LoraConfig) -> int:
     rows = target_rows(cfg)
     per_block = sum(lora.rank * (in_features(cfg, rows[t][0]) + rows[t][2] - rows[t][1]) for t in lora.target_list)
     return cfg.n_layer * per_block
+
+
+def describe(lora: LoraConfig, cfg: GPTConfig, total: int) -> str:
+    """The console's words for what trains: '' for full training, else the adapters' share of
+    `total`, the model's parameters."""
+    if not lora.on:
+        return ""
+    n = adapter_params(cfg, lora)
+    return (
+        f", LoRA rank {lora.rank} on {len(lora.target_list)} projections: {n / 1e6:.2f}M trained "
+        f"({100 * n / max(total, 1):.2g}%)"
+    )
 
 
 class LoRALinear(nn.Module):
@@ -151,13 +181,6 @@ class LoRALinear(nn.Module):
         if at < y.shape[-1]:
             parts.append(y.new_zeros(*y.shape[:-1], y.shape[-1] - at))
         return y + (parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1))
-
-    def delta(self) -> torch.Tensor:
-        """The adapters' whole update to `weight`, (out, in): what merging adds."""
-        out = torch.zeros_like(self.weight)
-        for t, (lo, hi) in self.targets.items():
-            out[lo:hi] = self.scale * self.lora_b[t] @ self.lora_a[t]
-        return out
 
 
 def apply(model: GPT, lora: LoraConfig, seed: int) -> GPT:
@@ -197,12 +220,15 @@ def merge(state: dict[str, torch.Tensor], cfg: GPTConfig, lora: LoraConfig) -> d
     out = {k: v for k, v in state.items() if not is_adapter(k)}
     rows = target_rows(cfg)
     for i in range(cfg.n_layer):
-        for module in {rows[t][0] for t in lora.target_list}:
-            out[f"blocks.{i}.{module}.weight"] = out[f"blocks.{i}.{module}.weight"].clone()
+        merged: dict[str, torch.Tensor] = {}
         for t in lora.target_list:
             module, lo, hi = rows[t]
             key = f"blocks.{i}.{module}"
-            a, b = state[f"{key}.lora_a.{t}"].float(), state[f"{key}.lora_b.{t}"].float()
-            weight = out[f"{key}.weight"]
-            weight[lo:hi] += (lora.scale * b @ a).to(weight.dtype)
+            # In float64, rounded once to the weight's dtype: the merged weight is the nearest
+            # one to W + (alpha / rank) B A.
+            weight = merged.setdefault(key, out[f"{key}.weight"].double())
+            a, b = state[f"{key}.lora_a.{t}"].double(), state[f"{key}.lora_b.{t}"].double()
+            weight[lo:hi] += lora.scale * b @ a
+        for key, weight in merged.items():
+            out[f"{key}.weight"] = weight.to(state[f"{key}.weight"].dtype)
     return out

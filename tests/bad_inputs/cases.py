@@ -302,6 +302,22 @@ CONFIG_FILES = [
 
 OVERRIDES = [
     _train("set-no-equals", ["optim.lr"], "optim.lr"),
+    _train("lora-without-init-from", ["model.lora.rank=8"], "model.lora.rank > 0 without model.init_from"),
+    _train(
+        "lora-unknown-target",
+        ["model.lora.rank=8", "model.init_from=base", "model.lora.targets=q_proj,wq"],
+        "model.lora.targets = 'q_proj,wq'",
+    ),
+    _train(
+        "lora-with-pipeline",
+        ["model.lora.rank=8", "model.init_from=base", "parallel.pipeline_stages=2", "parallel.zero_stage=0"],
+        "parallel.pipeline_stages = 2 with model.lora",
+    ),
+    _train(
+        "lora-at-zero3",
+        ["model.lora.rank=8", "model.init_from=base", "parallel.zero_stage=3"],
+        "parallel.zero_stage = 3 with model.lora",
+    ),
     _train("set-empty-key", ["=3"], "--set"),
     _train("set-unknown-field", ["optim.lrr=0.1"], "optim.lrr"),
     _train("set-unknown-section", ["optimiser.lr=0.1"], "optimiser"),
@@ -1363,6 +1379,30 @@ TYPES = [
 ]
 
 DRY_RUN = [
+    Case(
+        "dry-run-lora-target-gpt2-lacks",
+        [
+            "train",
+            "--dry-run",
+            "--set",
+            "data.path={ds}",
+            "--set",
+            "model.init_from={hf}",
+            "--set",
+            "model.lora.rank=4",
+            "--set",
+            "model.lora.targets=q_proj,gate_proj",
+        ],
+        "['gate_proj'] match no module of the gpt architecture",
+        dataset=True,
+        model=True,
+    ),
+    Case(
+        "export-adapters-of-a-full-model",
+        ["export", "{hf}", "--output", "out", "--adapters"],
+        "--adapters: ",
+        model=True,
+    ),
     Case(
         "dry-run-init-truncated",
         ["train", "--dry-run", "--set", "data.path={ds}", "--set", "model.init_from={hf}"],

@@ -15,10 +15,9 @@ import pytest
 from kiln.launch.local import free_port
 
 sys.path.insert(0, str(Path(__file__).parent))
-from ray_nodes import BIN, start_head, stop_ray_cluster  # noqa: E402
+from ray_nodes import BIN, S3_ENV, start_head, stop_ray_cluster  # noqa: E402
 
 KILN = str(BIN / "kiln")
-S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
 
 
 def wait_for_port(port: int, timeout: float = 60) -> None:

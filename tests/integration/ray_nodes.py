@@ -14,6 +14,8 @@ import psutil
 from kiln.launch.local import free_port
 
 BIN = Path(sys.executable).parent
+# The loopback S3 server's credentials (moto accepts any), for the tests and the Ray nodes.
+S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
 
 
 def node_ports() -> dict[str, int]:

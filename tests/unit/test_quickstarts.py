@@ -8,11 +8,11 @@ What each run changes, and why:
   and took 98 s of the suite's time, which is why they are left to `make demo`);
 - the GPU quickstart runs its data step and `kiln plan` (the training line needs a GPU, and runs
   when a device is lent: bench/gpu_speed.sh);
-- the fine-tuning quickstart's `/models/my-llama` is a tiny random Llama (transformers'
-  `save_pretrained`, a 512-token context, a BPE tokenizer), `sft.jsonl` holds prompt/response
-  records, and its `kiln train` line is a `--dry-run` (every pre-launch check against that
-  checkpoint and data); its generate and export lines need a trained model, which
-  tests/integration/test_finetune_on_ray.py trains, exports and samples.
+- the fine-tuning quickstart's `/models/llama-3.2-1b-instruct` is a tiny random Llama
+  (transformers' `save_pretrained`, a 1024-token context, a BPE tokenizer with a chat template),
+  `chat.jsonl` holds conversations, and its `kiln train` line is a `--dry-run` (every pre-launch
+  check against that checkpoint and data); the recipe itself, trained, exported, asked with
+  `--chat` and served, runs in tests/integration/test_finetune_on_ray.py.
 """
 
 import json
@@ -88,15 +88,25 @@ def test_the_gpu_quickstarts_data_step_and_plan(clean_dir):
 
 
 def test_the_fine_tuning_quickstarts_data_and_pre_launch_checks(clean_dir, tiny_llama):
-    prepare, train, generate, export = _block("Fine-tuning quickstart: a Hugging Face checkpoint")
-    model = clean_dir / "models" / "my-llama"
+    heading = "Fine-tuning quickstart: a LoRA chat fine-tune of a Hugging Face checkpoint"
+    prepare, train, export, generate, serve = _block(heading)
+    model = clean_dir / "models" / "llama-3.2-1b-instruct"
     texts = [p.read_text() for p in sorted((STDLIB / "json").glob("*.py"))]
-    tiny_llama(model, texts, hidden_size=32, intermediate_size=64, max_position_embeddings=512)
-    with (clean_dir / "sft.jsonl").open("w") as f:
+    _, tok = tiny_llama(model, texts, hidden_size=32, intermediate_size=64, max_position_embeddings=1024)
+    end = tok.id_to_token(tok.eot_id)
+    template = (
+        "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + eos_token + '\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}"
+    )
+    (model / "tokenizer_config.json").write_text(json.dumps({"eos_token": end, "chat_template": template}))
+    with (clean_dir / "chat.jsonl").open("w") as f:
         for t in texts * 40:  # enough for a validation micro-batch on each of the recipe's 2 workers
-            f.write(json.dumps({"prompt": t[:200], "response": t[200:600]}) + "\n")
-    _run(prepare.replace("/models/my-llama", str(model)), clean_dir)
-    out = _run(train.replace("/models/my-llama", str(model)) + " --dry-run", clean_dir)
-    assert "my-llama (init_from)" in out.stdout and "Llama architecture" in out.stdout, out.stdout
-    assert generate.startswith("kiln generate --model models:/my-llama-sft/1")
-    assert export.startswith("kiln export runs/my-llama-sft")
+            messages = [{"role": "user", "content": t[:200]}, {"role": "assistant", "content": t[200:900]}]
+            f.write(json.dumps({"messages": messages}) + "\n")
+    here = str(model)
+    _run(prepare.replace("/models/llama-3.2-1b-instruct", here), clean_dir)
+    out = _run(train.replace("/models/llama-3.2-1b-instruct", here) + " --dry-run", clean_dir)
+    assert "llama-3.2-1b-instruct (init_from)" in out.stdout and "Llama architecture" in out.stdout, out.stdout
+    assert export.startswith("kiln export runs/llama3-lora-chat --output exports/llama3-lora-chat")
+    assert generate.startswith("kiln generate --model exports/llama3-lora-chat --chat")
+    assert serve.startswith("mlflow models serve -m models:/llama3-lora-chat/1")

@@ -68,7 +68,6 @@ def model_card(cfg: RunConfig, mcfg: GPTConfig) -> dict:
             "gpt": asdict(mcfg),
             **layout_card(cfg),
             "data": {"path": d.path, "s3_endpoint": d.s3_endpoint, "s3_region": d.s3_region},
-            **lora_card(cfg),
         }
     )
 
@@ -95,6 +94,7 @@ def layout_card(cfg: RunConfig) -> dict:
         "precision": precision_record(cfg),
         "batch": batch_card(cfg),
         "optimizer": cfg.optim.name,
+        **lora_card(cfg),
     }
 
 
@@ -301,6 +301,7 @@ def resolve_resume(path: str, world_size: int, card: dict | None = None, allow_b
     card = card or {}
     had = _read_marker(os.path.join(directory, CARD)) or {}
     _check_engine(directory, had, card)
+    _check_lora(directory, had, card)
     if card.get("precision") is not None:
         _check_precision(directory, had.get("precision"), card["precision"])
     if had.get("optimizer") and card.get("optimizer") and had["optimizer"] != card["optimizer"]:
@@ -355,6 +356,23 @@ def _check_engine(directory: str, had: dict, card: dict) -> None:
         f"parallel.engine = {engine_of(had)!r}, or start from its weights with model.init_from after "
         "kiln export"
     )
+
+
+def _check_lora(directory: str, had: dict, card: dict) -> None:
+    """Refuse a resume between LoRA and full training, or onto other adapters: a LoRA
+    checkpoint holds its adapters alone, a full one no adapters."""
+    if not card.get("parallel") or had.get("lora") == card.get("lora"):
+        return
+    raise ConfigError(
+        f"train.resume_from = {directory!r} was written with model.lora = {_adapters(had)}; this run has "
+        f"{_adapters(card)}, and a checkpoint holds the weights its run trained: keep model.lora as it was, "
+        "or start from its weights with model.init_from after kiln export"
+    )
+
+
+def _adapters(card: dict) -> str:
+    lora = card.get("lora")
+    return f"rank {lora['rank']} on {lora['targets']}" if lora else "off (every weight trained)"
 
 
 def _read_marker(path: str) -> dict | None:

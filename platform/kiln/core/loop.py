@@ -41,6 +41,7 @@ from kiln.data.indices import DROPPED, SKIPPED, TRAINED, IndexLog
 from kiln.data.sources import BatchSource
 from kiln.errors import KilnError
 from kiln.guard import discard
+from kiln.lora import describe
 from kiln.model import GPTConfig, inputs_and_targets
 from kiln.model_size import num_params
 from kiln.topology import ParallelDims
@@ -322,9 +323,10 @@ def _reads_metrics(step: int, cfg: RunConfig, meter: StepMeter, policy: Checkpoi
 
 def _log_start(cfg: RunConfig, mcfg: GPTConfig, dims: ParallelDims, tokens_per_step: int) -> None:
     console.info(
-        "training %s (%.2fM params) for %d steps, %d tokens/step on %d worker(s)%s",
+        "training %s (%.2fM params%s) for %d steps, %d tokens/step on %d worker(s)%s",
         cfg.model.display_name,
         num_params(mcfg, non_embedding=False) / 1e6,
+        describe(cfg.model.lora, mcfg, num_params(mcfg, non_embedding=False)),
         cfg.train.max_steps,
         tokens_per_step,
         dims.world_size,

@@ -77,7 +77,8 @@ class Checked:
                 "model",
                 f"{c.model.display_name}: {mcfg.n_layer} layers x d_model {mcfg.d_model}, "
                 f"{num_params(mcfg, non_embedding=False) / 1e6:.2f}M params, vocab {mcfg.vocab_size}, "
-                f"{'GPT-2' if mcfg.arch == 'gpt' else 'Llama'} architecture",
+                f"{'GPT-2' if mcfg.arch == 'gpt' else 'Llama'} architecture"
+                + lora.describe(c.model.lora, mcfg, num_params(mcfg, non_embedding=False)),
             ),
             (
                 "parallel",

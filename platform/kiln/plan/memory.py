@@ -57,7 +57,7 @@ from dataclasses import dataclass
 
 from kiln.config import RunConfig, bf16_autocast
 from kiln.core.optim import OPTIMIZERS
-from kiln.lora import adapter_params
+from kiln.lora import adapter_params, layout_problem
 from kiln.model import GPTConfig
 from kiln.model_size import block_params, largest_layer_params, num_params, split_params
 from kiln.topology import ParallelDims, deepspeed_refusal
@@ -285,10 +285,9 @@ def options(base: PlanInput) -> list[Option]:
     out = []
     offloads = (("none", "none"), ("cpu", "none"), ("cpu", "cpu"))
     for stage, ckpt, (opt_off, par_off) in itertools.product((0, 1, 2, 3), (False, True), offloads):
-        if (
-            deepspeed_refusal(stage, opt_off, par_off, base.pipeline_stages, base.tensor_parallel, engine=base.engine)
-            is None
-        ):
+        if deepspeed_refusal(
+            stage, opt_off, par_off, base.pipeline_stages, base.tensor_parallel, engine=base.engine
+        ) is None and not _lora_refuses(base, stage, base.tensor_parallel):
             p = dataclasses.replace(
                 base, zero_stage=stage, activation_checkpointing=ckpt, offload_optimizer=opt_off, offload_params=par_off
             )
@@ -296,6 +295,11 @@ def options(base: PlanInput) -> list[Option]:
     # Equal cost (ZeRO 0-2 move the same bytes as plain data parallelism): least memory first,
     # since headroom buys a larger micro-batch.
     return sorted(out, key=lambda o: (o.cost, o.estimate.total))
+
+
+def _lora_refuses(base: PlanInput, stage: int, tensor_parallel: int) -> bool:
+    """A LoRA run's options keep to the layouts LoRA trains in (`kiln.lora.layout_problem`)."""
+    return bool(base.adapters) and layout_problem(base.engine, stage, base.pipeline_stages, tensor_parallel) is not None
 
 
 def first_fit(base: PlanInput) -> Option | None:
@@ -321,6 +325,7 @@ def tensor_parallel_sizes(base: PlanInput, per_node: int) -> list[int]:
             dims.problem() is None
             and dims.model_problem(m.n_head, m.kv_heads, m.hidden) is None
             and deepspeed_refusal(0, "none", "none", base.pipeline_stages, t) is None
+            and not _lora_refuses(base, 0, t)
         ):
             out.append(t)
         t *= 2

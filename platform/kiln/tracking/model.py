@@ -34,7 +34,15 @@ log = logging.getLogger(__name__)
 EXPORT = "model"  # the artifact key (and folder) of the Hugging Face export inside the MLflow model
 PROGRESS_BAR = "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"
 MODEL_METRICS = "model"  # the namespace of the logged model's own copies of the run's final metrics
-PARAMS = {"max_new_tokens": 64, "temperature": 0.8, "top_k": 0, "top_p": 1.0, "repetition_penalty": 1.0, "seed": 0}
+PARAMS = {
+    "max_new_tokens": 64,
+    "temperature": 0.8,
+    "top_k": 0,
+    "top_p": 1.0,
+    "repetition_penalty": 1.0,
+    "seed": 0,
+    "chat": False,  # each prompt a user turn in the model's chat template, as `kiln generate --chat`
+}
 
 
 class KilnTextModel(mlflow.pyfunc.PythonModel):
@@ -49,13 +57,21 @@ class KilnTextModel(mlflow.pyfunc.PythonModel):
 
 
 def _predict(self, context, model_input, params=None) -> list[str]:
+    from kiln.infer.commands import chat_encoder
     from kiln.infer.generate import generate
 
-    prompts = list(model_input.iloc[:, 0]) if hasattr(model_input, "iloc") else list(model_input)
-    s = Sampling(**(PARAMS | (params or {})))
+    prompts = [str(p) for p in (model_input.iloc[:, 0] if hasattr(model_input, "iloc") else model_input)]
+    params = PARAMS | (params or {})
+    chat = bool(params.pop("chat"))
+    s = Sampling(**params)
     tok = self.loaded.tokenizer
-    ids = [list(map(int, row)) for row in tok.encode_batch([str(p) for p in prompts])]
-    out = generate(self.model, ids, s, tok.eot_id, self.loaded.vocab_size)
+    stops: tuple[int, ...] = ()
+    if chat:
+        encode, stops = chat_encoder(tok)
+        ids = [encode(p) for p in prompts]
+    else:
+        ids = [list(map(int, row)) for row in tok.encode_batch(prompts)]
+    out = generate(self.model, ids, s, tok.eot_id, self.loaded.vocab_size, stop_ids=stops)
     return [tok.decode(t) for t in out.tokens]
 
 
@@ -72,7 +88,7 @@ def signature():
     from mlflow.models import ModelSignature
     from mlflow.types import ColSpec, DataType, ParamSchema, ParamSpec, Schema
 
-    kinds = {int: DataType.long, float: DataType.double}
+    kinds = {int: DataType.long, float: DataType.double, bool: DataType.boolean}
     params = ParamSchema([ParamSpec(name, kinds[type(v)], v) for name, v in PARAMS.items()])
     return ModelSignature(Schema([ColSpec(DataType.string)]), Schema([ColSpec(DataType.string)]), params)
 

@@ -216,3 +216,27 @@ def test_resume_across_engines_is_refused_naming_both(tmp_path):
     assert checkpoint.resolve_resume(str(d), 1, card("parallel.engine=fsdp2", "train.precision=bf16")).step == 10
     with pytest.raises(ConfigError, match="set parallel.engine = 'fsdp2'"):
         checkpoint.resolve_resume(str(d), 1, ours)
+
+
+def test_resume_between_lora_and_full_training_is_refused_naming_both(tmp_path):
+    """A LoRA checkpoint holds its adapters alone and a full one no adapters: a resume from one
+    into the other, or onto other adapters, is one line naming both; the same adapters resume."""
+    from kiln.config import load_config
+
+    def card(*sets: str) -> dict:
+        return checkpoint.layout_card(load_config(None, ["model.init_from=/base", *sets]))
+
+    lora, full = card("model.lora.rank=8"), card()
+    d = _fake(tmp_path, 10, world=1)
+    (d / checkpoint.CARD).write_text(json.dumps(lora))
+    assert checkpoint.resolve_resume(str(d), 1, lora).step == 10
+    with pytest.raises(ConfigError) as e:
+        checkpoint.resolve_resume(str(d), 1, full)
+    assert "model.lora = rank 8 on q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj; this run has off" in str(
+        e.value
+    )
+    with pytest.raises(ConfigError, match="this run has rank 4 on q_proj"):
+        checkpoint.resolve_resume(str(d), 1, card("model.lora.rank=4", "model.lora.targets=q_proj"))
+    (d / checkpoint.CARD).write_text(json.dumps(full))
+    with pytest.raises(ConfigError, match="model.lora = off .every weight trained.; this run has rank 8"):
+        checkpoint.resolve_resume(str(d), 1, lora)

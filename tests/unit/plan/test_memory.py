@@ -160,3 +160,23 @@ def test_kiln_plan_tells_an_elastic_run_how_often_to_checkpoint():
         )
     )
     assert "now every 50 steps and every 5 min" in some
+
+
+def test_lora_counts_gradients_and_optimizer_state_for_the_adapters_alone():
+    """With LoRA the base is weights only: gradients, fp32 master copies and the optimizer's
+    moments are the adapters' (kiln.lora.adapter_params), and the options keep to ZeRO 0-2
+    without tensor parallelism, where LoRA trains."""
+    from kiln.lora import LoraConfig, adapter_params
+
+    m = config_for("llama-1b", vocab_size=32000, seq_len=2048)
+    n = adapter_params(m, LoraConfig(rank=16))
+    full = PlanInput(m, world_size=2, zero_stage=2, precision="bf16", use_gpu=True)
+    lora = dataclasses.replace(full, adapters=n)
+    e, f = estimate(lora), estimate(full)
+    psi = num_params(m, non_embedding=False)
+    assert e.params == 2 * (psi + n)  # bf16 weights, the adapters' too
+    assert e.grads == 2 * n // 2 and e.optimizer_states == 4 * 2 * n // 2 and e.master == 2 * 4 * n // 2
+    assert e.model_states < 0.2 * f.model_states
+    assert {o.plan.zero_stage for o in options(lora)} == {0, 1, 2}
+    assert {o.plan.tensor_parallel for o in options(lora)} == {1}
+    assert "tensor_parallel=2" not in format_table(dataclasses.replace(lora, world_size=8))
