@@ -110,7 +110,7 @@ def load_model(spec: str) -> LoadedModel:
 def with_base(loaded: LoadedModel, card: dict) -> LoadedModel:
     """A LoRA checkpoint's adapters merged into the base weights its card names: the model that
     computes what the adapted one did. The adapters stay on `adapters` for a PEFT export."""
-    from kiln.lora import merge
+    from kiln.lora import is_adapter, merge
 
     lora = LoraConfig(**card["lora"])
     data = card["data"]
@@ -124,7 +124,7 @@ def with_base(loaded: LoadedModel, card: dict) -> LoadedModel:
             f"{loaded.source}: a LoRA checkpoint holds only its adapters, and the base model it adapts, "
             f"{base_dir!r}, cannot be read: {e}"
         ) from None
-    adapters = {k: v for k, v in loaded.state.items() if ".lora_" in k}
+    adapters = {k: v for k, v in loaded.state.items() if is_adapter(k)}
     merged = merge(base | adapters, loaded.cfg, lora)
     if loaded.cfg.tie_embeddings:
         merged["lm_head.weight"] = merged["wte.weight"]

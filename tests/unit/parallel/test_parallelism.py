@@ -414,6 +414,7 @@ def test_a_lora_checkpoint_exports_merged_and_as_peft_adapters(runs, tmp):
     transformers = pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")
     from kiln import lora as kiln_lora
+    from kiln.errors import ConfigError
     from kiln.infer.commands import export
     from kiln.infer.load import load_model
 
@@ -443,3 +444,10 @@ def test_a_lora_checkpoint_exports_merged_and_as_peft_adapters(runs, tmp):
     with torch.no_grad():
         assert (theirs(x).logits - ours(x)[..., :V]).abs().max().item() <= 1e-5
         assert (flat(x).logits - ours(x)[..., :V]).abs().max().item() <= 1e-5
+    moved = base_dir.with_name("moved")
+    base_dir.rename(moved)  # the base the card names is gone: one line saying so
+    try:
+        with pytest.raises(ConfigError, match="holds only its adapters, and the base model it adapts"):
+            load_model(str(ckpt))
+    finally:
+        moved.rename(base_dir)
