@@ -216,7 +216,9 @@ def test_pbt_exploits_by_forking_another_trials_checkpoint(byte_dataset, tmp_pat
         },
         "space": {"optim.lr": {"grid": lrs}},
         "search": "grid",
-        "scheduler": {"name": "pbt"},
+        # Synchronous: every decision sees all four trials, so the worst copies the best whatever
+        # the order they reach step 6 in (asynchronous, a slow machine once made none).
+        "scheduler": {"name": "pbt", "synch": True},
         "max_concurrent_trials": 4,
         "resources_per_trial": {"num_workers": 1, "cpus_per_worker": 0.5},
         "storage_path": str(tmp_path / "sweeps"),

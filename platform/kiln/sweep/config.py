@@ -69,6 +69,10 @@ class SchedulerConfig:
     train.checkpoint_every (a decision needs a checkpoint to fork from, so a multiple of it)."""
     quantile_fraction: float = 0.25
     """pbt: the bottom fraction of trials that copy one of the top fraction (Tune's default)."""
+    synch: bool = False
+    """pbt: decide only when every trial has reached the same step (Tune's synchronous PBT,
+    Jaderberg et al.'s appendix A.1): slower, as trials wait for the last one, but each decision
+    sees the whole population, so the bottom trials always copy the top ones."""
     resample_probability: float = 0.25
     """pbt: chance that a mutated field is drawn afresh from its space entry rather than moved
     (x0.8 or x1.2, or the neighbouring choice); either way it stays within the entry's bounds."""

@@ -100,6 +100,7 @@ def scheduler(cfg: SweepConfig, checkpoint_every: int):
         perturbation_interval=s.perturbation_interval or checkpoint_every,
         hyperparam_mutations=mutations,
         quantile_fraction=s.quantile_fraction,
+        synch=s.synch,
         resample_probability=s.resample_probability,
         custom_explore_fn=Bounds(cfg.space),
     )
