@@ -322,11 +322,12 @@ def _reads_metrics(step: int, cfg: RunConfig, meter: StepMeter, policy: Checkpoi
 
 
 def _log_start(cfg: RunConfig, mcfg: GPTConfig, dims: ParallelDims, tokens_per_step: int) -> None:
+    total = num_params(mcfg, non_embedding=False)
     console.info(
         "training %s (%.2fM params%s) for %d steps, %d tokens/step on %d worker(s)%s",
         cfg.model.display_name,
-        num_params(mcfg, non_embedding=False) / 1e6,
-        describe(cfg.model.lora, mcfg, num_params(mcfg, non_embedding=False)),
+        total / 1e6,
+        describe(cfg.model.lora, mcfg, total),
         cfg.train.max_steps,
         tokens_per_step,
         dims.world_size,

@@ -62,6 +62,7 @@ class Checked:
         """The resolved plan, as `kiln train --dry-run` prints it."""
         c, m = self.cfg, self.manifest
         mcfg, p, t = self.model, c.parallel, c.train
+        total = num_params(mcfg, non_embedding=False)
         rows = [
             ("run", f"{c.logging.run_name} (experiment {c.logging.experiment!r})"),
             *[
@@ -76,9 +77,8 @@ class Checked:
             (
                 "model",
                 f"{c.model.display_name}: {mcfg.n_layer} layers x d_model {mcfg.d_model}, "
-                f"{num_params(mcfg, non_embedding=False) / 1e6:.2f}M params, vocab {mcfg.vocab_size}, "
-                f"{'GPT-2' if mcfg.arch == 'gpt' else 'Llama'} architecture"
-                + lora.describe(c.model.lora, mcfg, num_params(mcfg, non_embedding=False)),
+                f"{total / 1e6:.2f}M params, vocab {mcfg.vocab_size}, "
+                f"{'GPT-2' if mcfg.arch == 'gpt' else 'Llama'} architecture" + lora.describe(c.model.lora, mcfg, total),
             ),
             (
                 "parallel",
