@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -15,20 +13,9 @@ import pytest
 from kiln.launch.local import free_port
 
 sys.path.insert(0, str(Path(__file__).parent))
-from ray_nodes import BIN, S3_ENV, start_head, stop_ray_cluster  # noqa: E402
+from ray_nodes import BIN, S3_ENV, start_head, stop_ray_cluster, wait_for_port  # noqa: E402
 
 KILN = str(BIN / "kiln")
-
-
-def wait_for_port(port: int, timeout: float = 60) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1):
-                return
-        except OSError:
-            time.sleep(0.3)
-    raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {timeout}s")
 
 
 @pytest.fixture(scope="session")

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import re
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -16,6 +18,18 @@ from kiln.launch.local import free_port
 BIN = Path(sys.executable).parent
 # The loopback S3 server's credentials (moto accepts any), for the tests and the Ray nodes.
 S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+def wait_for_port(port: int, timeout: float = 60) -> None:
+    """Until something listens on 127.0.0.1:`port`."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return
+        except OSError:
+            time.sleep(0.3)
+    raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {timeout}s")
 
 
 def node_ports() -> dict[str, int]:

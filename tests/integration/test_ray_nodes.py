@@ -17,8 +17,7 @@ from mlflow.tracking import MlflowClient
 from kiln.launch.local import free_port
 
 sys.path.insert(0, str(Path(__file__).parent))
-from conftest import wait_for_port  # noqa: E402
-from ray_nodes import BIN, ray_cluster_processes, start_head, stop_ray_cluster  # noqa: E402
+from ray_nodes import BIN, ray_cluster_processes, start_head, stop_ray_cluster, wait_for_port  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 

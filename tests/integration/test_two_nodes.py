@@ -38,9 +38,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from ray_nodes import BIN, node_ports  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
-STEPS = (
-    360  # ~0.2 s a step: time to grow, checkpoint at two workers and shrink; 2 epochs of 164 steps and a third begun
-)
+STEPS = 200  # ~0.2 s a step: time to grow, checkpoint at two workers and shrink (by step ~60); an epoch of 164 steps and a second begun
 LABEL = "kiln_node_b"  # the second node's custom resource: how the test tells the nodes apart
 PREFIX = "cluster-runs/spread/"  # the run's directory in the bucket (train.storage_path/run name)
 
@@ -191,7 +189,7 @@ def _check_each_row_once_an_epoch(indices: Path, endpoint: str) -> None:
     for step in sorted(steps):
         for epoch, sample in steps[step]:
             epochs.setdefault(epoch, []).append(sample)
-    assert len(epochs) >= 3, {e: len(ids) for e, ids in epochs.items()}  # the run went round the data
+    assert len(epochs) >= 2, {e: len(ids) for e, ids in epochs.items()}  # the run went round the data
     for epoch, ids in epochs.items():
         assert len(set(ids)) == len(ids) and set(ids) <= rows, f"epoch {epoch} read a row twice, or not a train row"
         if epoch < max(epochs):  # complete

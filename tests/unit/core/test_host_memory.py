@@ -3,6 +3,7 @@ being handed back to the OS and faulted in again (a real glibc malloc and a real
 counted in the kernel's page faults)."""
 
 import json
+import statistics
 import subprocess
 import sys
 
@@ -12,7 +13,7 @@ from kiln.config import load_config
 from kiln.errors import ConfigError
 
 # Ten training steps of the debug GPT (forward, backward, AdamW; micro-batch 16 x 128 tokens),
-# after three warm-up steps. Minor page faults are the kernel's count (getrusage): each is a page
+# after three warm-up steps, each step counted alone. Minor page faults are the kernel's count (getrusage): each is a page
 # the process had handed back and touched again.
 SCRIPT = r"""
 import json, resource, sys
@@ -34,24 +35,28 @@ def step():
 
 for _ in range(3):
     step()
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+faults = []
 for _ in range(10):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     step()
-print(json.dumps({"faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before}))
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(json.dumps({"faults": faults}))
 """
 
 
 def _faults(mode: str) -> int:
+    """The median step's page faults: a one-off growth (an arena, a thread's first buffer, measured
+    once at 12k pages in CI) lands on one step and does not move the median."""
     proc = subprocess.run([sys.executable, "-c", SCRIPT, mode], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])["faults"]
+    return int(statistics.median(json.loads(proc.stdout.strip().splitlines()[-1])["faults"]))
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
 def test_keep_reuses_freed_memory_where_glibcs_defaults_fault_it_in_again_every_step():
     default, keep = _faults("default"), _faults("keep")
-    assert default > 10 * 1000, default  # glibc's defaults: thousands of pages a step, back and again
-    assert keep * 5 < default, (keep, default)  # keep: the step's pages are reused (measured 0-4k vs 41-99k)
+    assert default > 1000, default  # glibc's defaults: thousands of pages a step, back and again
+    assert keep * 5 < default, (keep, default)  # keep: the step's pages are reused (measured 0 vs 12k a step)
 
 
 def test_keep_is_logged_and_a_bad_mode_is_one_config_error(caplog):
