@@ -128,6 +128,12 @@ def _check_across(cfg: RunConfig) -> None:
             f"train.grad_accum_steps = {t.grad_accum_steps} with pipeline parallelism: a pipeline "
             "accumulates over parallel.micro_batches; expected train.grad_accum_steps = 1"
         )
+    if cfg.data.document_mask == "true" and p.pipeline_stages > 1:
+        raise ConfigError(
+            f"data.document_mask = true with parallel.pipeline_stages = {p.pipeline_stages}: a pipeline's "
+            "stages hand each other activations only, not the rows' documents; expected "
+            "parallel.pipeline_stages = 1, or data.document_mask = false"
+        )
     if t.mixed_precision == "autocast" and (t.precision != "bf16" or p.pipeline_stages > 1):  # explicit only
         raise ConfigError(
             f"train.mixed_precision = 'autocast' with train.precision = {t.precision!r} and "

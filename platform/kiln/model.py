@@ -7,10 +7,10 @@
 
 Both share one set of module names (wte, blocks.i.{ln_1, attn, ln_2, mlp}, ln_f, lm_head), so
 that ZeRO, pipeline stages, activation checkpointing, the memory planner and MFU treat them
-alike. This file imports only torch and reads top to bottom: config and flavours, norms and
-rotary positions, attention with its KV cache, MLPs, block, the model, and the parameter and
-FLOPs counts used for MFU. Parallelism (DeepSpeed ZeRO, pipeline stages) is applied from
-outside; nothing here knows about Ray, DeepSpeed or MLflow.
+alike. This file imports only torch (and generation's KV cache, `kiln.kv_cache`) and reads top
+to bottom: config and flavours, norms and rotary positions, attention, MLPs, block, the packed
+rows' inputs, targets and document masks, and the model. Parallelism (DeepSpeed ZeRO, pipeline
+stages) is applied from outside; nothing here knows about Ray, DeepSpeed or MLflow.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint as recompute  # activation checkpointing
+
+from kiln.kv_cache import KVCache  # generation's cache of keys and values (also imported from here)
 
 
 @dataclass(frozen=True)
@@ -167,70 +169,6 @@ def config_for(flavour: str, **overrides: Any) -> GPTConfig:
     return replace(GPTConfig(**FLAVOURS[flavour]), **overrides)
 
 
-class KVCache:
-    """Keys and values of every token decoded so far, one pair per block, so that each new token
-    attends to them without recomputing them (generation only; training never passes one).
-
-    Rows may be left-padded: `valid` (B, S) marks the real tokens among the S cached ones, and a
-    query attends to valid keys at or before its own position. Each token also always sees itself,
-    so a padding row's softmax is never empty (its output is unused). Without padding, no mask is
-    built: a new token sees every cached key, and a first batch is plainly causal."""
-
-    def __init__(self, n_layer: int, capacity: int = 0):
-        """`capacity`: the tokens a row will hold at most (prompt + new tokens), allocated at the
-        first token, so that decoding writes each key in place instead of copying the whole cache
-        every step; 0, or too few, grows by doubling."""
-        self.k: list[torch.Tensor | None] = [None] * n_layer  # (B, KV heads, allocated, head_dim)
-        self.v: list[torch.Tensor | None] = [None] * n_layer
-        self.capacity = capacity
-        self.length = 0  # tokens cached so far, S
-        self.valid: torch.Tensor | None = None  # (B, S) bool, once any row has had padding
-
-    def extend(
-        self, T: int, valid: torch.Tensor | None, device: torch.device
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Register T new tokens per row (`valid`: (B, T) bool, False for left padding; None: all
-        real); return their positions ((B, T), or (T,) when every row has the same) and the
-        attention mask (B, 1, T, S) for this forward, or None: see `CausalSelfAttention`."""
-        start, S = self.length, self.length + T
-        self.length = S
-        if self.valid is None and (valid is None or bool(valid.all())):
-            positions = torch.arange(start, S, device=device)
-            if T == 1 or start == 0:
-                return positions, None
-            return positions, (positions[:, None] >= torch.arange(S, device=positions.device))[None, None]
-        if valid is None:
-            assert self.valid is not None  # else the branch above returned
-            valid = torch.ones(self.valid.shape[0], T, dtype=torch.bool, device=device)
-        past = (
-            self.valid if self.valid is not None else torch.ones(valid.shape[0], start, dtype=torch.bool, device=device)
-        )
-        self.valid = torch.cat([past, valid], dim=1)
-        counted = self.valid.long().cumsum(1) - 1  # a token's position counts only real tokens
-        positions = counted[:, start:].clamp(min=0)
-        q = torch.arange(start, S, device=device)[:, None]
-        k = torch.arange(S, device=device)[None, :]
-        mask = (k <= q)[None] & self.valid[:, None, :]  # causal, and only real keys
-        mask = mask | (k == q)[None]  # a token always sees itself
-        return positions, mask[:, None]
-
-    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write this forward's T keys and values (B, KV heads, T, head_dim) after the cached ones
-        (`extend` has counted them already); return all S so far, as views of the buffers."""
-        end = self.length
-        start = end - k.shape[2]
-        held_k, held_v = self.k[layer], self.v[layer]
-        if held_k is None or held_v is None or held_k.shape[2] < end:
-            size = max(self.capacity, end, 2 * (held_k.shape[2] if held_k is not None else 0))
-            grown_k, grown_v = (t.new_empty(*t.shape[:2], size, t.shape[3]) for t in (k, v))
-            if held_k is not None and held_v is not None:
-                grown_k[:, :, :start], grown_v[:, :, :start] = held_k[:, :, :start], held_v[:, :, :start]
-            self.k[layer], self.v[layer] = held_k, held_v = grown_k, grown_v
-        held_k[:, :, start:end] = k
-        held_v[:, :, start:end] = v
-        return held_k[:, :, :end], held_v[:, :, :end]
-
-
 def norm(cfg: GPTConfig) -> nn.Module:
     """LayerNorm for gpt; RMSNorm for llama (no mean, no bias: cheaper, and as good)."""
     if cfg.arch == "llama":
@@ -309,7 +247,8 @@ class CausalSelfAttention(nn.Module):
             k, v = cache.append(self.layer, k, v)
         # SDPA picks flash / memory-efficient kernels where available. No mask is causal, or with
         # one query (a decode step) every cached key; a KVCache gives one where rows are padded
-        # or the queries are the last T of S > T positions.
+        # or the queries are the last T of S > T positions, and packed documents give their
+        # block-diagonal causal one (`document_attention`).
         y = F.scaled_dot_product_attention(
             q,
             k,
@@ -379,17 +318,43 @@ def embed(
 
 
 IGNORE = -100  # a target that is not scored (F.cross_entropy's ignore_index)
+DOC_START = 1 << 32  # added to a row's token where a document begins (in memory: the data source marks it)
 
 
-def inputs_and_targets(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A batch of packed rows (B, T + 1) as the model's inputs (B, T) and targets (B, T).
+def inputs_and_targets(
+    rows: torch.Tensor, documents: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A batch of packed rows (B, T + 1) as the model's inputs (B, T), targets (B, T) and, with
+    `documents`, each input's document within its row (B, T), else None.
 
     Instruction data stores a context token (a prompt's) as -(id + 1): the model reads it, but
     is not scored on predicting it, so the loss counts only response tokens. Pretraining rows
-    hold no negative ids, and every target counts."""
+    hold no negative ids, and every target counts. A token that begins a document carries
+    DOC_START on top (whatever its sign: the ids are below 2**31, so a marked one is above).
+    With `documents`, the target at the token before a document's first (the previous
+    document's last) is not scored: a document's first token is never predicted from another,
+    as when each document is trained alone."""
+    marked = rows >= DOC_START // 2
+    rows = rows - marked.long() * DOC_START
     ids = torch.where(rows < 0, -rows - 1, rows)
     targets = torch.where(rows[:, 1:] < 0, IGNORE, rows[:, 1:])
-    return ids[:, :-1], targets
+    if not documents:
+        return ids[:, :-1], targets, None
+    doc = marked.long().cumsum(1)  # the row's first (partial) document is 0
+    targets = torch.where(doc[:, 1:] != doc[:, :-1], IGNORE, targets)
+    return ids[:, :-1], targets, doc[:, :-1]
+
+
+def document_attention(documents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each row's document ids (B, T): every token's position within its document (B, T),
+    and the block-diagonal causal mask (B, 1, T, T) that lets a token attend to the earlier
+    tokens of its own document only (SDPA's boolean attn_mask: True attends)."""
+    T = documents.shape[1]
+    at = torch.arange(T, device=documents.device)
+    first = torch.where(documents[:, 1:] != documents[:, :-1], at[1:], 0)  # where each document begins
+    first = torch.cat([torch.zeros_like(documents[:, :1]), first], dim=1).cummax(1).values
+    same = documents[:, :, None] == documents[:, None, :]
+    return at - first, (same & (at[:, None] >= at[None, :]))[:, None]
 
 
 def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -457,19 +422,25 @@ class GPT(nn.Module):
         return cos[:, None], sin[:, None]
 
     def forward(
-        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None, documents: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Logits for `idx` (B, T); with `targets`, also the mean next-token cross-entropy."""
+        """Logits for `idx` (B, T); with `targets`, also the mean next-token cross-entropy. With
+        `documents` (B, T: each token's document in its row, `inputs_and_targets`), a token
+        attends only within its document, whose positions count from 0 (packed documents do
+        not see each other); without, the whole row is one causal sequence."""
         T = idx.shape[1]
         if self.cfg.seq_len < T:
             raise ValueError(f"sequence of length {T} exceeds the model's seq_len {self.cfg.seq_len}")
-        x = embed(self.wte, self.wpe, self.drop, idx)
-        rope = self._rope(torch.arange(T, device=idx.device))
+        positions, mask = torch.arange(T, device=idx.device), None
+        if documents is not None:
+            positions, mask = document_attention(documents)
+        x = embed(self.wte, self.wpe, self.drop, idx, positions if mask is not None else None)
+        rope = self._rope(positions)
         for block in self.blocks:
             if self.cfg.activation_checkpointing and self.training:
-                x = recompute(block, x, rope, use_reentrant=False)
+                x = recompute(block, x, rope, None, mask, use_reentrant=False)
             else:
-                x = block(x, rope)
+                x = block(x, rope, None, mask)
         logits = self.lm_head(self.ln_f(x))
         if targets is None:
             return logits

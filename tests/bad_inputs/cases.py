@@ -318,6 +318,12 @@ OVERRIDES = [
         ["model.lora.rank=8", "model.init_from=base", "parallel.zero_stage=3"],
         "parallel.zero_stage = 3 with model.lora",
     ),
+    _train("document-mask-word", ["data.document_mask=sometimes"], "data.document_mask = 'sometimes' is not allowed"),
+    _train(
+        "document-mask-with-pipeline",
+        ["data.document_mask=true", "parallel.pipeline_stages=2", "parallel.zero_stage=0"],
+        "data.document_mask = true with parallel.pipeline_stages = 2",
+    ),
     _train("set-empty-key", ["=3"], "--set"),
     _train("set-unknown-field", ["optim.lrr=0.1"], "optim.lrr"),
     _train("set-unknown-section", ["optimiser.lr=0.1"], "optimiser"),

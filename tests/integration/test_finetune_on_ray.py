@@ -404,8 +404,8 @@ def _llama3_chat_checkpoint(d: Path, corpus) -> tuple:
 
 def test_the_llama3_lora_chat_recipe_end_to_end(ray_cluster, corpus, tmp_path, monkeypatch):
     """README's fine-tuning quickstart, for real: chat records prepared in the checkpoint's own
-    template, jobs/configs/llama3-lora-chat.yaml's LoRA adapters trained on Ray at ZeRO-2 (the
-    validation loss falls), the model merged, logged and registered, exported with its chat
+    template, jobs/configs/llama3-lora-chat.yaml's LoRA adapters trained on Ray at ZeRO-2, each
+    conversation attending within itself (the validation loss falls), the model merged, logged and registered, exported with its chat
     template, and `kiln generate --chat` replying as transformers does to the same template, as
     does the registered MLflow model asked with `chat`."""
     from mlflow.tracking import MlflowClient
@@ -449,6 +449,8 @@ def test_the_llama3_lora_chat_recipe_end_to_end(ray_cluster, corpus, tmp_path, m
     val = sorted(client.get_metric_history(summary.run_id, "loss/val"), key=lambda m: m.step)
     assert len(val) == 2 and val[-1].value < val[0].value, [(m.step, m.value) for m in val]
     assert summary.model == "models:/llama3-lora-chat/1"
+    # chat data: each conversation attended to alone (data.document_mask = auto), on both workers
+    assert client.get_run(summary.run_id).data.params["data.document_mask"] == "true"
 
     out = tmp_path / "llama3-lora-chat-export"
     loaded, _ = export(summary.checkpoint, str(out))

@@ -23,8 +23,11 @@ class Engine(Protocol):
     """Whether a step runs as one pipeline schedule (`train_batch`) rather than micro-batch by
     micro-batch (`forward`, `backward`, `step`)."""
 
-    def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """One micro-batch's mean loss, on the device, with the graph for `backward`."""
+    def forward(
+        self, inputs: torch.Tensor, targets: torch.Tensor, documents: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """One micro-batch's mean loss, on the device, with the graph for `backward`; with
+        `documents`, attention within them (`kiln.model.GPT.forward`)."""
 
     def backward(self, loss: torch.Tensor) -> None:
         """Gradients of `loss`, accumulated until the step's last micro-batch."""
@@ -36,7 +39,9 @@ class Engine(Protocol):
     def train_batch(self, pairs: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """A pipeline's whole step over its micro-batches; their mean loss."""
 
-    def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def eval_loss(
+        self, inputs: torch.Tensor, targets: torch.Tensor, documents: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """One validation batch's mean loss (every pipeline stage takes part), no gradients."""
 
     def set_training(self, on: bool) -> None:

@@ -36,13 +36,13 @@ from kiln.core.profiling import StepProfiler
 from kiln.core.remote_checkpoint import copy_to
 from kiln.core.resize import Regroup, sized_for, with_micro_batches
 from kiln.core.sinks import Fetch, MetricLogger, Sinks
-from kiln.core.step import PhaseTimer, StepResult, train_step
+from kiln.core.step import PhaseTimer, StepResult, model_inputs, train_step
 from kiln.data.indices import DROPPED, SKIPPED, TRAINED, IndexLog
 from kiln.data.sources import BatchSource
 from kiln.errors import KilnError
 from kiln.guard import discard
 from kiln.lora import describe
-from kiln.model import GPTConfig, inputs_and_targets
+from kiln.model import GPTConfig
 from kiln.model_size import num_params
 from kiln.topology import ParallelDims
 from kiln.ui.progress import LogLines, Progress, ProgressSink, console
@@ -65,7 +65,7 @@ def evaluate(engine: Engine, source: BatchSource, max_batches: int, device: torc
         if max_batches and i >= max_batches:
             break
         batch = batch.to(device, non_blocking=True)
-        loss = engine.eval_loss(*inputs_and_targets(batch))
+        loss = engine.eval_loss(*model_inputs(batch, source.documents))
         total, count = total + loss.detach().float(), count + 1
     engine.set_training(True)
     (mean_total, mean_count) = mean_over_ranks([total.item(), float(count)], device)
@@ -195,7 +195,14 @@ class _Training:
             self.engine.time_comm(read)
             try:
                 result = train_step(
-                    self.engine, self.batches, self.cfg.micro_batches_per_step, self.guard, self.gate, self.timer, step
+                    self.engine,
+                    self.batches,
+                    self.cfg.micro_batches_per_step,
+                    self.guard,
+                    self.gate,
+                    self.timer,
+                    step,
+                    documents=self.source.documents,
                 )
             except BadLoss as bad:
                 self._record_indices(bad.step, DROPPED)

@@ -74,6 +74,14 @@ class StepResult:
     skipped: str | None = None  # why the step was left out (skip policy)
 
 
+def model_inputs(batch: torch.Tensor, documents: bool) -> tuple[torch.Tensor, ...]:
+    """An engine's arguments for a micro-batch of rows: (inputs, targets), and each input's
+    document where the run attends within documents (so an engine that never does keeps the
+    two-argument `forward`)."""
+    inputs, targets, docs = inputs_and_targets(batch, documents)
+    return (inputs, targets) if docs is None else (inputs, targets, docs)
+
+
 def train_step(
     engine: Engine,
     batches: Iterator[torch.Tensor],
@@ -82,8 +90,10 @@ def train_step(
     gate: StepGate,
     timer: PhaseTimer,
     step: int,
+    documents: bool = False,
 ) -> StepResult:
-    """One optimizer step over `micro_batches` micro-batches (already on the device).
+    """One optimizer step over `micro_batches` micro-batches (already on the device); with
+    `documents`, each attends within its rows' documents (`kiln.model.inputs_and_targets`).
 
     A bad verdict shuts `gate`, so DeepSpeed's step at the boundary leaves the weights and the
     LR schedule as they were; then under skip the result says so and the loop runs the step
@@ -102,7 +112,7 @@ def train_step(
         return batch
 
     if engine.pipeline:  # the engine runs the whole 1F1B schedule (and the step) in train_batch
-        pairs = [inputs_and_targets(next_batch()) for _ in range(micro_batches)]
+        pairs = [model_inputs(next_batch(), False) for _ in range(micro_batches)]  # no documents (config)
         loss = guard.inject(engine.train_batch(iter(pairs)).detach().float(), step)
         guard.observe(loss)
         reason = guard.verdict(step)
@@ -114,7 +124,7 @@ def train_step(
     for i in range(micro_batches):
         batch = next_batch()
         timer.start()
-        loss = engine.forward(*inputs_and_targets(batch))
+        loss = engine.forward(*model_inputs(batch, documents))
         loss = guard.inject(loss, step)
         guard.observe(loss)
         timer.lap("time/forward_s")

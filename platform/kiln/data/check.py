@@ -8,7 +8,7 @@ reads a config's shapes from its data where it can.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from kiln.data.manifest import Manifest, check_shards
 from kiln.data.mixture import Dataset, check_agree, run_datasets
@@ -53,7 +53,9 @@ def resolve_against_data(cfg: RunConfig, pretrained: GPTConfig | None = None) ->
         model = _pretrained_model(cfg, manifest, pretrained)
     else:
         model = dataclasses.replace(m, vocab_size=m.vocab_size or padded_vocab(vocab), seq_len=seq)
-    cfg = dataclasses.replace(cfg, model=model)
+    cfg = dataclasses.replace(
+        cfg, model=model, data=dataclasses.replace(cfg.data, document_mask=document_mask(cfg, datasets))
+    )
     per_step = cfg.data_parallel_size * cfg.train.micro_batch_size
     for split in ("train", "val"):
         rows = sum(d.manifest.split(split)["rows"] for d in datasets)
@@ -65,6 +67,25 @@ def resolve_against_data(cfg: RunConfig, pretrained: GPTConfig | None = None) ->
                 "train.micro_batch_size or parallel.num_workers, or prepare more data"
             )
     return cfg, datasets
+
+
+def document_mask(cfg: RunConfig, datasets: list[Dataset]) -> Literal["true", "false"]:
+    """data.document_mask resolved against the datasets, "true" or "false": auto masks
+    instruction and chat data, and only where every dataset records its document starts and
+    no pipeline runs (true asks for both, and is refused without them)."""
+    lacking = [d for d in datasets if not d.manifest.document_starts]
+    pipeline = cfg.parallel.pipeline_stages > 1
+    if cfg.data.document_mask == "auto":
+        on = any(d.manifest.examples for d in datasets) and not lacking and not pipeline
+        return "true" if on else "false"
+    if cfg.data.document_mask == "true" and lacking:
+        d = lacking[0]
+        raise ConfigError(
+            f"data.document_mask = true: {d.where} = {d.manifest.location.uri} does not record where its "
+            "documents start (an older kiln data prepare wrote it): prepare it again, or set "
+            "data.document_mask = false"
+        )
+    return "true" if cfg.data.document_mask == "true" else "false"
 
 
 def _pretrained_model(cfg: RunConfig, manifest: Manifest, shape: GPTConfig | None):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import Literal
 
 from kiln.errors import ConfigError
 from kiln.knobs import check_ranges, knob, readable, span
@@ -50,12 +51,26 @@ class DataConfig:
     read_task_cpus: float = knob(0.5, *span(0, 1024, "a number"))
     """CPUs each Ray Data read task reserves. Decoding token Parquet is light next to training,
     so half a CPU; 0 lets reads run even where the training workers hold every CPU."""
+    document_mask: Literal["auto", "true", "false"] = "auto"
+    """Attend only within a document: a row packs several documents or examples, and with true
+    a token sees the earlier tokens of its own document alone, its positions counted from the
+    document's start, and a document's first token is not predicted from the one before
+    (`kiln.model.document_attention`). auto: true for instruction and chat data (examples
+    must not see each other), false for plain text (pretraining on packed text is the
+    usual practice, and bench/document_mask.py measures the cost). Resolved against the data
+    before launch; true needs datasets that record where documents start (the shards'
+    `starts` column, which `kiln data prepare` writes) and no pipeline stages."""
     index_log: str = ""
     """A directory where every data-parallel replica writes, step by step, the sample ids it
     trained on (`kiln.data.indices`: a JSON line a step, read back with `trained_ids`), to find
     the rows behind a loss spike or check a resume. Each node writes its own replicas' files:
     give a shared filesystem to have them all in one place. Relative: under the run's local
     directory (beside local checkpoints). Empty: not written."""
+
+    @property
+    def masks_documents(self) -> bool:
+        """Whether the run attends within documents (document_mask as resolved before launch)."""
+        return self.document_mask == "true"
 
     def check(self) -> None:
         """Ranges, and data.mix: each entry names a dataset and a positive weight, and metric

@@ -26,6 +26,7 @@ TOKENIZER_FILE = "tokenizer.json"
 FORMAT_VERSION = 1
 TOKENS = "tokens"  # fixed-size list<int32> of seq_len + 1 ids: inputs [:-1], targets [1:]
 SAMPLE_ID = "id"  # int64, unique across the dataset
+STARTS = "starts"  # list<int32>: where in the row a document begins (absent in older datasets)
 
 
 @dataclass
@@ -44,6 +45,17 @@ class Manifest:
     @property
     def fingerprint(self) -> str:
         return self.raw["fingerprint"]
+
+    @property
+    def document_starts(self) -> bool:
+        """Whether the shards record where each document begins (column STARTS): datasets of
+        an older prepare do not."""
+        return STARTS in self.raw.get("columns", {})
+
+    @property
+    def examples(self) -> bool:
+        """Instruction or chat data (a loss mask: only responses are scored), not plain text."""
+        return "loss_mask" in self.raw
 
     def tokenizer(self):
         """The tokenizer the shards were written with (byte, or BPE from its tokenizer.json)."""
@@ -191,7 +203,7 @@ def check_shards(manifest: Manifest) -> None:
                 raise DataError(f"shard {loc.uri} has {meta.num_rows} rows but the manifest says {entry['rows']}")
             low, high = _token_range(meta)
             # Instruction data stores prompt tokens as -(id + 1) (kiln.model.inputs_and_targets).
-            lowest = -manifest.vocab_size if "loss_mask" in manifest.raw else 0
+            lowest = -manifest.vocab_size if manifest.examples else 0
             if low is not None and high is not None and (low < lowest or high >= manifest.vocab_size):
                 raise DataError(
                     f"shard {loc.uri} holds token ids {low}..{high}, but the manifest's "

@@ -30,7 +30,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from kiln.data.epochs import WINDOW_SHARDS, Layout
-from kiln.data.manifest import SAMPLE_ID, TOKENS
+from kiln.data.manifest import SAMPLE_ID, STARTS, TOKENS
 from kiln.storage import Location, retry_transient
 
 
@@ -105,7 +105,8 @@ BYTES_READ = "_bytes_read"  # the bytes a slice's read cost, on its first row: i
 
 
 def read_slice(loc: Location, s: Slice) -> pa.Table:
-    """The id and tokens of a slice's rows of one shard, and the bytes read for them (column
+    """The id, tokens and document starts (where recorded) of a slice's rows of one shard, and
+    the bytes read for them (column
     BYTES_READ): only the row groups that hold the slice's rows are fetched, with the footer.
     Transient S3 errors are retried. (Runs in Ray Data's read tasks too: this module imports no torch, which would
     cost each new read process seconds.)"""
@@ -118,7 +119,8 @@ def read_slice(loc: Location, s: Slice) -> pa.Table:
             sizes = [pf.metadata.row_group(g).num_rows for g in range(pf.metadata.num_row_groups)]
             starts = np.cumsum([0, *sizes])
             groups = np.unique(np.searchsorted(starts, s.index, side="right") - 1).tolist()
-            table = pf.read_row_groups(groups, columns=[SAMPLE_ID, TOKENS])
+            columns = [SAMPLE_ID, TOKENS, *([STARTS] if STARTS in pf.schema_arrow.names else [])]
+            table = pf.read_row_groups(groups, columns=columns)
             return table, f.bytes_read, groups, starts
 
     table, nbytes, groups, starts = retry_transient(read, f"reading shard {loc.uri}")

@@ -46,7 +46,7 @@ from kiln.data import listing as listing_rules
 from kiln.data import replace
 from kiln.data.inputs import ReadOptions, ReadStats, read_unit
 from kiln.data.listing import UnitRef, Units, place, spill
-from kiln.data.manifest import FORMAT_VERSION, MANIFEST, SAMPLE_ID, TOKENIZER_FILE, TOKENS
+from kiln.data.manifest import FORMAT_VERSION, MANIFEST, SAMPLE_ID, STARTS, TOKENIZER_FILE, TOKENS
 from kiln.data.prepare_config import PrepareConfig, config_from, validate_config
 from kiln.data.prepare_progress import Progress, throughput
 from kiln.data.shards import UNITS_DIR, UnitJob, UnitWorker, row_group_rows
@@ -82,6 +82,7 @@ def settings(cfg: PrepareConfig, tok) -> dict:
         val_fraction=cfg.val_fraction,
         seed=cfg.seed,
         format=FORMAT_VERSION,
+        columns=[SAMPLE_ID, TOKENS, STARTS],  # a dataset without document starts is another one
         unit_bytes=cfg.unit_bytes,
         shard_tokens=cfg.shard_tokens,
     )
@@ -416,7 +417,7 @@ def _manifest(cfg: PrepareConfig, tok, records: list[dict], counts: np.ndarray, 
         | ({"companions": sorted(tok.companions)} if getattr(tok, "companions", None) else {}),
         "seq_len": cfg.seq_len,
         "row_group_rows": row_group_rows(cfg.seq_len),
-        "columns": {SAMPLE_ID: "int64", TOKENS: f"fixed_size_list<int32>[{cfg.seq_len + 1}]"},
+        "columns": {SAMPLE_ID: "int64", TOKENS: f"fixed_size_list<int32>[{cfg.seq_len + 1}]", STARTS: "list<int32>"},
         **(
             {
                 "loss_mask": {

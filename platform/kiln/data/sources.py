@@ -20,11 +20,12 @@ import pyarrow.compute  # noqa: F401  (pa.compute)
 import torch
 
 from kiln.data.epochs import Blocks, EpochOrder, Layout
-from kiln.data.manifest import SAMPLE_ID, TOKENS, Manifest, read_failure
+from kiln.data.manifest import SAMPLE_ID, STARTS, TOKENS, Manifest, read_failure
 from kiln.data.mixture import Dataset
 from kiln.data.order import BYTES_READ, Slice, batches_per_epoch, expected_ids, read_slice, replica_slices, whole_shards
 from kiln.data.shards import row_group_rows
 from kiln.errors import DataError
+from kiln.model import DOC_START
 
 # What a shard that cannot be read raises, also when Ray Data re-raises it from a read task
 # (its RayTaskError subclasses the original type). A lost actor or node is not among them.
@@ -34,6 +35,9 @@ Samples = tuple[np.ndarray, torch.Tensor]  # (sample ids, token rows) of one mic
 
 
 class BatchSource(Protocol):
+    documents: bool
+    """Whether each document's first token in the rows carries kiln.model.DOC_START."""
+
     def prefetch(self) -> None:
         """Start fetching ahead (called once before the model is built)."""
 
@@ -67,13 +71,19 @@ class OrderedSource:
         max_val_batches: int = 0,
         seed: int = 0,
         reshuffle: bool = False,
+        documents: bool = False,
     ):
         """`data`: one dataset, or the run's weighted datasets (`kiln.data.mixture`). `dp_rank`
         of `dp_size`: this worker's data-parallel coordinates (the stages of one pipeline share
         them, and read the same rows). `seed` and `reshuffle`: the epochs' order
-        (`kiln.data.epochs`)."""
+        (`kiln.data.epochs`). `documents`: mark each document's first token in the rows
+        (`kiln.model.DOC_START`), for attention within documents (`data.document_mask`)."""
         self.datasets = data if isinstance(data, list) else [Dataset(data, 1.0, "data", "data.path")]
         self.manifest = self.datasets[0].manifest
+        self.documents = documents
+        lacking = [d.manifest.location.uri for d in self.datasets if not d.manifest.document_starts]
+        if documents and lacking:
+            raise DataError(f"{lacking[0]} records no document starts: prepare it again to mask documents")
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.micro_batch, self.max_val_batches = micro_batch, max_val_batches
         self.orders = {split: self._order(split, seed, reshuffle) for split in ("train", "val")}
@@ -240,12 +250,20 @@ def _concatenated(shard_rows: list[list[int]]) -> Layout:
 
 
 def _arrays(tables: Iterator[pa.Table], source: OrderedSource) -> Iterator[Samples]:
-    """(ids, token rows) as numpy arrays, table by table; the bytes read counted on `source`."""
+    """(ids, token rows) as numpy arrays, table by table; the bytes read counted on `source`.
+    Where `source.documents`, each document's first token carries DOC_START."""
     for table in tables:
         if BYTES_READ in table.column_names:
             source.bytes_read += int(pa.compute.sum(table.column(BYTES_READ)).as_py() or 0)
         tokens = table.column(TOKENS).combine_chunks()
-        yield table.column(SAMPLE_ID).to_numpy(), tokens.values.to_numpy().reshape(len(tokens), -1)
+        rows = tokens.values.to_numpy().reshape(len(tokens), -1)
+        if source.documents:
+            starts = table.column(STARTS).combine_chunks()
+            at = starts.values.to_numpy()
+            row_of = np.repeat(np.arange(len(starts)), np.diff(starts.offsets.to_numpy()))
+            rows = rows.astype(np.int64)
+            rows[row_of, at] += DOC_START
+        yield table.column(SAMPLE_ID).to_numpy(), rows
 
 
 def _micro_batches(rows: Iterator[Samples], micro_batch: int) -> Iterator[Samples]:

@@ -41,11 +41,11 @@ class EvalResult:
         }
 
 
-def _batches(manifest: Manifest, split: str, batch_size: int) -> Iterator[torch.Tensor]:
+def _batches(manifest: Manifest, split: str, batch_size: int, documents: bool) -> Iterator[torch.Tensor]:
     """Every row of `split` in manifest order, `batch_size` at a time, the last batch partial
     (a training source leaves out a tail that does not fill a micro-batch; scoring may not)."""
     held: list[torch.Tensor] = []
-    for _, row in ParquetSource(manifest, 0, 1, 1).epoch(split):
+    for _, row in ParquetSource(manifest, 0, 1, 1, documents=documents).epoch(split):
         held.append(row)
         if len(held) == batch_size:
             yield torch.cat(held)
@@ -61,9 +61,13 @@ def evaluate(
     batch_size: int = 8,
     max_batches: int = 0,
     device: str = "cpu",
+    documents: bool | None = None,
 ) -> EvalResult:
     """Score every row of `split`, the last partial batch included (or the first `max_batches`
-    batches), with `loaded`'s model."""
+    batches), with `loaded`'s model; `documents`: attend within each row's documents (None:
+    as a run's data.document_mask = auto does, for instruction and chat data that record them)."""
+    if documents is None:
+        documents = manifest.examples and manifest.document_starts
     if manifest.tokenizer().vocab() != loaded.tokenizer.vocab():
         raise ConfigError(
             f"--data {manifest.location.uri}: tokenized with another tokenizer than the model's; "
@@ -77,13 +81,14 @@ def evaluate(
     model = loaded.build(device)
     per_token = torch.from_numpy(token_bytes(loaded.tokenizer))
     nats, tokens, nbytes = 0.0, 0, 0
-    for i, rows in enumerate(_batches(manifest, split, batch_size)):
+    for i, rows in enumerate(_batches(manifest, split, batch_size, documents)):
         if max_batches and i >= max_batches:
             break
-        inputs, targets = inputs_and_targets(rows.long())  # instruction data: responses only
+        inputs, targets, docs = inputs_and_targets(rows.long(), documents)  # instruction data: responses only
         with torch.no_grad():
             # Over the tokenizer's vocab: Kiln's padding ids are never targets, and an export drops them.
-            logits = model(inputs.to(device))[..., : loaded.vocab_size].float()
+            where = None if docs is None else docs.to(device)
+            logits = model(inputs.to(device), documents=where)[..., : loaded.vocab_size].float()
         scored = targets != IGNORE
         nats += F.cross_entropy(
             logits.reshape(-1, logits.shape[-1]).cpu(), targets.reshape(-1), ignore_index=IGNORE, reduction="sum"

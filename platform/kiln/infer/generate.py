@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from kiln.infer.sampling import Sampling
-from kiln.model import GPT, KVCache
+from kiln.kv_cache import KVCache
+from kiln.model import GPT
 
 log = logging.getLogger(__name__)
 

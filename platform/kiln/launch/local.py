@@ -137,6 +137,7 @@ def run_local(cfg: RunConfig, started: float | None = None) -> Summary | None:
             cfg.train.eval_batches,
             seed=cfg.train.seed,
             reshuffle=cfg.data.reshuffle,
+            documents=cfg.data.masks_documents,
         )
 
     ckpt_root = _run_root(cfg)

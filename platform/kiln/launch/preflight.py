@@ -74,6 +74,7 @@ class Checked:
                 )
                 for i, d in enumerate(self.datasets)
             ],
+            ("", "attention within each document (data.document_mask)" if c.data.masks_documents else "whole rows"),
             (
                 "model",
                 f"{c.model.display_name}: {mcfg.n_layer} layers x d_model {mcfg.d_model}, "
@@ -215,6 +216,8 @@ def training_digest(cfg: RunConfig, datasets: Sequence[Dataset]) -> str:
         tree["train"].pop(key)
     # what data, not where it is or how it is read
     tree["data"] = {k: v for k, v in tree["data"].items() if k in ("reshuffle",)}
+    if cfg.data.masks_documents:  # only when on: the runs of earlier versions keep their names
+        tree["data"]["document_mask"] = True
     tree["data"]["fingerprints"] = [(d.weight, d.manifest.fingerprint) for d in datasets]
     return hashlib.sha256(json.dumps(tree, sort_keys=True, default=str).encode()).hexdigest()[:10]
 

@@ -25,8 +25,10 @@ class DeepSpeedEngine:
     def __init__(self, ds, pipeline: bool, comm_timer: CollectiveTimer | None = None):
         self.ds, self.pipeline, self.comm_timer = ds, pipeline, comm_timer
 
-    def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        _, loss = self.ds(inputs, targets)
+    def forward(
+        self, inputs: torch.Tensor, targets: torch.Tensor, documents: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        _, loss = self.ds(inputs, targets) if documents is None else self.ds(inputs, targets, documents)
         return loss
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -38,10 +40,12 @@ class DeepSpeedEngine:
     def train_batch(self, pairs: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         return self.ds.train_batch(data_iter=pairs)
 
-    def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        if self.pipeline:  # every stage takes part; the loss is broadcast from the last
+    def eval_loss(
+        self, inputs: torch.Tensor, targets: torch.Tensor, documents: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if self.pipeline:  # every stage takes part; the loss is broadcast from the last (no documents: config)
             return self.ds.eval_batch(iter([(inputs, targets)]), num_micro_batches=1)
-        return self.forward(inputs, targets)
+        return self.forward(inputs, targets, documents)
 
     def set_training(self, on: bool) -> None:
         self.ds.train() if on else self.ds.eval()

@@ -55,8 +55,10 @@ class FSDP2Engine:
         self._micro = 0  # micro-batches since the last optimizer step
         self._norm: torch.Tensor | None = None
 
-    def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        _, loss = self.model(inputs, targets)
+    def forward(
+        self, inputs: torch.Tensor, targets: torch.Tensor, documents: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        _, loss = self.model(inputs, targets, documents)
         return loss
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -81,8 +83,10 @@ class FSDP2Engine:
     def train_batch(self, pairs):
         raise NotImplementedError("the FSDP2 engine runs no pipeline")
 
-    def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return self.forward(inputs, targets)
+    def eval_loss(
+        self, inputs: torch.Tensor, targets: torch.Tensor, documents: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return self.forward(inputs, targets, documents)
 
     def set_training(self, on: bool) -> None:
         self.model.train(on)

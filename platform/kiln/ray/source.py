@@ -30,8 +30,9 @@ class RayDataSource(OrderedSource):
         read_task_cpus: float = 0.5,
         seed: int = 0,
         reshuffle: bool = False,
+        documents: bool = False,
     ):
-        super().__init__(data, dp_rank, dp_size, micro_batch, max_val_batches, seed, reshuffle)
+        super().__init__(data, dp_rank, dp_size, micro_batch, max_val_batches, seed, reshuffle, documents)
         self.prefetch_batches, self.read_task_cpus = prefetch, read_task_cpus
         self._locations = {s: [d.manifest.shard_locations(s) for d in self.datasets] for s in ("train", "val")}
 

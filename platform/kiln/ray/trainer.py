@@ -218,6 +218,7 @@ def _source(cfg: RunConfig, dp_rank: int, dp_size: int) -> RayDataSource:
         read_task_cpus=cfg.data.read_task_cpus,
         seed=cfg.train.seed,
         reshuffle=cfg.data.reshuffle,
+        documents=cfg.data.masks_documents,
     )
 
 

@@ -70,7 +70,7 @@ def test_the_loss_counts_only_responses_as_computed_by_hand(instruct):
     model = GPT(GPTConfig(vocab_size=320, seq_len=32, n_layer=1, n_head=2, d_model=32)).eval()
     _, rows = next(iter(ParquetSource(manifest, 0, 1, 8).epoch("train")))
     rows = rows.long()
-    inputs, targets = inputs_and_targets(rows)
+    inputs, targets, _ = inputs_and_targets(rows)
     with torch.no_grad():
         logits = model(inputs)
         ours = next_token_loss(logits, targets).item()

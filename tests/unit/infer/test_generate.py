@@ -40,7 +40,7 @@ def test_the_cache_and_batching_change_nothing(model, temperature):
 def test_a_cache_fed_in_chunks_gives_the_logits_of_one_forward(model):
     """The cache's three cases: a first chunk (plainly causal), later chunks of several tokens
     (an explicit mask over the past), single tokens (every key); and the same with left padding."""
-    from kiln.model import KVCache
+    from kiln.kv_cache import KVCache
 
     idx = torch.tensor([PROMPTS[2] + PROMPTS[0]])
     full = model(idx)
@@ -63,7 +63,8 @@ def test_a_cache_sized_ahead_is_allocated_once_and_gives_the_same_logits(model):
     """Sized for the whole generation, the cache writes each step's keys in place (its buffers
     never move); grown by doubling, or sized exactly, the logits are the same. The decode's RoPE
     table holds, bitwise, the angles a forward computes for those positions."""
-    from kiln.model import KVCache, rotary
+    from kiln.kv_cache import KVCache
+    from kiln.model import rotary
 
     idx = torch.tensor([PROMPTS[2] + PROMPTS[0]])
     runs = {}

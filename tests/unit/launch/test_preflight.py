@@ -176,6 +176,7 @@ def test_dry_run_prints_the_resolved_plan_and_starts_nothing(byte_dataset, tmp_p
     assert "every pre-launch check passed; nothing was started" in out.stdout
     for line in (
         "  data         " + str(byte_dataset),
+        "\n               whole rows\n",  # plain text: no document masks (data.document_mask = auto)
         "  model        debug: 2 layers",
         "ZeRO-2",
         "  parallel     4 worker(s) (2 data-parallel x 2 tensor-parallel)",
