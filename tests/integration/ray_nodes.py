@@ -69,18 +69,30 @@ def start_head(gcs_port: int, dash_port: int, env: dict, *args: str) -> None:
     assert out.returncode == 0, out.stdout + out.stderr
 
 
-def ray_cluster_processes(gcs_port: int) -> list[psutil.Process]:
-    """Every process of the Ray cluster whose GCS listens on `gcs_port`, on any node of this
-    machine: each daemon names the GCS in its command line (`--gcs_server_port=P`,
-    `--gcs-address=host:P`, `--address=host:P`), and workers and agents are their children."""
+def ray_daemons(gcs_port: int) -> list[psutil.Process]:
+    """The daemons of the Ray cluster whose GCS listens on `gcs_port`, on any node of this
+    machine: each names the GCS in its command line (`--gcs_server_port=P`,
+    `--gcs-address=host:P`, `--address=host:P`). They live as long as the cluster."""
     names = re.compile(rf"--(gcs_server_port=|gcs-address=\S+:|address=\S+:){gcs_port}(\s|$)")
     roots = []
     for proc in psutil.process_iter(["cmdline"]):
         with contextlib.suppress(psutil.Error):
             if names.search(" ".join(proc.info["cmdline"] or [])):
                 roots.append(proc)
-    found = {p.pid: p for root in roots for p in (root, *_children(root))}
+    return roots
+
+
+def ray_cluster_processes(gcs_port: int) -> list[psutil.Process]:
+    """Every process of that cluster: its daemons, and the workers and agents under them
+    (workers come and go: Ray ends idle ones)."""
+    found = {p.pid: p for root in ray_daemons(gcs_port) for p in (root, *_children(root))}
     return list(found.values())
+
+
+def _alive(proc: psutil.Process) -> bool:
+    with contextlib.suppress(psutil.Error):
+        return proc.status() != psutil.STATUS_ZOMBIE
+    return False
 
 
 def _children(proc: psutil.Process) -> list[psutil.Process]:
@@ -91,13 +103,17 @@ def _children(proc: psutil.Process) -> list[psutil.Process]:
 
 def stop_ray_cluster(gcs_port: int, grace: float = 15) -> None:
     """Stop the cluster this session started, and nothing else. `ray stop --force` would stop
-    every Ray on the machine, other people's included."""
-    procs = ray_cluster_processes(gcs_port)
-    for proc in procs:
-        with contextlib.suppress(psutil.Error):
-            proc.terminate()
-    _, alive = psutil.wait_procs(procs, timeout=grace)
-    for proc in alive:
-        with contextlib.suppress(psutil.Error):
-            proc.kill()
-    psutil.wait_procs(alive, timeout=grace)
+    every Ray on the machine, other people's included. Until none is left: a daemon may start
+    a process (a worker, an agent) while it is being stopped, after the first look."""
+    for _ in range(5):
+        procs = [p for p in ray_cluster_processes(gcs_port) if _alive(p)]
+        if not procs:
+            return
+        for proc in procs:
+            with contextlib.suppress(psutil.Error):
+                proc.terminate()
+        _, alive = psutil.wait_procs(procs, timeout=grace)
+        for proc in alive:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+        psutil.wait_procs(alive, timeout=grace)

@@ -17,7 +17,7 @@ from mlflow.tracking import MlflowClient
 from kiln.launch.local import free_port
 
 sys.path.insert(0, str(Path(__file__).parent))
-from ray_nodes import BIN, ray_cluster_processes, start_head, stop_ray_cluster, wait_for_port  # noqa: E402
+from ray_nodes import BIN, ray_cluster_processes, ray_daemons, start_head, stop_ray_cluster, wait_for_port  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -72,7 +72,7 @@ def _submit(dashboard: str, env: dict, byte_dataset: Path) -> str:
 def test_a_job_on_a_small_fixed_cluster_trains_and_keeps_its_runs(ray_cluster, byte_dataset, tmp_path):
     gcs, _, env = ray_cluster
     session_port = int(gcs.rsplit(":", 1)[1])
-    session = ray_cluster_processes(session_port)
+    session = ray_daemons(session_port)  # not its workers: Ray ends idle ones whenever it likes
     assert any("gcs_server" in n for n in _names(session)) and any("raylet" in n for n in _names(session))
 
     home = tmp_path / "kiln-home"  # where a job's relative paths go ($KILN_HOME, else ~/kiln)
