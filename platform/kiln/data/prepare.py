@@ -110,6 +110,7 @@ def _key(cfg: PrepareConfig, listing: str) -> str:
         k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("inputs", "output", "if_exists", "s3_endpoint")
     }
     fields["cut"] = [listing_rules.CUT_RULE, listing_rules.WINDOW_FILES]  # read at call time
+    fields["columns"] = [SAMPLE_ID, TOKENS, STARTS]  # a dataset of older shards (no starts) is not this one
     if cfg.tokenizer not in ("byte", "bpe"):
         file = Path(cfg.tokenizer)
         file = file / TOKENIZER_FILE if file.is_dir() else file
