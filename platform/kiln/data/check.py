@@ -69,14 +69,19 @@ def resolve_against_data(cfg: RunConfig, pretrained: GPTConfig | None = None) ->
     return cfg, datasets
 
 
+def masks_by_default(manifests: list[Manifest]) -> bool:
+    """data.document_mask = auto's rule for data (a run adds: no pipeline): instruction or chat
+    data, every dataset recording where its documents start."""
+    return any(m.examples for m in manifests) and all(m.document_starts for m in manifests)
+
+
 def document_mask(cfg: RunConfig, datasets: list[Dataset]) -> Literal["true", "false"]:
     """data.document_mask resolved against the datasets, "true" or "false": auto masks
     instruction and chat data, and only where every dataset records its document starts and
     no pipeline runs (true asks for both, and is refused without them)."""
     lacking = [d for d in datasets if not d.manifest.document_starts]
-    pipeline = cfg.parallel.pipeline_stages > 1
     if cfg.data.document_mask == "auto":
-        on = any(d.manifest.examples for d in datasets) and not lacking and not pipeline
+        on = masks_by_default([d.manifest for d in datasets]) and cfg.parallel.pipeline_stages == 1
         return "true" if on else "false"
     if cfg.data.document_mask == "true" and lacking:
         d = lacking[0]

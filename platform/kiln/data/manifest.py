@@ -27,6 +27,7 @@ FORMAT_VERSION = 1
 TOKENS = "tokens"  # fixed-size list<int32> of seq_len + 1 ids: inputs [:-1], targets [1:]
 SAMPLE_ID = "id"  # int64, unique across the dataset
 STARTS = "starts"  # list<int32>: where in the row a document begins (absent in older datasets)
+COLUMNS = (SAMPLE_ID, TOKENS, STARTS)  # a shard's, as `kiln data prepare` writes them now
 
 
 @dataclass

@@ -46,7 +46,7 @@ from kiln.data import listing as listing_rules
 from kiln.data import replace
 from kiln.data.inputs import ReadOptions, ReadStats, read_unit
 from kiln.data.listing import UnitRef, Units, place, spill
-from kiln.data.manifest import FORMAT_VERSION, MANIFEST, SAMPLE_ID, STARTS, TOKENIZER_FILE, TOKENS
+from kiln.data.manifest import COLUMNS, FORMAT_VERSION, MANIFEST, SAMPLE_ID, STARTS, TOKENIZER_FILE, TOKENS
 from kiln.data.prepare_config import PrepareConfig, config_from, validate_config
 from kiln.data.prepare_progress import Progress, throughput
 from kiln.data.shards import UNITS_DIR, UnitJob, UnitWorker, row_group_rows
@@ -82,7 +82,7 @@ def settings(cfg: PrepareConfig, tok) -> dict:
         val_fraction=cfg.val_fraction,
         seed=cfg.seed,
         format=FORMAT_VERSION,
-        columns=[SAMPLE_ID, TOKENS, STARTS],  # a dataset without document starts is another one
+        columns=list(COLUMNS),  # a dataset without document starts is another one
         unit_bytes=cfg.unit_bytes,
         shard_tokens=cfg.shard_tokens,
     )
@@ -110,7 +110,7 @@ def _key(cfg: PrepareConfig, listing: str) -> str:
         k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("inputs", "output", "if_exists", "s3_endpoint")
     }
     fields["cut"] = [listing_rules.CUT_RULE, listing_rules.WINDOW_FILES]  # read at call time
-    fields["columns"] = [SAMPLE_ID, TOKENS, STARTS]  # a dataset of older shards (no starts) is not this one
+    fields["columns"] = list(COLUMNS)  # a dataset of older shards (no starts) is not this one
     if cfg.tokenizer not in ("byte", "bpe"):
         file = Path(cfg.tokenizer)
         file = file / TOKENIZER_FILE if file.is_dir() else file

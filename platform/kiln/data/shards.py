@@ -2,8 +2,9 @@
 written as Parquet shards. Runs in a tokenizer actor on Ray, or in the preparing process.
 
 Layout of a shard: columns id (int64), tokens (fixed_size_list<int32>[seq_len + 1]) and starts
-(list<int32>: the offsets in the row where a document or example begins), in row groups of `row_group_rows` rows, so that a data-parallel replica reads the row groups that hold
-its micro-batches and no others (`kiln.data.order.read_slice`). Ids are unique across the
+(list<int32>: the offsets in the row where a document or example begins), in row groups of
+`row_group_rows` rows, so that a data-parallel replica reads the row groups that hold its
+micro-batches and no others (`kiln.data.order.read_slice`). Ids are unique across the
 dataset and consecutive within a shard, which records its first id in the manifest: unit u's
 rows are numbered from u * 2**32, train rows first, then validation rows.
 """
@@ -177,7 +178,8 @@ def _token_streams(
     streams = {s: np.concatenate(p) if p else np.zeros(0, np.int32) for s, p in pieces.items()}
     starts = {s: np.zeros(len(streams[s]), dtype=bool) for s in streams}
     for s, n in lengths.items():
-        starts[s][np.cumsum([0, *n[:-1]], dtype=np.int64)[: len(n)]] = True
+        sizes = np.asarray(n, dtype=np.int64)
+        starts[s][np.cumsum(sizes) - sizes] = True  # each document's first token
     return streams, starts, digest.hexdigest()
 
 

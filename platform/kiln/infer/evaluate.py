@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kiln.data.check import masks_by_default
 from kiln.data.manifest import Manifest
 from kiln.data.sources import ParquetSource
 from kiln.data.tokenizer import token_bytes
@@ -67,7 +68,7 @@ def evaluate(
     batches), with `loaded`'s model; `documents`: attend within each row's documents (None:
     as a run's data.document_mask = auto does, for instruction and chat data that record them)."""
     if documents is None:
-        documents = manifest.examples and manifest.document_starts
+        documents = masks_by_default([manifest])
     if manifest.tokenizer().vocab() != loaded.tokenizer.vocab():
         raise ConfigError(
             f"--data {manifest.location.uri}: tokenized with another tokenizer than the model's; "

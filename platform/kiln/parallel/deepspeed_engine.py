@@ -28,7 +28,7 @@ class DeepSpeedEngine:
     def forward(
         self, inputs: torch.Tensor, targets: torch.Tensor, documents: torch.Tensor | None = None
     ) -> torch.Tensor:
-        _, loss = self.ds(inputs, targets) if documents is None else self.ds(inputs, targets, documents)
+        _, loss = self.ds(inputs, targets, documents)
         return loss
 
     def backward(self, loss: torch.Tensor) -> None:
