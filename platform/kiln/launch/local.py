@@ -42,16 +42,10 @@ log = logging.getLogger(__name__)
 
 
 def _world_from_env(use_gpu: bool) -> WorldInfo:
-    """torchrun sets RANK/WORLD_SIZE/LOCAL_RANK/MASTER_*; a lone process gets world size 1."""
+    """torchrun sets RANK/WORLD_SIZE/LOCAL_RANK/MASTER_*; a lone process gets world size 1,
+    whose process group needs no address (`init_distributed` makes it in-process)."""
     if "RANK" not in os.environ:
-        os.environ.update(
-            RANK="0",
-            WORLD_SIZE="1",
-            LOCAL_RANK="0",
-            LOCAL_WORLD_SIZE="1",
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(free_port()),
-        )
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
     rank, world, local = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
     if use_gpu:
         if not torch.cuda.is_available():

@@ -56,8 +56,22 @@ def init_distributed(on_cuda: bool) -> None:
     shared cache inside the local launcher's start-up (29 s on 2 cores where that cache was
     empty or another environment's)."""
     use_environment_cache()
+    backend = "nccl" if on_cuda else "gloo"
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        init_world_of_one(backend)
     deepspeed = import_deepspeed()
-    deepspeed.init_distributed(dist_backend="nccl" if on_cuda else "gloo")
+    deepspeed.init_distributed(dist_backend=backend)  # over the group made above, if one was
+
+
+def init_world_of_one(backend: str) -> None:
+    """A world of one process needs no rendezvous: its group is made over an in-process store.
+    An env:// rendezvous would bind a TCP port picked beforehand, and another process (a second
+    local run, or any connection's ephemeral port) can take it between the pick and the bind:
+    CI once failed a run with EADDRINUSE that way, four local runs starting side by side."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 
 
 def import_deepspeed():

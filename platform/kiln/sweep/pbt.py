@@ -85,9 +85,8 @@ def scheduler(cfg: SweepConfig, checkpoint_every: int):
     """Tune's PBT over the sweep's space: each entry is also the field's mutation, and every
     mutated value is brought back within the entry's bounds (`Bounds`), which validation checked
     against the field's range."""
-    from ray.tune.schedulers import PopulationBasedTraining
-
     from kiln.sweep.config import param_space
+    from kiln.sweep.pbt_scheduler import SurvivorsPBT
 
     s = cfg.scheduler
     domains = param_space(cfg)
@@ -95,7 +94,7 @@ def scheduler(cfg: SweepConfig, checkpoint_every: int):
         k: (list(arg) if kind in ("choice", "grid") else domains[k])
         for k, (kind, arg) in ((k, next(iter(v.items()))) for k, v in cfg.space.items())
     }
-    return PopulationBasedTraining(
+    return SurvivorsPBT(  # Tune's PBT, that a failed trial does not stop
         time_attr="step",
         perturbation_interval=s.perturbation_interval or checkpoint_every,
         hyperparam_mutations=mutations,

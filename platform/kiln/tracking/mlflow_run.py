@@ -205,10 +205,16 @@ class Run:
             warnings.simplefilter("ignore", UserWarning)
             source = resolve_dataset_source(scrub(uri))
         dataset = MetaDataset(source=source, name=uri.rstrip("/").rsplit("/", 1)[-1], digest=digest)
-        self.client.log_inputs(
-            self.run_id,
-            datasets=[DatasetInput(dataset._to_mlflow_entity(), tags=[InputTag(MLFLOW_DATASET_CONTEXT, context)])],
-        )
+        entry = DatasetInput(dataset._to_mlflow_entity(), tags=[InputTag(MLFLOW_DATASET_CONTEXT, context)])
+        try:
+            self.client.log_inputs(self.run_id, datasets=[entry])
+        except Exception as e:  # noqa: BLE001 (the store's errors have no common type)
+            # Runs of one experiment that log the same dataset at once (a sweep's trials) race
+            # in MLflow's SQL store: each finds no row for it and inserts one, and all but the
+            # first fail on the unique key. Once one has written it, another try finds it.
+            log.info("logging dataset %s again after: %s", dataset.name, str(e).splitlines()[0])
+            time.sleep(0.5)
+            self.client.log_inputs(self.run_id, datasets=[entry])
 
     def log_params(self, params: dict[str, Any]) -> None:
         from mlflow.entities import Param

@@ -50,3 +50,33 @@ def test_deepspeed_imports_without_mlflow_in_a_rank_that_logs_nothing_and_mlflow
         out = subprocess.run([sys.executable, "-c", probe.format(first=first)], capture_output=True, text=True)
         assert out.returncode == 0, out.stderr[-2000:]
         assert out.stdout.split("\n")[-2] == expected, (first, out.stdout)
+
+
+def test_a_world_of_one_binds_no_port_another_process_could_hold():
+    """A lone local run's process group needs no rendezvous. One through env:// binds
+    MASTER_PORT, and CI once lost a run to EADDRINUSE when another process held the port picked
+    for it: here a port is held while the group is made with MASTER_PORT set to it."""
+    import socket
+    import subprocess
+
+    probe = (
+        "import torch.distributed as dist\n"
+        "from kiln.parallel.ops import init_distributed\n"
+        "init_distributed(on_cuda=False)\n"
+        "assert dist.get_world_size() == 1\n"
+        "t = __import__('torch').ones(3)\n"
+        "dist.all_reduce(t)\n"
+        "print('sum', float(t.sum()))\n"
+    )
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        env = os.environ | {
+            "RANK": "0",
+            "WORLD_SIZE": "1",
+            "LOCAL_RANK": "0",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(held.getsockname()[1]),
+        }
+        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0 and "sum 3.0" in out.stdout, out.stderr[-3000:]

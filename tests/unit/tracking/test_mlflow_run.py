@@ -82,3 +82,36 @@ def test_the_first_process_to_end_a_run_decides_its_status(tmp_path):
     client = MlflowClient(uri)
     assert client.get_run(stopped.run_id).info.status == "KILLED"
     assert client.get_run(failed.run_id).info.status == "FAILED"
+
+
+def test_a_dataset_two_runs_log_at_once_is_logged_for_both(tmp_path, monkeypatch):
+    """Two runs of one experiment that log the same dataset at once (a sweep's trials) race in
+    MLflow's SQL store: both find no row and insert one, and the second fails on the unique key
+    (CI: a PBT trial lost that way). Planted here: the rival's insert lands first, ours fails as
+    it did there, and the second try finds the rival's row."""
+    import sqlalchemy.exc
+    from mlflow import MlflowClient
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+    from kiln.tracking.mlflow_run import Run
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    ours, rival = Run(uri, "e", "ours"), Run(uri, "e", "rival")
+    impl, raced = SqlAlchemyStore._log_inputs_impl, []
+
+    def racing(self, experiment_id, run_id, *args, **kwargs):
+        if run_id == ours.run_id and not raced:
+            raced.append(run_id)
+            rival.log_dataset(str(tmp_path / "bytes"), "f00d")
+            raise sqlalchemy.exc.IntegrityError(
+                "INSERT INTO datasets", {}, Exception("UNIQUE constraint failed: datasets.experiment_id")
+            )
+        return impl(self, experiment_id, run_id, *args, **kwargs)
+
+    monkeypatch.setattr(SqlAlchemyStore, "_log_inputs_impl", racing)
+    ours.log_dataset(str(tmp_path / "bytes"), "f00d")
+    assert raced == [ours.run_id]
+    client = MlflowClient(uri)
+    for run in (ours, rival):
+        logged = client.get_run(run.run_id).inputs.dataset_inputs
+        assert [(d.dataset.name, d.dataset.digest) for d in logged] == [("bytes", "f00d")]
