@@ -20,7 +20,6 @@ import tempfile
 import time
 
 from bench.common import REPO, machine, publish, results_file
-from kiln.launch.local import free_port
 
 KEYS = ("throughput/tokens_per_s", "time/step_s", "time/forward_s", "time/backward_s", "time/tensor_parallel_comm_s")
 
@@ -48,8 +47,7 @@ def run(args, tmp: str, name: str, sets: list[str]) -> dict[str, float]:
         "torch.distributed.run",
         "--nproc-per-node",
         "2",
-        "--master-port",
-        str(free_port()),
+        "--standalone",  # its rendezvous on a port the OS picks as it binds: none to lose
         "-m",
         "kiln.launch.local",
         "--config",

@@ -88,6 +88,13 @@ class ParallelConfig:
     tp_within_node: bool = True
     """Refuse a tensor-parallel group that would span nodes: its per-layer all-reduces over a
     network link cost more than the split saves. False allows it (for testing, or fast fabrics)."""
+    grad_compression: Literal["none", "bf16", "fp16"] = "none"
+    """The dtype gradients travel in between data-parallel replicas. none: the training's own
+    (fp32 for fp32 weights and for `train.mixed_precision` autocast; bf16 or fp16 weights
+    send their own dtype). bf16 or fp16 halves the bytes of an fp32 run's gradient reduce
+    (DeepSpeed's `communication_data_type`, FSDP2's `reduce_dtype`), every ZeRO stage; fp16
+    keeps more mantissa and may overflow a gradient above 65,504, bf16 keeps fp32's range.
+    The bytes a rank sends per step are logged as `comm/bytes_per_step`."""
     micro_batches: int = knob(4, *span(1, 100_000))
     """Micro-batches per optimizer step through the pipeline. The idle bubble is (P-1)/(M+P-1) of
     the step, so more micro-batches waste less."""

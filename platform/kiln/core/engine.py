@@ -65,13 +65,14 @@ class Engine(Protocol):
     def overflow(self) -> tuple[int, float]:
         """fp16 dynamic loss scaling: (steps skipped on overflow so far, the loss scale now)."""
 
-    def time_comm(self, on: bool) -> None:
-        """Whether to time the collectives the engine measures itself in the coming step (only
-        steps whose metrics are read are timed, as with the phase timer)."""
+    def measure_comm(self, on: bool) -> None:
+        """Whether to measure the coming step's communication (only steps whose metrics are
+        read are, as with the phase timer); off again once the step is done."""
 
-    def comm_time(self) -> dict[str, float]:
-        """Seconds of the timed step spent in those collectives (`time/*_comm_s`, part of the
-        forward and backward times); {} where the engine times none."""
+    def comm_metrics(self) -> dict[str, float]:
+        """The measured step's communication: the bytes this rank sent (`comm/bytes_per_step`)
+        and the seconds of the collectives the engine times itself (`time/*_comm_s`, part of
+        the forward and backward times)."""
 
     def memory(self) -> dict[str, float]:
         """Bytes this rank holds in parameters, fp32 master copies and optimizer state,

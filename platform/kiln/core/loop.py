@@ -192,7 +192,7 @@ class _Training:
             self.meter.begin()
             lr = self.scheduler.get_last_lr()[0]
             self.timer.on = read = _reads_metrics(step, self.cfg, self.meter, self.policy)
-            self.engine.time_comm(read)
+            self.engine.measure_comm(read)
             try:
                 result = train_step(
                     self.engine,
@@ -205,11 +205,13 @@ class _Training:
                     documents=self.source.documents,
                 )
             except BadLoss as bad:
+                self.engine.measure_comm(False)
                 self._record_indices(bad.step, DROPPED)
                 step = _after_bad_loss(
                     bad, self.guard, self.engine, self.policy.last_good, self.world.rank, self.sinks.logger
                 )
                 continue
+            self.engine.measure_comm(False)  # validation and the metrics' own reductions are not the step's
             if self.guard.events:
                 _record_health(self.guard, self.sinks.logger, step, self.world.rank)
             self._record_indices(step, TRAINED if result.skipped is None else SKIPPED)
@@ -247,7 +249,7 @@ class _Training:
         loss_train, wait, since_save = mean_over_ranks(
             [result.loss.item(), result.data_wait_s, self.policy.seconds_since_save()], device
         )
-        phases = self.timer.read() | self.engine.comm_time()
+        phases = self.timer.read() | self.engine.comm_metrics()
         metrics = meter.metrics(step, step_s, loss_train, lr, phases, wait, self.engine, self.world.rank)
         if not math.isfinite(loss_train):
             log.warning("step %d: non-finite training loss %s", step, loss_train)

@@ -14,6 +14,8 @@ from collections.abc import Iterator
 import torch
 
 from kiln.core.checkpoint import TAG
+from kiln.parallel.comm_bytes import COUNTER
+from kiln.parallel.comm_bytes import METRIC as BYTES_METRIC
 from kiln.parallel.comm_timer import METRIC as COMM_METRIC
 from kiln.parallel.comm_timer import CollectiveTimer
 from kiln.parallel.zero_checkpoint import is_zero_sharded, universal_copy
@@ -84,12 +86,14 @@ class DeepSpeedEngine:
     def overflow(self) -> tuple[int, float]:
         return (int(getattr(self.ds, "skipped_steps", 0)), float(getattr(self.ds.optimizer, "cur_scale", 0.0) or 0.0))
 
-    def time_comm(self, on: bool) -> None:
+    def measure_comm(self, on: bool) -> None:
+        COUNTER.on = on
         if self.comm_timer is not None:
             self.comm_timer.on = on
 
-    def comm_time(self) -> dict[str, float]:
-        return {} if self.comm_timer is None else {COMM_METRIC: self.comm_timer.read()}
+    def comm_metrics(self) -> dict[str, float]:
+        timed = {} if self.comm_timer is None else {COMM_METRIC: self.comm_timer.read()}
+        return timed | {BYTES_METRIC: float(COUNTER.read())}
 
     def memory(self) -> dict[str, float]:
         return engine_memory(self.ds)

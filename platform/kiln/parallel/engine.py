@@ -98,6 +98,8 @@ def kiln_deepspeed_config(cfg: RunConfig, data_parallel_size: int, mcfg: GPTConf
         "steps_per_print": 1 << 30,  # Kiln does its own logging
         "wall_clock_breakdown": False,
     }
+    if p.grad_compression != "none":
+        ds["communication_data_type"] = p.grad_compression  # DeepSpeed names bf16 and fp16 alike
     if p.tensor_parallel > 1:
         ds["tensor_parallel"] = {"autotp_size": p.tensor_parallel}
         if mcfg is not None:
@@ -118,6 +120,7 @@ OWNED = {
     "fp16.enabled": "train.precision",
     "torch_autocast.enabled": "train.mixed_precision",
     "tensor_parallel.autotp_size": "parallel.tensor_parallel",
+    "communication_data_type": "parallel.grad_compression",
 }
 REFUSED = {"optimizer": "optim", "scheduler": "schedule"}  # Kiln builds these itself
 
@@ -361,7 +364,7 @@ def initialize_fsdp2(cfg: RunConfig, mcfg: GPTConfig, device: torch.device, sche
     on_cuda = device.type == "cuda"
     ensure_process_group(on_cuda)
     model = build_whole_model(cfg, mcfg, device, _pretrained_weights(cfg, mcfg))
-    shard(model, cfg.parallel.zero_stage, cfg.train.precision, device, cfg.train.compile)
+    shard(model, cfg.parallel.zero_stage, cfg.train.precision, device, cfg.train.compile, cfg.parallel.grad_compression)
     optimizer = build_optimizer(model, cfg.optim, on_cuda=on_cuda)
     scheduler = scheduler_fn(optimizer)
     return FSDP2Engine(model, optimizer, scheduler, cfg.micro_batches_per_step, cfg.train.grad_clip), scheduler

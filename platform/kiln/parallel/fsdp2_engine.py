@@ -34,6 +34,8 @@ import torch.distributed as dist
 from torch import nn
 
 from kiln.core.checkpoint import TAG
+from kiln.parallel.comm_bytes import COUNTER
+from kiln.parallel.comm_bytes import METRIC as BYTES_METRIC
 
 log = logging.getLogger(__name__)
 
@@ -129,11 +131,11 @@ class FSDP2Engine:
     def overflow(self) -> tuple[int, float]:
         return 0, 0.0  # no loss scaling: fp16 is refused under this engine
 
-    def time_comm(self, on: bool) -> None:
-        pass  # FSDP2's collectives overlap compute on their own streams; not timed apart
+    def measure_comm(self, on: bool) -> None:
+        COUNTER.on = on  # FSDP2's collectives overlap compute on their own streams: not timed apart
 
-    def comm_time(self) -> dict[str, float]:
-        return {}
+    def comm_metrics(self) -> dict[str, float]:
+        return {BYTES_METRIC: float(COUNTER.read())}
 
     def memory(self) -> dict[str, float]:
         """This rank's shards, measured from the tensors: the fp32 weights are what the
@@ -169,18 +171,23 @@ def grad_norm(params: list[nn.Parameter]) -> torch.Tensor:
     return norm.float()
 
 
-def shard(model: nn.Module, zero_stage: int, precision: str, device: torch.device, compile_blocks: bool) -> None:
+def shard(
+    model: nn.Module,
+    zero_stage: int,
+    precision: str,
+    device: torch.device,
+    compile_blocks: bool,
+    grad_compression: str = "none",
+) -> None:
     """Apply FSDP2 to a GPT in place: each block a unit (compiled first where asked), then the
-    root. Every rank must hold the same whole weights when this is called."""
+    root. Every rank must hold the same whole weights when this is called. Gradients are
+    reduced in fp32, or in the dtype `parallel.grad_compression` names."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    policy = (
-        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        if precision == "bf16"
-        else MixedPrecisionPolicy()
-    )
+    reduce = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(grad_compression, torch.float32)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if precision == "bf16" else None, reduce_dtype=reduce)
     for block in model.blocks:
         if compile_blocks:
             # The forward alone: FSDP2's gather and free run as hooks around it, outside the
@@ -195,6 +202,7 @@ def shard(model: nn.Module, zero_stage: int, precision: str, device: torch.devic
 def ensure_process_group(on_cuda: bool) -> None:
     """The default process group FSDP2's mesh is made over: the launcher's (Ray Train's, or
     the local launcher's env:// rendezvous)."""
+    COUNTER.install()  # before the first collective: `comm/bytes_per_step`
     if not dist.is_initialized():
         dist.init_process_group(backend="nccl" if on_cuda else "gloo")
 

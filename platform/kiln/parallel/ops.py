@@ -25,6 +25,7 @@ import sys
 import time
 
 from kiln.guard import remove_file
+from kiln.parallel.comm_bytes import COUNTER
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,7 @@ def init_distributed(on_cuda: bool) -> None:
     shared cache inside the local launcher's start-up (29 s on 2 cores where that cache was
     empty or another environment's)."""
     use_environment_cache()
+    COUNTER.install()  # before DeepSpeed's comm layer keeps its own references to the collectives
     backend = "nccl" if on_cuda else "gloo"
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:
         init_world_of_one(backend)

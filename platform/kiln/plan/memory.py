@@ -103,6 +103,8 @@ class PlanInput:
     use_gpu: bool = True
     engine: str = "deepspeed"
     """parallel.engine: DeepSpeed's ZeRO (above), or FSDP2 (`fsdp2_states`)."""
+    grad_compression: str = "none"
+    """parallel.grad_compression: the dtype gradients travel in (throughput only)."""
     adapters: int = 0
     """LoRA's trainable parameters (`kiln.lora.adapter_params`), 0 without LoRA: then the
     gradients, master weights and optimizer state are theirs alone, and the base is weights only."""
@@ -292,8 +294,7 @@ def options(base: PlanInput) -> list[Option]:
                 base, zero_stage=stage, activation_checkpointing=ckpt, offload_optimizer=opt_off, offload_params=par_off
             )
             out.append(Option(p, estimate(p)))
-    # Equal cost (ZeRO 0-2 move the same bytes as plain data parallelism): least memory first,
-    # since headroom buys a larger micro-batch.
+    # Equal cost: least memory first, since headroom buys a larger micro-batch.
     return sorted(out, key=lambda o: (o.cost, o.estimate.total))
 
 
@@ -456,6 +457,7 @@ def plan_input(cfg: RunConfig, mcfg: GPTConfig, device_memory_gib: float) -> Pla
         mixed_precision=t.mixed_precision,
         use_gpu=p.use_gpu,
         engine=p.engine,
+        grad_compression=p.grad_compression,
         adapters=adapter_params(mcfg, cfg.model.lora),
     )
 

@@ -9,10 +9,14 @@ Formulas and sources:
 - Compute: flops_per_token(model) = 6N + 12·L·d·T (Kaplan et al. 2020; PaLM, Chowdhery et al.
   2022, appendix B) at `mfu` of the device's dense peak. Activation checkpointing reruns the
   forward: x(1 + 1/3) compute (Chen et al. 2016; Korthikanti et al. 2022).
-- Data-parallel gradient traffic per device and step: a ring all-reduce of Ψ gradients sends
-  2(n-1)/n · Ψ elements (Patarasuk & Yuan 2009). ZeRO-1/2 replace it with a reduce-scatter plus an
-  all-gather of the same volume, 2Ψ; ZeRO-3 adds a parameter all-gather in the backward, 3Ψ in
-  all (Rajbhandari et al. 2020, ZeRO, section 7). With P pipeline stages each device holds Ψ/P.
+- Data-parallel traffic per device and step: a ring all-reduce of Ψ gradients sends
+  2(n-1)/n · Ψ elements (Patarasuk & Yuan 2009). The ZeRO paper's ZeRO-1/2 replace it with a
+  reduce-scatter plus an all-gather of the weights, 2Ψ, and ZeRO-3 adds a gather in the
+  backward, 3Ψ (Rajbhandari et al. 2020, section 7). DeepSpeed's ZeRO-1/2 all-reduce the
+  gradients (3Ψ with the gather), FSDP2's follow the paper; `data_parallel_bytes` states each,
+  as measured. With P pipeline stages each device holds Ψ/P. Gradient compression
+  (`parallel.grad_compression`) sends the gradients in 2 bytes an element; the gathers of the
+  weights keep theirs.
 - Bandwidth: inside a node the NVLink/ICI bus bandwidth; across nodes the ring is bounded by the
   node's network bandwidth shared by its devices (NCCL's bus-bandwidth model).
 - Overlap: DeepSpeed's overlap_comm reduces buckets while the backward runs, so communication
@@ -137,8 +141,7 @@ def throughput(p: PlanInput, cluster: Cluster, mfu: float = 0.40, grad_accum: in
     compute = flops / (dev.peak_tflops * 1e12 * mfu)
     tp_comm = tensor_parallel_bytes(p) * micro_steps / (dev.intra_node_gbps * 1e9)
 
-    grad_bytes = params_per_rank(m, tp) / pp * state_bytes(p)
-    volume = (3 if p.zero_stage == 3 else 2) * (dp - 1) / dp * grad_bytes if dp > 1 else 0.0
+    volume = _data_parallel_gb(p) * 1e9
     # A ring spanning nodes moves at the slower of NVLink and the node's network share per device.
     bw = dev.intra_node_gbps * 1e9
     if dp * pp * tp > cluster.node.devices:
@@ -154,6 +157,32 @@ def throughput(p: PlanInput, cluster: Cluster, mfu: float = 0.40, grad_accum: in
     return Throughput(
         p.micro_batch * m.seq_len * micro_steps * dp, compute, comm + tp_comm, exposed + tp_comm, bubble, tp_comm
     )
+
+
+def data_parallel_bytes(p: PlanInput) -> float:
+    """The data-parallel traffic of one step per device, before the ring's (n-1)/n, in the
+    collectives each engine makes (what `comm/bytes_per_step` counts; tests/unit/parallel checks
+    the two agree). Ψ elements of gradients, in `parallel.grad_compression`'s dtype:
+    - ZeRO-0: all-reduced, 2Ψ;
+    - DeepSpeed ZeRO-1/2: all-reduced too (DeepSpeed's default `use_multi_rank_bucket_allreduce`;
+      each rank then keeps its partition), and the updated weights gathered, Ψ;
+    - ZeRO-3 and FSDP2: reduce-scattered, Ψ, with the weights gathered for the forward and again
+      for the backward, 2Ψ (DeepSpeed keeps them between the two where they fit its reuse
+      distance, as a small model does: then Ψ), or once under FSDP2 at zero_stage 2."""
+    elements = params_per_rank(p.model, p.tensor_parallel) / p.pipeline_stages
+    weight = state_bytes(p)
+    grad = 2 if p.grad_compression in ("bf16", "fp16") else weight
+    if p.zero_stage == 0:
+        return elements * 2 * grad
+    if p.engine == "fsdp2":
+        return elements * (grad + (2 if p.zero_stage == 3 else 1) * weight)
+    return elements * ((grad + 2 * weight) if p.zero_stage == 3 else (2 * grad + weight))
+
+
+def _data_parallel_gb(p: PlanInput) -> float:
+    """What a device sends for the data-parallel collectives of a step, in GB (a ring's share)."""
+    dp = p.data_parallel
+    return data_parallel_bytes(p) * (dp - 1) / dp / 1e9 if dp > 1 else 0.0
 
 
 def tensor_parallel_bytes(p: PlanInput) -> float:
@@ -233,7 +262,7 @@ def format_estimate(
         f"({dev.peak_tflops:g} TFLOP/s peak at {mfu:.0%} MFU), {cluster.node.network_gbps:g} Gb/s per node",
         f"  step: {t.tokens_per_step:,} tokens in {t.step_s * 1e3:.1f} ms = compute {t.compute_s * 1e3:.1f} ms"
         f" + exposed comm {t.exposed_comm_s * 1e3:.1f} ms (of {t.comm_s * 1e3:.1f} ms"
-        f"{', ZeRO-3 3Ψ' if p.zero_stage == 3 else ', 2Ψ'}"
+        f", {_data_parallel_gb(p):.2f} GB data-parallel a device"
         f"{f', tensor-parallel all-reduces {t.tp_comm_s * 1e3:.1f} ms' if p.tensor_parallel > 1 else ''})"
         f" + pipeline bubble {t.bubble_s * 1e3:.1f} ms",
         f"  tokens/s: {t.tokens_per_s:,.0f} ({t.tokens_per_s / p.world_size:,.0f} per device)",

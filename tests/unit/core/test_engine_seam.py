@@ -75,10 +75,10 @@ class PlainEngine:
     def overflow(self):
         return 0, 0.0
 
-    def time_comm(self, on):
+    def measure_comm(self, on):
         pass
 
-    def comm_time(self):
+    def comm_metrics(self):
         return {}
 
     def memory(self):

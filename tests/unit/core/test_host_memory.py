@@ -44,19 +44,24 @@ print(json.dumps({"faults": faults}))
 """
 
 
-def _faults(mode: str) -> int:
-    """The median step's page faults: a one-off growth (an arena, a thread's first buffer, measured
-    once at 12k pages in CI) lands on one step and does not move the median."""
+def _faults(mode: str) -> list[int]:
+    """Each of the ten steps' page faults."""
     proc = subprocess.run([sys.executable, "-c", SCRIPT, mode], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return int(statistics.median(json.loads(proc.stdout.strip().splitlines()[-1])["faults"]))
+    return json.loads(proc.stdout.strip().splitlines()[-1])["faults"]
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
 def test_keep_reuses_freed_memory_where_glibcs_defaults_fault_it_in_again_every_step():
+    """keep's median step faults (almost) nothing: a one-off growth (an arena, a thread's first
+    buffer, once 12k pages in CI) lands on one step and does not move it. glibc's defaults fault
+    ~12k pages in most steps here; on a loaded machine glibc's own dynamic thresholds sometimes
+    keep the memory too (a median of 0 was seen with another test run beside it), so they are
+    judged by their mean step, which one step of handing back and faulting in again sets."""
     default, keep = _faults("default"), _faults("keep")
-    assert default > 1000, default  # glibc's defaults: thousands of pages a step, back and again
-    assert keep * 5 < default, (keep, default)  # keep: the step's pages are reused (measured 0 vs 12k a step)
+    mean_default, median_keep = statistics.mean(default), statistics.median(keep)
+    assert mean_default > 1000, default  # glibc's defaults: thousands of pages a step, back and again
+    assert median_keep * 5 < mean_default and median_keep < 500, (keep, default)  # measured 0 vs 12k
 
 
 def test_keep_is_logged_and_a_bad_mode_is_one_config_error(caplog):

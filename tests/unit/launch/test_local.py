@@ -39,8 +39,7 @@ def _run_local(byte_dataset, tmp_path, *overrides, ranks=1, tty=False, args=()):
             "torch.distributed.run",
             "--nproc-per-node",
             str(ranks),
-            "--master-port",
-            str(free_port()),
+            "--standalone",  # its rendezvous on a port the OS picks as it binds: none to lose
             "-m",
             "kiln.launch.local",
         ]

@@ -35,6 +35,7 @@ from kiln.parallel.engine import build_engine
 from kiln.parallel.fsdp2_engine import gathered_state as fsdp2_gathered_state
 from kiln.parallel.zero_checkpoint import gathered_state
 from kiln.plan.memory import estimate, plan_input
+from kiln.plan.throughput import data_parallel_bytes
 from kiln.topology import ParallelDims
 
 BASE = [
@@ -109,9 +110,15 @@ def run_one(spec: dict, data: str, root: str, world) -> dict:
     out["ids"] = all_ranks(source.ids)  # every rank's micro-batches' sample ids, in the order read
     out["loss"] = [capture.history[s]["loss/train"] for s in sorted(capture.history)]
     out["steps"] = sorted(capture.history)
+    out["comm_bytes"] = [capture.history[s].get("comm/bytes_per_step") for s in sorted(capture.history)]
     out["final"] = final
-    est = estimate(plan_input(cfg, mcfg, 1.0))
-    out["planned"] = {"params": est.params, "optimizer_states": est.optimizer_states}
+    planned = plan_input(cfg, mcfg, 1.0)
+    est, dp = estimate(planned), dims.data_parallel_size
+    out["planned"] = {
+        "params": est.params,
+        "optimizer_states": est.optimizer_states,
+        "comm_bytes": data_parallel_bytes(planned) * (dp - 1) / dp,  # a ring's share, as counted
+    }
     module = engine.ds.module if hasattr(engine, "ds") else engine.model
     out["trainable"] = sum(p.numel() for p in module.parameters() if p.requires_grad)
     out["params"] = sum(p.numel() for p in module.parameters())
@@ -195,8 +202,6 @@ def launch(tmp: Path, name: str, specs: list, ranks: int, data: Path, timeout: i
     checkpoints under tmp/ckpt ("{root}" in a spec's settings); what each did, by name."""
     import subprocess
 
-    from kiln.launch.local import free_port
-
     root = tmp / "ckpt"
     specs = json.loads(json.dumps(specs).replace("{root}", str(root)))
     (tmp / f"{name}.json").write_text(json.dumps(specs))
@@ -209,8 +214,7 @@ def launch(tmp: Path, name: str, specs: list, ranks: int, data: Path, timeout: i
             "torch.distributed.run",
             "--nproc-per-node",
             str(ranks),
-            "--master-port",
-            str(free_port()),
+            "--standalone",  # its rendezvous on a port the OS picks as it binds: none to lose
         ]
     proc = subprocess.run(
         [*launcher, __file__, str(out), str(data), str(root), str(tmp / f"{name}.json")],

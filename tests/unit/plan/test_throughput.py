@@ -19,15 +19,16 @@ P5 = INSTANCES["p5.48xlarge"]  # 8 x H100: 989 TFLOP/s, NVLink 450 GB/s per devi
 
 
 def plan(**kw) -> PlanInput:
-    return PlanInput(model=M, precision="bf16", **({"micro_batch": 8} | kw))
+    return PlanInput(model=M, **({"micro_batch": 8, "precision": "bf16"} | kw))
 
 
 def test_one_node_compute_time_and_hidden_allreduce():
     t = throughput(plan(world_size=8, zero_stage=2), Cluster(P5, 1, "x"), mfu=0.5)
     tokens = 8 * 2048
     assert t.compute_s == pytest.approx(flops_per_token(M) * tokens / (989e12 * 0.5))
-    # ring: 2 (n-1)/n x 2-byte grads over NVLink's 450 GB/s
-    assert t.comm_s == pytest.approx(2 * 7 / 8 * N * 2 / 450e9)
+    # DeepSpeed's ZeRO-2 all-reduces the 2-byte grads (a ring: 2 (n-1)/n of them) and gathers the
+    # updated weights ((n-1)/n), over NVLink's 450 GB/s
+    assert t.comm_s == pytest.approx(7 / 8 * N * (2 * 2 + 2) / 450e9)
     assert t.comm_s < 2 / 3 * t.compute_s and t.exposed_comm_s == 0  # hidden behind the backward
     assert t.tokens_per_step == tokens * 8 and t.tokens_per_s == pytest.approx(tokens * 8 / t.compute_s)
 
@@ -35,16 +36,37 @@ def test_one_node_compute_time_and_hidden_allreduce():
 def test_across_nodes_the_network_share_per_device_bounds_the_ring():
     p4d = INSTANCES["p4d.24xlarge"]  # 400 Gb/s per node = 6.25 GB/s per device
     t = throughput(plan(world_size=16, zero_stage=2, micro_batch=1), Cluster(p4d, 2, "x"), mfu=0.4)
-    assert t.comm_s == pytest.approx(2 * 15 / 16 * N * 2 / 6.25e9)
+    assert t.comm_s == pytest.approx(15 / 16 * N * (2 * 2 + 2) / 6.25e9)
     assert t.exposed_comm_s == pytest.approx(t.comm_s - 2 / 3 * t.compute_s)
     assert t.step_s == pytest.approx(t.compute_s + t.exposed_comm_s)
 
 
-def test_zero3_moves_one_and_a_half_times_the_data_and_its_forward_gather_is_exposed():
+def test_zero3_moves_what_deepspeeds_zero2_does_and_its_forward_gather_is_exposed():
+    """DeepSpeed's ZeRO-2 all-reduces the gradients (2Ψ) and gathers the weights (Ψ); ZeRO-3
+    reduce-scatters them (Ψ) and gathers the weights twice (2Ψ). FSDP2 at zero_stage 2 is the
+    ZeRO paper's 2Ψ (tests/unit/parallel checks each against the bytes a run sends)."""
     c = Cluster(P5, 1, "x")
     z2, z3 = throughput(plan(world_size=8, zero_stage=2), c), throughput(plan(world_size=8, zero_stage=3), c)
-    assert z3.comm_s == pytest.approx(1.5 * z2.comm_s)
+    assert z3.comm_s == pytest.approx(z2.comm_s)
     assert z3.exposed_comm_s == pytest.approx(z3.comm_s / 3)  # the rest hides behind this backward
+    fsdp2 = throughput(plan(world_size=8, zero_stage=2, engine="fsdp2"), c)
+    assert fsdp2.comm_s == pytest.approx(2 / 3 * z2.comm_s)
+
+
+def test_gradient_compression_sends_the_gradients_in_two_bytes():
+    c = Cluster(P5, 1, "x")
+    for stage, plain_bytes, compressed_bytes in (
+        (0, 2 * 4, 2 * 2),
+        (2, 2 * 4 + 4, 2 * 2 + 4),
+        (3, 4 + 2 * 4, 2 + 2 * 4),
+    ):
+        plain = throughput(plan(world_size=8, zero_stage=stage, precision="fp32"), c)
+        small = throughput(plan(world_size=8, zero_stage=stage, precision="fp32", grad_compression="bf16"), c)
+        assert plain.comm_s == pytest.approx(7 / 8 * N * plain_bytes / 450e9), stage
+        assert small.comm_s == pytest.approx(7 / 8 * N * compressed_bytes / 450e9), stage
+    # a bf16 run's gradients travel in 2 bytes already
+    same = [throughput(plan(world_size=8, grad_compression=g), c).comm_s for g in ("none", "bf16")]
+    assert same[0] == pytest.approx(same[1])
 
 
 def test_pipeline_bubble_and_checkpointing():
