@@ -2,8 +2,8 @@
 
 Each run trains the `debug` GPT in fp32 on the demo's data (the stdlib's top-level modules) with
 `kiln train` on 2 Ray workers (the embedded Ray), from the same seed, on the same rows, for the
-same steps, at ZeRO-0 (one gradient all-reduce a step) and ZeRO-2 (a gradient reduce-scatter
-and a gather of the updated weights). Recorded per run: the bytes a rank hands to the network in
+same steps, at ZeRO-0 (one gradient all-reduce a step) and ZeRO-2 (DeepSpeed all-reduces the
+gradients too, then gathers the updated weights). Recorded per run: the bytes a rank hands to the network in
 a step (`comm/bytes_per_step`, counted at torch.distributed's collectives), steady-state
 tokens/s and the validation loss after the last step, each beside the uncompressed run's.
 A loss more than 5% above it is flagged. On one machine the ranks talk over loopback, so the
@@ -80,9 +80,8 @@ def _publish(rows: list[tuple], args: argparse.Namespace) -> None:
         f"Machine: {machine()}",
         "",
         f"debug GPT on the demo's data, micro-batch 8 a worker, {args.steps} steps, the same seed and rows; "
-        "bytes are what a rank hands to torch.distributed's collectives in a step (a ring all-reduce "
-        "over n ranks puts 2(n-1)/n of them on each rank's link). The ranks share one machine, so "
-        "loopback, not a network, carries them.",
+        "bytes are what a rank sends in a step (`comm/bytes_per_step`: its collectives under ring "
+        "accounting). The ranks share one machine, so loopback, not a network, carries them.",
         "",
         "| ZeRO | grad_compression | MiB a step | bytes vs none | tokens/s | vs none | val loss | vs none |",
         "|---:|---|---:|---:|---:|---:|---:|---:|",
