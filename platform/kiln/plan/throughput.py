@@ -41,7 +41,7 @@ from kiln.devices import DEVICES
 from kiln.errors import ConfigError
 from kiln.model import GPTConfig
 from kiln.model_size import flops_per_token, num_params
-from kiln.plan.memory import PlanInput, params_per_rank, state_bytes
+from kiln.plan.memory import PlanInput, bytes_per_element, params_per_rank, state_bytes
 from kiln.schemas import Launcher, type_problems
 from kiln.yamlfile import read_mapping
 
@@ -141,7 +141,7 @@ def throughput(p: PlanInput, cluster: Cluster, mfu: float = 0.40, grad_accum: in
     compute = flops / (dev.peak_tflops * 1e12 * mfu)
     tp_comm = tensor_parallel_bytes(p) * micro_steps / (dev.intra_node_gbps * 1e9)
 
-    volume = _data_parallel_gb(p) * 1e9
+    volume = data_parallel_bytes(p)
     # A ring spanning nodes moves at the slower of NVLink and the node's network share per device.
     bw = dev.intra_node_gbps * 1e9
     if dp * pp * tp > cluster.node.devices:
@@ -160,29 +160,27 @@ def throughput(p: PlanInput, cluster: Cluster, mfu: float = 0.40, grad_accum: in
 
 
 def data_parallel_bytes(p: PlanInput) -> float:
-    """The data-parallel traffic of one step per device, before the ring's (n-1)/n, in the
-    collectives each engine makes (what `comm/bytes_per_step` counts; tests/unit/parallel checks
-    the two agree). Ψ elements of gradients, in `parallel.grad_compression`'s dtype:
+    """The bytes a device sends in the data-parallel collectives of one step, a ring's share
+    ((n-1)/n) of each, in the collectives each engine makes (what `comm/bytes_per_step` counts;
+    tests/unit/parallel checks the two agree). Ψ elements of gradients, in
+    `parallel.grad_compression`'s dtype:
     - ZeRO-0: all-reduced, 2Ψ;
     - DeepSpeed ZeRO-1/2: all-reduced too (DeepSpeed's default `use_multi_rank_bucket_allreduce`;
       each rank then keeps its partition), and the updated weights gathered, Ψ;
     - ZeRO-3 and FSDP2: reduce-scattered, Ψ, with the weights gathered for the forward and again
       for the backward, 2Ψ (DeepSpeed keeps them between the two where they fit its reuse
       distance, as a small model does: then Ψ), or once under FSDP2 at zero_stage 2."""
-    elements = params_per_rank(p.model, p.tensor_parallel) / p.pipeline_stages
+    dp = p.data_parallel
+    if dp == 1:
+        return 0.0
+    elements = params_per_rank(p.model, p.tensor_parallel) / p.pipeline_stages * (dp - 1) / dp
     weight = state_bytes(p)
-    grad = 2 if p.grad_compression in ("bf16", "fp16") else weight
+    grad = weight if p.grad_compression == "none" else bytes_per_element(p.grad_compression)
     if p.zero_stage == 0:
         return elements * 2 * grad
     if p.engine == "fsdp2":
         return elements * (grad + (2 if p.zero_stage == 3 else 1) * weight)
     return elements * ((grad + 2 * weight) if p.zero_stage == 3 else (2 * grad + weight))
-
-
-def _data_parallel_gb(p: PlanInput) -> float:
-    """What a device sends for the data-parallel collectives of a step, in GB (a ring's share)."""
-    dp = p.data_parallel
-    return data_parallel_bytes(p) * (dp - 1) / dp / 1e9 if dp > 1 else 0.0
 
 
 def tensor_parallel_bytes(p: PlanInput) -> float:
@@ -262,7 +260,7 @@ def format_estimate(
         f"({dev.peak_tflops:g} TFLOP/s peak at {mfu:.0%} MFU), {cluster.node.network_gbps:g} Gb/s per node",
         f"  step: {t.tokens_per_step:,} tokens in {t.step_s * 1e3:.1f} ms = compute {t.compute_s * 1e3:.1f} ms"
         f" + exposed comm {t.exposed_comm_s * 1e3:.1f} ms (of {t.comm_s * 1e3:.1f} ms"
-        f", {_data_parallel_gb(p):.2f} GB data-parallel a device"
+        f", {data_parallel_bytes(p) / 1e9:.2f} GB data-parallel a device"
         f"{f', tensor-parallel all-reduces {t.tp_comm_s * 1e3:.1f} ms' if p.tensor_parallel > 1 else ''})"
         f" + pipeline bubble {t.bubble_s * 1e3:.1f} ms",
         f"  tokens/s: {t.tokens_per_s:,.0f} ({t.tokens_per_s / p.world_size:,.0f} per device)",

@@ -113,11 +113,11 @@ def run_one(spec: dict, data: str, root: str, world) -> dict:
     out["comm_bytes"] = [capture.history[s].get("comm/bytes_per_step") for s in sorted(capture.history)]
     out["final"] = final
     planned = plan_input(cfg, mcfg, 1.0)
-    est, dp = estimate(planned), dims.data_parallel_size
+    est = estimate(planned)
     out["planned"] = {
         "params": est.params,
         "optimizer_states": est.optimizer_states,
-        "comm_bytes": data_parallel_bytes(planned) * (dp - 1) / dp,  # a ring's share, as counted
+        "comm_bytes": data_parallel_bytes(planned),
     }
     module = engine.ds.module if hasattr(engine, "ds") else engine.model
     out["trainable"] = sum(p.numel() for p in module.parameters() if p.requires_grad)
