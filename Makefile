@@ -93,6 +93,7 @@ bench: $(DEMO_DATA)
 	$(BIN)/python -m bench.lora
 	$(BIN)/python -m bench.document_mask
 	$(BIN)/python -m bench.grad_compression
+	$(BIN)/python -m bench.sync
 	$(BIN)/python -m bench.resize
 	$(BIN)/python -m bench.startup_cpu
 	$(BIN)/python -m bench.background_cost

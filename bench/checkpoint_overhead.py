@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from bench.common import REPO, machine, publish, results_file
+from bench.common import LOCAL, REPO, machine, publish, results_file, train_summary
 from kiln.model import config_for  # noqa: E402
 from kiln.model_size import num_params  # noqa: E402
 
@@ -31,22 +30,7 @@ WARMUP_STEPS_EXCLUDED = 5  # kiln.core.loop's: saves within the first steps are 
 
 
 def run(overrides: list[str], tmp: str, name: str) -> dict:
-    out = f"{tmp}/{name}.json"
-    cmd = [
-        sys.executable,
-        "-m",
-        "kiln.launch.local",
-        "--config",
-        str(REPO / "jobs/configs/debug.yaml"),
-        *[a for o in overrides for a in ("--set", o)],
-        "--summary-json",
-        out,
-    ]
-    print("+", " ".join(cmd), flush=True)
-    proc = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True)
-    if proc.returncode != 0:
-        sys.exit(f"run failed:\n{proc.stderr[-4000:]}")
-    return json.loads(Path(out).read_text())
+    return train_summary(overrides, tmp, name, launcher=LOCAL)
 
 
 def size_gib(path: str) -> float:

@@ -17,6 +17,28 @@ RESULTS = REPO / "bench" / "results"
 TOPICS = ("throughput", "gpu", "data", "startup", "generation", "sweeps", "resize")
 
 
+KILN_TRAIN = [str(BIN / "kiln"), "train"]  # on the embedded Ray
+LOCAL = [sys.executable, "-m", "kiln.launch.local"]  # one process, or torchrun's
+
+
+def train_summary(
+    overrides: list[str], tmp: str, name: str, *, launcher: list[str] = KILN_TRAIN, env: dict[str, str] | None = None
+) -> dict:
+    """One run of jobs/configs/debug.yaml with `overrides` by `launcher`, in `tmp`: its summary
+    (`--summary-json`); the bench ends with the run's stderr if it fails."""
+    import json
+    import subprocess
+
+    out = f"{tmp}/{name}.json"
+    cmd = [*launcher, "--config", str(REPO / "jobs/configs/debug.yaml")]
+    cmd += [a for o in overrides for a in ("--set", o)] + ["--summary-json", out]
+    print("+", " ".join(cmd), flush=True)
+    proc = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, env={**os.environ, **(env or {})})
+    if proc.returncode != 0:
+        sys.exit(f"run failed:\n{proc.stderr[-4000:]}")
+    return json.loads(Path(out).read_text())
+
+
 def results_file(topic: str) -> str:
     """The results file of `topic` (one of TOPICS)."""
     assert topic in TOPICS, topic

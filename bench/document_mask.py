@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import BIN, REPO, machine, publish, results_file
+from bench.common import BIN, LOCAL, machine, publish, results_file, train_summary
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 TEXT = [str(STDLIB / d) for d in ("json", "email", "http", "logging")]
@@ -49,14 +49,7 @@ def prepare(inputs: list[str], out: str, seq_len: int, *more: str) -> None:
 
 def run(overrides: list[str], tmp: str, name: str) -> dict:
     """One local run's summary metrics."""
-    out = f"{tmp}/{name}.json"
-    cmd = [sys.executable, "-m", "kiln.launch.local", "--config", str(REPO / "jobs/configs/debug.yaml")]
-    cmd += [a for o in overrides for a in ("--set", o)] + ["--summary-json", out]
-    print("+", " ".join(cmd), flush=True)
-    proc = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True)
-    if proc.returncode != 0:
-        sys.exit(f"run failed:\n{proc.stderr[-4000:]}")
-    return json.loads(Path(out).read_text())["metrics"]
+    return train_summary(overrides, tmp, name, launcher=LOCAL)["metrics"]
 
 
 def main() -> None:

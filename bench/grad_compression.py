@@ -16,28 +16,18 @@ bench/results/throughput.md.
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
-from bench.common import BIN, REPO, machine, publish, results_file
+from bench.common import REPO, machine, publish, results_file, train_summary
 
 METHODS = ("none", "bf16", "fp16")
 
 
 def run(overrides: list[str], tmp: str, name: str) -> dict:
     """One `kiln train` run's summary metrics."""
-    out = f"{tmp}/{name}.json"
-    cmd = [str(BIN / "kiln"), "train", "--config", str(REPO / "jobs/configs/debug.yaml")]
-    cmd += [a for o in overrides for a in ("--set", o)] + ["--summary-json", out]
-    print("+", " ".join(cmd), flush=True)
-    proc = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True)
-    if proc.returncode != 0:
-        sys.exit(f"run failed:\n{proc.stderr[-4000:]}")
-    return json.loads(Path(out).read_text())["metrics"]
+    return train_summary(overrides, tmp, name)["metrics"]
 
 
 def main() -> None:

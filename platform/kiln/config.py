@@ -37,6 +37,7 @@ from kiln.core.resize import elastic_batch_problem
 from kiln.core.schedule import ScheduleConfig
 from kiln.data.config import DataConfig, MixSource  # noqa: F401  (MixSource: a section's item)
 from kiln.errors import ConfigError
+from kiln.layout_rules import own_communication
 from kiln.lora import layout_problem
 from kiln.model_config import ModelConfig
 from kiln.storage import absolute, is_url
@@ -150,6 +151,8 @@ def _check_across(cfg: RunConfig) -> None:
     problem = elastic_batch_problem(cfg)
     if problem:
         raise ConfigError(problem)
+    if own_communication(p.sync, p.grad_compression):
+        _check_sync(cfg)
     if cfg.model.lora.on:
         _check_lora(cfg)
 
@@ -168,9 +171,36 @@ def _check_lora(cfg: RunConfig) -> None:
         raise ConfigError(problem)
 
 
+def _check_sync(cfg: RunConfig) -> None:
+    """What Kiln's own communication (local SGD, DiLoCo, PowerSGD) needs of the training: fp32
+    weights and gradients, and for a sync, validation where the replicas agree (its layout
+    rules: `kiln.topology.sync_refusal`)."""
+    p, t = cfg.parallel, cfg.train
+    sync = own_communication(p.sync, p.grad_compression)
+    if t.precision == "fp16" or (t.precision == "bf16" and not cfg.autocast):
+        raise ConfigError(
+            f"{sync} with train.precision = {t.precision!r}: Kiln averages the replicas' fp32 weights "
+            "or gradients, and DeepSpeed's bf16/fp16 training keeps its fp32 master copies apart from "
+            "the model; expected 'fp32', or 'bf16' with train.mixed_precision = 'autocast'"
+        )
+    if p.sync == "every_step":
+        return
+    if t.eval_every % p.sync_every:
+        raise ConfigError(
+            f"train.eval_every = {t.eval_every} with {sync}: validation runs where the replicas agree, "
+            f"after a sync; expected a multiple of parallel.sync_every = {p.sync_every}"
+        )
+    if t.keep_checkpoints_by == "loss/val" and (t.checkpoint_every % p.sync_every or t.checkpoint_every_minutes):
+        raise ConfigError(
+            f"train.keep_checkpoints_by = 'loss/val' with {sync}: each checkpoint is scored by a "
+            "validation, which runs after a sync only; expected train.checkpoint_every a multiple of "
+            f"parallel.sync_every = {p.sync_every} and train.checkpoint_every_minutes = 0"
+        )
+
+
 def _check_fsdp2(cfg: RunConfig) -> None:
     """What `parallel.engine = 'fsdp2'` leaves to DeepSpeed (its parallel-only limits are in
-    `kiln.topology.deepspeed_refusal`)."""
+    `kiln.layout_rules.deepspeed_refusal`)."""
     p, t = cfg.parallel, cfg.train
     if t.precision == "fp16":
         raise ConfigError(

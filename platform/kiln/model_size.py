@@ -7,7 +7,7 @@ each count against a built model's parameters.
 
 from __future__ import annotations
 
-from kiln.model import GPTConfig
+from kiln.model import GPT, GPTConfig
 
 
 def num_params(cfg: GPTConfig, non_embedding: bool = True) -> int:
@@ -61,3 +61,13 @@ def flops_per_token(cfg: GPTConfig) -> float:
     Activation recomputation is not counted: MFU measures useful work.
     """
     return 6 * num_params(cfg) + 12 * cfg.n_layer * cfg.d_model * cfg.seq_len
+
+
+def param_shapes(cfg: GPTConfig) -> list[tuple[int, ...]]:
+    """Each parameter's shape, in the model's order, from a model built on the meta device (no
+    memory, no init): what PowerSGD's planner rule (`kiln.parallel.powersgd`) needs."""
+    import torch
+
+    with torch.device("meta"):
+        model = GPT(cfg, init_weights=False)
+    return [tuple(p.shape) for p in model.parameters()]

@@ -2,9 +2,10 @@
 of ranks into pipeline stages, tensor-parallel groups and data-parallel replicas.
 
 Every place that needs the data-parallel size, or a rank's replica, asks `ParallelDims`; the
-formula is written here and nowhere else (a test greps for other spellings). The rules that
-judge a layout live here too: `ParallelConfig.check` and `deepspeed_refusal`, the one
-statement of which ZeRO, offload and pipeline combinations DeepSpeed allows. Torch-free.
+formula is written here and nowhere else (a test greps for other spellings).
+`ParallelConfig.check` judges a layout with the rules of `kiln.layout_rules` (the one statement
+of which ZeRO, offload and pipeline combinations each engine allows) and `sync_refusal`.
+Torch-free.
 """
 
 from __future__ import annotations
@@ -15,12 +16,7 @@ from typing import Literal
 
 from kiln.errors import ConfigError
 from kiln.knobs import check_ranges, knob, span
-
-
-def _field(setting: str) -> str:
-    """How a run config names a parallel setting (`kiln plan` names its flags instead)."""
-    return f"parallel.{setting}"
-
+from kiln.layout_rules import deepspeed_refusal, own_communication, parallel_field, sharding_of, sync_layout_refusal
 
 MAX_WORKERS = 100_000
 
@@ -88,13 +84,40 @@ class ParallelConfig:
     tp_within_node: bool = True
     """Refuse a tensor-parallel group that would span nodes: its per-layer all-reduces over a
     network link cost more than the split saves. False allows it (for testing, or fast fabrics)."""
-    grad_compression: Literal["none", "bf16", "fp16"] = "none"
-    """The dtype gradients travel in between data-parallel replicas. none: the training's own
+    grad_compression: Literal["none", "bf16", "fp16", "powersgd"] = "none"
+    """How gradients travel between data-parallel replicas. none: in the training's own dtype
     (fp32 for fp32 weights and for `train.mixed_precision` autocast; bf16 or fp16 weights
     send their own dtype). bf16 or fp16 halves the bytes of an fp32 run's gradient reduce
     (DeepSpeed's `communication_data_type`, FSDP2's `reduce_dtype`), every ZeRO stage; fp16
     keeps more mantissa and may overflow a gradient above 65,504, bf16 keeps fp32's range.
-    The bytes a rank sends per step are logged as `comm/bytes_per_step`."""
+    powersgd: each weight matrix's gradient as rank-`powersgd_rank` factors with error
+    feedback (Vogels et al. 2019), vectors whole; DeepSpeed at zero_stage 0 with fp32 weights,
+    no pipeline, tensor parallelism or elastic workers. The bytes a rank sends per step are
+    logged as `comm/bytes_per_step`."""
+    powersgd_rank: int = knob(4, *span(1, 1024))
+    """PowerSGD's rank r: a n x m gradient travels as (n + m) r numbers. Higher is closer to the
+    full gradient; torch's hook defaults to 1, the paper trains at 2-4."""
+    powersgd_start_step: int = knob(10, *span(0, 100_000_000))
+    """Optimizer steps whose gradients go whole before PowerSGD starts compressing (torch's
+    start_powerSGD_iter): the first steps' gradients change too fast for its warm start."""
+    sync: Literal["every_step", "local_sgd", "diloco"] = "every_step"
+    """How often the data-parallel replicas agree. every_step: gradients averaged at every step
+    (synchronous training). local_sgd: each replica steps its own optimizer on its own rows for
+    `sync_every` steps, then the replicas' weights are averaged. diloco: the same inner steps,
+    then the change since the last sync (the pseudo-gradient) is averaged and an outer Nesterov
+    SGD (`outer_lr`, `outer_momentum`) steps the synchronized weights (Douillard et al. 2023);
+    the pseudo-gradient travels in `grad_compression`'s dtype. Both send the weights' size once
+    per `sync_every` steps instead of the gradients' every step: for slow links. DeepSpeed at
+    zero_stage 0 with fp32 weights (fp32, or bf16 autocast), no pipeline, tensor parallelism or
+    elastic workers; the last step syncs, and validation runs on synchronized weights only."""
+    sync_every: int = knob(50, *span(1, 1_000_000))
+    """H: optimizer steps each replica takes on its own between syncs (local_sgd, diloco). The
+    DiLoCo paper runs H = 500 on large models; tens suit small ones. 1: a sync every step."""
+    outer_lr: float = knob(0.7, *span(0, 10, "a number", lo_open=True))
+    """DiLoCo's outer learning rate on the averaged pseudo-gradient (the paper's 0.7). 1 with
+    outer_momentum 0 is local SGD: the replicas' average."""
+    outer_momentum: float = knob(0.9, lambda v: 0 <= v < 1, "a number in [0, 1)")
+    """DiLoCo's outer Nesterov momentum (the paper's 0.9); 0: plain outer SGD."""
     micro_batches: int = knob(4, *span(1, 100_000))
     """Micro-batches per optimizer step through the pipeline. The idle bubble is (P-1)/(M+P-1) of
     the step, so more micro-batches waste less."""
@@ -166,8 +189,41 @@ class ParallelConfig:
         )
         if refusal:
             raise ConfigError(refusal)
+        refusal = sync_refusal(self)
+        if refusal:
+            raise ConfigError(refusal)
         if "nvme" in (self.offload_optimizer, self.offload_params) and not self.nvme_path:
             raise ConfigError("parallel.offload_* = 'nvme' needs parallel.nvme_path: a directory on fast local disk")
+
+
+def sync_refusal(p: ParallelConfig) -> str | None:
+    """Why `parallel.sync` or PowerSGD cannot run with this section's settings; None where they
+    can (the layout's rule: `sync_layout_refusal`)."""
+    own = own_communication(p.sync, p.grad_compression)
+    if own is None:
+        return None
+    if p.sync != "every_step" and p.grad_compression == "powersgd":
+        return (
+            f"parallel.grad_compression = 'powersgd' with {own}: between syncs no gradient travels, and "
+            "a sync sends weights or their change; expected grad_compression 'none', 'bf16' or 'fp16'"
+        )
+    refusal = sync_layout_refusal(own, p.engine, p.zero_stage, p.pipeline_stages, p.tensor_parallel)
+    if refusal:
+        return refusal
+    if p.elastic:
+        return (
+            f"{own} with parallel.num_workers = {p.num_workers} (elastic): each replica's own state "
+            "(its weights between syncs, PowerSGD's error buffers) resumes only on as many replicas; "
+            "expected one number"
+        )
+    if p.sync == "local_sgd" and p.grad_compression != "none":
+        return (
+            f"{own} with parallel.grad_compression = {p.grad_compression!r}: local SGD averages the "
+            "weights themselves, which 2 bytes would round; expected 'none', or parallel.sync = "
+            "'diloco' with outer_lr 1 and outer_momentum 0 (local SGD through a pseudo-gradient, "
+            "which does travel compressed)"
+        )
+    return None
 
 
 @dataclass(frozen=True)
@@ -212,7 +268,7 @@ class ParallelDims:
         """Transformer blocks on the fullest pipeline stage (the planner's activation memory)."""
         return -(-n_layer // self.pipeline_stages)
 
-    def problem(self, workers: str = "parallel.num_workers", name: Callable[[str], str] = _field) -> str | None:
+    def problem(self, workers: str = "parallel.num_workers", name: Callable[[str], str] = parallel_field) -> str | None:
         """Why the ranks do not divide into this layout, naming the settings through `workers`
         and `name` (as `deepspeed_refusal` does); None where they do."""
         if self.world_size % (self.pipeline_stages * self.tensor_parallel):
@@ -229,7 +285,7 @@ class ParallelDims:
         return None
 
     def model_problem(
-        self, n_head: int, kv_heads: int, ffn_hidden: int, name: Callable[[str], str] = _field
+        self, n_head: int, kv_heads: int, ffn_hidden: int, name: Callable[[str], str] = parallel_field
     ) -> str | None:
         """Why this model's layers do not split over the tensor-parallel ranks: each rank takes
         whole attention heads (and whole key/value heads under GQA) and an equal share of the
@@ -273,100 +329,4 @@ class ParallelDims:
 
 def sharding(p: ParallelConfig) -> str:
     """The engine and stage in a few words, for logs and dry runs: 'ZeRO-2', 'FSDP2 (ZeRO-3)'."""
-    return f"ZeRO-{p.zero_stage}" if p.engine == "deepspeed" else f"FSDP2 (ZeRO-{p.zero_stage})"
-
-
-def deepspeed_refusal(
-    zero_stage: int,
-    offload_optimizer: str,
-    offload_params: str,
-    pipeline_stages: int,
-    tensor_parallel: int = 1,
-    name: Callable[[str], str] = _field,
-    engine: str = "deepspeed",
-) -> str | None:
-    """Why the engine (DeepSpeed, or FSDP2) would reject (or silently mishandle) this ZeRO /
-    offload / pipeline / tensor-parallel combination, naming each setting through `name`; None
-    where it is legal. The one statement of these limits: `kiln train` validates with it, `kiln
-    plan` checks its flags and lists only the options it allows."""
-    if engine == "fsdp2":
-        return _fsdp2_refusal(zero_stage, offload_optimizer, offload_params, pipeline_stages, tensor_parallel, name)
-    if tensor_parallel > 1:
-        refusal = _tensor_parallel_refusal(zero_stage, offload_optimizer, offload_params, pipeline_stages, name)
-        if refusal:
-            return refusal
-    if pipeline_stages > 1 and zero_stage > 1:
-        return (
-            f"{name('zero_stage')} = {zero_stage} with {name('pipeline_stages')} = {pipeline_stages}: "
-            "DeepSpeed's pipeline engine supports ZeRO stage 0 or 1 only; expected 0 or 1"
-        )
-    if pipeline_stages > 1 and (offload_optimizer != "none" or offload_params != "none"):
-        return (
-            f"{name('offload_*')} with {name('pipeline_stages')} > 1: DeepSpeed's pipeline engine does "
-            "not offload; expected offload 'none'"
-        )
-    if offload_optimizer != "none" and zero_stage == 0:
-        return (
-            f"{name('offload_optimizer')} = {offload_optimizer!r} needs {name('zero_stage')} >= 1 (ZeRO "
-            "partitions what it offloads); expected zero_stage 1, 2 or 3"
-        )
-    if offload_params != "none" and zero_stage != 3:
-        return (
-            f"{name('offload_params')} = {offload_params!r} needs {name('zero_stage')} = 3 (only stage 3 "
-            "partitions parameters)"
-        )
-    return None
-
-
-def _fsdp2_refusal(
-    zero_stage: int,
-    offload_optimizer: str,
-    offload_params: str,
-    pipeline_stages: int,
-    tensor_parallel: int,
-    name: Callable[[str], str],
-) -> str | None:
-    """What Kiln's FSDP2 engine serves: sharded weights, gradients and optimizer state, nothing
-    layered on them yet."""
-    engine = f"{name('engine')} = 'fsdp2'"
-    if zero_stage not in (2, 3):
-        return (
-            f"{engine} with {name('zero_stage')} = {zero_stage}: FSDP2 shards gradients and optimizer state "
-            "always; expected zero_stage 2 (weights kept gathered from forward to backward) or 3 (freed after "
-            "the forward), or engine 'deepspeed' for ZeRO 0-1"
-        )
-    if pipeline_stages > 1 or tensor_parallel > 1:
-        return (
-            f"{engine} with {name('pipeline_stages')} = {pipeline_stages} and {name('tensor_parallel')} = "
-            f"{tensor_parallel}: Kiln's FSDP2 engine is data-parallel only; expected both 1, or engine 'deepspeed'"
-        )
-    if offload_optimizer != "none" or offload_params != "none":
-        return (
-            f"{engine} with {name('offload_*')}: Kiln's FSDP2 engine does not offload; expected offload "
-            "'none', or engine 'deepspeed'"
-        )
-    return None
-
-
-def _tensor_parallel_refusal(
-    zero_stage: int, offload_optimizer: str, offload_params: str, pipeline_stages: int, name: Callable[[str], str]
-) -> str | None:
-    """AutoTP's limits as Kiln serves them (DeepSpeed 0.19, measured on CPU/gloo)."""
-    tp = name("tensor_parallel")
-    if pipeline_stages > 1:
-        return (
-            f"{tp} > 1 with {name('pipeline_stages')} = {pipeline_stages}: DeepSpeed's pipeline engine "
-            "does not apply AutoTP; expected one of them to be 1"
-        )
-    if zero_stage == 3:
-        return (
-            f"{tp} > 1 with {name('zero_stage')} = 3: a tensor-parallel ZeRO-3 checkpoint cannot be "
-            "consolidated for export yet; expected zero_stage 0, 1 or 2 (tensor parallelism already "
-            "divides the weights)"
-        )
-    if offload_optimizer != "none" or offload_params != "none":
-        return (
-            f"{tp} > 1 with {name('offload_*')}: Kiln does not run AutoTP with ZeRO-Offload (an untested "
-            "combination); expected offload 'none'"
-        )
-    return None
+    return sharding_of(p.engine, p.zero_stage)

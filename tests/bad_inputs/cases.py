@@ -334,6 +334,30 @@ OVERRIDES = [
     _train("set-lr-nan", ["optim.lr=nan"], "optim.lr"),
     _train("set-lr-word", ["optim.lr=fast"], "optim.lr"),
     _train("set-zero-stage-4", ["parallel.zero_stage=4"], "parallel.zero_stage"),
+    # parallel.sync (local SGD, DiLoCo): H, the outer step, and the layouts that cannot sync
+    _train("sync-every-zero", ["parallel.sync=local_sgd", "parallel.sync_every=0"], "parallel.sync_every"),
+    _train("outer-lr-zero", ["parallel.sync=diloco", "parallel.outer_lr=0"], "parallel.outer_lr"),
+    _train(
+        "powersgd-rank-zero",
+        ["parallel.grad_compression=powersgd", "parallel.powersgd_rank=0"],
+        "parallel.powersgd_rank",
+    ),
+    _train(
+        "powersgd-zero-2",
+        ["parallel.grad_compression=powersgd", "parallel.zero_stage=2"],
+        "parallel.grad_compression = 'powersgd' with ZeRO-2",
+    ),
+    _train("diloco-zero-2", ["parallel.sync=diloco", "parallel.zero_stage=2"], "parallel.sync = 'diloco' with ZeRO-2"),
+    _train(
+        "diloco-pipeline",
+        ["parallel.sync=diloco", "parallel.zero_stage=0", "parallel.pipeline_stages=2"],
+        "parallel.sync = 'diloco' with parallel.pipeline_stages = 2",
+    ),
+    _train(
+        "local-sgd-compressed",
+        ["parallel.sync=local_sgd", "parallel.zero_stage=0", "parallel.grad_compression=fp16"],
+        "parallel.grad_compression = 'fp16'",
+    ),
     _train("set-workers-zero", ["parallel.num_workers=0"], "parallel.num_workers"),
     _train("set-workers-absurd", ["parallel.num_workers=10000000"], "parallel.num_workers"),
     _train("set-steps-absurd", ["train.max_steps=100000000000000000000000000"], "train.max_steps"),

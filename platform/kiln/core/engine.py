@@ -3,9 +3,8 @@
 The loop, the step, the meter and the checkpoint policy talk to an `Engine` and to nothing
 else of the parallel machinery, in the style of `kiln.core.sinks`. DeepSpeed's implementation,
 and every read of DeepSpeed's own attributes, is `kiln.parallel.deepspeed_engine`; torch's
-FSDP2 is `kiln.parallel.fsdp2_engine`. A communication step of Kiln's own (gradient
-compression, local SGD) would be another implementation of this protocol; the loop does not
-change.
+FSDP2 is `kiln.parallel.fsdp2_engine`. Local SGD and DiLoCo (`kiln.parallel.periodic_sync`)
+wrap DeepSpeed's and sync the replicas inside `step`; the loop does not change.
 """
 
 from __future__ import annotations
@@ -70,9 +69,10 @@ class Engine(Protocol):
         read are, as with the phase timer); off again once the step is done."""
 
     def comm_metrics(self) -> dict[str, float]:
-        """The measured step's communication: the bytes this rank sent (`comm/bytes_per_step`)
-        and the seconds of the collectives the engine times itself (`time/*_comm_s`, part of
-        the forward and backward times)."""
+        """The measured step's communication: the bytes this rank sent (`comm/bytes_per_step`),
+        on CPU workers the seconds in those collectives (`comm/time_s`), and the seconds of the
+        collectives the engine times itself (`time/*_comm_s`, part of the forward and backward
+        times)."""
 
     def memory(self) -> dict[str, float]:
         """Bytes this rank holds in parameters, fp32 master copies and optimizer state,

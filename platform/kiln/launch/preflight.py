@@ -30,7 +30,8 @@ from kiln.model import GPTConfig
 from kiln.model_size import num_params
 from kiln.parallel.engine import check_offload_ops, check_passthrough, check_with_deepspeed
 from kiln.parallel.pipeline import check_partition
-from kiln.plan.memory import plan_input, refuse_if_too_big
+from kiln.plan.memory import plan_input
+from kiln.plan.options import refuse_if_too_big
 from kiln.redact import scrub
 from kiln.storage import absolute, durable, is_url, resolve
 from kiln.topology import sharding

@@ -17,16 +17,23 @@ These are the bytes on each rank's link, the figure that gradient compression an
 synchronization shrink, and the planner's data-parallel volume (`kiln.plan.throughput`) counts the
 same. Counted only while `on` (the loop's metrics steps, training only), so Kiln's own metric
 reductions and validation are left out.
+
+`comm/time_s` is the host's seconds inside the same calls, on CPU workers only (`timed`): gloo
+returns when a collective is done, so that is its time on the link; NCCL returns once the
+collective is queued on the GPU, so a GPU run logs no such figure rather than a wrong one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 
 METRIC = "comm/bytes_per_step"
+TIME_METRIC = "comm/time_s"
 
 
 def _size(t: Any) -> int:
@@ -93,7 +100,9 @@ class ByteCounter:
 
     def __init__(self) -> None:
         self.on = False
+        self.timed = False  # also the seconds inside the calls (CPU workers: `init_distributed`)
         self._bytes = 0.0
+        self._seconds = 0.0
         self._depth = 0  # torch's older names call the newer ones: count the outermost call only
 
     def install(self) -> None:
@@ -114,13 +123,17 @@ class ByteCounter:
 
     def _counting(self, name: str, original: Callable) -> Callable:
         def counted(*args: Any, **kwargs: Any) -> Any:
-            if self.on and self._depth == 0:
+            outermost = self.on and self._depth == 0
+            if outermost:
                 self._bytes += _sent(name, args, kwargs)
+                start = time.perf_counter()
             self._depth += 1
             try:
                 return original(*args, **kwargs)
             finally:
                 self._depth -= 1
+                if outermost:
+                    self._seconds += time.perf_counter() - start
 
         counted.__kiln_counted__ = True  # type: ignore[attr-defined]
         counted.__wrapped__ = original  # type: ignore[attr-defined]  # as functools.wraps sets it
@@ -130,6 +143,24 @@ class ByteCounter:
         """Bytes counted since the last read."""
         counted, self._bytes = self._bytes, 0.0
         return counted
+
+    def metrics(self) -> dict[str, float]:
+        """`comm/bytes_per_step` (and `comm/time_s` where timed) since the last read."""
+        seconds, self._seconds = self._seconds, 0.0
+        return {METRIC: self.read()} | ({TIME_METRIC: seconds} if self.timed else {})
+
+    @contextmanager
+    def apart(self) -> Iterator[dict[str, float]]:
+        """Count the block's calls on their own, whether or not counting is on, leaving the
+        running count as it was: `with COUNTER.apart() as sent: ...`, then `sent`, as `metrics`."""
+        running, was = (self._bytes, self._seconds), self.on
+        self._bytes, self._seconds, self.on = 0.0, 0.0, True
+        sent: dict[str, float] = {}
+        try:
+            yield sent
+        finally:
+            sent.update(self.metrics())
+            (self._bytes, self._seconds), self.on = running, was
 
 
 COUNTER = ByteCounter()  # one per process: the functions it wraps are process-wide

@@ -15,7 +15,6 @@ import torch
 
 from kiln.core.checkpoint import TAG
 from kiln.parallel.comm_bytes import COUNTER
-from kiln.parallel.comm_bytes import METRIC as BYTES_METRIC
 from kiln.parallel.comm_timer import METRIC as COMM_METRIC
 from kiln.parallel.comm_timer import CollectiveTimer
 from kiln.parallel.zero_checkpoint import is_zero_sharded, universal_copy
@@ -93,7 +92,7 @@ class DeepSpeedEngine:
 
     def comm_metrics(self) -> dict[str, float]:
         timed = {} if self.comm_timer is None else {COMM_METRIC: self.comm_timer.read()}
-        return timed | {BYTES_METRIC: float(COUNTER.read())}
+        return timed | COUNTER.metrics()
 
     def memory(self) -> dict[str, float]:
         return engine_memory(self.ds)

@@ -19,6 +19,7 @@ from torch import nn
 from kiln import lora
 from kiln.config import RunConfig
 from kiln.core.collectives import ranks
+from kiln.core.engine import Engine
 from kiln.core.optim import StepGate, build_optimizer, build_scheduler, gate_optimizer, param_groups
 from kiln.core.process import WorldInfo, prepare_process
 from kiln.errors import ConfigError
@@ -28,6 +29,7 @@ from kiln.parallel.comm_timer import CollectiveTimer
 from kiln.parallel.deepspeed_engine import DeepSpeedEngine
 from kiln.parallel.fsdp2_engine import FSDP2Engine, ensure_process_group, shard
 from kiln.parallel.ops import init_distributed
+from kiln.parallel.own_communication import own_communication_engine
 from kiln.parallel.pipeline import check_coords, to_pipeline
 from kiln.parallel.tensor_parallel import partition_config
 from kiln.redact import redact_tree
@@ -98,7 +100,7 @@ def kiln_deepspeed_config(cfg: RunConfig, data_parallel_size: int, mcfg: GPTConf
         "steps_per_print": 1 << 30,  # Kiln does its own logging
         "wall_clock_breakdown": False,
     }
-    if p.grad_compression != "none":
+    if p.grad_compression in ("bf16", "fp16"):  # (PowerSGD is Kiln's own: kiln.parallel.powersgd)
         ds["communication_data_type"] = p.grad_compression  # DeepSpeed names bf16 and fp16 alike
     if p.tensor_parallel > 1:
         ds["tensor_parallel"] = {"autotp_size": p.tensor_parallel}
@@ -335,7 +337,7 @@ def _full_shape(p: nn.Parameter) -> tuple:
     return getattr(p, "ds_shape", p.shape)
 
 
-def build_engine(cfg: RunConfig, mcfg: GPTConfig, world: WorldInfo) -> tuple[DeepSpeedEngine | FSDP2Engine, object]:
+def build_engine(cfg: RunConfig, mcfg: GPTConfig, world: WorldInfo) -> tuple[Engine, object]:
     """(engine, scheduler) for `train_loop` on this rank: the process seeded first (the model's
     init draws from it), then a GPT of shape `mcfg` wrapped as `parallel.*` says."""
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)  # Kiln logs its own progress
@@ -355,7 +357,8 @@ def build_engine(cfg: RunConfig, mcfg: GPTConfig, world: WorldInfo) -> tuple[Dee
     if dims.tensor_parallel > 1:
         timer = CollectiveTimer(engine.mpu.get_tensor_model_parallel_group(), world.device.type == "cuda")
         timer.install()
-    return DeepSpeedEngine(engine, pipeline=dims.pipeline_stages > 1, comm_timer=timer), scheduler
+    wrapped = DeepSpeedEngine(engine, pipeline=dims.pipeline_stages > 1, comm_timer=timer)
+    return own_communication_engine(wrapped, cfg, gate), scheduler
 
 
 def initialize_fsdp2(cfg: RunConfig, mcfg: GPTConfig, device: torch.device, scheduler_fn) -> tuple[FSDP2Engine, object]:

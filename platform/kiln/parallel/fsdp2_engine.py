@@ -35,7 +35,6 @@ from torch import nn
 
 from kiln.core.checkpoint import TAG
 from kiln.parallel.comm_bytes import COUNTER
-from kiln.parallel.comm_bytes import METRIC as BYTES_METRIC
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +134,7 @@ class FSDP2Engine:
         COUNTER.on = on  # FSDP2's collectives overlap compute on their own streams: not timed apart
 
     def comm_metrics(self) -> dict[str, float]:
-        return {BYTES_METRIC: float(COUNTER.read())}
+        return COUNTER.metrics()
 
     def memory(self) -> dict[str, float]:
         """This rank's shards, measured from the tensors: the fp32 weights are what the
@@ -203,6 +202,7 @@ def ensure_process_group(on_cuda: bool) -> None:
     """The default process group FSDP2's mesh is made over: the launcher's (Ray Train's, or
     the local launcher's env:// rendezvous)."""
     COUNTER.install()  # before the first collective: `comm/bytes_per_step`
+    COUNTER.timed = not on_cuda
     if not dist.is_initialized():
         dist.init_process_group(backend="nccl" if on_cuda else "gloo")
 

@@ -58,6 +58,7 @@ def init_distributed(on_cuda: bool) -> None:
     empty or another environment's)."""
     use_environment_cache()
     COUNTER.install()  # before DeepSpeed's comm layer keeps its own references to the collectives
+    COUNTER.timed = not on_cuda  # NCCL's calls return before the work is done: no host time
     backend = "nccl" if on_cuda else "gloo"
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:
         init_world_of_one(backend)

@@ -9,9 +9,10 @@ import math
 from kiln.config import RunConfig, field_range, load_config
 from kiln.errors import ConfigError
 from kiln.knobs import span
+from kiln.layout_rules import deepspeed_refusal
 from kiln.model import FLAVOURS, GPTConfig, config_for
-from kiln.plan.memory import PlanInput, format_table, plan_input
-from kiln.topology import deepspeed_refusal
+from kiln.plan.memory import PlanInput, plan_input
+from kiln.plan.options import format_table
 
 DEFAULT_VOCAB = 50304  # GPT-2's 50257, padded to a multiple of 64
 

@@ -51,33 +51,17 @@ Korthikanti et al. 2022, table 2).
 
 from __future__ import annotations
 
-import dataclasses
-import itertools
 from dataclasses import dataclass
 
 from kiln.config import RunConfig, bf16_autocast
 from kiln.core.optim import OPTIMIZERS
-from kiln.lora import adapter_params, layout_problem
+from kiln.lora import adapter_params
 from kiln.model import GPTConfig
-from kiln.model_size import block_params, largest_layer_params, num_params, split_params
-from kiln.topology import ParallelDims, deepspeed_refusal
-from kiln.ui import table
+from kiln.model_size import block_params, largest_layer_params, num_params, param_shapes, split_params
+from kiln.parallel.powersgd import held_elements
+from kiln.topology import ParallelDims
 
 GIB = 1 << 30
-
-# Rough relative step cost of each memory technique, to rank options that fit ("cheapest
-# first"). Orderings, not predictions: recomputation adds one forward (~1/3 of a step);
-# ZeRO-3 moves 1.5x the data-parallel traffic (ZeRO paper, section 7); offload puts the
-# optimizer step on the CPU behind PCIe (ZeRO-Offload reports 1.1-2x on GPT-2); each doubling of
-# tensor parallelism inside a node x1.1 (Megatron-LM keeps 77% of linear scaling at 8-way over
-# NVLink, 1/0.77 = 1.1^3: Shoeybi et al. 2019, figure 1).
-COST = {
-    "zero3": 1.15,
-    "checkpointing": 1.33,
-    "offload_optimizer": 1.5,
-    "offload_params": 2.5,
-    "tensor_parallel_doubling": 1.1,
-}
 
 
 @dataclass(frozen=True)
@@ -105,6 +89,12 @@ class PlanInput:
     """parallel.engine: DeepSpeed's ZeRO (above), or FSDP2 (`fsdp2_states`)."""
     grad_compression: str = "none"
     """parallel.grad_compression: the dtype gradients travel in (throughput only)."""
+    sync: str = "every_step"
+    """parallel.sync: local_sgd and diloco send the weights' size once per `sync_every` steps."""
+    sync_every: int = 1
+    """parallel.sync_every (H)."""
+    powersgd_rank: int = 4
+    """parallel.powersgd_rank, under grad_compression powersgd."""
     adapters: int = 0
     """LoRA's trainable parameters (`kiln.lora.adapter_params`), 0 without LoRA: then the
     gradients, master weights and optimizer state are theirs alone, and the base is weights only."""
@@ -176,6 +166,10 @@ def estimate(p: PlanInput) -> Estimate:
     master = 4 * trained / shard if (mixed or s >= 1) else 0
     fp32_grads = 4 * trained / shard if (mixed or s >= 1) else 0
     states = 4 * k * trained / shard
+    if p.sync == "diloco":  # the fp32 anchor and its outer momentum (kiln.parallel.periodic_sync)
+        states += 2 * 4 * trained
+    if p.grad_compression == "powersgd" and not p.adapters:  # each rank's error buffers and factors
+        states += 4 * held_elements(param_shapes(m), p.powersgd_rank)
     gathered = 2 * e * largest_layer_params(m) // p.tensor_parallel if s == 3 else 0
     if s == 3:  # the 16-bit gradients are reduce-scattered straight into fp32 partitions
         grads = 0
@@ -250,192 +244,6 @@ def activation_bytes(p: PlanInput) -> int:
     return int(per_mb * in_flight + logits)
 
 
-@dataclass(frozen=True)
-class Option:
-    plan: PlanInput
-    estimate: Estimate
-
-    @property
-    def cost(self) -> float:
-        c = COST["tensor_parallel_doubling"] ** (self.plan.tensor_parallel.bit_length() - 1)
-        if self.plan.zero_stage == 3:
-            c *= COST["zero3"]
-        if self.plan.activation_checkpointing:
-            c *= COST["checkpointing"]
-        if self.plan.offload_optimizer != "none":
-            c *= COST["offload_optimizer"]
-        if self.plan.offload_params != "none":
-            c *= COST["offload_params"]
-        return c
-
-    def describe(self) -> str:
-        p = self.plan
-        parts = [f"tensor_parallel={p.tensor_parallel}"] if p.tensor_parallel > 1 else []
-        parts.append(f"zero_stage={p.zero_stage}")
-        if p.offload_optimizer != "none":
-            parts.append(f"offload_optimizer={p.offload_optimizer}")
-        if p.offload_params != "none":
-            parts.append(f"offload_params={p.offload_params}")
-        parts.append(f"activation_checkpointing={'true' if p.activation_checkpointing else 'false'}")
-        return ", ".join(parts)
-
-
-def options(base: PlanInput) -> list[Option]:
-    """Every ZeRO stage x CPU offload x checkpointing choice at the base's scale that DeepSpeed
-    allows (`kiln.topology.deepspeed_refusal`: a pipeline keeps ZeRO 0-1 and no offload),
-    cheapest first."""
-    out = []
-    offloads = (("none", "none"), ("cpu", "none"), ("cpu", "cpu"))
-    for stage, ckpt, (opt_off, par_off) in itertools.product((0, 1, 2, 3), (False, True), offloads):
-        if deepspeed_refusal(
-            stage, opt_off, par_off, base.pipeline_stages, base.tensor_parallel, engine=base.engine
-        ) is None and not _lora_refuses(base, stage, base.tensor_parallel):
-            p = dataclasses.replace(
-                base, zero_stage=stage, activation_checkpointing=ckpt, offload_optimizer=opt_off, offload_params=par_off
-            )
-            out.append(Option(p, estimate(p)))
-    # Equal cost: least memory first, since headroom buys a larger micro-batch.
-    return sorted(out, key=lambda o: (o.cost, o.estimate.total))
-
-
-def _lora_refuses(base: PlanInput, stage: int, tensor_parallel: int) -> bool:
-    """A LoRA run's options keep to the layouts LoRA trains in (`kiln.lora.layout_problem`)."""
-    return bool(base.adapters) and layout_problem(base.engine, stage, base.pipeline_stages, tensor_parallel) is not None
-
-
-def first_fit(base: PlanInput) -> Option | None:
-    return next((o for o in options(base) if o.estimate.fits), None)
-
-
-def gib(n: float) -> str:
-    return f"{n / GIB:.2f}"
-
-
-def human(n: float) -> str:
-    return f"{n / GIB:.2f} GiB" if abs(n) >= GIB / 4 else f"{n / (1 << 20):.1f} MiB"
-
-
-def tensor_parallel_sizes(base: PlanInput, per_node: int) -> list[int]:
-    """Tensor-parallel sizes worth a row: powers of two up to the devices of one node (its
-    all-reduces need NVLink) that divide the world and the model's heads and hidden units, in a
-    layout DeepSpeed serves (no pipeline)."""
-    m, out, t = base.model, [], 1
-    while t <= per_node:
-        dims = ParallelDims(base.world_size, base.pipeline_stages, t)
-        if (
-            dims.problem() is None
-            and dims.model_problem(m.n_head, m.kv_heads, m.hidden) is None
-            and deepspeed_refusal(0, "none", "none", base.pipeline_stages, t) is None
-            and not _lora_refuses(base, 0, t)
-        ):
-            out.append(t)
-        t *= 2
-    return out
-
-
-def tensor_parallel_lines(base: PlanInput, per_node: int) -> list[str]:
-    """One line per tensor-parallel size: the cheapest option that fits at it."""
-    lines = [f"tensor parallelism inside a node ({per_node} devices per node), cheapest option that fits:"]
-    for t in tensor_parallel_sizes(base, per_node):
-        best = first_fit(dataclasses.replace(base, tensor_parallel=t))
-        shown = (
-            f"{best.describe().replace(f'tensor_parallel={t}, ', '')} -> {gib(best.estimate.total)} GiB, "
-            f"cost {best.cost:.2f}"
-            if best
-            else "nothing fits"
-        )
-        lines.append(
-            f"  tensor_parallel={t} ({ParallelDims(base.world_size, base.pipeline_stages, t).describe()}): {shown}"
-        )
-    return lines if len(lines) > 2 else []
-
-
-def first_fit_any(base: PlanInput, per_node: int) -> Option | None:
-    """The cheapest option that fits at any tensor-parallel size inside a node (the base's own
-    included); equal costs go to less splitting, then less memory."""
-    sizes = sorted({base.tensor_parallel, *tensor_parallel_sizes(base, per_node)})
-    fits = [o for t in sizes if (o := first_fit(dataclasses.replace(base, tensor_parallel=t)))]
-    return min(fits, key=lambda o: (round(o.cost, 6), o.plan.tensor_parallel, o.estimate.total), default=None)
-
-
-def format_table(base: PlanInput, per_node: int = 8) -> str:
-    """The planner's table: every option, the chosen one marked, the cheapest that fits named."""
-    m = base.model
-    head = (
-        f"model {m.n_layer} layers x d_model {m.d_model}, {num_params(m, non_embedding=False) / 1e9:.3g}B params; "
-        f"{base.world_size} devices x {base.device_memory_gib:g} GiB "
-        f"({base.dims.describe()}); micro-batch "
-        f"{base.micro_batch} x seq {m.seq_len}; {base.precision}; {base.optimizer}"
-    )
-    cols = (
-        "",
-        "zero",
-        "offload",
-        "ckpt",
-        "params",
-        "grads",
-        "master+fp32g",
-        "optim",
-        "gathered",
-        "activ",
-        "total GiB",
-        "host GiB",
-        "fits",
-        "cost",
-    )
-    rows = []
-    chosen = estimate(base)
-    for o in options(base):
-        p, est = o.plan, o.estimate
-        offload = "params+opt" if p.offload_params != "none" else ("opt" if p.offload_optimizer != "none" else "-")
-        mark = (
-            "*"
-            if (p.zero_stage, p.offload_optimizer != "none", p.offload_params != "none", p.activation_checkpointing)
-            == (
-                base.zero_stage,
-                base.offload_optimizer != "none",
-                base.offload_params != "none",
-                base.activation_checkpointing,
-            )
-            else ""
-        )
-        rows.append(
-            (
-                mark,
-                str(p.zero_stage),
-                offload,
-                "on" if p.activation_checkpointing else "off",
-                gib(est.params),
-                gib(est.grads),
-                gib(est.master),
-                gib(est.optimizer_states),
-                gib(est.gathered),
-                gib(est.activations),
-                gib(est.total),
-                gib(est.host),
-                "yes" if est.fits else "NO",
-                f"{o.cost:.2f}",
-            )
-        )
-    lines = [head, "", table.format_table(cols, rows, right=True, rule=False)]
-    best = first_fit_any(base, per_node)
-    lines.append("")
-    lines.append(
-        f"your configuration (*): {gib(chosen.total)} GiB per device, "
-        f"{'fits' if chosen.fits else 'does NOT fit'} in {base.device_memory_gib:g} GiB"
-    )
-    if best:
-        lines.append(f"recommended (cheapest that fits): {best.describe()} -> {gib(best.estimate.total)} GiB")
-    else:
-        lines.append("nothing fits: lower the micro-batch, add devices, pipeline stages or tensor parallelism")
-    lines += tensor_parallel_lines(base, per_node)
-    lines.append(
-        "cost: rough relative step time (checkpointing x1.33, ZeRO-3 x1.15, offload x1.5 / x2.5, "
-        "tensor parallelism x1.1 per doubling)"
-    )
-    return "\n".join(lines)
-
-
 # ---- the trainer's pre-launch check ---------------------------------------------------------------
 def plan_input(cfg: RunConfig, mcfg: GPTConfig, device_memory_gib: float) -> PlanInput:
     """The planner's view of a run config."""
@@ -458,38 +266,8 @@ def plan_input(cfg: RunConfig, mcfg: GPTConfig, device_memory_gib: float) -> Pla
         use_gpu=p.use_gpu,
         engine=p.engine,
         grad_compression=p.grad_compression,
+        sync=p.sync,
+        sync_every=p.sync_every,
+        powersgd_rank=p.powersgd_rank,
         adapters=adapter_params(mcfg, cfg.model.lora),
-    )
-
-
-def refuse_if_too_big(base: PlanInput, source: str) -> Estimate:
-    """Raise ConfigError naming the overflow and the first option that fits; else the estimate."""
-    from kiln.errors import ConfigError
-
-    est = estimate(base)
-    if est.fits:
-        return est
-    parts = ", ".join(
-        f"{name} {human(v)}"
-        for name, v in (
-            ("params", est.params),
-            ("grads", est.grads),
-            ("fp32 master+grads", est.master),
-            ("optimizer", est.optimizer_states),
-            ("gathered", est.gathered),
-            ("activations", est.activations),
-        )
-        if v
-    )
-    best = first_fit(base)
-    hint = (
-        f"the first option that fits: parallel.{best.describe().replace(', ', ', parallel.')} "
-        f"({human(best.estimate.total)})".replace("parallel.activation_checkpointing", "model.activation_checkpointing")
-        if best
-        else "no ZeRO/offload/checkpointing option fits: lower train.micro_batch_size or add workers"
-    )
-    raise ConfigError(
-        f"the run needs an estimated {human(est.total)} per device ({parts}) but {source} gives "
-        f"{human(est.device_memory)}: {human(est.total - est.device_memory)} over; {hint}. "
-        f"See `kiln plan` for the table"
     )

@@ -20,7 +20,9 @@ Formulas and sources:
 - Bandwidth: inside a node the NVLink/ICI bus bandwidth; across nodes the ring is bounded by the
   node's network bandwidth shared by its devices (NCCL's bus-bandwidth model).
 - Overlap: DeepSpeed's overlap_comm reduces buckets while the backward runs, so communication
-  hides up to the backward time (2/3 of compute); ZeRO-3's forward gathers do not hide here.
+  hides up to the backward time (2/3 of compute); ZeRO-3's forward gathers do not hide here, nor
+  does PowerSGD (at the accumulation boundary; its matmuls are not counted) or a local-SGD or
+  DiLoCo sync (after its step, counted as 1/H of it a step).
 - Tensor parallelism over t ranks (Megatron-LM, Shoeybi et al. 2019): each device computes 1/t of
   the blocks' flops (the output head, left whole, runs on every rank), and every block all-reduces its b·s·h activations twice in the forward and twice
   in the backward (three times forward under activation checkpointing, which reruns it), a ring
@@ -39,8 +41,10 @@ from pathlib import Path
 
 from kiln.devices import DEVICES
 from kiln.errors import ConfigError
+from kiln.layout_rules import own_communication
 from kiln.model import GPTConfig
-from kiln.model_size import flops_per_token, num_params
+from kiln.model_size import flops_per_token, num_params, param_shapes
+from kiln.parallel.powersgd import elements_sent
 from kiln.plan.memory import PlanInput, bytes_per_element, params_per_rank, state_bytes
 from kiln.schemas import Launcher, type_problems
 from kiln.yamlfile import read_mapping
@@ -148,8 +152,11 @@ def throughput(p: PlanInput, cluster: Cluster, mfu: float = 0.40, grad_accum: in
         bw = min(bw, cluster.node.network_gbps / 8 * 1e9 / cluster.node.devices)
     comm = volume / bw
     hideable = 2 / 3 * compute  # the backward share of compute
-    # ZeRO-3: the forward's all-gather (1/3 of the volume) waits for nothing to hide behind.
-    if p.zero_stage == 3:  # noqa: SIM108
+    # ZeRO-3: the forward's all-gather (1/3 of the volume) waits for nothing to hide behind;
+    # nor does Kiln's own communication (PowerSGD, a sync), which runs after the backward.
+    if own_communication(p.sync, p.grad_compression):
+        exposed = comm
+    elif p.zero_stage == 3:
         exposed = comm / 3 + max(0.0, 2 / 3 * comm - hideable)
     else:
         exposed = max(0.0, comm - hideable)
@@ -169,13 +176,24 @@ def data_parallel_bytes(p: PlanInput) -> float:
       each rank then keeps its partition), and the updated weights gathered, Ψ;
     - ZeRO-3 and FSDP2: reduce-scattered, Ψ, with the weights gathered for the forward and again
       for the backward, 2Ψ (DeepSpeed keeps them between the two where they fit its reuse
-      distance, as a small model does: then Ψ), or once under FSDP2 at zero_stage 2."""
+      distance, as a small model does: then Ψ), or once under FSDP2 at zero_stage 2;
+    - `parallel.sync` local_sgd or diloco: the trainable weights (fp32, or diloco's
+      pseudo-gradient in the compression dtype) all-reduced once per H steps, 2Ψ/H;
+    - PowerSGD: each compressed n x m gradient as (n + m) r numbers, the rest whole, 2 of each
+      (`kiln.parallel.powersgd.elements_sent`)."""
     dp = p.data_parallel
     if dp == 1:
         return 0.0
     elements = params_per_rank(p.model, p.tensor_parallel) / p.pipeline_stages * (dp - 1) / dp
     weight = state_bytes(p)
     grad = weight if p.grad_compression == "none" else bytes_per_element(p.grad_compression)
+    if p.sync != "every_step":  # one all-reduce of the trainable weights per H steps (no pipeline, no TP)
+        trained = p.adapters or params_per_rank(p.model, 1)
+        sent = grad if p.sync == "diloco" else weight  # local SGD averages the weights themselves
+        return trained * 2 * (dp - 1) / dp * sent / p.sync_every
+    if p.grad_compression == "powersgd":  # each matrix's factors P and Q, every other gradient whole, fp32
+        sent = p.adapters or elements_sent(param_shapes(p.model), p.powersgd_rank)
+        return sent * 2 * (dp - 1) / dp * weight
     if p.zero_stage == 0:
         return elements * 2 * grad
     if p.engine == "fsdp2":

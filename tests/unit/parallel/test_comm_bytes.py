@@ -25,8 +25,14 @@ def rank(r, store_path):
     dist.broadcast(x, src=0)                            # 4,000 on rank 0, nothing on rank 1
     COUNTER.on = False
     dist.all_reduce(x)
+    COUNTER.timed = True
+    read = COUNTER.metrics()
+    assert read["comm/time_s"] > 0 and COUNTER.metrics() == {"comm/bytes_per_step": 0.0, "comm/time_s": 0.0}
+    with COUNTER.apart() as sent:  # counted apart even while off, the running count left alone
+        dist.all_reduce(x)
+    assert sent["comm/bytes_per_step"] == 4000 and COUNTER.on is False and COUNTER.read() == 0
     with open(f"{store_path}.rank{r}", "w") as f:  # one file a rank: printed lines can interleave
-        f.write(f"counted {COUNTER.read()} {COUNTER.read()}")
+        f.write(f"counted {read['comm/bytes_per_step']} {COUNTER.read()}")
     dist.destroy_process_group()
 
 if __name__ == "__main__":

@@ -42,6 +42,16 @@ OPTIMIZER_RUNS = [
 FSDP2 = ["parallel.engine=fsdp2", "parallel.zero_stage=3"]
 LORA = ["model.lora.rank=4", "optim.lr=1e-2"]  # every projection of every block
 
+SGD_UNCLIPPED = ["parallel.zero_stage=0", "optim.name=sgd", "optim.lr=0.03", "optim.nesterov=true", "train.grad_clip=0"]
+DILOCO = ["parallel.zero_stage=0", "parallel.sync=diloco"]
+PLAIN_OUTER = ["parallel.outer_lr=1", "parallel.outer_momentum=0"]
+POWERSGD = [
+    "parallel.zero_stage=0",
+    "parallel.grad_compression=powersgd",
+    "parallel.powersgd_rank=2",
+    "parallel.powersgd_start_step=3",
+]
+
 # Same global batch everywhere: 8 sequences per step, as 2 ranks x 4, or 2 micro-batches x 4.
 REFERENCE = [{"name": "reference", "set": ["parallel.zero_stage=0", "train.grad_accum_steps=2"]}]
 TWO_RANKS = [
@@ -60,6 +70,21 @@ TWO_RANKS = [
     {"name": "zero0-bf16-comm", "set": ["parallel.zero_stage=0", "parallel.grad_compression=bf16"]},
     {"name": "zero2-fp16-comm", "set": ["parallel.zero_stage=2", "parallel.grad_compression=fp16"]},
     {"name": "fsdp2-bf16-comm", "set": [*FSDP2, "parallel.grad_compression=bf16"]},
+    # parallel.sync: replicas on their own between syncs. Inner SGD without clipping is linear in
+    # the gradients, so a sync every step equals synchronous training; DiLoCo (AdamW inside)
+    # resumes between syncs from each replica's own state.
+    {"name": "sgd-every-step", "set": SGD_UNCLIPPED},
+    {"name": "local-sgd-h1", "set": [*SGD_UNCLIPPED, "parallel.sync=local_sgd", "parallel.sync_every=1"]},
+    {"name": "diloco-h1-plain", "set": [*SGD_UNCLIPPED, *DILOCO, "parallel.sync_every=1", *PLAIN_OUTER]},
+    {"name": "diloco-h5", "set": [*DILOCO, "parallel.sync_every=5", "train.checkpoint_every=7"]},
+    {
+        "name": "diloco-h5-resumed",
+        "set": [*DILOCO, "parallel.sync_every=5", "train.resume_from={root}/diloco-h5/step_00000007"],
+    },
+    {"name": "local-sgd-h4", "set": ["parallel.zero_stage=0", "parallel.sync=local_sgd", "parallel.sync_every=4"]},
+    # PowerSGD at rank 2 from step 3, saved at step 7 and resumed from there.
+    {"name": "powersgd", "set": [*POWERSGD, "train.checkpoint_every=7"]},
+    {"name": "powersgd-resumed", "set": [*POWERSGD, "train.resume_from={root}/powersgd/step_00000007"]},
     {"name": "bf16-zero0-dtypes", "set": ["parallel.zero_stage=0", "train.precision=bf16"], "dtypes": True},
     {"name": "bf16-zero2-dtypes", "set": ["parallel.zero_stage=2", "train.precision=bf16"], "dtypes": True},
     *OPTIMIZER_RUNS,
@@ -250,6 +275,57 @@ def test_gradient_compression_sends_what_the_planner_says_and_trains_alike(runs)
         ("fsdp2-zero3", "fsdp2-bf16-comm"),
     ):
         assert _max_rel(runs[compressed]["loss"], runs[plain]["loss"]) <= 1e-3, compressed
+
+
+def test_local_sgd_and_diloco_sync_as_their_formulas_say_and_resume_between_syncs(runs):
+    """`parallel.sync`. With a sync every step, local SGD and DiLoCo at outer lr 1 without momentum
+    equal synchronous training (1e-6: the float sums' order differs). DiLoCo every 5 steps sends
+    nothing between syncs (DeepSpeed's gradient all-reduce is off), 1/5 of the weights' all-reduce
+    a step overall, as the planner says; it learns; and a resume from step 7, between syncs,
+    continues exactly from each replica's own weights and optimizer state."""
+    sync = runs["sgd-every-step"]
+    assert sum(sync["loss"][-5:]) < sum(sync["loss"][:5]) - 1.0  # inner SGD learns
+    for name in ("local-sgd-h1", "diloco-h1-plain"):
+        assert _max_rel(runs[name]["loss"], sync["loss"]) <= 1e-6, name
+        assert runs[name]["final"]["loss/val"] == pytest.approx(sync["final"]["loss/val"], rel=1e-6), name
+    params = runs["zero0"]["params"]
+    assert runs["local-sgd-h1"]["comm_bytes"][-1] == pytest.approx(4 * params, abs=64)  # fp32 weights, n=2
+    diloco = runs["diloco-h5"]
+    assert max(diloco["comm_bytes"][:4]) <= 64  # before the first sync: Kiln's few scalars, no gradients
+    assert diloco["comm_bytes"][-1] == pytest.approx(4 * params / 5, abs=64)
+    assert diloco["planned"]["comm_bytes"] == pytest.approx(4 * params / 5)
+    assert runs["local-sgd-h4"]["planned"]["comm_bytes"] == pytest.approx(4 * params / 4)
+    for name in ("diloco-h5", "local-sgd-h4"):
+        loss = runs[name]["loss"]
+        assert sum(loss[-5:]) < sum(loss[:5]) - 2.0, (name, loss)
+    # DiLoCo's anchor and outer momentum: two more fp32 copies of the weights, as planned.
+    held = diloco["final"]["memory/optimizer_state_bytes"]
+    assert held == pytest.approx(runs["zero0"]["final"]["memory/optimizer_state_bytes"] + 8 * params, rel=1e-6)
+    assert held == pytest.approx(diloco["planned"]["optimizer_states"], rel=0.10)
+    resumed = runs["diloco-h5-resumed"]
+    assert resumed["steps"] == list(range(8, STEPS + 1))
+    assert _max_rel(resumed["loss"], diloco["loss"][7:]) <= 1e-6
+    assert resumed["final"]["loss/val"] == pytest.approx(diloco["final"]["loss/val"], rel=1e-6)
+
+
+def test_powersgd_sends_its_factors_trains_and_resumes_exactly(runs):
+    """PowerSGD at rank 2: the first two steps send every gradient whole (4 bytes a parameter
+    over 2 ranks, as ZeRO-0), then the factors, as the planner counts them; the run learns
+    close to ZeRO-0's uncompressed one; each rank holds its error buffers and factors as planned;
+    a resume from step 7 continues exactly from every rank's own buffers."""
+    run, params = runs["powersgd"], runs["zero0"]["params"]
+    assert run["comm_bytes"][:2] == pytest.approx([4 * params] * 2, abs=64)
+    assert run["comm_bytes"][-1] == pytest.approx(run["planned"]["comm_bytes"], abs=64)
+    assert run["planned"]["comm_bytes"] < 0.3 * 4 * params
+    loss, plain = run["loss"], runs["zero0"]["loss"]
+    assert sum(loss[-5:]) < sum(loss[:5]) - 2.0, loss
+    assert sum(loss[-5:]) == pytest.approx(sum(plain[-5:]), rel=0.1), (loss, plain)
+    held = run["final"]["memory/optimizer_state_bytes"]
+    assert held == pytest.approx(run["planned"]["optimizer_states"], rel=0.10)
+    assert held > runs["zero0"]["final"]["memory/optimizer_state_bytes"]
+    resumed = runs["powersgd-resumed"]
+    assert resumed["steps"] == list(range(8, STEPS + 1))
+    assert _max_rel(resumed["loss"], run["loss"][7:]) <= 1e-6
 
 
 def test_zero_saves_the_memory_it_promises(runs):

@@ -7,7 +7,8 @@ import pytest
 from kiln.errors import ConfigError
 from kiln.model import config_for
 from kiln.model_size import largest_layer_params, num_params
-from kiln.plan.memory import GIB, PlanInput, estimate, first_fit, format_table, options, plan_input, refuse_if_too_big
+from kiln.plan.memory import GIB, PlanInput, estimate, plan_input
+from kiln.plan.options import first_fit, format_table, options, refuse_if_too_big
 
 
 @pytest.mark.parametrize("flavour", ["gpt2-124m", "1.3b", "13b"])

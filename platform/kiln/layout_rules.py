@@ -1,0 +1,147 @@
+"""The rules that judge a parallel layout, torch-free: which ZeRO, offload, pipeline and
+tensor-parallel combinations each engine serves (`deepspeed_refusal`), and where Kiln's own
+data-parallel communication runs (`sync_layout_refusal`). `kiln.topology.ParallelConfig.check`
+applies them to a run; `kiln plan` lists only the options they allow."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+
+def parallel_field(setting: str) -> str:
+    """How a run config names a parallel setting (`kiln plan` names its flags instead)."""
+    return f"parallel.{setting}"
+
+
+def sharding_of(engine: str, zero_stage: int) -> str:
+    return f"ZeRO-{zero_stage}" if engine == "deepspeed" else f"FSDP2 (ZeRO-{zero_stage})"
+
+
+def own_communication(sync: str, grad_compression: str) -> str | None:
+    """The setting under which Kiln, not the engine, moves the replicas' data
+    (`kiln.parallel.replica_engine`), as a config names it; None: the engine does."""
+    if sync != "every_step":
+        return f"parallel.sync = {sync!r}"
+    if grad_compression == "powersgd":
+        return "parallel.grad_compression = 'powersgd'"
+    return None
+
+
+def sync_layout_refusal(
+    own: str | None, engine: str, zero_stage: int, pipeline_stages: int, tensor_parallel: int
+) -> str | None:
+    """Why Kiln's own communication (`own`, from `own_communication`) cannot run on this
+    layout, for `kiln train` and the options `kiln plan` lists; None where it can. Each replica
+    holds whole gradients, weights and optimizer state (DeepSpeed's ZeRO-0), which ZeRO 1-3 and
+    FSDP2 shard over the replicas and reduce themselves; a pipeline or tensor-parallel group
+    would have to move its parts in step."""
+    if own is None:
+        return None
+    if engine != "deepspeed" or zero_stage != 0:
+        return (
+            f"{own} with {sharding_of(engine, zero_stage)}: Kiln moves whole replicas' gradients or "
+            "weights, which ZeRO 1-3 and FSDP2 shard over the replicas and reduce themselves; expected "
+            "parallel.engine 'deepspeed' with parallel.zero_stage 0"
+        )
+    if pipeline_stages > 1 or tensor_parallel > 1:
+        return (
+            f"{own} with parallel.pipeline_stages = {pipeline_stages} and parallel.tensor_parallel = "
+            f"{tensor_parallel}: Kiln moves whole replicas only; expected both 1"
+        )
+    return None
+
+
+def deepspeed_refusal(
+    zero_stage: int,
+    offload_optimizer: str,
+    offload_params: str,
+    pipeline_stages: int,
+    tensor_parallel: int = 1,
+    name: Callable[[str], str] = parallel_field,
+    engine: str = "deepspeed",
+) -> str | None:
+    """Why the engine (DeepSpeed, or FSDP2) would reject (or silently mishandle) this ZeRO /
+    offload / pipeline / tensor-parallel combination, naming each setting through `name`; None
+    where it is legal. The one statement of these limits: `kiln train` validates with it, `kiln
+    plan` checks its flags and lists only the options it allows."""
+    if engine == "fsdp2":
+        return _fsdp2_refusal(zero_stage, offload_optimizer, offload_params, pipeline_stages, tensor_parallel, name)
+    if tensor_parallel > 1:
+        refusal = _tensor_parallel_refusal(zero_stage, offload_optimizer, offload_params, pipeline_stages, name)
+        if refusal:
+            return refusal
+    if pipeline_stages > 1 and zero_stage > 1:
+        return (
+            f"{name('zero_stage')} = {zero_stage} with {name('pipeline_stages')} = {pipeline_stages}: "
+            "DeepSpeed's pipeline engine supports ZeRO stage 0 or 1 only; expected 0 or 1"
+        )
+    if pipeline_stages > 1 and (offload_optimizer != "none" or offload_params != "none"):
+        return (
+            f"{name('offload_*')} with {name('pipeline_stages')} > 1: DeepSpeed's pipeline engine does "
+            "not offload; expected offload 'none'"
+        )
+    if offload_optimizer != "none" and zero_stage == 0:
+        return (
+            f"{name('offload_optimizer')} = {offload_optimizer!r} needs {name('zero_stage')} >= 1 (ZeRO "
+            "partitions what it offloads); expected zero_stage 1, 2 or 3"
+        )
+    if offload_params != "none" and zero_stage != 3:
+        return (
+            f"{name('offload_params')} = {offload_params!r} needs {name('zero_stage')} = 3 (only stage 3 "
+            "partitions parameters)"
+        )
+    return None
+
+
+def _fsdp2_refusal(
+    zero_stage: int,
+    offload_optimizer: str,
+    offload_params: str,
+    pipeline_stages: int,
+    tensor_parallel: int,
+    name: Callable[[str], str],
+) -> str | None:
+    """What Kiln's FSDP2 engine serves: sharded weights, gradients and optimizer state, nothing
+    layered on them yet."""
+    engine = f"{name('engine')} = 'fsdp2'"
+    if zero_stage not in (2, 3):
+        return (
+            f"{engine} with {name('zero_stage')} = {zero_stage}: FSDP2 shards gradients and optimizer state "
+            "always; expected zero_stage 2 (weights kept gathered from forward to backward) or 3 (freed after "
+            "the forward), or engine 'deepspeed' for ZeRO 0-1"
+        )
+    if pipeline_stages > 1 or tensor_parallel > 1:
+        return (
+            f"{engine} with {name('pipeline_stages')} = {pipeline_stages} and {name('tensor_parallel')} = "
+            f"{tensor_parallel}: Kiln's FSDP2 engine is data-parallel only; expected both 1, or engine 'deepspeed'"
+        )
+    if offload_optimizer != "none" or offload_params != "none":
+        return (
+            f"{engine} with {name('offload_*')}: Kiln's FSDP2 engine does not offload; expected offload "
+            "'none', or engine 'deepspeed'"
+        )
+    return None
+
+
+def _tensor_parallel_refusal(
+    zero_stage: int, offload_optimizer: str, offload_params: str, pipeline_stages: int, name: Callable[[str], str]
+) -> str | None:
+    """AutoTP's limits as Kiln serves them (DeepSpeed 0.19, measured on CPU/gloo)."""
+    tp = name("tensor_parallel")
+    if pipeline_stages > 1:
+        return (
+            f"{tp} > 1 with {name('pipeline_stages')} = {pipeline_stages}: DeepSpeed's pipeline engine "
+            "does not apply AutoTP; expected one of them to be 1"
+        )
+    if zero_stage == 3:
+        return (
+            f"{tp} > 1 with {name('zero_stage')} = 3: a tensor-parallel ZeRO-3 checkpoint cannot be "
+            "consolidated for export yet; expected zero_stage 0, 1 or 2 (tensor parallelism already "
+            "divides the weights)"
+        )
+    if offload_optimizer != "none" or offload_params != "none":
+        return (
+            f"{tp} > 1 with {name('offload_*')}: Kiln does not run AutoTP with ZeRO-Offload (an untested "
+            "combination); expected offload 'none'"
+        )
+    return None
