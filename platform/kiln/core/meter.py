@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import psutil
 import torch
 
+from kiln.core.dtypes import torch_dtype
 from kiln.core.engine import Engine
 from kiln.devices import by_cuda_name
 from kiln.model import GPTConfig
@@ -215,7 +216,7 @@ def measured_peak_flops(device: torch.device, precision: str) -> float:
     """Where no datasheet applies, MFU is relative to the matmul rate this worker achieves,
     measured once training is in steady state (so under the same load as the steps); `StepMeter`
     probes it PEAK_PROBES times and keeps the highest."""
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
+    dtype = torch_dtype(precision)
     rate = measured_matmul_flops(device, dtype)
     if device.type == "cpu" and dtype != torch.float32:
         # CPUs without bf16 matmul units emulate it slower than fp32, while the model's kernels

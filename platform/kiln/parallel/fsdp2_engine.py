@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from kiln.core.checkpoint import TAG
+from kiln.core.dtypes import torch_dtype
 from kiln.parallel.comm_bytes import COUNTER
 
 log = logging.getLogger(__name__)
@@ -185,7 +186,7 @@ def shard(
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    reduce = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(grad_compression, torch.float32)
+    reduce = torch_dtype(grad_compression)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if precision == "bf16" else None, reduce_dtype=reduce)
     for block in model.blocks:
         if compile_blocks:

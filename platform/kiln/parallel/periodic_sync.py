@@ -23,6 +23,7 @@ from collections.abc import Callable
 
 import torch
 
+from kiln.core.dtypes import torch_dtype
 from kiln.core.optim import StepGate
 from kiln.parallel.deepspeed_engine import DeepSpeedEngine, inner_optimizer
 from kiln.parallel.replica_engine import ReplicaEngine, all_reduce_mean
@@ -72,7 +73,7 @@ class PeriodicSync(ReplicaEngine):
     ):
         super().__init__(inner, gate, micro_batches)
         self.method, self.every, self.last_step, self.spread = method, every, last_step, every
-        self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(compression, torch.float32)
+        self.dtype = torch_dtype(compression)
         self.anchor: torch.Tensor | None = None
         self.outer: torch.optim.Optimizer | None = None
         if method == "diloco":

@@ -99,7 +99,8 @@ class PowerSGD:
         """`grads` (one per parameter, in order) averaged over the replicas in place: the
         compressed ones as rank-r approximations from step `start_step` on."""
         compress = self.which if step >= self.start_step else []
-        whole = [g for i, g in enumerate(grads) if i not in set(compress)]
+        skipped = set(compress)
+        whole = [g for i, g in enumerate(grads) if i not in skipped]
         if whole:  # one all-reduce for every gradient that goes whole
             flat = average(torch.cat([g.reshape(-1).float() for g in whole]))
             for g, part in zip(whole, flat.split([g.numel() for g in whole])):
