@@ -87,7 +87,7 @@ class RunConfig:
     def autocast(self) -> bool:
         """Whether bf16 runs as torch.autocast over fp32 weights (`bf16_autocast`)."""
         t, p = self.train, self.parallel
-        return bf16_autocast(t.precision, t.mixed_precision, p.use_gpu, p.zero_stage, p.pipeline_stages, p.engine)
+        return bf16_autocast(t.precision, t.mixed_precision, p.use_gpu, p.deepspeed_stage, p.pipeline_stages, p.engine)
 
     @property
     def cpu_adam(self) -> bool:

@@ -27,26 +27,54 @@ def own_communication(sync: str, grad_compression: str) -> str | None:
     return None
 
 
+def own_zero_stages(sync: str, grad_compression: str) -> tuple[int, ...]:
+    """The ZeRO stages Kiln's own communication serves. PowerSGD leaves every replica the same
+    averaged gradients, so ZeRO-1's optimizer-state sharding composes with it
+    (`kiln.parallel.optimizer_shards`); a sync's replicas step their own optimizers on their own
+    gradients, which leaves nothing to shard."""
+    return (0, 1) if sync == "every_step" and grad_compression == "powersgd" else (0,)
+
+
+def deepspeed_zero_stage(zero_stage: int, sync: str, grad_compression: str) -> int:
+    """The stage DeepSpeed runs at: 0 under Kiln's own communication (Kiln shards the optimizer
+    at `parallel.zero_stage` 1 itself), else `parallel.zero_stage`."""
+    return 0 if own_communication(sync, grad_compression) else zero_stage
+
+
 def sync_layout_refusal(
-    own: str | None, engine: str, zero_stage: int, pipeline_stages: int, tensor_parallel: int
+    sync: str,
+    grad_compression: str,
+    engine: str,
+    zero_stage: int,
+    pipeline_stages: int,
+    tensor_parallel: int,
+    offload: bool = False,
 ) -> str | None:
-    """Why Kiln's own communication (`own`, from `own_communication`) cannot run on this
-    layout, for `kiln train` and the options `kiln plan` lists; None where it can. Each replica
-    holds whole gradients, weights and optimizer state (DeepSpeed's ZeRO-0), which ZeRO 1-3 and
-    FSDP2 shard over the replicas and reduce themselves; a pipeline or tensor-parallel group
-    would have to move its parts in step."""
+    """Why Kiln's own communication (local SGD, DiLoCo, PowerSGD) cannot run on this layout, for
+    `kiln train` and the options `kiln plan` lists; None where it can. Each replica holds whole
+    gradients and weights under DeepSpeed's ZeRO-0 engine, which ZeRO 2-3 and FSDP2 shard over
+    the replicas and reduce themselves; PowerSGD also runs at ZeRO-1 (`own_zero_stages`); a
+    pipeline or tensor-parallel group would have to move its parts in step."""
+    own = own_communication(sync, grad_compression)
     if own is None:
         return None
-    if engine != "deepspeed" or zero_stage != 0:
+    stages = own_zero_stages(sync, grad_compression)
+    if engine != "deepspeed" or zero_stage not in stages:
+        served = " or ".join(str(s) for s in stages)
         return (
             f"{own} with {sharding_of(engine, zero_stage)}: Kiln moves whole replicas' gradients or "
-            "weights, which ZeRO 1-3 and FSDP2 shard over the replicas and reduce themselves; expected "
-            "parallel.engine 'deepspeed' with parallel.zero_stage 0"
+            f"weights, which {'ZeRO 2-3' if 1 in stages else 'ZeRO 1-3'} and FSDP2 shard over the replicas "
+            f"and reduce themselves; expected parallel.engine 'deepspeed' with parallel.zero_stage {served}"
         )
     if pipeline_stages > 1 or tensor_parallel > 1:
         return (
             f"{own} with parallel.pipeline_stages = {pipeline_stages} and parallel.tensor_parallel = "
             f"{tensor_parallel}: Kiln moves whole replicas only; expected both 1"
+        )
+    if offload:
+        return (
+            f"{own} with parallel.offload_*: the optimizer steps on the device, over the model's own "
+            "fp32 weights; expected offload 'none'"
         )
     return None
 

@@ -16,7 +16,14 @@ from typing import Literal
 
 from kiln.errors import ConfigError
 from kiln.knobs import check_ranges, knob, span
-from kiln.layout_rules import deepspeed_refusal, own_communication, parallel_field, sharding_of, sync_layout_refusal
+from kiln.layout_rules import (
+    deepspeed_refusal,
+    deepspeed_zero_stage,
+    own_communication,
+    parallel_field,
+    sharding_of,
+    sync_layout_refusal,
+)
 
 MAX_WORKERS = 100_000
 
@@ -91,8 +98,9 @@ class ParallelConfig:
     (DeepSpeed's `communication_data_type`, FSDP2's `reduce_dtype`), every ZeRO stage; fp16
     keeps more mantissa and may overflow a gradient above 65,504, bf16 keeps fp32's range.
     powersgd: each weight matrix's gradient as rank-`powersgd_rank` factors with error
-    feedback (Vogels et al. 2019), vectors whole; DeepSpeed at zero_stage 0 with fp32 weights,
-    no pipeline, tensor parallelism or elastic workers. The bytes a rank sends per step are
+    feedback (Vogels et al. 2019), vectors whole; DeepSpeed at zero_stage 0, or 1 (each replica
+    steps and keeps the optimizer state of its share of the weights, then all gather the
+    weights), with fp32 weights, no offload, pipeline, tensor parallelism or elastic workers. The bytes a rank sends per step are
     logged as `comm/bytes_per_step`."""
     powersgd_rank: int = knob(4, *span(1, 1024))
     """PowerSGD's rank r: a n x m gradient travels as (n + m) r numbers. Higher is closer to the
@@ -109,7 +117,10 @@ class ParallelConfig:
     the pseudo-gradient travels in `grad_compression`'s dtype. Both send the weights' size once
     per `sync_every` steps instead of the gradients' every step: for slow links. DeepSpeed at
     zero_stage 0 with fp32 weights (fp32, or bf16 autocast), no pipeline, tensor parallelism or
-    elastic workers; the last step syncs, and validation runs on synchronized weights only."""
+    elastic workers; the last step syncs, and validation runs on synchronized weights only. The
+    health guard judges every replica's loss each step (one bad replica withholds the step on
+    all) and the synchronized weights at each sync: not finite, they go to `train.health.policy`
+    (DiLoCo withholds the outer step and returns every replica to the last sync, which skip keeps)."""
     sync_every: int = knob(50, *span(1, 1_000_000))
     """H: optimizer steps each replica takes on its own between syncs (local_sgd, diloco). The
     DiLoCo paper runs H = 500 on large models; tens suit small ones. 1: a sync every step."""
@@ -156,6 +167,11 @@ class ParallelConfig:
     @property
     def min_workers(self) -> int:
         return _pair(self.num_workers)[0]
+
+    @property
+    def deepspeed_stage(self) -> int:
+        """The ZeRO stage DeepSpeed runs at (`kiln.layout_rules.deepspeed_zero_stage`)."""
+        return deepspeed_zero_stage(self.zero_stage, self.sync, self.grad_compression)
 
     @property
     def elastic(self) -> bool:
@@ -207,7 +223,10 @@ def sync_refusal(p: ParallelConfig) -> str | None:
             f"parallel.grad_compression = 'powersgd' with {own}: between syncs no gradient travels, and "
             "a sync sends weights or their change; expected grad_compression 'none', 'bf16' or 'fp16'"
         )
-    refusal = sync_layout_refusal(own, p.engine, p.zero_stage, p.pipeline_stages, p.tensor_parallel)
+    offload = (p.offload_optimizer, p.offload_params) != ("none", "none")
+    refusal = sync_layout_refusal(
+        p.sync, p.grad_compression, p.engine, p.zero_stage, p.pipeline_stages, p.tensor_parallel, offload
+    )
     if refusal:
         return refusal
     if p.elastic:

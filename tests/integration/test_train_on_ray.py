@@ -267,6 +267,69 @@ def test_a_tensor_parallel_run_survives_a_dead_worker_and_a_dead_driver(
         )
 
 
+def test_diloco_resumes_exactly_after_a_dead_worker_on_ray(
+    ray_cluster, s3_server, s3_dataset, checkpoint_tensors, tmp_path
+):
+    """DiLoCo (H=5) on 2 Ray workers, checkpoints every 7 steps: between syncs, so each holds
+    every replica's own weights and inner optimizer state beside the anchor and outer momentum
+    (`kiln_replica.rank<r>.pt`, uploaded to storage by each worker). After the step-7
+    checkpoint one worker is SIGKILLed; Ray Train restarts the group from storage, and the run
+    ends with the uninterrupted run's loss at every step (1e-6) and its weights bitwise. The NaN
+    planted in rank 0's loss at step 15 is left out on both replicas in both runs (the health
+    guard under `train.health.policy: skip`)."""
+    import torch
+
+    address, _, env = ray_cluster
+    diloco = [
+        "parallel.zero_stage=0",
+        "parallel.sync=diloco",
+        "parallel.sync_every=5",
+        "train.max_steps=20",
+        "train.checkpoint_every=7",
+        "train.keep_checkpoints=2",
+        "train.eval_every=10",
+        "train.profile.start_step=0",
+        "train.max_failures=1",
+    ]
+    whole = train(_zero2_config(s3_dataset, s3_server, tmp_path, "diloco-whole", *diloco), address=address)
+    named = _zero2_overrides(s3_dataset, s3_server, tmp_path, "diloco-killed", *diloco)
+    before = {p.pid for p in _train_workers()}
+    with (tmp_path / "killed.log").open("w") as out:
+        driver = subprocess.Popen(
+            [KILN, "train", "--config", str(REPO / "jobs/configs/debug.yaml"), "--address", address]
+            + [a for o in named for a in ("--set", o)],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=tmp_path,
+        )
+        try:
+            _wait_for_checkpoint(tmp_path / "runs/diloco-killed/checkpoint_manager_snapshot.json", 7, driver)
+            victims = [p for p in _train_workers() if p.pid not in before]
+            assert len(victims) == 2, victims
+            victims[-1].send_signal(signal.SIGKILL)  # Ray Train restarts the group from storage
+            assert driver.wait(timeout=600) == 0, (tmp_path / "killed.log").read_text()[-3000:]
+        finally:
+            if driver.poll() is None:
+                driver.kill()
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    killed = client.search_runs(
+        [client.get_experiment_by_name("integration").experiment_id], "attributes.run_name = 'diloco-killed'"
+    )[0]
+    assert killed.data.tags["kiln.restarts"] == "1", killed.data.tags
+    skipped = client.get_metric_history(killed.info.run_id, "health/skipped_batches")
+    assert skipped and skipped[-1].value == 1.0
+    want = {m.step: m.value for m in client.get_metric_history(whole.run_id, "loss/train")}
+    got = [(m.step, m.value) for m in client.get_metric_history(killed.info.run_id, "loss/train")]
+    assert sorted(step for step, _ in got) == list(range(1, 21))  # each step once over two worker groups
+    assert dict(got) == pytest.approx(want, rel=1e-6)
+    final = max(p for p in (tmp_path / "runs/diloco-killed").glob("checkpoint_*") if p.is_dir())
+    replicas = sorted(p.name for p in final.rglob("kiln_replica.rank*.pt"))
+    assert replicas == ["kiln_replica.rank0.pt", "kiln_replica.rank1.pt"], replicas
+    a, b = checkpoint_tensors(whole.checkpoint), checkpoint_tensors(final)
+    assert a.keys() == b.keys() and a and not [k for k in a if not torch.equal(a[k], b[k])]
+
+
 def _wait_for_checkpoint(snapshot, step: int, driver: subprocess.Popen) -> None:
     """Until Ray Train has registered a checkpoint of `step` or later in storage."""
     deadline = time.time() + 600

@@ -13,7 +13,9 @@ What happens to a step with a bad micro-batch is the policy:
   the data after the bad batch (the window between the checkpoint and the bad batch is skipped);
 - stop: the run ends with the step, the loss and the reason.
 A pipeline runs forward, backward and the step inside DeepSpeed's schedule, so there the verdict
-comes after the step: rollback and stop work, skip is refused when the config is loaded.
+comes after the step: rollback and stop work, skip is refused when the config is loaded. Under
+`parallel.sync` the engine judges the synchronized weights at each sync too
+(`kiln.parallel.periodic_sync`) and raises BadLoss into the same policies.
 """
 
 from __future__ import annotations
@@ -85,9 +87,12 @@ MIN_HISTORY = 10  # good steps seen before a spike can be called: the first step
 class BadLoss(Exception):
     """Raised inside a step when the policy is rollback or stop; the loop decides what follows."""
 
-    def __init__(self, step: int, reason: str, fatal: bool = False):
+    def __init__(self, step: int, reason: str, fatal: bool = False, undone: bool = False):
         super().__init__(f"step {step}: {reason}")
         self.step, self.reason, self.fatal = step, reason, fatal  # fatal: stop whatever the policy
+        # undone: the engine already put every replica back where it was (a DiLoCo sync it
+        # withheld), so under skip training goes on from the next step.
+        self.undone = undone
 
 
 class HealthGuard:

@@ -392,6 +392,10 @@ def _after_bad_loss(
 ) -> int:
     """Roll back to `last_good` (a directory, or under Ray a function that downloads one) and
     return its step, or end the run with the reason."""
+    if bad.undone and guard.cfg.policy == "skip":
+        guard.events.append(f"step {bad.step}: skipped: {bad.reason}")
+        _record_health(guard, logger, bad.step, rank)
+        return bad.step
     capped = guard.rollbacks >= guard.cfg.max_rollbacks
     if guard.cfg.policy == "rollback" and not bad.fatal and last_good is not None and not capped:
         if callable(last_good):
@@ -409,6 +413,8 @@ def _after_bad_loss(
         why = "divergence"
     elif guard.cfg.policy == "stop":
         why = "train.health.policy = stop"
+    elif guard.cfg.policy == "skip":
+        why = "a step that cannot be withheld once taken; train.health.policy = rollback undoes it"
     elif capped and last_good is not None:
         why = f"{guard.rollbacks} rollback(s) already, train.health.max_rollbacks = {guard.cfg.max_rollbacks}"
     else:

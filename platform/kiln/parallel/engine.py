@@ -66,7 +66,7 @@ def kiln_deepspeed_config(cfg: RunConfig, data_parallel_size: int, mcfg: GPTConf
     persistence threshold and tensor parallelism's partition specs read)."""
     t, p = cfg.train, cfg.parallel
     d_model = mcfg.d_model if mcfg else 0
-    zero: dict[str, Any] = {"stage": p.zero_stage}
+    zero: dict[str, Any] = {"stage": p.deepspeed_stage}  # 0 where Kiln moves the replicas' data
     if p.zero_stage >= 2:
         # Contiguous gradient buffers avoid fragmentation; overlapping the reduce with backward
         # only pays where communication runs on its own stream (GPUs).

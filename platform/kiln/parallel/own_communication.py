@@ -27,7 +27,16 @@ def own_communication_engine(
             p.outer_lr,
             p.outer_momentum,
             p.grad_compression,
+            guard=cfg.train.health.policy != "off",
         )
     if p.grad_compression == "powersgd":
-        return PowerSGDEngine(wrapped, gate, micro_batches, p.powersgd_rank, p.powersgd_start_step, cfg.train.seed)
+        return PowerSGDEngine(
+            wrapped,
+            gate,
+            micro_batches,
+            p.powersgd_rank,
+            p.powersgd_start_step,
+            cfg.train.seed,
+            shard=p.zero_stage == 1,
+        )
     return wrapped

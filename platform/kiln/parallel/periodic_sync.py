@@ -24,6 +24,7 @@ from collections.abc import Callable
 import torch
 
 from kiln.core.dtypes import torch_dtype
+from kiln.core.health import BadLoss
 from kiln.core.optim import StepGate
 from kiln.parallel.deepspeed_engine import DeepSpeedEngine, inner_optimizer
 from kiln.parallel.replica_engine import ReplicaEngine, all_reduce_mean
@@ -45,15 +46,21 @@ def diloco_step(
     outer: torch.optim.Optimizer,
     average: Callable[[torch.Tensor], torch.Tensor],
     dtype: torch.dtype = torch.float32,
-) -> None:
+    guard: bool = False,
+) -> bool:
     """One outer step, in place: the pseudo-gradient `anchor - weights` averaged over the
     replicas by `average` (sent in `dtype`), the anchor stepped by `outer`, and `weights` set to
-    the new anchor."""
+    the new anchor. With `guard`, a non-finite average steps nothing (the anchor and its
+    momentum stay clean) and `weights` go back to the anchor; False then."""
     delta = average((anchor - weights).to(dtype)).to(anchor.dtype)
+    if guard and not bool(torch.isfinite(delta).all()):  # the same average, so the same verdict, on every rank
+        weights.copy_(anchor)
+        return False
     anchor.grad = delta
     outer.step()
     anchor.grad = None
     weights.copy_(anchor)
+    return True
 
 
 class PeriodicSync(ReplicaEngine):
@@ -70,9 +77,11 @@ class PeriodicSync(ReplicaEngine):
         outer_lr: float = 0.7,
         outer_momentum: float = 0.9,
         compression: str = "none",
+        guard: bool = True,
     ):
         super().__init__(inner, gate, micro_batches)
         self.method, self.every, self.last_step, self.spread = method, every, last_step, every
+        self.guard = guard  # the health guard's check of the synchronized weights (train.health)
         self.dtype = torch_dtype(compression)
         self.anchor: torch.Tensor | None = None
         self.outer: torch.optim.Optimizer | None = None
@@ -86,13 +95,26 @@ class PeriodicSync(ReplicaEngine):
 
     @torch.no_grad()
     def sync(self) -> None:
-        """Bring every replica to the same weights."""
+        """Bring every replica to the same weights. The health guard judges them: where they are
+        not finite, BadLoss goes to `train.health.policy`; DiLoCo first withholds its outer step
+        and puts every replica back at the last sync's weights, which skip keeps."""
         weights = self._flat()
         if self.method == "local_sgd":
             self.communicate(all_reduce_mean, weights)
+            if self.guard and not bool(torch.isfinite(weights).all()):
+                raise BadLoss(self.steps, "the replicas' averaged weights are not finite after the sync")
         else:
             assert self.anchor is not None and self.outer is not None
-            self.communicate(diloco_step, self.anchor, weights, self.outer, all_reduce_mean, self.dtype)
+            args = (self.anchor, weights, self.outer, all_reduce_mean, self.dtype, self.guard)
+            if not self.communicate(diloco_step, *args):
+                self._unflat(weights)
+                raise BadLoss(
+                    self.steps,
+                    f"the replicas' averaged pseudo-gradient is not finite: the outer step was withheld and "
+                    f"every replica went back to the last sync's weights ({self.every} steps of inner "
+                    "progress dropped)",
+                    undone=True,
+                )
         self._unflat(weights)
 
     def _flat(self) -> torch.Tensor:

@@ -28,7 +28,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from kiln.core.optim import StepGate
-from kiln.parallel.deepspeed_engine import DeepSpeedEngine
+from kiln.parallel.deepspeed_engine import DeepSpeedEngine, inner_optimizer
+from kiln.parallel.optimizer_shards import OptimizerShards
 from kiln.parallel.replica_engine import ReplicaEngine, all_reduce_mean
 
 MIN_COMPRESSION_RATE = 2  # torch's default: compress only where the factors are 2x smaller
@@ -136,13 +137,23 @@ def _averaged(tensors: list[torch.Tensor], average: Callable[[torch.Tensor], tor
 
 
 class PowerSGDEngine(ReplicaEngine):
-    """DeepSpeed ZeRO-0 with its gradients averaged by PowerSGD at each step."""
+    """DeepSpeed ZeRO-0 with its gradients averaged by PowerSGD at each step; with `shard`, each
+    replica steps and holds the optimizer state of its share of the weights only (ZeRO-1,
+    `kiln.parallel.optimizer_shards`)."""
 
     def __init__(
-        self, inner: DeepSpeedEngine, gate: StepGate, micro_batches: int, rank: int, start_step: int, seed: int
+        self,
+        inner: DeepSpeedEngine,
+        gate: StepGate,
+        micro_batches: int,
+        rank: int,
+        start_step: int,
+        seed: int,
+        shard: bool = False,
     ):
         super().__init__(inner, gate, micro_batches)
         self.compressor = PowerSGD(self.params, rank, start_step, seed)
+        self.shards = OptimizerShards(inner_optimizer(inner.ds), self.params, gate) if shard else None
 
     @torch.no_grad()
     def before_step(self) -> None:
@@ -153,11 +164,18 @@ class PowerSGDEngine(ReplicaEngine):
                 p.grad = g
 
     def own_state(self) -> dict:
-        return {"powersgd": self.compressor.state_dict()}
+        """E and Q; sharded, this rank's optimizer state too (DeepSpeed's file holds rank 0's)."""
+        state = {"powersgd": self.compressor.state_dict()}
+        if self.shards is not None:
+            state["optimizer"] = inner_optimizer(self.inner.ds).state_dict()
+        return state
 
     def restore(self, state: dict | None) -> None:
-        if state is not None:
-            self.compressor.load_state_dict(state["powersgd"])
+        if state is None:
+            return
+        self.compressor.load_state_dict(state["powersgd"])
+        if self.shards is not None and "optimizer" in state:
+            inner_optimizer(self.inner.ds).load_state_dict(state["optimizer"])
 
     def held_tensors(self) -> list[torch.Tensor]:
         """The error buffers (a gradient's size each) and the factors Q."""

@@ -80,11 +80,12 @@ class ReplicaEngine:
             self.steps += 1
             self.after_step()
 
-    def communicate(self, fn, *args) -> None:
-        """Run `fn(*args)`, its collectives counted apart into `sent` (spread over `spread` steps)."""
+    def communicate(self, fn, *args):
+        """`fn(*args)`, its collectives counted apart into `sent` (spread over `spread` steps)."""
         with COUNTER.apart() as sent:
-            fn(*args)
+            result = fn(*args)
         self.sent = sent
+        return result
 
     # ---- checkpoints --------------------------------------------------------------------------
     def save(self, directory: str, client_state: dict) -> None:

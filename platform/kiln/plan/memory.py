@@ -55,6 +55,7 @@ from dataclasses import dataclass
 
 from kiln.config import RunConfig, bf16_autocast
 from kiln.core.optim import OPTIMIZERS
+from kiln.layout_rules import deepspeed_zero_stage
 from kiln.lora import adapter_params
 from kiln.model import GPTConfig
 from kiln.model_size import block_params, largest_layer_params, num_params, param_shapes, split_params
@@ -109,8 +110,9 @@ class PlanInput:
 
     @property
     def autocast(self) -> bool:
+        stage = deepspeed_zero_stage(self.zero_stage, self.sync, self.grad_compression)
         return bf16_autocast(
-            self.precision, self.mixed_precision, self.use_gpu, self.zero_stage, self.pipeline_stages, self.engine
+            self.precision, self.mixed_precision, self.use_gpu, stage, self.pipeline_stages, self.engine
         )
 
 
@@ -163,8 +165,11 @@ def estimate(p: PlanInput) -> Estimate:
     grads = e * trained / (n if s >= 2 else 1)
     mixed = e == 2
     shard = n if s >= 1 else 1
-    master = 4 * trained / shard if (mixed or s >= 1) else 0
-    fp32_grads = 4 * trained / shard if (mixed or s >= 1) else 0
+    # DeepSpeed's ZeRO 1-2 steps fp32 partitions apart from the model; Kiln's ZeRO-1 under
+    # PowerSGD (DeepSpeed at stage 0) steps the model's own fp32 weights.
+    apart = mixed or deepspeed_zero_stage(s, p.sync, p.grad_compression) >= 1
+    master = 4 * trained / shard if apart else 0
+    fp32_grads = 4 * trained / shard if apart else 0
     states = 4 * k * trained / shard
     if p.sync == "diloco":  # the fp32 anchor and its outer momentum (kiln.parallel.periodic_sync)
         states += 2 * 4 * trained

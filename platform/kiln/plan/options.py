@@ -72,7 +72,7 @@ def options(base: PlanInput) -> list[Option]:
             deepspeed_refusal(stage, opt_off, par_off, base.pipeline_stages, base.tensor_parallel, engine=base.engine)
             is None
             and not _lora_refuses(base, stage, base.tensor_parallel)
-            and not _sync_refuses(base, stage, base.tensor_parallel)
+            and not _sync_refuses(base, stage, base.tensor_parallel, (opt_off, par_off) != ("none", "none"))
         ):
             p = dataclasses.replace(
                 base, zero_stage=stage, activation_checkpointing=ckpt, offload_optimizer=opt_off, offload_params=par_off
@@ -82,11 +82,13 @@ def options(base: PlanInput) -> list[Option]:
     return sorted(out, key=lambda o: (o.cost, o.estimate.total))
 
 
-def _sync_refuses(base: PlanInput, stage: int, tensor_parallel: int) -> bool:
+def _sync_refuses(base: PlanInput, stage: int, tensor_parallel: int, offload: bool = False) -> bool:
     """A local-SGD, DiLoCo or PowerSGD run's options keep to the layouts Kiln communicates in
     itself (`kiln.layout_rules.sync_layout_refusal`)."""
-    own = own_communication(base.sync, base.grad_compression)
-    return sync_layout_refusal(own, base.engine, stage, base.pipeline_stages, tensor_parallel) is not None
+    refusal = sync_layout_refusal(
+        base.sync, base.grad_compression, base.engine, stage, base.pipeline_stages, tensor_parallel, offload
+    )
+    return refusal is not None
 
 
 def _lora_refuses(base: PlanInput, stage: int, tensor_parallel: int) -> bool:

@@ -180,7 +180,8 @@ def data_parallel_bytes(p: PlanInput) -> float:
     - `parallel.sync` local_sgd or diloco: the trainable weights (fp32, or diloco's
       pseudo-gradient in the compression dtype) all-reduced once per H steps, 2Ψ/H;
     - PowerSGD: each compressed n x m gradient as (n + m) r numbers, the rest whole, 2 of each
-      (`kiln.parallel.powersgd.elements_sent`)."""
+      (`kiln.parallel.powersgd.elements_sent`); at zero_stage 1 the stepped weights gathered
+      too, Ψ (`kiln.parallel.optimizer_shards`)."""
     dp = p.data_parallel
     if dp == 1:
         return 0.0
@@ -193,7 +194,8 @@ def data_parallel_bytes(p: PlanInput) -> float:
         return trained * 2 * (dp - 1) / dp * sent / p.sync_every
     if p.grad_compression == "powersgd":  # each matrix's factors P and Q, every other gradient whole, fp32
         sent = p.adapters or elements_sent(param_shapes(p.model), p.powersgd_rank)
-        return sent * 2 * (dp - 1) / dp * weight
+        gathered = (p.adapters or params_per_rank(p.model, 1)) if p.zero_stage == 1 else 0
+        return (sent * 2 + gathered) * (dp - 1) / dp * weight
     if p.zero_stage == 0:
         return elements * 2 * grad
     if p.engine == "fsdp2":

@@ -82,9 +82,13 @@ TWO_RANKS = [
         "set": [*DILOCO, "parallel.sync_every=5", "train.resume_from={root}/diloco-h5/step_00000007"],
     },
     {"name": "local-sgd-h4", "set": ["parallel.zero_stage=0", "parallel.sync=local_sgd", "parallel.sync_every=4"]},
-    # PowerSGD at rank 2 from step 3, saved at step 7 and resumed from there.
-    {"name": "powersgd", "set": [*POWERSGD, "train.checkpoint_every=7"]},
-    {"name": "powersgd-resumed", "set": [*POWERSGD, "train.resume_from={root}/powersgd/step_00000007"]},
+    # PowerSGD at rank 2 from step 3; at ZeRO-1 too, saved at step 7 and resumed from there.
+    {"name": "powersgd", "set": POWERSGD},
+    {"name": "powersgd-zero1", "set": [*POWERSGD, "parallel.zero_stage=1", "train.checkpoint_every=7"]},
+    {
+        "name": "powersgd-zero1-resumed",
+        "set": [*POWERSGD, "parallel.zero_stage=1", "train.resume_from={root}/powersgd-zero1/step_00000007"],
+    },
     {"name": "bf16-zero0-dtypes", "set": ["parallel.zero_stage=0", "train.precision=bf16"], "dtypes": True},
     {"name": "bf16-zero2-dtypes", "set": ["parallel.zero_stage=2", "train.precision=bf16"], "dtypes": True},
     *OPTIMIZER_RUNS,
@@ -311,8 +315,10 @@ def test_local_sgd_and_diloco_sync_as_their_formulas_say_and_resume_between_sync
 def test_powersgd_sends_its_factors_trains_and_resumes_exactly(runs):
     """PowerSGD at rank 2: the first two steps send every gradient whole (4 bytes a parameter
     over 2 ranks, as ZeRO-0), then the factors, as the planner counts them; the run learns
-    close to ZeRO-0's uncompressed one; each rank holds its error buffers and factors as planned;
-    a resume from step 7 continues exactly from every rank's own buffers."""
+    close to ZeRO-0's uncompressed one; each rank holds its error buffers and factors as planned.
+    At ZeRO-1 each rank steps half the weights (the same losses, 1e-6), holds half the optimizer
+    state, and gathers the stepped weights, all as planned; a resume from step 7 continues
+    exactly from every rank's own buffers and optimizer shard."""
     run, params = runs["powersgd"], runs["zero0"]["params"]
     assert run["comm_bytes"][:2] == pytest.approx([4 * params] * 2, abs=64)
     assert run["comm_bytes"][-1] == pytest.approx(run["planned"]["comm_bytes"], abs=64)
@@ -323,9 +329,20 @@ def test_powersgd_sends_its_factors_trains_and_resumes_exactly(runs):
     held = run["final"]["memory/optimizer_state_bytes"]
     assert held == pytest.approx(run["planned"]["optimizer_states"], rel=0.10)
     assert held > runs["zero0"]["final"]["memory/optimizer_state_bytes"]
-    resumed = runs["powersgd-resumed"]
+
+    sharded = runs["powersgd-zero1"]
+    assert _max_rel(sharded["loss"], loss) <= 1e-6
+    adam = runs["zero0"]["final"]["memory/optimizer_state_bytes"]
+    assert sharded["final"]["memory/optimizer_state_bytes"] == pytest.approx(held - adam / 2, rel=0.05)
+    assert sharded["final"]["memory/optimizer_state_bytes"] == pytest.approx(
+        sharded["planned"]["optimizer_states"], rel=0.10
+    )
+    gathered = sharded["comm_bytes"][-1] - run["comm_bytes"][-1]
+    assert gathered == pytest.approx(4 * params / 2, rel=0.05)  # each rank's half of the fp32 weights
+    assert sharded["comm_bytes"][-1] == pytest.approx(sharded["planned"]["comm_bytes"], rel=0.05)
+    resumed = runs["powersgd-zero1-resumed"]
     assert resumed["steps"] == list(range(8, STEPS + 1))
-    assert _max_rel(resumed["loss"], run["loss"][7:]) <= 1e-6
+    assert _max_rel(resumed["loss"], sharded["loss"][7:]) <= 1e-6
 
 
 def test_zero_saves_the_memory_it_promises(runs):

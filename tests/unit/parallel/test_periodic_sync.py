@@ -68,6 +68,7 @@ def test_the_pseudo_gradient_travels_in_the_compression_dtype():
         (["parallel.outer_lr=-0.5"], "parallel.outer_lr"),
         (["parallel.outer_momentum=1"], "parallel.outer_momentum"),
         (["parallel.zero_stage=2"], "expected parallel.engine 'deepspeed' with parallel.zero_stage 0"),
+        (["parallel.zero_stage=1"], "with ZeRO-1: Kiln moves whole replicas' gradients or weights, which ZeRO 1-3"),
         (["parallel.engine=fsdp2", "parallel.zero_stage=3"], "FSDP2 (ZeRO-3)"),
         (["parallel.num_workers=4", "parallel.pipeline_stages=2"], "parallel.pipeline_stages = 2"),
         (["parallel.num_workers=4", "parallel.tensor_parallel=2"], "parallel.tensor_parallel = 2"),
@@ -125,3 +126,45 @@ def test_the_planner_offers_a_syncing_run_only_layouts_it_syncs():
     assert "or leave parallel.sync = 'diloco' (ZeRO shards)" in format_table(
         p
     )  # 1.3B at ZeRO-0 with DiLoCo's copies: no fit in 40 GiB
+
+
+def test_a_non_finite_sync_is_withheld_and_the_replicas_go_back_to_the_last_one():
+    """The health guard on the synchronized model: a pseudo-gradient average that is not finite
+    (one replica's weights blew up) steps neither the anchor nor its momentum, and puts this
+    replica back at the anchor; the loop then keeps training under skip (the step is "undone")
+    and stops under stop, naming the sync."""
+    from kiln.core.health import BadLoss, HealthConfig, HealthGuard
+    from kiln.core.loop import TrainingUnhealthy, _after_bad_loss
+
+    anchor = torch.tensor([1.0, 2.0])
+    outer = outer_optimizer(anchor, lr=0.7, momentum=0.9)
+    weights = torch.tensor([0.5, 2.5])
+    assert not diloco_step(anchor, weights, outer, lambda d: d + torch.tensor([float("nan"), 0.0]), guard=True)
+    assert anchor.tolist() == [1.0, 2.0] and torch.equal(weights, anchor)
+    assert not outer.state[anchor]["momentum_buffer"].any()
+    assert diloco_step(anchor, torch.tensor([0.5, 2.5]), outer, lambda d: d, guard=True)  # a finite one steps
+    assert anchor.tolist() == pytest.approx([1 - 0.7 * 0.95, 2.0 + 0.7 * 0.95])
+
+    class Logs:
+        def __init__(self):
+            self.tags = {}
+
+        def set_tag(self, key, value):
+            self.tags[key] = value
+
+        def log(self, metrics, step):
+            pass
+
+        def flush(self):
+            pass
+
+    bad = BadLoss(12, "the replicas' averaged pseudo-gradient is not finite", undone=True)
+    guard = HealthGuard(HealthConfig(policy="skip"), 0, torch.device("cpu"))
+    logs = Logs()
+    assert _after_bad_loss(bad, guard, engine=None, last_good=None, rank=0, logger=logs) == 12
+    assert any("pseudo-gradient is not finite" in v for v in logs.tags.values())
+    with pytest.raises(TrainingUnhealthy, match="step 12: the replicas' averaged"):
+        _after_bad_loss(bad, HealthGuard(HealthConfig(policy="stop"), 0, torch.device("cpu")), None, None, 0, logs)
+    local = BadLoss(8, "the replicas' averaged weights are not finite after the sync")
+    with pytest.raises(TrainingUnhealthy, match="cannot be withheld once taken"):
+        _after_bad_loss(local, guard, None, None, 0, logs)

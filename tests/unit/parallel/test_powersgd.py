@@ -10,6 +10,7 @@ from kiln.config import load_config
 from kiln.errors import ConfigError
 from kiln.model import config_for
 from kiln.model_size import num_params, param_shapes
+from kiln.parallel.optimizer_shards import owners
 from kiln.parallel.powersgd import PowerSGD, compressed, elements_sent, held_elements
 from kiln.plan.memory import PlanInput, estimate
 from kiln.plan.throughput import data_parallel_bytes
@@ -100,7 +101,8 @@ def test_the_planner_counts_powersgds_factors_and_buffers():
     "sets,needle",
     [
         (["parallel.powersgd_rank=0"], "parallel.powersgd_rank"),
-        (["parallel.zero_stage=1"], "parallel.grad_compression = 'powersgd' with ZeRO-1"),
+        (["parallel.zero_stage=2"], "with ZeRO-2: Kiln moves whole replicas' gradients or weights, which ZeRO 2-3"),
+        (["parallel.zero_stage=1", "parallel.offload_optimizer=cpu"], "with parallel.offload_*"),
         (["parallel.sync=local_sgd"], "between syncs no gradient travels"),
         (["train.precision=bf16", "train.mixed_precision=weights"], "train.precision = 'bf16'"),
     ],
@@ -109,3 +111,24 @@ def test_what_powersgd_cannot_serve_is_refused_by_name(sets, needle):
     with pytest.raises(ConfigError) as e:
         load_config(None, ["parallel.grad_compression=powersgd", "parallel.zero_stage=0", *sets])
     assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_zero_1_shards_the_optimizer_evenly_and_the_planner_counts_its_gather():
+    """At zero_stage 1 each rank steps the weights `owners` gives it (largest first to the least
+    loaded rank), and the planner counts half Adam's state per rank and one gather of the
+    weights a step on top of PowerSGD's factors, with no fp32 copy apart from the model."""
+    assert owners([10, 7, 5, 3, 1], 2) == [0, 1, 1, 0, 1]  # loads 10+3 and 7+5+1
+    assert owners([4, 4, 4], 3) == [0, 1, 2]
+    m = config_for("debug", vocab_size=320, seq_len=64)
+    sizes = [torch.Size(s).numel() for s in param_shapes(m)]
+    psi = sum(sizes)
+    split = owners(sizes, 2)
+    halves = [sum(n for n, r in zip(sizes, split) if r == k) for k in (0, 1)]
+    assert max(halves) / (psi / 2) < 1.01  # within 1% of even for the debug model
+    base = dict(model=m, world_size=2, precision="fp32", mixed_precision="weights", use_gpu=False)
+    base.update(grad_compression="powersgd", powersgd_rank=2)
+    zero0, zero1 = PlanInput(**base, zero_stage=0), PlanInput(**base, zero_stage=1)
+    assert data_parallel_bytes(zero1) - data_parallel_bytes(zero0) == pytest.approx(4 * psi / 2)
+    adam = 4 * 2 * psi
+    assert estimate(zero0).optimizer_states - estimate(zero1).optimizer_states == pytest.approx(adam / 2, rel=1e-6)
+    assert estimate(zero1).master == 0
