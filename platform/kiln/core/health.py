@@ -51,6 +51,11 @@ class HealthConfig:
     """For testing the guard: comma-separated `nan@S` or `spike@S` make rank 0's first
     micro-batch loss of step S NaN, or 100 times larger."""
 
+    @property
+    def active(self) -> bool:
+        """Whether the guard judges anything (every policy but `off`)."""
+        return self.policy != "off"
+
     def injections(self) -> dict[int, str]:
         """{step: 'nan' | 'spike'}; raises ValueError on anything else."""
         out: dict[int, str] = {}
@@ -114,7 +119,7 @@ class HealthGuard:
 
     @property
     def active(self) -> bool:
-        return self.cfg.policy != "off"
+        return self.cfg.active
 
     def inject(self, loss: torch.Tensor, step: int) -> torch.Tensor:
         """Apply a fault planted for this step, once (rank 0 only: the others must notice anyway)."""

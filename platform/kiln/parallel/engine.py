@@ -66,12 +66,13 @@ def kiln_deepspeed_config(cfg: RunConfig, data_parallel_size: int, mcfg: GPTConf
     persistence threshold and tensor parallelism's partition specs read)."""
     t, p = cfg.train, cfg.parallel
     d_model = mcfg.d_model if mcfg else 0
-    zero: dict[str, Any] = {"stage": p.deepspeed_stage}  # 0 where Kiln moves the replicas' data
-    if p.zero_stage >= 2:
+    stage = p.deepspeed_stage  # 0 where Kiln moves the replicas' data
+    zero: dict[str, Any] = {"stage": stage}
+    if stage >= 2:
         # Contiguous gradient buffers avoid fragmentation; overlapping the reduce with backward
         # only pays where communication runs on its own stream (GPUs).
         zero.update(contiguous_gradients=True, overlap_comm=p.use_gpu)
-    if p.zero_stage == 3 and d_model:
+    if stage == 3 and d_model:
         # Parameters smaller than this stay whole on every rank (gathering them costs more than
         # it saves). DeepSpeed's default (1e5 elements) would keep a small model entirely
         # unpartitioned; 10 x d_model keeps just norms and biases whole (as HF's "auto" does).

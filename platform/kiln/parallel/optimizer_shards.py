@@ -44,9 +44,9 @@ class OptimizerShards:
     def __init__(self, opt: torch.optim.Optimizer, params: Sequence[torch.Tensor], gate: StepGate):
         self.rank, self.ranks = dist.get_rank(), dist.get_world_size()
         self.params = list(params)
-        self.owner = owners([p.numel() for p in self.params], self.ranks)
-        self.others = [p for p, r in zip(self.params, self.owner) if r != self.rank]
-        self.shard = [[p for p, r in zip(self.params, self.owner) if r == k] for k in range(self.ranks)]
+        owner = owners([p.numel() for p in self.params], self.ranks)
+        self.others = [p for p, r in zip(self.params, owner) if r != self.rank]
+        self.shard = [[p for p, r in zip(self.params, owner) if r == k] for k in range(self.ranks)]
         self.width = max(sum(p.numel() for p in s) for s in self.shard)  # each rank's padded share
         inner = opt.step  # gated already (`kiln.core.optim.gate_optimizer`)
 

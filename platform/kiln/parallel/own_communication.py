@@ -27,7 +27,7 @@ def own_communication_engine(
             p.outer_lr,
             p.outer_momentum,
             p.grad_compression,
-            guard=cfg.train.health.policy != "off",
+            guard=cfg.train.health.active,
         )
     if p.grad_compression == "powersgd":
         return PowerSGDEngine(

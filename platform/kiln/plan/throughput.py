@@ -188,13 +188,13 @@ def data_parallel_bytes(p: PlanInput) -> float:
     elements = params_per_rank(p.model, p.tensor_parallel) / p.pipeline_stages * (dp - 1) / dp
     weight = state_bytes(p)
     grad = weight if p.grad_compression == "none" else bytes_per_element(p.grad_compression)
-    if p.sync != "every_step":  # one all-reduce of the trainable weights per H steps (no pipeline, no TP)
-        trained = p.adapters or params_per_rank(p.model, 1)
+    trained = p.adapters or params_per_rank(p.model, 1)  # Kiln's own communication: no pipeline, no TP
+    if p.sync != "every_step":  # one all-reduce of the trainable weights per H steps
         sent = grad if p.sync == "diloco" else weight  # local SGD averages the weights themselves
         return trained * 2 * (dp - 1) / dp * sent / p.sync_every
     if p.grad_compression == "powersgd":  # each matrix's factors P and Q, every other gradient whole, fp32
         sent = p.adapters or elements_sent(param_shapes(p.model), p.powersgd_rank)
-        gathered = (p.adapters or params_per_rank(p.model, 1)) if p.zero_stage == 1 else 0
+        gathered = trained if p.zero_stage == 1 else 0
         return (sent * 2 + gathered) * (dp - 1) / dp * weight
     if p.zero_stage == 0:
         return elements * 2 * grad

@@ -2,6 +2,9 @@
 that refuse what cannot sync, and what the planner says a sync sends and holds. The runs on two
 ranks (H=1 against synchronous training, a resume between syncs) are in test_parallelism.py."""
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -136,6 +139,9 @@ def test_a_non_finite_sync_is_withheld_and_the_replicas_go_back_to_the_last_one(
     from kiln.core.health import BadLoss, HealthConfig, HealthGuard
     from kiln.core.loop import TrainingUnhealthy, _after_bad_loss
 
+    sys.path.insert(0, str(Path(__file__).parent))
+    from parallel_harness import Capture
+
     anchor = torch.tensor([1.0, 2.0])
     outer = outer_optimizer(anchor, lr=0.7, momentum=0.9)
     weights = torch.tensor([0.5, 2.5])
@@ -145,22 +151,9 @@ def test_a_non_finite_sync_is_withheld_and_the_replicas_go_back_to_the_last_one(
     assert diloco_step(anchor, torch.tensor([0.5, 2.5]), outer, lambda d: d, guard=True)  # a finite one steps
     assert anchor.tolist() == pytest.approx([1 - 0.7 * 0.95, 2.0 + 0.7 * 0.95])
 
-    class Logs:
-        def __init__(self):
-            self.tags = {}
-
-        def set_tag(self, key, value):
-            self.tags[key] = value
-
-        def log(self, metrics, step):
-            pass
-
-        def flush(self):
-            pass
-
     bad = BadLoss(12, "the replicas' averaged pseudo-gradient is not finite", undone=True)
     guard = HealthGuard(HealthConfig(policy="skip"), 0, torch.device("cpu"))
-    logs = Logs()
+    logs = Capture()  # the MetricLogger interface, in memory
     assert _after_bad_loss(bad, guard, engine=None, last_good=None, rank=0, logger=logs) == 12
     assert any("pseudo-gradient is not finite" in v for v in logs.tags.values())
     with pytest.raises(TrainingUnhealthy, match="step 12: the replicas' averaged"):
