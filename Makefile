@@ -50,12 +50,8 @@ prometheus-tools:
 		$$SUDO apt-get install -y -qq --no-install-recommends prometheus >/dev/null 2>&1 \
 		|| { $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq --no-install-recommends prometheus; }; }
 
-# Two pytest workers (pytest-xdist): the Ray tests in order on one, around one `ray start`
-# cluster, and the rest on the other (tests/conftest.py). On 2 cores a Ray test leaves one
-# idle much of its time, and CI's budget is 40 minutes.
-TEST_WORKERS ?= 2
 test: $(TEST_STAMP) prometheus-tools lint docs
-	$(BIN)/python -m pytest tests --durations=40 -n $(TEST_WORKERS) --dist loadgroup
+	$(BIN)/python -m pytest tests --durations=40
 
 # The inner loop: everything but the integration tests (a Ray cluster) and the `slow` ones
 # (whole training jobs and engines), which `make test` runs.

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import os
-import shutil
 import sysconfig
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -21,13 +19,6 @@ REPO = Path(__file__).resolve().parents[1]
 
 # Small stdlib packages: real text nobody here wrote, ~300 KB of Python.
 CORPUS_DIRS = [STDLIB / "json", STDLIB / "logging", STDLIB / "email" / "mime", STDLIB / "http"]
-
-
-@pytest.fixture(scope="session")
-def session_tmpdir() -> str:
-    """The temp dir the test session began with, where the session's `ray start` cluster and its
-    workers write: not an xdist worker's own (`pytest_configure`)."""
-    return os.environ.get(SESSION_TMPDIR, tempfile.gettempdir())
 
 
 @pytest.fixture(scope="session")
@@ -153,38 +144,9 @@ def tiny_llama():
     return make
 
 
-RAY_GROUP = "ray-cluster"  # the xdist group of every test under tests/integration
-SESSION_TMPDIR = "KILN_TEST_SESSION_TMPDIR"  # the temp dir before an xdist worker chose its own
-
-
-def pytest_configure(config):
-    """Under `pytest -n N` (`make test`), what a worker's processes write to the temp dir goes to
-    a folder of that worker's ($TMPDIR), Ray instances it starts itself included (embedded,
-    `ray.init(address="local")`, under $TMPDIR/ray). Beside another worker's, they would share
-    /tmp/ray, where the newest head rewrites Ray's Prometheus service-discovery file, and /tmp,
-    where a test counts Ray Train's local checkpoint copies. The session's `ray start` cluster
-    keeps the temp dir the session began with (SESSION_TMPDIR), as a user's head does."""
-    worker = os.environ.get("PYTEST_XDIST_WORKER")
-    if worker and SESSION_TMPDIR not in os.environ:
-        os.environ[SESSION_TMPDIR] = tempfile.gettempdir()
-        # Short (Ray's socket paths under it must fit in 107 bytes) and unique to this session.
-        os.environ["TMPDIR"] = tempfile.mkdtemp(prefix=f"kiln-{worker}-")
-        tempfile.tempdir = None  # computed again from $TMPDIR
-
-
-def pytest_unconfigure(config):
-    """The worker's temp dir goes with it (its embedded Rays' logs included)."""
-    if os.environ.get("PYTEST_XDIST_WORKER") and SESSION_TMPDIR in os.environ:
-        shutil.rmtree(os.environ["TMPDIR"], ignore_errors=True)
-
-
 def pytest_collection_modifyitems(config, items):
     """Every test under tests/integration carries the `integration` marker (`make test-fast`
-    leaves them out with the `slow` ones), and one xdist group: under `make test`'s
-    `-n 2 --dist loadgroup` they run in order on one worker, around one `ray start` cluster
-    (a session fixture), while the other worker runs the rest beside them. On 2
-    cores a Ray test leaves a core idle much of its time (actors starting, Tune polling)."""
+    leaves them out with the `slow` ones)."""
     for item in items:
         if "integration" in item.path.parts:
             item.add_marker(pytest.mark.integration)
-            item.add_marker(pytest.mark.xdist_group(RAY_GROUP))

@@ -80,7 +80,7 @@ def prometheus(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def ray_cluster(tmp_path_factory, session_tmpdir):
+def ray_cluster(tmp_path_factory):
     """A head node started like a user would: `ray start --head`, token auth on, dashboard on
     loopback for job submission. Yields (gcs_address, dashboard_url, env)."""
     if shutil.which("ray", path=str(BIN)) is None:
@@ -89,12 +89,8 @@ def ray_cluster(tmp_path_factory, session_tmpdir):
     # The GCS declares a node dead after 3 failed health checks 2 s apart (Ray's defaults, 5
     # checks 3 s apart with a 10 s timeout, took 70 s to notice test_two_nodes' killed node).
     # A killed raylet refuses the check at once; a live one has 5 s to answer each.
-    # The session's temp dir, as a user's head: /tmp/ray is where dashboards/prometheus.yml reads
-    # Ray's service discovery (an xdist worker's own temp dir is for its own processes and its
-    # embedded Rays: tests/conftest.py).
     env = dict(
         os.environ,
-        TMPDIR=session_tmpdir,
         RAY_AUTH_MODE="token",
         RAY_metrics_report_interval_ms="2000",
         RAY_health_check_period_ms="2000",

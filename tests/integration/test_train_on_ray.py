@@ -1,7 +1,6 @@
 """A 2-worker DeepSpeed ZeRO-2 run on a real Ray cluster, reading Parquet from loopback S3,
 logging to a real MLflow store. One run proves several things, to keep the suite short."""
 
-import contextlib
 import glob
 import io
 import json
@@ -10,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass
@@ -29,7 +29,6 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(REPO / "tests/dashboards"))
 from prom_queries import dashboard_queries_without_data  # noqa: E402
-from ray_nodes import ray_cluster_processes  # noqa: E402
 from render_panels import render as render_panels  # noqa: E402
 
 KILN = str(Path(sys.executable).parent / "kiln")
@@ -168,7 +167,7 @@ def test_zero2_two_workers_from_s3_to_mlflow(zero2, prometheus, s3_dataset):
 
 
 def test_a_tensor_parallel_run_survives_a_dead_worker_and_a_dead_driver(
-    ray_cluster, s3_server, s3_dataset, checkpoint_tensors, session_tmpdir, tmp_path
+    ray_cluster, s3_server, s3_dataset, checkpoint_tensors, tmp_path
 ):
     """TP=2 on 2 Ray workers (one replica; both read the same rows), with dropout, checkpoints on
     S3. `kiln train` is submitted; after the step-10 checkpoint one worker is SIGKILLed and Ray
@@ -195,8 +194,8 @@ def test_a_tensor_parallel_run_survives_a_dead_worker_and_a_dead_driver(
     whole = train(_zero2_config(s3_dataset, s3_server, tmp_path, "tp-whole", *tp), address=address)
     storage = f"s3://kiln-test/resume-{uuid.uuid4().hex[:8]}"
     named = _zero2_overrides(s3_dataset, s3_server, tmp_path, "tp-named", *tp, f"train.storage_path={storage}")
-    copies = set(glob.glob(os.path.join(session_tmpdir, "kiln-ckpt-*")))  # workers' local checkpoints
-    before = {p.pid for p in _train_workers(address)}
+    copies = set(glob.glob(os.path.join(tempfile.gettempdir(), "kiln-ckpt-*")))  # workers' local checkpoints
+    before = {p.pid for p in _train_workers()}
     with (tmp_path / "first.log").open("w") as out:
         first = subprocess.Popen(
             [
@@ -216,18 +215,18 @@ def test_a_tensor_parallel_run_survives_a_dead_worker_and_a_dead_driver(
         try:
             snapshot = resolve(f"{storage}/tp-named/checkpoint_manager_snapshot.json", s3_server)
             _wait_for_checkpoint(snapshot, 10, first)
-            victims = [p for p in _train_workers(address) if p.pid not in before]
+            victims = [p for p in _train_workers() if p.pid not in before]
             assert len(victims) == 2, victims
             victims[-1].send_signal(signal.SIGKILL)  # Ray Train restarts the group from step 10
             _wait_for_checkpoint(snapshot, 20, first)
             first.send_signal(signal.SIGKILL)  # the driver dies: its job, controller and workers end
             first.wait(timeout=60)
-            psutil.wait_procs([p for p in _train_workers(address) if p.pid not in before], timeout=120)
+            psutil.wait_procs([p for p in _train_workers() if p.pid not in before], timeout=120)
         finally:
             if first.poll() is None:
                 first.kill()
     resumed = train(load_config(REPO / "jobs/configs/debug.yaml", named), address=address)
-    assert set(glob.glob(os.path.join(session_tmpdir, "kiln-ckpt-*"))) <= copies
+    assert set(glob.glob(os.path.join(tempfile.gettempdir(), "kiln-ckpt-*"))) <= copies
 
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     runs = client.search_runs([client.get_experiment_by_name("integration").experiment_id])
@@ -294,7 +293,7 @@ def test_diloco_resumes_exactly_after_a_dead_worker_on_ray(
     ]
     whole = train(_zero2_config(s3_dataset, s3_server, tmp_path, "diloco-whole", *diloco), address=address)
     named = _zero2_overrides(s3_dataset, s3_server, tmp_path, "diloco-killed", *diloco)
-    before = {p.pid for p in _train_workers(address)}
+    before = {p.pid for p in _train_workers()}
     with (tmp_path / "killed.log").open("w") as out:
         driver = subprocess.Popen(
             [KILN, "train", "--config", str(REPO / "jobs/configs/debug.yaml"), "--address", address]
@@ -306,7 +305,7 @@ def test_diloco_resumes_exactly_after_a_dead_worker_on_ray(
         )
         try:
             _wait_for_checkpoint(tmp_path / "runs/diloco-killed/checkpoint_manager_snapshot.json", 7, driver)
-            victims = [p for p in _train_workers(address) if p.pid not in before]
+            victims = [p for p in _train_workers() if p.pid not in before]
             assert len(victims) == 2, victims
             victims[-1].send_signal(signal.SIGKILL)  # Ray Train restarts the group from storage
             assert driver.wait(timeout=600) == 0, (tmp_path / "killed.log").read_text()[-3000:]
@@ -344,15 +343,13 @@ def _wait_for_checkpoint(snapshot, step: int, driver: subprocess.Popen) -> None:
         time.sleep(0.3)
 
 
-def _train_workers(address: str) -> list[psutil.Process]:
-    """Ray Train's worker processes of the cluster at `address`, oldest first: not another
-    Ray's on this machine (an xdist worker's embedded one, `make test`)."""
+def _train_workers() -> list[psutil.Process]:
+    """Ray Train's worker processes on this machine, oldest first."""
     found = []
-    for p in ray_cluster_processes(int(address.rsplit(":", 1)[1])):
-        with contextlib.suppress(psutil.Error):
-            if "ray::RayTrainWorker" in " ".join(p.cmdline()):
-                found.append((p.create_time(), p))
-    return [p for _, p in sorted(found, key=lambda found: found[0])]
+    for p in psutil.process_iter(["cmdline", "create_time"]):
+        if "ray::RayTrainWorker" in " ".join(p.info["cmdline"] or []):
+            found.append(p)
+    return sorted(found, key=lambda p: p.info["create_time"])
 
 
 def test_pipeline_two_replicas_by_two_stages_on_ray(ray_cluster, s3_server, s3_dataset, tmp_path):
