@@ -249,7 +249,7 @@ def _generate(args: argparse.Namespace) -> int:
         sys.stdout.flush()
 
     with _local_model(args.model, args.tracking_uri) as local:
-        result = run_generate(local, prompts, s, args.batch_size, device, write, chat=args.chat)
+        result = run_generate(local, prompts, s, args.batch_size, device, write, chat=args.chat, compile=args.compile)
     print(
         f"{result.new_tokens} tokens in {result.seconds:.2f} s: "
         f"{result.new_tokens / max(result.seconds, 1e-9):,.1f} tokens/s",

@@ -295,6 +295,12 @@ def _generate_parser(sub) -> None:
     gen.add_argument("--no-stop", action="store_true", help="do not stop at end-of-text")
     gen.add_argument("--batch-size", type=int, default=1, help="prompts decoded together (default 1: streamed)")
     gen.add_argument(
+        "--compile",
+        action="store_true",
+        help="compile the decode step (torch.compile): seconds to compile first, then each token costs less; "
+        "pays on long generations and large batches",
+    )
+    gen.add_argument(
         "--chat",
         action="store_true",
         help="each prompt is a user turn in the model's chat template (its tokenizer's), and the "

@@ -69,3 +69,56 @@ class KVCache:
         held_k[:, :, start:end] = k
         held_v[:, :, start:end] = v
         return held_k[:, :, :end], held_v[:, :, :end]
+
+
+class StaticKVCache:
+    """A KV cache of one shape for a whole generation, for a compiled decode step (`generate`'s
+    `compile`): buffers of `capacity` slots per row, written at the slots this forward fills
+    (`slots`, a tensor), and a mask over every slot. Each decode step then has the same shapes
+    and reads its position from tensors, so `torch.compile` traces it once; `KVCache`'s views
+    grow by a key each step, which a static-shape compile would trace again every step. The
+    price: each step attends over all `capacity` slots, the unwritten ones masked (as
+    transformers' StaticCache does). Same interface and masking rules as `KVCache`."""
+
+    def __init__(self, n_layer: int, capacity: int):
+        self.k: list[torch.Tensor | None] = [None] * n_layer  # (B, KV heads, capacity, head_dim)
+        self.v: list[torch.Tensor | None] = [None] * n_layer
+        self.capacity = capacity
+        self.length = 0  # tokens cached so far (host side: the compiled step never reads it)
+        self.valid: torch.Tensor | None = None  # (B or 1, capacity) bool: slots holding real tokens
+        self.slots: torch.Tensor | None = None  # (T,): the slots this forward writes
+
+    def extend(self, T: int, valid: torch.Tensor | None, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """As `KVCache.extend`, always with positions (B or 1, T) and a mask (B or 1, 1, T,
+        capacity); without padding, one row of each serves the whole batch."""
+        start, S = self.length, self.length + T
+        if self.capacity < S:
+            raise ValueError(f"{S} tokens exceed the static cache's {self.capacity} slots")
+        self.length = S
+        rows = 1 if self.valid is None else self.valid.shape[0]
+        new = torch.ones(rows, T, dtype=torch.bool, device=device) if valid is None else valid
+        if self.valid is None:
+            self.valid = torch.zeros(new.shape[0], self.capacity, dtype=torch.bool, device=device)
+        elif rows < new.shape[0]:  # padding after a first forward without: one row for each
+            self.valid = self.valid.expand(new.shape[0], -1).clone()
+        self.valid[:, start:S] = new
+        self.slots = torch.arange(start, S, device=device)
+        positions = (self.valid.long().cumsum(1) - 1)[:, start:S].clamp(min=0)  # real tokens only count
+        keys = torch.arange(self.capacity, device=device)[None, :]
+        queries = self.slots[:, None]
+        mask = ((keys <= queries)[None] & self.valid[:, None, :]) | (keys == queries)[None]
+        return positions, mask[:, None]
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write this forward's keys and values (B, KV heads, T, head_dim) at `slots`; return the
+        whole buffers. They start as zeros: a masked slot's value still enters the matmul with
+        weight 0, and uninitialized memory may hold a NaN, which 0 does not cancel."""
+        assert self.slots is not None, "extend() first"
+        if self.k[layer] is None:
+            shape = (k.shape[0], k.shape[1], self.capacity, k.shape[3])
+            self.k[layer], self.v[layer] = k.new_zeros(shape), v.new_zeros(shape)
+        held_k, held_v = self.k[layer], self.v[layer]
+        assert held_k is not None and held_v is not None
+        held_k.index_copy_(2, self.slots, k)
+        held_v.index_copy_(2, self.slots, v)
+        return held_k, held_v

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint as recompute  # activation checkpointing
 
-from kiln.kv_cache import KVCache  # generation's cache of keys and values (also imported from here)
+from kiln.kv_cache import KVCache, StaticKVCache  # generation's caches of keys and values
 
 
 @dataclass(frozen=True)
@@ -226,7 +226,7 @@ class CausalSelfAttention(nn.Module):
         self,
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-        cache: KVCache | None = None,
+        cache: KVCache | StaticKVCache | None = None,
         mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         B, T, _ = x.shape
@@ -294,7 +294,7 @@ class Block(nn.Module):
         self,
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-        cache: KVCache | None = None,
+        cache: KVCache | StaticKVCache | None = None,
         mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x), rope, cache, mask)
@@ -447,13 +447,22 @@ class GPT(nn.Module):
         return logits, next_token_loss(logits, targets)
 
     @torch.no_grad()
-    def decode(self, idx: torch.Tensor, cache: KVCache, valid: torch.Tensor | None = None) -> torch.Tensor:
+    def decode(
+        self, idx: torch.Tensor, cache: KVCache | StaticKVCache, valid: torch.Tensor | None = None, step: Any = None
+    ) -> torch.Tensor:
         """Logits of the last position of each row, for `idx` (B, T) fed after what `cache` holds
         (the prompt first, then one token at a time). `valid` marks real tokens (False: left
-        padding); default all real."""
+        padding); default all real. `step`: what runs the forward, default `decode_step`
+        (generation passes it compiled, over a StaticKVCache)."""
         if cache.length + idx.shape[1] > self.cfg.seq_len:
             raise ValueError(f"{cache.length + idx.shape[1]} tokens exceed the model's seq_len {self.cfg.seq_len}")
-        positions, mask = cache.extend(idx.shape[1], valid, idx.device)
+        positions, mask = cache.extend(idx.shape[1], valid, idx.device)  # the host's bookkeeping
+        return (step or self.decode_step)(idx, positions, mask, cache)
+
+    def decode_step(
+        self, idx: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, cache: KVCache | StaticKVCache
+    ) -> torch.Tensor:
+        """The forward of `decode`, tensors in and out: what `torch.compile` traces."""
         x = embed(self.wte, self.wpe, self.drop, idx, positions)
         rope = self._decode_rope(positions)
         for block in self.blocks:

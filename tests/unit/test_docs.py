@@ -100,6 +100,13 @@ def test_flavours_and_alerts_are_the_codes():
     assert table == alerts, table ^ alerts
 
 
+def test_the_compiled_cache_step_stated_is_the_codes():
+    from kiln.infer.generate import STATIC_CACHE_STEP
+
+    stated = re.search(r"rounded up to a multiple of (\d+)\)", PAGES["models.md"])
+    assert stated and int(stated.group(1)) == STATIC_CACHE_STEP
+
+
 CITED = re.compile(
     r"`((?:platform|tests|bench|jobs|cluster|dashboards|docs)/[\w./-]*[\w/]|[A-Z]+\.md|constraints\.txt|Makefile)`"
 )

@@ -187,17 +187,19 @@ def run_generate(
     device: str,
     write: Callable[[str], object],
     chat: bool = False,
+    compile: bool = False,
 ) -> GenerateResult:
     """Complete each prompt, streaming text to `write` as it decodes. With batch_size 1 each
     completion streams token by token; a batch's completions are written as the batch ends.
     `chat`: each prompt is a user turn in the model's chat template, and the template's end of
-    turn (its eos_token) stops a completion too."""
+    turn (its eos_token) stops a completion too. `compile`: the decode step under torch.compile
+    (`kiln.infer.generate.generate`)."""
     loaded = load_model(spec)
     turns = chat_encoder(loaded.tokenizer) if chat else None
     model = loaded.build(device)
     result = GenerateResult([], [])
     for start in range(0, len(prompts), batch_size):
-        texts, generated = _complete(model, loaded, prompts[start : start + batch_size], s, write, turns)
+        texts, generated = _complete(model, loaded, prompts[start : start + batch_size], s, write, turns, compile)
         result.completions += texts
         result.generated.append(generated)
     return result
@@ -231,6 +233,7 @@ def _complete(
     s: Sampling,
     write: Callable[[str], object],
     chat: tuple[Callable[[str], list[int]], tuple[int, ...]] | None = None,
+    compile: bool = False,
 ) -> tuple[list[str], Generated]:
     tok = loaded.tokenizer
     ids = [chat[0](p) for p in batch] if chat else [list(map(int, row)) for row in tok.encode_batch(batch)]
@@ -250,7 +253,8 @@ def _complete(
                     write(piece)
 
     try:
-        generated = generate(model, ids, s, tok.eot_id, loaded.vocab_size, on_tokens, stop_ids=chat[1] if chat else ())
+        stops = chat[1] if chat else ()
+        generated = generate(model, ids, s, tok.eot_id, loaded.vocab_size, on_tokens, stop_ids=stops, compile=compile)
     except ValueError as e:  # a prompt too long for the model's context
         raise ConfigError(f"--max-new-tokens {s.max_new_tokens}: {e}") from None
     for row, prompt in enumerate(batch):

@@ -10,15 +10,17 @@ reaches p). Temperature 0 is greedy decoding.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from kiln.infer.sampling import Sampling
-from kiln.kv_cache import KVCache
+from kiln.kv_cache import KVCache, StaticKVCache
 from kiln.model import GPT
 
 log = logging.getLogger(__name__)
@@ -70,6 +72,40 @@ def next_tokens(
     return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator).squeeze(1)
 
 
+STATIC_CACHE_STEP = 32  # a compiled decode's cache holds a multiple of this many slots (see generate)
+
+_COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (weights' versions, step)
+
+
+def compiled_step(model: GPT) -> Callable:
+    """`model.decode_step` under `torch.compile`, made once per model and kept while the model
+    lives: dynamo's guards then match every later step and call of the same shapes, so it
+    traces again only for a new batch or cache size. `fullgraph`: a graph break would split
+    the step into pieces that each recompile per layer (the attention reads its layer's
+    cache slot), so one is an error here, not a slow fallback. `freezing`: inductor folds the
+    weights in as constants and prepacks them for the CPU's matmul kernels (bench/results/generation.md:
+    1.34x the unfrozen compile at batch 8 on 2 cores); a frozen graph would keep old
+    weights after an in-place update, which dynamo's guards do not see, so a change of any
+    weight's version counter drops dynamo's caches and compiles afresh."""
+    versions = tuple((id(p), p._version) for p in model.parameters())  # a new or changed weight
+    held = _COMPILED.get(model)
+    if held is not None and held[0] != versions:
+        torch._dynamo.reset()  # the only way to drop a frozen graph whose guards still pass
+        held = None
+    if held is None:
+        step = torch.compile(model.decode_step, fullgraph=True)
+        held = versions, functools.partial(_frozen, step)
+        _COMPILED[model] = held
+    return held[1]
+
+
+def _frozen(step: Callable, *args):
+    """Call `step` with inductor's freezing on, as dynamo reads it when it traces (the same
+    key in `torch.compile`'s options comes too late: the weights are graph inputs by then)."""
+    with torch._inductor.config.patch(freezing=True):
+        return step(*args)
+
+
 def _left_pad(prompts: Sequence[Sequence[int]], pad: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     width = max(len(p) for p in prompts)
     idx = torch.full((len(prompts), width), pad, dtype=torch.long)
@@ -89,6 +125,7 @@ def generate(
     on_tokens: Callable[[list[int | None]], None] | None = None,
     use_cache: bool = True,
     stop_ids: Sequence[int] = (),
+    compile: bool = False,
 ) -> Generated:
     """New tokens for each prompt (a batch, left-padded to one length).
 
@@ -96,7 +133,11 @@ def generate(
     never sampled. `on_tokens` gets each step's token per row (None for a finished row), for
     streaming. `use_cache=False` recomputes every position at each step: the baseline the KV
     cache is measured against. `stop_ids`: tokens that end a row as end-of-text does (a chat
-    template's end of turn)."""
+    template's end of turn). `compile`: decode over a StaticKVCache with the step compiled
+    (`compiled_step`): the first call per model and batch shape compiles for seconds, then
+    each token costs less (bench/results/generation.md); the prompt's forward stays eager."""
+    if compile and not use_cache:
+        raise ValueError("compile needs the KV cache (use_cache=True)")
     if any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     if max(len(p) for p in prompts) + s.max_new_tokens > model.cfg.seq_len:
@@ -113,13 +154,17 @@ def generate(
     stops = torch.tensor(list(stop_ids), dtype=torch.long, device=device)
     out: list[list[int]] = [[] for _ in prompts]
     capacity = idx.shape[1] + s.max_new_tokens  # the most a row will hold: the cache is allocated once
-    cache, feed, feed_valid = KVCache(model.cfg.n_layer, capacity), idx, valid
+    if compile:  # whole steps of slots: a new prompt length seldom means a new shape to compile, and
+        # each step attends over every slot, so steps of 32 waste less than 64 (bench/results/generation.md)
+        capacity = min(-(-capacity // STATIC_CACHE_STEP) * STATIC_CACHE_STEP, model.cfg.seq_len)
+    cache: KVCache | StaticKVCache = (StaticKVCache if compile else KVCache)(model.cfg.n_layer, capacity)
+    feed, feed_valid, fast = idx, valid, compiled_step(model) if compile else None
     start = time.perf_counter()
     prefill_s = 0.0
     for step in range(s.max_new_tokens):
         if not use_cache:  # everything so far, from scratch
             cache, feed, feed_valid = KVCache(model.cfg.n_layer), idx, valid
-        logits = model.decode(feed, cache, feed_valid)[:, :vocab_size]
+        logits = model.decode(feed, cache, feed_valid, fast if step else None)[:, :vocab_size]
         if step == 0:
             prefill_s = time.perf_counter() - start
         token = next_tokens(logits, history, s, generator)

@@ -42,6 +42,7 @@ PARAMS = {
     "repetition_penalty": 1.0,
     "seed": 0,
     "chat": False,  # each prompt a user turn in the model's chat template, as `kiln generate --chat`
+    "compile": False,  # the decode step under torch.compile, as `kiln generate --compile`: a server's choice
 }
 
 
@@ -62,7 +63,7 @@ def _predict(self, context, model_input, params=None) -> list[str]:
 
     prompts = [str(p) for p in (model_input.iloc[:, 0] if hasattr(model_input, "iloc") else model_input)]
     params = PARAMS | (params or {})
-    chat = bool(params.pop("chat"))
+    chat, compile = bool(params.pop("chat")), bool(params.pop("compile"))
     s = Sampling(**params)
     tok = self.loaded.tokenizer
     stops: tuple[int, ...] = ()
@@ -71,7 +72,7 @@ def _predict(self, context, model_input, params=None) -> list[str]:
         ids = [encode(p) for p in prompts]
     else:
         ids = [list(map(int, row)) for row in tok.encode_batch(prompts)]
-    out = generate(self.model, ids, s, tok.eot_id, self.loaded.vocab_size, stop_ids=stops)
+    out = generate(self.model, ids, s, tok.eot_id, self.loaded.vocab_size, stop_ids=stops, compile=compile)
     return [tok.decode(t) for t in out.tokens]
 
 

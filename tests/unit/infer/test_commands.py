@@ -19,6 +19,16 @@ def test_generate_with_default_flags_fits_a_short_context(tiny_hf, capsys, caplo
     assert any("--max-new-tokens 64 cut to" in r.getMessage() for r in caplog.records)
 
 
+def test_generate_compile_prints_the_eager_text(tiny_hf, capsys):
+    """`--compile` decodes over a static cache with the step compiled: greedy, the same text."""
+    flags = ["generate", "--model", str(tiny_hf), "--prompt", "def main():", "--temperature", "0"]
+    flags += ["--max-new-tokens", "24", "--no-stop"]
+    assert main(flags) == 0
+    eager = capsys.readouterr().out
+    assert main([*flags, "--compile"]) == 0
+    assert capsys.readouterr().out == eager and len(eager) > len("def main():")
+
+
 def test_a_prompt_that_fills_the_context_names_the_flag(tiny_hf, capsys):
     assert main(["generate", "--model", str(tiny_hf), "--prompt", "x " * 200]) == 2
     assert "kiln: error: --prompt:" in capsys.readouterr().err

@@ -37,25 +37,30 @@ def test_the_cache_and_batching_change_nothing(model, temperature):
     assert len({t for row in one_by_one for t in row}) > 10
 
 
-def test_a_cache_fed_in_chunks_gives_the_logits_of_one_forward(model):
+@pytest.mark.parametrize("static", [False, True], ids=["KVCache", "StaticKVCache"])
+def test_a_cache_fed_in_chunks_gives_the_logits_of_one_forward(model, static):
     """The cache's three cases: a first chunk (plainly causal), later chunks of several tokens
-    (an explicit mask over the past), single tokens (every key); and the same with left padding."""
-    from kiln.kv_cache import KVCache
+    (an explicit mask over the past), single tokens (every key); and the same with left padding.
+    The static cache (compiled generation's) masks its unwritten slots instead."""
+    from kiln.kv_cache import KVCache, StaticKVCache
+
+    def cache():
+        return StaticKVCache(model.cfg.n_layer, 32) if static else KVCache(model.cfg.n_layer)
 
     idx = torch.tensor([PROMPTS[2] + PROMPTS[0]])
     full = model(idx)
     for valid in (None, torch.ones_like(idx, dtype=torch.bool)):
-        cache, got = KVCache(model.cfg.n_layer), []
+        held, got = cache(), []
         for a, b in [(0, 4), (4, 7), (7, 8), (8, 9), (9, 14)]:
-            got.append(model.decode(idx[:, a:b], cache, None if valid is None else valid[:, a:b]))
-        assert cache.length == idx.shape[1] and cache.valid is None  # no padding: no mask kept
+            got.append(model.decode(idx[:, a:b], held, None if valid is None else valid[:, a:b]))
+        assert held.length == idx.shape[1] and (static or held.valid is None)  # no padding: no mask kept
         torch.testing.assert_close(torch.stack(got, 1), full[:, [3, 6, 7, 8, 13]], atol=1e-4, rtol=1e-4)
     padded, valid = torch.cat([torch.zeros(1, 3, dtype=torch.long), idx], 1), torch.ones(1, 17, dtype=torch.bool)
     valid[:, :3] = False
-    cache = KVCache(model.cfg.n_layer)
-    first = model.decode(padded[:, :10], cache, valid[:, :10])
-    rest = model.decode(padded[:, 10:], cache)  # real tokens after padding: the mask is kept
-    assert cache.valid is not None
+    held = cache()
+    first = model.decode(padded[:, :10], held, valid[:, :10])
+    rest = model.decode(padded[:, 10:], held)  # real tokens after padding: the mask is kept
+    assert held.valid is not None
     torch.testing.assert_close(torch.stack([first, rest], 1), full[:, [6, 13]], atol=1e-4, rtol=1e-4)
 
 
@@ -154,3 +159,37 @@ def test_bits_per_byte_count_each_byte_once(corpus, tmp_path):
         ids = tok.encode_batch([text])[0]
         assert int(token_bytes(tok)[ids].sum()) == len(text.encode("utf-8"))
         assert token_bytes(tok)[tok.eot_id] == 0
+
+
+def test_the_compiled_decode_gives_the_eager_tokens_and_compiles_once(model):
+    """`compile`: a StaticKVCache and the decode step under torch.compile (fullgraph: a graph
+    break fails here). Greedy tokens equal the eager decode's, prompts of unequal lengths
+    (left padding) included; a second call of the same shapes traces nothing new."""
+    from torch._dynamo.utils import counters
+
+    s = Sampling(max_new_tokens=20, temperature=0, stop_at_eot=False)
+    eager = generate(model, PROMPTS, s, eot_id=0, vocab_size=VOCAB).tokens
+    before = counters["stats"]["unique_graphs"]
+    assert generate(model, PROMPTS, s, eot_id=0, vocab_size=VOCAB, compile=True).tokens == eager
+    traced = counters["stats"]["unique_graphs"]
+    assert traced == before + 1  # one graph for every decode step
+    again = generate(model, PROMPTS[::-1], s, eot_id=0, vocab_size=VOCAB, compile=True).tokens
+    assert counters["stats"]["unique_graphs"] == traced  # same batch, same slots: no new trace
+    assert again == eager[::-1]
+    with pytest.raises(ValueError, match="compile needs the KV cache"):
+        generate(model, PROMPTS, s, eot_id=0, vocab_size=VOCAB, use_cache=False, compile=True)
+
+
+def test_the_compiled_decode_sees_weights_changed_in_place(model):
+    """The compiled step freezes the weights into its graph: after an in-place update (a
+    fine-tune, a loaded state dict) it must decode with the new weights, not the frozen ones."""
+    import copy
+
+    mine = copy.deepcopy(model)  # the fixture is shared: change a copy
+    s = Sampling(max_new_tokens=20, temperature=0, stop_at_eot=False)
+    before = generate(mine, PROMPTS, s, eot_id=0, vocab_size=VOCAB, compile=True).tokens
+    with torch.no_grad():
+        mine.blocks[0].mlp.proj.weight.mul_(-1)  # the same parameter objects, new values
+    eager = generate(mine, PROMPTS, s, eot_id=0, vocab_size=VOCAB).tokens
+    assert eager != before  # the change shows in the text
+    assert generate(mine, PROMPTS, s, eot_id=0, vocab_size=VOCAB, compile=True).tokens == eager

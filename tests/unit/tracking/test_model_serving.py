@@ -35,8 +35,11 @@ mlflows = {m.split(".")[0] for m in sys.modules}  # MLflow's own imports, option
 model = mlflow.pyfunc.load_model(sys.argv[2])
 text = model.predict(["def "], params={"max_new_tokens": 12, "temperature": 0.0})
 added = {m.split(".")[0] for m in sys.modules} - mlflows
+# A server's choice: the decode step compiled (after the count above: torch.compile's own imports).
+compiled = model.predict(["def "], params={"max_new_tokens": 12, "temperature": 0.0, "compile": True})
 print(json.dumps({
     "text": text,
+    "compiled": compiled,
     "kiln": sys.modules["kiln"].__file__,
     "third_party": sorted(
         m for m in added
@@ -122,3 +125,4 @@ def test_the_logged_model_serves_with_its_own_code_and_requirements_alone(tiny_h
     )
     assert cli.returncode == 0, cli.stderr[-2000:]
     assert cli.stdout == "def " + got["text"][0] + "\n", (cli.stdout, got["text"])
+    assert got["compiled"] == got["text"]
