@@ -107,10 +107,8 @@ def ray_cluster(tmp_path_factory):
     start_head(gcs_port, dash_port, env, "--num-cpus=4", '--resources={"kiln_head": 1}')
     old = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", *S3_ENV)}
     os.environ.update(RAY_AUTH_MODE="token", **S3_ENV)
-    try:
-        wait_for_port(dash_port, timeout=120)
-        yield f"127.0.0.1:{gcs_port}", f"http://127.0.0.1:{dash_port}", env
-    finally:
+
+    def stop() -> None:
         import ray
 
         if ray.is_initialized():
@@ -121,6 +119,32 @@ def ray_cluster(tmp_path_factory):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+    _STOP_CLUSTER.append(stop)
+    try:
+        wait_for_port(dash_port, timeout=120)
+        yield f"127.0.0.1:{gcs_port}", f"http://127.0.0.1:{dash_port}", env
+    finally:
+        if stop in _STOP_CLUSTER:  # still up: no test's teardown stopped it early
+            _STOP_CLUSTER.remove(stop)
+            stop()
+
+
+_STOP_CLUSTER: list = []  # the session cluster's stop, while it is up
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """Stop the session's cluster once no later test needs it, not at the session's end: the
+    tests after tests/integration (all of tests/unit) would otherwise share the 2 cores with
+    its idle head (GCS, raylet, dashboard, metrics agent) for their whole run."""
+    try:
+        return (yield)
+    finally:
+        if _STOP_CLUSTER:
+            later = [] if nextitem is None else item.session.items[item.session.items.index(nextitem) :]
+            if not any("ray_cluster" in i.fixturenames for i in later):
+                _STOP_CLUSTER.pop()()
 
 
 @pytest.fixture(scope="session")

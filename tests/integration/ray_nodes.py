@@ -89,7 +89,7 @@ def ray_cluster_processes(gcs_port: int) -> list[psutil.Process]:
     return list(found.values())
 
 
-def _alive(proc: psutil.Process) -> bool:
+def is_alive(proc: psutil.Process) -> bool:
     with contextlib.suppress(psutil.Error):
         return proc.status() != psutil.STATUS_ZOMBIE
     return False
@@ -106,7 +106,7 @@ def stop_ray_cluster(gcs_port: int, grace: float = 15) -> None:
     every Ray on the machine, other people's included. Until none is left: a daemon may start
     a process (a worker, an agent) while it is being stopped, after the first look."""
     for _ in range(5):
-        procs = [p for p in ray_cluster_processes(gcs_port) if _alive(p)]
+        procs = [p for p in ray_cluster_processes(gcs_port) if is_alive(p)]
         if not procs:
             return
         for proc in procs:

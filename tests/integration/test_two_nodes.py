@@ -35,7 +35,7 @@ from mlflow.tracking import MlflowClient
 from kiln.launch.local import free_port
 
 sys.path.insert(0, str(Path(__file__).parent))
-from ray_nodes import BIN, node_ports  # noqa: E402
+from ray_nodes import BIN, node_ports, ray_daemons  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 200  # ~0.2 s a step: time to grow, checkpoint at two workers and shrink (by step ~60); an epoch of 164 steps and a second begun
@@ -49,8 +49,11 @@ class SecondNode:
 
     def __init__(self, gcs_address: str, env: dict):
         self.gcs_address, self.env, self.manager_port = gcs_address, env, 0
+        self.monitors: list[psutil.Process] = []  # the log monitor `ray start` starts beside the raylet
 
     def start(self) -> None:
+        gcs_port = int(self.gcs_address.rsplit(":", 1)[1])
+        before = {p.pid for p in ray_daemons(gcs_port)}
         ports = node_ports()
         self.manager_port = ports["--node-manager-port"]
         out = subprocess.run(
@@ -69,6 +72,9 @@ class SecondNode:
             timeout=180,
         )
         assert out.returncode == 0, out.stdout + out.stderr
+        # Beyond the raylet's tree, `ray start` starts the node's log monitor. It names the GCS,
+        # as do new workers on any node: so the new process that is a log monitor.
+        self.monitors = [p for p in ray_daemons(gcs_port) if p.pid not in before and _is_log_monitor(p)]
 
     def raylet(self) -> psutil.Process:
         found = [
@@ -80,13 +86,29 @@ class SecondNode:
         return found[0]
 
     def kill(self) -> int:
-        """SIGKILL the raylet and everything under it (its workers, agents): a lost machine."""
+        """SIGKILL the raylet and everything under it (its workers, agents), and the node's
+        other daemons (its log monitor, which `ray start` starts beside the raylet and which
+        polled the session's logs for the rest of the session): a lost machine. How many."""
         raylet = self.raylet()
-        victims = [*raylet.children(recursive=True), raylet]
+        roots = [raylet, *self.monitors]
+        victims = [child for root in roots for child in _tree(root)]
         for p in victims:
             with contextlib.suppress(psutil.NoSuchProcess):
                 p.send_signal(signal.SIGKILL)
         return len(victims)
+
+
+def _is_log_monitor(proc: psutil.Process) -> bool:
+    with contextlib.suppress(psutil.Error):
+        return any(part.endswith("log_monitor.py") for part in proc.cmdline())
+    return False
+
+
+def _tree(root: psutil.Process) -> list[psutil.Process]:
+    """`root` and everything under it; nothing if it is gone."""
+    with contextlib.suppress(psutil.NoSuchProcess):
+        return [*root.children(recursive=True), root]
+    return []
 
 
 def _s3(endpoint: str):

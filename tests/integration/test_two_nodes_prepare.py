@@ -11,13 +11,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import boto3
 import pyarrow.fs as pafs
 
 sys.path.insert(0, str(Path(__file__).parent))
-from ray_nodes import BIN  # noqa: E402
+from ray_nodes import BIN, is_alive  # noqa: E402
 from test_two_nodes import SecondNode  # noqa: E402
 
 KILN = str(BIN / "kiln")
@@ -116,3 +117,8 @@ def test_prepare_spreads_over_two_nodes_and_is_the_same_whatever_the_actors(ray_
                 assert t["busy_s"] <= 4 * t["seconds"] and t["first_unit_after_s"] < t["seconds"], t
     finally:
         node.kill()
+    # Nothing of the node lives on: its log monitor polled the session's logs until the end.
+    deadline = time.time() + 10
+    while any(is_alive(p) for p in node.monitors) and time.time() < deadline:
+        time.sleep(0.2)
+    assert node.monitors and not any(is_alive(p) for p in node.monitors), node.monitors

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import shutil
 import time
 from typing import IO, Protocol
 
@@ -105,10 +104,20 @@ class TerminalBar:
         now = time.monotonic()
         if not force and now - self._last_draw < self.min_interval_s:
             return
-        columns = shutil.get_terminal_size((120, 24)).columns
-        self.stream.write("\r\x1b[K" + text[: max(20, columns - 1)])
+        self.stream.write("\r\x1b[K" + text[: max(20, self._columns() - 1)])
         self.stream.flush()
         self._last_draw, self._drawn, self._text = now, True, text
+
+    def _columns(self) -> int:
+        """The width of the terminal drawn on: $COLUMNS if set, else the stream's own terminal
+        (not stdout's, which `shutil.get_terminal_size` asks, and which is a file or a pipe
+        when only stderr is a terminal), else 120 columns."""
+        if os.environ.get("COLUMNS", "").isdigit() and int(os.environ["COLUMNS"]) > 0:
+            return int(os.environ["COLUMNS"])
+        try:
+            return os.get_terminal_size(self.stream.fileno()).columns or 120
+        except (AttributeError, OSError, ValueError):  # no descriptor, or not a terminal
+            return 120
 
     def print_above(self, lines: str) -> None:
         """Lines (each ending in a newline) above the bar, which is drawn again below them."""

@@ -1,12 +1,15 @@
 """The training loop is a plain function: run it in this process with DeepSpeed, no Ray. The
 same runs carry planted credentials, and nothing they log may contain one."""
 
+import fcntl
 import json
 import os
 import pty
 import re
+import struct
 import subprocess
 import sys
+import termios
 import threading
 import time
 from pathlib import Path
@@ -73,7 +76,10 @@ def _run_local(byte_dataset, tmp_path, *overrides, ranks=1, tty=False, args=()):
     if not tty:
         return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
     # stderr on a real pseudo-terminal, as when a user runs it in a shell; stdout stays a pipe.
+    # The bar fits the terminal's width: give it one the whole line fits in.
     master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 160, 0, 0))
+    env.pop("COLUMNS", None)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=slave, text=True, cwd=tmp_path, env=env)
     os.close(slave)
     chunks: list[bytes] = []

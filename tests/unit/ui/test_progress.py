@@ -22,7 +22,8 @@ def test_line_shows_step_loss_throughput_lr_and_eta():
     assert duration(9.4) == "9s" and duration(245) == "4m05s" and duration(3720) == "1h02m"
 
 
-def test_bar_redraws_in_place_on_a_terminal_and_keeps_the_last_frame():
+def test_bar_redraws_in_place_on_a_terminal_and_keeps_the_last_frame(monkeypatch):
+    monkeypatch.delenv("COLUMNS", raising=False)  # a terminal of unknown width: 120 columns
     term = FakeTerminal()
     bar = sink_for(term, every=10)
     assert isinstance(bar, TerminalBar)
@@ -34,6 +35,38 @@ def test_bar_redraws_in_place_on_a_terminal_and_keeps_the_last_frame():
     frames = out.split("\r\x1b[K")[1:]
     assert len(frames) == 5 and frames[0].startswith("[") and "step 1/5" in frames[0]
     assert frames[-1].startswith("[########################] step 5/5 | loss 4.500") and frames[-1].endswith("eta 0s\n")
+
+
+def test_bar_fits_the_width_of_its_own_terminal(monkeypatch):
+    """$COLUMNS first, then the size of the terminal the bar is drawn on (stderr's, not
+    stdout's: `kiln train > log` still draws on the terminal's own width)."""
+    import os
+    import pty
+
+    line = format_line(Progress(5, 5, 4.5, 1000.0, 1e-3, 0.5))
+    monkeypatch.setenv("COLUMNS", "40")
+    term = FakeTerminal()
+    TerminalBar(term).draw(line, force=True)
+    assert term.getvalue() == "\r\x1b[K" + line[:39]
+    monkeypatch.delenv("COLUMNS")
+    master, slave = pty.openpty()
+    try:
+        os.set_blocking(master, False)
+        with open(slave, "w", closefd=False) as tty:
+            _set_width(slave, 50)
+            TerminalBar(tty).draw(line, force=True)
+        assert os.read(master, 4096).decode().endswith(line[:49])
+    finally:
+        os.close(master)
+        os.close(slave)
+
+
+def _set_width(fd: int, columns: int) -> None:
+    import fcntl
+    import struct
+    import termios
+
+    fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
 
 
 def test_bar_throttles_but_always_draws_the_last_step():
