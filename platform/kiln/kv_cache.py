@@ -46,13 +46,7 @@ class KVCache:
             self.valid if self.valid is not None else torch.ones(valid.shape[0], start, dtype=torch.bool, device=device)
         )
         self.valid = torch.cat([past, valid], dim=1)
-        counted = self.valid.long().cumsum(1) - 1  # a token's position counts only real tokens
-        positions = counted[:, start:].clamp(min=0)
-        q = torch.arange(start, S, device=device)[:, None]
-        k = torch.arange(S, device=device)[None, :]
-        mask = (k <= q)[None] & self.valid[:, None, :]  # causal, and only real keys
-        mask = mask | (k == q)[None]  # a token always sees itself
-        return positions, mask[:, None]
+        return _masked(self.valid, start, S)
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write this forward's T keys and values (B, KV heads, T, head_dim) after the cached ones
@@ -71,21 +65,19 @@ class KVCache:
         return held_k[:, :, :end], held_v[:, :, :end]
 
 
-class StaticKVCache:
+class StaticKVCache(KVCache):
     """A KV cache of one shape for a whole generation, for a compiled decode step (`generate`'s
     `compile`): buffers of `capacity` slots per row, written at the slots this forward fills
     (`slots`, a tensor), and a mask over every slot. Each decode step then has the same shapes
     and reads its position from tensors, so `torch.compile` traces it once; `KVCache`'s views
     grow by a key each step, which a static-shape compile would trace again every step. The
     price: each step attends over all `capacity` slots, the unwritten ones masked (as
-    transformers' StaticCache does). Same interface and masking rules as `KVCache`."""
+    transformers' StaticCache does). Same interface and masking rules as `KVCache`; `valid` is
+    (B or 1, capacity), every slot's, and `length` is host-side (the compiled step never reads
+    it)."""
 
     def __init__(self, n_layer: int, capacity: int):
-        self.k: list[torch.Tensor | None] = [None] * n_layer  # (B, KV heads, capacity, head_dim)
-        self.v: list[torch.Tensor | None] = [None] * n_layer
-        self.capacity = capacity
-        self.length = 0  # tokens cached so far (host side: the compiled step never reads it)
-        self.valid: torch.Tensor | None = None  # (B or 1, capacity) bool: slots holding real tokens
+        super().__init__(n_layer, capacity)
         self.slots: torch.Tensor | None = None  # (T,): the slots this forward writes
 
     def extend(self, T: int, valid: torch.Tensor | None, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,11 +95,7 @@ class StaticKVCache:
             self.valid = self.valid.expand(new.shape[0], -1).clone()
         self.valid[:, start:S] = new
         self.slots = torch.arange(start, S, device=device)
-        positions = (self.valid.long().cumsum(1) - 1)[:, start:S].clamp(min=0)  # real tokens only count
-        keys = torch.arange(self.capacity, device=device)[None, :]
-        queries = self.slots[:, None]
-        mask = ((keys <= queries)[None] & self.valid[:, None, :]) | (keys == queries)[None]
-        return positions, mask[:, None]
+        return _masked(self.valid, start, S)
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write this forward's keys and values (B, KV heads, T, head_dim) at `slots`; return the
@@ -122,3 +110,15 @@ class StaticKVCache:
         held_k.index_copy_(2, self.slots, k)
         held_v.index_copy_(2, self.slots, v)
         return held_k, held_v
+
+
+def _masked(valid: torch.Tensor, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions (B, T) and the attention mask (B, 1, T, keys) of the tokens in slots
+    start..end-1, given `valid` (B, keys) over every key: a token's position counts only the
+    real tokens before it; a query attends to real keys at or before its own slot, and always
+    to itself, so a padding row's softmax is never empty (its output is unused)."""
+    positions = (valid.long().cumsum(1) - 1)[:, start:end].clamp(min=0)
+    q = torch.arange(start, end, device=valid.device)[:, None]
+    k = torch.arange(valid.shape[1], device=valid.device)[None, :]
+    mask = ((k <= q)[None] & valid[:, None, :]) | (k == q)[None]
+    return positions, mask[:, None]

@@ -16,6 +16,7 @@ stages) is applied from outside; nothing here knows about Ray, DeepSpeed or MLfl
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -24,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint as recompute  # activation checkpointing
 
-from kiln.kv_cache import KVCache, StaticKVCache  # generation's caches of keys and values
+from kiln.kv_cache import KVCache  # generation's cache of keys and values (also imported from here)
 
 
 @dataclass(frozen=True)
@@ -226,7 +227,7 @@ class CausalSelfAttention(nn.Module):
         self,
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-        cache: KVCache | StaticKVCache | None = None,
+        cache: KVCache | None = None,
         mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         B, T, _ = x.shape
@@ -294,7 +295,7 @@ class Block(nn.Module):
         self,
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-        cache: KVCache | StaticKVCache | None = None,
+        cache: KVCache | None = None,
         mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x), rope, cache, mask)
@@ -448,7 +449,11 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def decode(
-        self, idx: torch.Tensor, cache: KVCache | StaticKVCache, valid: torch.Tensor | None = None, step: Any = None
+        self,
+        idx: torch.Tensor,
+        cache: KVCache,
+        valid: torch.Tensor | None = None,
+        step: Callable[..., torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Logits of the last position of each row, for `idx` (B, T) fed after what `cache` holds
         (the prompt first, then one token at a time). `valid` marks real tokens (False: left
@@ -460,7 +465,7 @@ class GPT(nn.Module):
         return (step or self.decode_step)(idx, positions, mask, cache)
 
     def decode_step(
-        self, idx: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, cache: KVCache | StaticKVCache
+        self, idx: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, cache: KVCache
     ) -> torch.Tensor:
         """The forward of `decode`, tensors in and out: what `torch.compile` traces."""
         x = embed(self.wte, self.wpe, self.drop, idx, positions)

@@ -85,7 +85,7 @@ def ray_daemons(gcs_port: int) -> list[psutil.Process]:
 def ray_cluster_processes(gcs_port: int) -> list[psutil.Process]:
     """Every process of that cluster: its daemons, and the workers and agents under them
     (workers come and go: Ray ends idle ones)."""
-    found = {p.pid: p for root in ray_daemons(gcs_port) for p in (root, *_children(root))}
+    found = {p.pid: p for root in ray_daemons(gcs_port) for p in process_tree(root)}
     return list(found.values())
 
 
@@ -95,10 +95,11 @@ def is_alive(proc: psutil.Process) -> bool:
     return False
 
 
-def _children(proc: psutil.Process) -> list[psutil.Process]:
+def process_tree(proc: psutil.Process) -> list[psutil.Process]:
+    """`proc` and everything under it (only `proc` once it is gone)."""
     with contextlib.suppress(psutil.Error):
-        return proc.children(recursive=True)
-    return []
+        return [proc, *proc.children(recursive=True)]
+    return [proc]
 
 
 def stop_ray_cluster(gcs_port: int, grace: float = 15) -> None:

@@ -35,7 +35,7 @@ from mlflow.tracking import MlflowClient
 from kiln.launch.local import free_port
 
 sys.path.insert(0, str(Path(__file__).parent))
-from ray_nodes import BIN, node_ports, ray_daemons  # noqa: E402
+from ray_nodes import BIN, node_ports, process_tree, ray_daemons  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 200  # ~0.2 s a step: time to grow, checkpoint at two workers and shrink (by step ~60); an epoch of 164 steps and a second begun
@@ -91,7 +91,7 @@ class SecondNode:
         polled the session's logs for the rest of the session): a lost machine. How many."""
         raylet = self.raylet()
         roots = [raylet, *self.monitors]
-        victims = [child for root in roots for child in _tree(root)]
+        victims = [p for root in roots for p in process_tree(root)]
         for p in victims:
             with contextlib.suppress(psutil.NoSuchProcess):
                 p.send_signal(signal.SIGKILL)
@@ -102,13 +102,6 @@ def _is_log_monitor(proc: psutil.Process) -> bool:
     with contextlib.suppress(psutil.Error):
         return any(part.endswith("log_monitor.py") for part in proc.cmdline())
     return False
-
-
-def _tree(root: psutil.Process) -> list[psutil.Process]:
-    """`root` and everything under it; nothing if it is gone."""
-    with contextlib.suppress(psutil.NoSuchProcess):
-        return [*root.children(recursive=True), root]
-    return []
 
 
 def _s3(endpoint: str):

@@ -157,7 +157,7 @@ def generate(
     if compile:  # whole steps of slots: a new prompt length seldom means a new shape to compile, and
         # each step attends over every slot, so steps of 32 waste less than 64 (bench/results/generation.md)
         capacity = min(-(-capacity // STATIC_CACHE_STEP) * STATIC_CACHE_STEP, model.cfg.seq_len)
-    cache: KVCache | StaticKVCache = (StaticKVCache if compile else KVCache)(model.cfg.n_layer, capacity)
+    cache = (StaticKVCache if compile else KVCache)(model.cfg.n_layer, capacity)
     feed, feed_valid, fast = idx, valid, compiled_step(model) if compile else None
     start = time.perf_counter()
     prefill_s = 0.0
