@@ -115,8 +115,10 @@ def main() -> None:
         role = role_of([k for _, _, k in upto])
         by_kind[role] += upto[-1][1]
         started.append((created - before, next(t for t, _, k in upto if k == role) - before, role, upto[-1][1]))
-    report(args, metrics, by_kind)
-    report_timeline(args, sorted(started), [(t - before, b) for t, b in busy if t <= first_step])
+    # One section, published once: publish puts each call's text first in the file, so a second
+    # call put the timeline above its own section's heading.
+    timeline = report_timeline(sorted(started), [(t - before, b) for t, b in busy if t <= first_step])
+    publish("\n".join(report(args, metrics, by_kind) + timeline) + "\n", args.results)
 
 
 def role_of(kinds: list[str]) -> str:
@@ -126,7 +128,7 @@ def role_of(kinds: list[str]) -> str:
     return ran[-1] if ran else kinds[-1]
 
 
-def report(args, metrics: dict, by_kind: collections.Counter) -> None:
+def report(args, metrics: dict, by_kind: collections.Counter) -> list[str]:
     wall = sum(s for _, s in startup_breakdown(metrics))
     total, cores = sum(by_kind.values()), psutil.cpu_count()
     lines = [
@@ -140,11 +142,10 @@ def report(args, metrics: dict, by_kind: collections.Counter) -> None:
         "| process | CPU-s by the first step |",
         "|---|---:|",
     ]
-    lines += [f"| {k.replace('|', '/')} | {v:.1f} |" for k, v in by_kind.most_common() if v >= 0.1]
-    publish("\n".join(lines) + "\n", args.results)
+    return lines + [f"| {k.replace('|', '/')} | {v:.1f} |" for k, v in by_kind.most_common() if v >= 0.1]
 
 
-def report_timeline(args, started: list, busy: list, bin_s: float = 2.0) -> None:
+def report_timeline(started: list, busy: list, bin_s: float = 2.0) -> list[str]:
     """The processes that used at least 0.3 CPU-s by the first step, in the order they
     started, and the machine's busy share per `bin_s`."""
     cores = psutil.cpu_count()
@@ -165,8 +166,7 @@ def report_timeline(args, started: list, busy: list, bin_s: float = 2.0) -> None
             if mark is not None:
                 shares.append(f"{mark[0]:.0f}-{t:.0f} s {100 * (b - mark[1]) / (t - mark[0]) / cores:.0f}%")
             mark = (t, b)
-    lines.append(f"\nBusy share of the {cores} cores: " + ", ".join(shares) + "\n")
-    publish("\n".join(lines) + "\n", args.results)
+    return [*lines, f"\nBusy share of the {cores} cores: " + ", ".join(shares) + "\n"]
 
 
 if __name__ == "__main__":

@@ -105,16 +105,34 @@ def process_tree(proc: psutil.Process) -> list[psutil.Process]:
 def stop_ray_cluster(gcs_port: int, grace: float = 15) -> None:
     """Stop the cluster this session started, and nothing else. `ray stop --force` would stop
     every Ray on the machine, other people's included. Until none is left: a daemon may start
-    a process (a worker, an agent) while it is being stopped, after the first look."""
+    a process (a worker, an agent) while it is being stopped, after the first look.
+
+    The nodes' processes go first, then the monitors (the autoscaler's, the logs'), then the GCS:
+    signalled all at once, the autoscaler's monitor outlived SIGTERM for the whole grace, every
+    time (measured: 18.5 s a stop, against 5.5 s in this order)."""
     for _ in range(5):
         procs = [p for p in ray_cluster_processes(gcs_port) if is_alive(p)]
         if not procs:
             return
-        for proc in procs:
-            with contextlib.suppress(psutil.Error):
-                proc.terminate()
-        _, alive = psutil.wait_procs(procs, timeout=grace)
-        for proc in alive:
-            with contextlib.suppress(psutil.Error):
-                proc.kill()
-        psutil.wait_procs(alive, timeout=grace)
+        gcs = [p for p in procs if _runs(p, "gcs_server")]
+        monitors = [p for p in procs if _runs(p, "monitor.py")]
+        for stage in ([p for p in procs if p not in gcs + monitors], monitors, gcs):
+            _end(stage, grace)
+
+
+def _runs(proc: psutil.Process, program: str) -> bool:
+    with contextlib.suppress(psutil.Error):
+        return any(a.endswith(program) for a in proc.cmdline()[:3])
+    return False
+
+
+def _end(procs: list[psutil.Process], grace: float) -> None:
+    """SIGTERM, and SIGKILL what is left after `grace` seconds."""
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            proc.terminate()
+    _, alive = psutil.wait_procs(procs, timeout=grace)
+    for proc in alive:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    psutil.wait_procs(alive, timeout=grace)

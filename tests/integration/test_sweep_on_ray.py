@@ -194,7 +194,8 @@ PBT_STEPS = 12
 @pytest.mark.timeout(1200)  # 2 concurrent trials and a restart, on 2 cores
 def test_pbt_exploits_by_forking_another_trials_checkpoint(byte_dataset, tmp_path):
     """PBT on an embedded Ray (the driver starts its own, as with no cluster): 2 trials at two
-    learning rates 30x apart, deciding at step 6 (a checkpoint) whether to copy the better trial. A copy is a fork: the trial starts again, in a new MLflow run tagged with its parent,
+    learning rates 30x apart, deciding at step 6 (a checkpoint) whether to copy the better trial,
+    and not at step 12, their last. A copy is a fork: the trial starts again, in a new MLflow run tagged with its parent,
     at the other trial's checkpoint step with a mutated LR from the space. The embedded Ray must
     give back a stopped trial's worker CPUs, or the restarted trials wait for data for ever."""
     db = f"sqlite:///{tmp_path}/mlflow.db"
@@ -247,6 +248,10 @@ def test_pbt_exploits_by_forking_another_trials_checkpoint(byte_dataset, tmp_pat
     parent = next(r for r in runs.values() if r.data.tags.get("kiln.role") == "sweep")
     assert parent.data.metrics["sweep/exploits"] == summary["exploits"]
     trial_of = {rid: r.data.tags.get("kiln.sweep.trial_id") for rid, r in runs.items()}
+    # Each segment ran once: no decision at the last step (12, a multiple of 6) started the
+    # trials again to train 7-12 twice (a second attempt retires the first's run).
+    attempts = {rid: r.data.tags.get("kiln.sweep.attempt") for rid, r in runs.items() if trial_of[rid]}
+    assert set(attempts.values()) == {"1"}, attempts
     exploits = 0
     for r in runs.values():
         tags = r.data.tags

@@ -39,10 +39,13 @@ rows = kiln.runs("api", sort="loss/val")
 import kiln.core.loop  # noqa: F401
 import kiln.api  # noqa: F401
 again = [kiln.train is kiln.api.train, callable(kiln.train)]
+# The embedded Ray, still up, started no preemption watcher (a dead actor is listed too).
+import ray.util.state
+watchers = [a.actor_id for a in ray.util.state.list_actors(limit=10000) if a.class_name == "PreemptionWatcher"]
 print(json.dumps({"env_uri": os.environ.get("MLFLOW_TRACKING_URI"),
                   "fluent_kept": mlflow.get_tracking_uri() == fluent_before,
                   "fingerprint": manifest["fingerprint"], "val": summary.metrics["loss/val"],
-                  "run_id": summary.run_id, "rows": rows, "again": again, "mistakes": mistakes, "rendered": summary.render()}))
+                  "run_id": summary.run_id, "rows": rows, "again": again, "watchers": watchers, "mistakes": mistakes, "rendered": summary.render()}))
 """
 
 
@@ -65,6 +68,7 @@ def test_prepare_train_and_read_runs_from_python(corpus, tmp_path):
     assert row["metrics"]["loss/val"] == said["val"] and row["params"]["train.max_steps"] == "20"
     assert said["rendered"].startswith("Kiln run '") and "finished: 20 steps" in said["rendered"]
     assert said["again"] == [True, True]  # the API is still the function after a run
+    assert said["watchers"] == []  # an embedded Ray is lean: no preemption watcher (nothing drains it)
     # The tqdm bar reached the end (a text bar here; a widget in Jupyter), with the run's numbers.
     assert "20/20" in out.stderr and "tok/s" in out.stderr, out.stderr[-3000:]
     assert "TrainingReport(" not in out.stderr  # the quiet console holds in the API too

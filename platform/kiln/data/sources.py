@@ -91,6 +91,8 @@ class OrderedSource:
         self._val_cache: list[torch.Tensor] = []
         self._val_error: Exception | None = None
         self._val_thread: threading.Thread | None = None
+        self._val_wanted = False  # prefetch() asked for validation's read ahead of its first use
+        self._val_lock = threading.Lock()
         self.bytes_read = 0
         """Bytes of shards this replica has read (`data/bytes_read`): about 1/n of a split's
         for n replicas where micro-batches span whole row groups."""
@@ -187,6 +189,8 @@ class OrderedSource:
         number, first = self.resume_point(skip)
         while True:
             for ids, tokens in self.epoch("train", first, number):
+                if self._val_wanted:
+                    self._start_val()
                 yield number, ids, tokens
             number, first = number + 1, 0
 
@@ -201,9 +205,18 @@ class OrderedSource:
 
     def prefetch(self) -> None:
         # Validation reads the same batches every time, so they are read once, in the
-        # background from the start, and kept.
-        self._val_thread = threading.Thread(target=self._fill_val_cache, daemon=True, name="kiln-val-prefetch")
-        self._val_thread.start()
+        # background, and kept: from the first train batch on (numbered_samples), not beside the
+        # train read's start. On Ray each read running beside another takes a Ray worker process
+        # started for it (2-2.5 CPU-s each: two a training worker, in the demo's start-up);
+        # after the first batch, a train read of one task has left its process free for this one.
+        self._val_wanted = True
+
+    def _start_val(self) -> threading.Thread:
+        with self._val_lock:  # the train read's thread, or an evaluation before its first batch
+            if self._val_thread is None:
+                self._val_thread = threading.Thread(target=self._fill_val_cache, daemon=True, name="kiln-val-prefetch")
+                self._val_thread.start()
+            return self._val_thread
 
     def _fill_val_cache(self) -> None:
         try:
@@ -215,10 +228,7 @@ class OrderedSource:
             self._val_error = e
 
     def val_batches(self) -> Iterable[torch.Tensor]:
-        if self._val_thread is None:
-            self.prefetch()
-        assert self._val_thread is not None
-        self._val_thread.join()
+        self._start_val().join()
         if self._val_error is not None:
             raise self._val_error
         return self._val_cache

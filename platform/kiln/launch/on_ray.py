@@ -235,6 +235,8 @@ def connect_ray(cfg: RunConfig, address: str | None = None, verbose: bool = True
     # with its owner (a Tune trial that PBT or ASHA stops) leaks its workers' CPUs for good.
     port = free_port()
     _point_state_api_at(port)
+    # Ray's processes inherit this process's environment (where its user has not set it).
+    os.environ.setdefault(_PREEMPTION_WATCHER, "0")
     # address="local": a new instance of its own, even where `ray start` left one running here.
     context = ray.init(
         address="local",
@@ -242,6 +244,7 @@ def connect_ray(cfg: RunConfig, address: str | None = None, verbose: bool = True
         dashboard_host="127.0.0.1",
         dashboard_port=port,
         log_to_driver=True,
+        _system_config=EMBEDDED_LEAN,
         **ray_logging,
     )
     log.info(
@@ -251,6 +254,13 @@ def connect_ray(cfg: RunConfig, address: str | None = None, verbose: bool = True
     )
 
 
+# An embedded Ray is this one machine, started for one run, so two of Ray's processes start for
+# nothing there: the idle workers Ray prestarts for a driver (no Kiln run uses them: Ray Train's
+# actors and the reads each start their own), and Ray Train's preemption watcher, an actor that
+# polls for the nodes a cloud drains (nothing drains this one). 0.6-1.9 CPU-s each at start-up
+# (bench/results/startup.md). A cluster keeps Ray's defaults: there a watcher has work to do.
+EMBEDDED_LEAN = {"enable_worker_prestart": False, "prestart_worker_first_driver": False}
+_PREEMPTION_WATCHER = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
 _STATE_API = "RAY_API_SERVER_ADDRESS"
 _set_by_kiln: list[str] = []  # the value an earlier embedded Ray of this process set
 

@@ -81,7 +81,7 @@ def restored() -> Pointer | None:
         return Pointer(**json.load(f))
 
 
-def scheduler(cfg: SweepConfig, checkpoint_every: int):
+def scheduler(cfg: SweepConfig, checkpoint_every: int, max_steps: int):
     """Tune's PBT over the sweep's space: each entry is also the field's mutation, and every
     mutated value is brought back within the entry's bounds (`Bounds`), which validation checked
     against the field's range."""
@@ -95,6 +95,7 @@ def scheduler(cfg: SweepConfig, checkpoint_every: int):
         for k, (kind, arg) in ((k, next(iter(v.items()))) for k, v in cfg.space.items())
     }
     return SurvivorsPBT(  # Tune's PBT, that a failed trial does not stop
+        max_steps=max_steps,
         time_attr="step",
         perturbation_interval=s.perturbation_interval or checkpoint_every,
         hyperparam_mutations=mutations,

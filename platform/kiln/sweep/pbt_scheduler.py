@@ -1,4 +1,5 @@
-"""Tune's population-based training scheduler, with failed trials left out of its waits.
+"""Tune's population-based training scheduler, with failed trials left out of its waits, and
+no decision at a trial's last step.
 
 Synchronous PBT (`sweep.scheduler.synch`) decides at each perturbation step once every live
 trial has reached it, pausing those that arrive first. Ray Tune (2.60) counts a trial that
@@ -8,6 +9,14 @@ trial runs, and none is started (CI saw it: a trial lost to a failed MLflow writ
 two-trial sweep until its test's timeout). This subclass shows the scheduler the trials that
 have not failed, and takes a decision the failed trial was the last one waited for at once.
 Tune has no hook to change which trials count as live, hence a subclass.
+
+Tune's PBT also takes a decision at a result on the perturbation step whatever comes after it,
+the run's last step included. Where `train.max_steps` is a multiple of the interval, as it
+usually is, synchronous PBT paused every trial at its last step; the last report offers no
+checkpoint (a finished trial is nobody's starting point), so Tune started each trial again from
+the one before, and every trial trained its last interval twice (seen in the PBT test on Ray: a
+third round of restarts, 7-12 again, for a 12-step sweep deciding every 6). A trial's result at
+its last step is no decision here: it ends.
 """
 
 from __future__ import annotations
@@ -15,7 +24,7 @@ from __future__ import annotations
 from typing import Any
 
 from ray.tune.experiment import Trial
-from ray.tune.schedulers import PopulationBasedTraining
+from ray.tune.schedulers import PopulationBasedTraining, TrialScheduler
 
 
 class _Survivors:
@@ -35,13 +44,18 @@ class _Survivors:
 
 
 class SurvivorsPBT(PopulationBasedTraining):
-    """`PopulationBasedTraining` that decides among the trials that have not failed."""
+    """`PopulationBasedTraining` that decides among the trials that have not failed, and never at
+    a trial's last step (`max_steps`, or the trial's own `train.max_steps` where the space
+    draws it)."""
 
-    def __init__(self, *args: Any, **kwargs: Any):
+    def __init__(self, *args: Any, max_steps: int, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self._failed: set[Trial] = set()
+        self._max_steps = max_steps
 
     def on_trial_result(self, tune_controller: Any, trial: Trial, result: dict) -> str:
+        if result.get(self._time_attr, 0) >= trial.config.get("train.max_steps", self._max_steps):
+            return TrialScheduler.CONTINUE  # its last step: the trial ends, nothing to decide
         return super().on_trial_result(_Survivors(tune_controller, self._failed), trial, result)
 
     def on_trial_error(self, tune_controller: Any, trial: Trial) -> None:

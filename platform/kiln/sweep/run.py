@@ -135,7 +135,7 @@ def _scheduler(sweep: Sweep, max_steps: int):
 
     s = sweep.config.scheduler
     if s.name == "pbt":
-        return pbt_run.scheduler(sweep.config, sweep.base_config.train.checkpoint_every)
+        return pbt_run.scheduler(sweep.config, sweep.base_config.train.checkpoint_every, max_steps)
     if s.name == "asha":
         # time in optimizer steps (every report carries "step"), not in reports.
         return ASHAScheduler(

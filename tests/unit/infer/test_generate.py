@@ -182,14 +182,18 @@ def test_the_compiled_decode_gives_the_eager_tokens_and_compiles_once(model):
 
 def test_the_compiled_decode_sees_weights_changed_in_place(model):
     """The compiled step freezes the weights into its graph: after an in-place update (a
-    fine-tune, a loaded state dict) it must decode with the new weights, not the frozen ones."""
-    import copy
-
-    mine = copy.deepcopy(model)  # the fixture is shared: change a copy
+    fine-tune, a loaded state dict) it must decode with the new weights, not the frozen ones.
+    On the shared model, whose step the test above compiled, and put back after: one compile
+    here, not two."""
     s = Sampling(max_new_tokens=20, temperature=0, stop_at_eot=False)
-    before = generate(mine, PROMPTS, s, eot_id=0, vocab_size=VOCAB, compile=True).tokens
-    with torch.no_grad():
-        mine.blocks[0].mlp.proj.weight.mul_(-1)  # the same parameter objects, new values
-    eager = generate(mine, PROMPTS, s, eot_id=0, vocab_size=VOCAB).tokens
-    assert eager != before  # the change shows in the text
-    assert generate(mine, PROMPTS, s, eot_id=0, vocab_size=VOCAB, compile=True).tokens == eager
+    before = generate(model, PROMPTS, s, eot_id=0, vocab_size=VOCAB, compile=True).tokens
+    weight = model.blocks[0].mlp.proj.weight
+    try:
+        with torch.no_grad():
+            weight.mul_(-1)  # the same parameter objects, new values
+        eager = generate(model, PROMPTS, s, eot_id=0, vocab_size=VOCAB).tokens
+        assert eager != before  # the change shows in the text
+        assert generate(model, PROMPTS, s, eot_id=0, vocab_size=VOCAB, compile=True).tokens == eager
+    finally:
+        with torch.no_grad():
+            weight.mul_(-1)  # negation is exact: the fixture's weights again

@@ -1,4 +1,6 @@
-"""Synchronous PBT goes on when a trial fails: Tune's own scheduler waits for it for ever.
+"""Synchronous PBT goes on when a trial fails: Tune's own scheduler waits for it for ever. And a
+trial's last step is no decision: Tune's own pauses every trial there, to train its last
+interval again.
 
 Tune's real scheduler and real trials; the controller is a stand-in with the two views PBT
 reads, and it keeps a failed trial live as Tune's controller does (only TERMINATED leaves).
@@ -25,8 +27,12 @@ class Controller:
         return {t for t in self.trials if t.status != Trial.TERMINATED}
 
 
+MAX_STEPS = 18  # the runs' last step
+
+
 def _population(cls):
     sched = cls(
+        **({"max_steps": MAX_STEPS} if cls is SurvivorsPBT else {}),
         time_attr="step",
         metric="loss/val",
         mode="min",
@@ -75,3 +81,19 @@ def test_a_failed_trial_does_not_hold_the_decision(cls, order):
         assert decision == "PAUSE" and survivor.status == Trial.RUNNING
         survivor.set_status(Trial.PAUSED)
         assert sched.choose_trial_to_run(ctl) is survivor
+
+
+@pytest.mark.parametrize("cls", [SurvivorsPBT, PopulationBasedTraining])
+def test_the_last_step_is_no_decision(cls):
+    """A trial reports step 18, a multiple of the interval and the run's last step: it ends
+    there. Tune's own pauses it for a decision (and, with no checkpoint offered at the last step,
+    would start it again from its previous one)."""
+    sched, ctl, (first, _) = _population(cls)
+    decision = sched.on_trial_result(ctl, first, {"step": MAX_STEPS, "loss/val": 1.0, "training_iteration": 3})
+    assert decision == ("PAUSE" if cls is PopulationBasedTraining else "CONTINUE")
+    # A trial whose drawn train.max_steps is longer is decided on at step 18 as before.
+    longer = Trial("__fake", config={"optim.lr": 1e-4, "train.max_steps": 24}, stub=True)
+    sched.on_trial_add(ctl, longer)
+    ctl.trials.append(longer)
+    longer.set_status(Trial.RUNNING)
+    assert sched.on_trial_result(ctl, longer, {"step": MAX_STEPS, "loss/val": 1.0, "training_iteration": 3}) == "PAUSE"

@@ -192,7 +192,7 @@ def test_pbt_mutates_the_space_and_keeps_each_value_within_its_entry(tmp_path):
             },
         )
     )
-    pbt = scheduler(sweep.config, sweep.base_config.train.checkpoint_every)
+    pbt = scheduler(sweep.config, sweep.base_config.train.checkpoint_every, sweep.base_config.train.max_steps)
     assert pbt._perturbation_interval == 10 and pbt._time_attr == "step"
     assert pbt._hyperparam_mutations["optim.beta2"] == [0.9, 0.95, 0.99]
     clip = Bounds(sweep.config.space)
