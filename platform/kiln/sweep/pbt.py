@@ -4,8 +4,10 @@ Ray Tune's PBT copies a leading trial into a trailing one: it pauses the trailin
 it the leader's last Tune checkpoint and a mutated config, and starts it again. Ray Train V2's
 `TuneReportCallback` hands Tune metrics only, so a PBT trial reports for itself:
 - its Train run's controller passes every report, with the path of the Train checkpoint it
-  carries, to the trial (`TrialReports`, through a one-slot queue, so that Tune's decision is
-  taken before the workers train on);
+  carries, to the trial (`TrialReports`, through a one-slot queue: the controller is at most a
+  report ahead of Tune's decisions. The workers are not held: they train on to their next
+  report while Tune decides, so a paused or exploited trial may have trained past the
+  decision's step. Those steps are lost, not wrong: the fork starts from the step's checkpoint);
 - the trial reports the metrics to Tune, with a Tune checkpoint that is a pointer (`POINTER`)
   naming that Train checkpoint, its trial and its MLflow run, never a copy of the weights;
 - a trial started with a pointer is a fork (`train.resume_from`) of that checkpoint: another
@@ -136,7 +138,7 @@ def trial_reports(inbox, max_steps: int):
             item = dict(metrics[0])
             if checkpoint is not None and int(item.get("step", max_steps)) < max_steps:
                 item[CHECKPOINT_PATH] = checkpoint.path
-            inbox.put(item)  # blocks while the trial's last report waits for Tune's decision
+            inbox.put(item)  # blocks until the trial has taken the report before
 
     return TrialReports()
 
