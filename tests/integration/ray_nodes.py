@@ -114,13 +114,15 @@ def stop_ray_cluster(gcs_port: int, grace: float = 15) -> None:
         procs = [p for p in ray_cluster_processes(gcs_port) if is_alive(p)]
         if not procs:
             return
-        gcs = [p for p in procs if _runs(p, "gcs_server")]
-        monitors = [p for p in procs if _runs(p, "monitor.py")]
+        gcs = [p for p in procs if runs_program(p, "gcs_server")]
+        monitors = [p for p in procs if runs_program(p, "monitor.py")]  # log_monitor.py too
         for stage in ([p for p in procs if p not in gcs + monitors], monitors, gcs):
             _end(stage, grace)
 
 
-def _runs(proc: psutil.Process, program: str) -> bool:
+def runs_program(proc: psutil.Process, program: str) -> bool:
+    """Whether `proc` runs `program` (a path ending so, as the executable or the interpreter's
+    script); False once it is gone."""
     with contextlib.suppress(psutil.Error):
         return any(a.endswith(program) for a in proc.cmdline()[:3])
     return False

@@ -35,7 +35,7 @@ from mlflow.tracking import MlflowClient
 from kiln.launch.local import free_port
 
 sys.path.insert(0, str(Path(__file__).parent))
-from ray_nodes import BIN, node_ports, process_tree, ray_daemons  # noqa: E402
+from ray_nodes import BIN, node_ports, process_tree, ray_daemons, runs_program  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 200  # ~0.2 s a step: time to grow, checkpoint at two workers and shrink (by step ~60); an epoch of 164 steps and a second begun
@@ -74,7 +74,7 @@ class SecondNode:
         assert out.returncode == 0, out.stdout + out.stderr
         # Beyond the raylet's tree, `ray start` starts the node's log monitor. It names the GCS,
         # as do new workers on any node: so the new process that is a log monitor.
-        self.monitors = [p for p in ray_daemons(gcs_port) if p.pid not in before and _is_log_monitor(p)]
+        self.monitors = [p for p in ray_daemons(gcs_port) if p.pid not in before and runs_program(p, "log_monitor.py")]
 
     def raylet(self) -> psutil.Process:
         found = [
@@ -96,12 +96,6 @@ class SecondNode:
             with contextlib.suppress(psutil.NoSuchProcess):
                 p.send_signal(signal.SIGKILL)
         return len(victims)
-
-
-def _is_log_monitor(proc: psutil.Process) -> bool:
-    with contextlib.suppress(psutil.Error):
-        return any(part.endswith("log_monitor.py") for part in proc.cmdline())
-    return False
 
 
 def _s3(endpoint: str):

@@ -39,7 +39,8 @@ class LeakWatch:
         for name, value in used.items():
             samples = self._samples.setdefault(name, collections.deque(maxlen=2 * self.window))
             samples.append((step, float(value)))
-            earlier, latest = list(samples)[: self.window], list(samples)[self.window :]
+            held = list(samples)
+            earlier, latest = held[: self.window], held[self.window :]
             rate = self._leak_rate(latest) if self._leak_rate(earlier) else 0.0
             if rate and name not in self.warned:
                 self.warned.add(name)

@@ -189,7 +189,7 @@ class OrderedSource:
         number, first = self.resume_point(skip)
         while True:
             for ids, tokens in self.epoch("train", first, number):
-                if self._val_wanted:
+                if self._val_wanted and self._val_thread is None:  # the lock only until it starts
                     self._start_val()
                 yield number, ids, tokens
             number, first = number + 1, 0

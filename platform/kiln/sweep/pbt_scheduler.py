@@ -45,8 +45,8 @@ class _Survivors:
 
 class SurvivorsPBT(PopulationBasedTraining):
     """`PopulationBasedTraining` that decides among the trials that have not failed, and never at
-    a trial's last step (`max_steps`, or the trial's own `train.max_steps` where the space
-    draws it)."""
+    the trials' last step, `max_steps` (the space cannot draw `train.max_steps` for PBT:
+    `kiln.sweep.config.PBT_MUTABLE`)."""
 
     def __init__(self, *args: Any, max_steps: int, **kwargs: Any):
         super().__init__(*args, **kwargs)
@@ -54,7 +54,7 @@ class SurvivorsPBT(PopulationBasedTraining):
         self._max_steps = max_steps
 
     def on_trial_result(self, tune_controller: Any, trial: Trial, result: dict) -> str:
-        if result.get(self._time_attr, 0) >= trial.config.get("train.max_steps", self._max_steps):
+        if result.get(self._time_attr, 0) >= self._max_steps:
             return TrialScheduler.CONTINUE  # its last step: the trial ends, nothing to decide
         return super().on_trial_result(_Survivors(tune_controller, self._failed), trial, result)
 

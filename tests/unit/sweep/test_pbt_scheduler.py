@@ -91,9 +91,3 @@ def test_the_last_step_is_no_decision(cls):
     sched, ctl, (first, _) = _population(cls)
     decision = sched.on_trial_result(ctl, first, {"step": MAX_STEPS, "loss/val": 1.0, "training_iteration": 3})
     assert decision == ("PAUSE" if cls is PopulationBasedTraining else "CONTINUE")
-    # A trial whose drawn train.max_steps is longer is decided on at step 18 as before.
-    longer = Trial("__fake", config={"optim.lr": 1e-4, "train.max_steps": 24}, stub=True)
-    sched.on_trial_add(ctl, longer)
-    ctl.trials.append(longer)
-    longer.set_status(Trial.RUNNING)
-    assert sched.on_trial_result(ctl, longer, {"step": MAX_STEPS, "loss/val": 1.0, "training_iteration": 3}) == "PAUSE"
