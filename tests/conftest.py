@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import os
+import sys
 import sysconfig
 from pathlib import Path
 
 import pytest
+
+# The suite's helper modules (mlflow_store, hf_models, ...) import by name from any test module.
+sys.path.insert(0, str(Path(__file__).parent))
 
 # Ray reads RAY_AUTH_MODE once per process and caches it, and importing some of Ray's modules
 # (ray.train does, at collection time) is enough to fix it. The session's head uses token auth,
@@ -19,6 +23,14 @@ REPO = Path(__file__).resolve().parents[1]
 
 # Small stdlib packages: real text nobody here wrote, ~300 KB of Python.
 CORPUS_DIRS = [STDLIB / "json", STDLIB / "logging", STDLIB / "email" / "mime", STDLIB / "http"]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _mlflow_store_home(tmp_path_factory) -> None:
+    """Where `mlflow_store.sqlite_store` keeps the session's template store (made on first use)."""
+    import mlflow_store
+
+    mlflow_store.HOME = tmp_path_factory.mktemp("mlflow-template")
 
 
 @pytest.fixture(scope="session")

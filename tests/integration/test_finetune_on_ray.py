@@ -13,6 +13,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hf_models import VOCAB, build, saved  # noqa: E402
+from mlflow_store import sqlite_store  # noqa: E402
 
 from kiln.config import load_config  # noqa: E402
 from kiln.data.manifest import load_manifest  # noqa: E402
@@ -104,7 +105,7 @@ def _config(ckpt, data, tmp, name, *more):
             f"train.micro_batch_size={MICRO_BATCH}",
             "train.eval_every=0",
             "schedule.warmup_steps=2",
-            f"logging.tracking_uri=sqlite:///{tmp}/mlflow.db",
+            f"logging.tracking_uri={sqlite_store(tmp)}",
             "logging.experiment=finetune",
             f"logging.run_name={name}",
             f"train.storage_path={tmp}/runs",
@@ -439,7 +440,7 @@ def test_the_llama3_lora_chat_recipe_end_to_end(ray_cluster, corpus, tmp_path, m
             "train.checkpoint_every=8",
             "optim.lr=1e-2",
             "schedule.warmup_steps=2",
-            f"logging.tracking_uri=sqlite:///{tmp_path}/mlflow.db",
+            f"logging.tracking_uri={sqlite_store(tmp_path)}",
             f"train.storage_path={tmp_path}/runs",
         ],
     )

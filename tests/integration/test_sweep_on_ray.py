@@ -1,4 +1,4 @@
-"""A Ray Tune sweep on the shared Ray cluster: 4 trials, each a 2-worker Ray Train + DeepSpeed
+"""A Ray Tune sweep on the shared Ray cluster: 3 trials, each a 2-worker Ray Train + DeepSpeed
 run on 2 cores (logical CPUs oversubscribed), ASHA stopping the laggards, every trial a child
 run in a real MLflow store, and `kiln runs compare` ranking them. Midway the driver gets Ctrl-C
 and the sweep is resumed with `kiln sweep --resume`: one run per trial all the same. The driver
@@ -19,16 +19,17 @@ from mlflow.tracking import MlflowClient
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests" / "bad_inputs"))
 from cases import ENV_SECRETS  # noqa: E402
+from mlflow_store import sqlite_store  # noqa: E402
 
 KILN = str(Path(sys.executable).parent / "kiln")
 MAX_STEPS = 20
 
 
-@pytest.mark.timeout(1800)  # 4 Ray Train runs plus a restart, on 2 cores
-def test_asha_sweep_four_trials_parent_and_children_in_mlflow(ray_cluster, byte_dataset, tmp_path):
+@pytest.mark.timeout(1800)  # 3 Ray Train runs plus a restart, on 2 cores
+def test_asha_sweep_three_trials_parent_and_children_in_mlflow(ray_cluster, byte_dataset, tmp_path):
     address, _, env = ray_cluster
     env = env | ENV_SECRETS
-    db = f"sqlite:///{tmp_path}/mlflow.db"
+    db = sqlite_store(tmp_path)
     sweep = {
         "name": "it-sweep",
         "base": str(REPO / "jobs/configs/debug.yaml"),
@@ -43,10 +44,10 @@ def test_asha_sweep_four_trials_parent_and_children_in_mlflow(ray_cluster, byte_
             "logging.experiment": "sweep-it",
             "logging.progress_every": 10,
         },
-        # adamw/cosine first (the grid's first point), then sgd/cosine: SGD at lr 0.01 trails
-        # everything, so ASHA has something to stop.
-        "space": {"optim.name": {"grid": ["adamw", "sgd"]}, "schedule.name": {"grid": ["cosine", "constant"]}},
-        "conditional": {"optim.name=sgd": {"optim.lr": 0.01}},
+        # adamw first (the grid's first point), then sgd, then rmsprop: SGD at lr 0.01 trails
+        # everything, so ASHA has something to stop. (Grids over several fields: test_sweep_config.)
+        "space": {"optim.name": {"grid": ["adamw", "sgd", "rmsprop"]}},
+        "conditional": {"optim.name=sgd": {"optim.lr": 0.01}, "optim.name=rmsprop": {"optim.lr": 1e-3}},
         "search": "grid",
         "scheduler": {"name": "asha", "grace_period": 5, "reduction_factor": 2},
         # One trial at a time, so adamw/cosine sets each rung's bar before SGD reaches it and ASHA
@@ -60,7 +61,7 @@ def test_asha_sweep_four_trials_parent_and_children_in_mlflow(ray_cluster, byte_
     path = tmp_path / "sweep.yaml"
     path.write_text(yaml.safe_dump(sweep))
     out = tmp_path / "summary.json"
-    # Ctrl-C once the third trial has started (two ran, one or two are running).
+    # Ctrl-C once the third trial has started (two ran, the last is running).
     log = (tmp_path / "first.log").open("w")
     first = subprocess.Popen(
         [KILN, "sweep", "--config", str(path), "--address", address],
@@ -100,13 +101,13 @@ def test_asha_sweep_four_trials_parent_and_children_in_mlflow(ray_cluster, byte_
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     summary = json.loads(out.read_text())
     trials = summary["trials"]
-    assert len(trials) == 4 and all(t["status"] != "error" for t in trials), trials
+    assert len(trials) == 3 and all(t["status"] != "error" for t in trials), trials
 
     # ASHA stopped at least one trial before its last step, and at least one ran to the end.
     stopped = [t for t in trials if t["status"] == "stopped early"]
     assert stopped and all(t["steps"] < MAX_STEPS for t in stopped), trials
     assert any(t["steps"] == MAX_STEPS for t in trials)
-    assert summary["trial_steps_run"] == sum(t["steps"] for t in trials) < 4 * MAX_STEPS
+    assert summary["trial_steps_run"] == sum(t["steps"] for t in trials) < 3 * MAX_STEPS
 
     # MLflow: one parent, one child per trial, each with its params and per-step history.
     client = MlflowClient(db)
@@ -117,7 +118,7 @@ def test_asha_sweep_four_trials_parent_and_children_in_mlflow(ray_cluster, byte_
     parent = parents[0]
     assert parent.info.run_id == summary["parent_run_id"] and parent.info.status == "FINISHED"
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
-    assert len(children) == 4 == len(runs) - 1  # a restarted trial replaced its first attempt
+    assert len(children) == 3 == len(runs) - 1  # a restarted trial replaced its first attempt
     assert any(c.data.tags["kiln.sweep.attempt"] == "2" for c in children)
     by_trial = {c.data.tags["kiln.sweep.trial_id"]: c for c in children}
     assert set(by_trial) == {t["trial_id"] for t in trials}
@@ -125,10 +126,10 @@ def test_asha_sweep_four_trials_parent_and_children_in_mlflow(ray_cluster, byte_
         child = by_trial[t["trial_id"]]
         p = child.data.params
         # the same param names as a single run's
-        assert p["optim.name"] == t["params"]["optim.name"] and p["schedule.name"] == t["params"]["schedule.name"]
+        assert p["optim.name"] == t["params"]["optim.name"] and p["schedule.name"] == "cosine"  # the base's
         assert p["parallel.num_workers"] == "2" and p["train.max_steps"] == str(MAX_STEPS)
-        if t["params"]["optim.name"] == "sgd":
-            assert float(p["optim.lr"]) == 0.01  # the conditional applied
+        conditional = {"sgd": 0.01, "rmsprop": 1e-3, "adamw": 3e-3}  # the conditionals applied, or the base's
+        assert float(p["optim.lr"]) == conditional[t["params"]["optim.name"]]
         hist = sorted(m.step for m in client.get_metric_history(child.info.run_id, "loss/train"))
         assert hist == list(range(1, t["steps"] + 1)), (t, hist)
         val = client.get_metric_history(child.info.run_id, "loss/val")
@@ -198,7 +199,7 @@ def test_pbt_exploits_by_forking_another_trials_checkpoint(byte_dataset, tmp_pat
     and not at step 12, their last. A copy is a fork: the trial starts again, in a new MLflow run tagged with its parent,
     at the other trial's checkpoint step with a mutated LR from the space. The embedded Ray must
     give back a stopped trial's worker CPUs, or the restarted trials wait for data for ever."""
-    db = f"sqlite:///{tmp_path}/mlflow.db"
+    db = sqlite_store(tmp_path)
     lrs = [1e-4, 3e-3]
     sweep = {
         "name": "it-pbt",

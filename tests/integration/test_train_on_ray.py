@@ -28,6 +28,7 @@ from kiln.storage import resolve
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(REPO / "tests/dashboards"))
+from mlflow_store import sqlite_store  # noqa: E402
 from prom_queries import dashboard_queries_without_data  # noqa: E402
 from render_panels import render as render_panels  # noqa: E402
 
@@ -51,7 +52,7 @@ def _zero2_overrides(s3_dataset: str, s3_server: str, tmp: Path, run_name: str, 
         "train.eval_every=20",
         "schedule.warmup_steps=5",
         "train.micro_batch_size=8",
-        f"logging.tracking_uri=sqlite:///{tmp}/mlflow.db",
+        f"logging.tracking_uri={sqlite_store(tmp)}",
         "logging.experiment=integration",
         f"logging.run_name={run_name}",
         f"train.storage_path={tmp}/runs",
@@ -176,8 +177,11 @@ def test_a_tensor_parallel_run_survives_a_dead_worker_and_a_dead_driver(
     step 20 into the same MLflow run, and ends with the uninterrupted run's loss at every step
     (each logged once) and bitwise its weights and optimizer slices, rank by rank. No worker's
     local checkpoint copy is left behind, and a third submission, with nothing left to train,
-    is refused. (Data-parallel ZeRO-2 resumes after a dead node in test_two_nodes; bitwise,
-    without Ray, in tests/unit/launch/test_local.py.)"""
+    is refused. The uninterrupted run is the same config under torchrun, without Ray
+    (`kiln.launch.local`): Ray Train's workers and torchrun's ranks read the same rows and draw
+    the same dropout, so the two launchers' runs are bitwise alike too. (Data-parallel ZeRO-2
+    resumes after a dead node in test_two_nodes; bitwise, without Ray, in
+    tests/unit/launch/test_local.py.)"""
     import torch
 
     address, _, env = ray_cluster
@@ -191,7 +195,7 @@ def test_a_tensor_parallel_run_survives_a_dead_worker_and_a_dead_driver(
         "train.health.inject=",
         "train.max_failures=1",
     ]
-    whole = train(_zero2_config(s3_dataset, s3_server, tmp_path, "tp-whole", *tp), address=address)
+    whole = _torchrun(_zero2_overrides(s3_dataset, s3_server, tmp_path, "tp-whole", *tp), tmp_path, env)
     storage = f"s3://kiln-test/resume-{uuid.uuid4().hex[:8]}"
     named = _zero2_overrides(s3_dataset, s3_server, tmp_path, "tp-named", *tp, f"train.storage_path={storage}")
     copies = set(glob.glob(os.path.join(tempfile.gettempdir(), "kiln-ckpt-*")))  # workers' local checkpoints
@@ -239,7 +243,7 @@ def test_a_tensor_parallel_run_survives_a_dead_worker_and_a_dead_driver(
     got = [(m.step, m.value) for m in client.get_metric_history(resumed.run_id, "loss/train")]
     assert sorted(step for step, _ in got) == list(range(1, 31))  # each step once over three worker groups
     assert dict(got) == pytest.approx(want, rel=1e-6)
-    assert client.get_metric_history(whole.run_id, "time/tensor_parallel_comm_s")[-1].value > 0
+    assert client.get_metric_history(resumed.run_id, "time/tensor_parallel_comm_s")[-1].value > 0
     final = resolve(resumed.checkpoint, s3_server)
     pafs.copy_files(final.path, str(tmp_path / "final"), source_filesystem=final.fs)
     a, b = checkpoint_tensors(whole.checkpoint), checkpoint_tensors(tmp_path / "final")
@@ -276,7 +280,8 @@ def test_diloco_resumes_exactly_after_a_dead_worker_on_ray(
     checkpoint one worker is SIGKILLed; Ray Train restarts the group from storage, and the run
     ends with the uninterrupted run's loss at every step (1e-6) and its weights bitwise. The NaN
     planted in rank 0's loss at step 15 is left out on both replicas in both runs (the health
-    guard under `train.health.policy: skip`)."""
+    guard under `train.health.policy: skip`). The uninterrupted run is torchrun's, as in the
+    tensor-parallel test above."""
     import torch
 
     address, _, env = ray_cluster
@@ -291,7 +296,7 @@ def test_diloco_resumes_exactly_after_a_dead_worker_on_ray(
         "train.profile.start_step=0",
         "train.max_failures=1",
     ]
-    whole = train(_zero2_config(s3_dataset, s3_server, tmp_path, "diloco-whole", *diloco), address=address)
+    whole = _torchrun(_zero2_overrides(s3_dataset, s3_server, tmp_path, "diloco-whole", *diloco), tmp_path, env)
     named = _zero2_overrides(s3_dataset, s3_server, tmp_path, "diloco-killed", *diloco)
     before = {p.pid for p in _train_workers()}
     with (tmp_path / "killed.log").open("w") as out:
@@ -330,6 +335,42 @@ def test_diloco_resumes_exactly_after_a_dead_worker_on_ray(
     assert a.keys() == b.keys() and a and not [k for k in a if not torch.equal(a[k], b[k])]
 
 
+@dataclass
+class Reference:
+    run_id: str
+    checkpoint: Path
+
+
+def _torchrun(overrides: list[str], tmp_path: Path, env: dict) -> Reference:
+    """The run of `overrides` uninterrupted, on 2 ranks under torchrun (`kiln.launch.local`), not
+    Ray: the reference a Ray run that lost workers is held to. Its MLflow run and last checkpoint."""
+    summary = tmp_path / "reference.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node=2",
+            "--standalone",
+            "-m",
+            "kiln.launch.local",
+            "--config",
+            str(REPO / "jobs/configs/debug.yaml"),
+            *[a for o in overrides for a in ("--set", o)],
+            "--summary-json",
+            str(summary),
+        ],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    done = json.loads(summary.read_text())
+    return Reference(done["run_id"], Path(done["checkpoint"]))
+
+
 def _wait_for_checkpoint(snapshot, step: int, driver: subprocess.Popen) -> None:
     """Until Ray Train has registered a checkpoint of `step` or later in storage."""
     deadline = time.time() + 600
@@ -362,7 +403,7 @@ def test_pipeline_two_replicas_by_two_stages_on_ray(ray_cluster, s3_server, s3_d
     is a mixture, reshuffled each epoch, read from both of its datasets (here the S3 dataset
     twice, under two names) by Ray Data read tasks."""
     address, _, _ = ray_cluster
-    db = f"sqlite:///{tmp_path}/mlflow.db"
+    db = sqlite_store(tmp_path)
     cfg = load_config(
         REPO / "jobs/configs/debug.yaml",
         [

@@ -17,7 +17,6 @@ import logging
 import os
 import sys
 import time
-from pathlib import Path
 
 import torch
 
@@ -28,14 +27,16 @@ from kiln.core.sinks import NullLogger, Sinks
 from kiln.data.sources import ParquetSource
 from kiln.devices import name_deepspeed_accelerator
 from kiln.errors import KilnError
+from kiln.guard import check_file_target
 from kiln.launch.console import run_reporting_errors
 from kiln.launch.preflight import preflight
 from kiln.launch.resume import lineage, record_run
-from kiln.launch.summary import Summary
+from kiln.launch.summary import RUN_SUMMARY, Summary
 from kiln.parallel.ops import init_distributed, shutdown_distributed
 from kiln.parallel.worker import run_worker
 from kiln.ports import free_port  # noqa: F401 (tests and benches take it from here too)
 from kiln.redact import configure_logging
+from kiln.storage import write_whole
 from kiln.ui.progress import sink_for
 
 log = logging.getLogger(__name__)
@@ -159,13 +160,14 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     def command() -> int:
-        summary = run_local(
-            load_config(args.config, fork_overrides(args.overrides, args.fork)), started=process_start()
-        )
+        cfg = load_config(args.config, fork_overrides(args.overrides, args.fork))
+        if args.summary_json:  # checked before the run, written whole after it, as `kiln train` does
+            check_file_target(args.summary_json, RUN_SUMMARY, f"--summary-json {args.summary_json}")
+        summary = run_local(cfg, started=process_start())
         if summary is not None:
             print(summary.render())
             if args.summary_json:
-                Path(args.summary_json).write_text(summary.to_json())
+                write_whole(args.summary_json, summary.to_json(), kind=RUN_SUMMARY)
         return 0
 
     return run_reporting_errors(command)

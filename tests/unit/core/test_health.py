@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
+from mlflow_store import sqlite_store  # noqa: E402
 
 from kiln.config import load_config
 from kiln.core import checkpoint
@@ -186,7 +187,7 @@ def _start(byte_dataset, where: Path, sets: list[str]) -> subprocess.Popen:
         "train.grad_accum_steps=2",
         "schedule.warmup_steps=2",
         "logging.progress_every=1",
-        f"logging.tracking_uri=sqlite:///{where}/mlflow.db",
+        f"logging.tracking_uri={sqlite_store(where)}",
         f"train.storage_path={where}/runs",
         *sets,
     ]

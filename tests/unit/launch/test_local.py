@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from mlflow_store import sqlite_store  # noqa: E402
 
 from kiln.core import checkpoint
 from kiln.launch.local import free_port
@@ -61,7 +62,7 @@ def _run_local(byte_dataset, tmp_path, *overrides, ranks=1, tty=False, args=()):
         "--set",
         "train.micro_batch_size=8",
         "--set",
-        f"logging.tracking_uri=sqlite:///{tmp_path}/mlflow.db",
+        f"logging.tracking_uri={sqlite_store(tmp_path)}",
         "--set",
         "logging.experiment=local",
         "--set",
@@ -229,6 +230,24 @@ def test_torchrun_ranks_agree_on_rank0s_run_name(tmp_path):
     mp.spawn(_name_as_rank, args=(str(tmp_path),), nprocs=2)
     said = {(tmp_path / f"rank{r}").read_text() for r in (0, 1)}
     assert said == {f"debug-20261120 {tmp_path}/runs0"}
+
+
+def test_summary_json_never_replaces_a_file_that_is_not_a_run_summary(tmp_path):
+    """Checked before anything starts, as `kiln train --summary-json` is: a typo must not cost
+    a user their file after the run."""
+    mine = tmp_path / "notes.json"
+    mine.write_text("mine")
+    proc = subprocess.run(
+        [sys.executable, "-m", "kiln.launch.local", "--config", str(REPO / "jobs/configs/debug.yaml")]
+        + ["--summary-json", str(mine)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 2 and f"--summary-json {mine}" in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and mine.read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.json"]  # no run was started
 
 
 def test_a_run_resumed_from_a_checkpoint_matches_the_uninterrupted_run(

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
+from mlflow_store import sqlite_store  # noqa: E402
 
 pytestmark = pytest.mark.slow  # whole training jobs or engines: not in `make test-fast`
 
@@ -17,7 +18,7 @@ REPO = Path(__file__).resolve().parents[3]
 
 
 def test_sigterm_marks_the_run_killed(byte_dataset, tmp_path):
-    db = f"sqlite:///{tmp_path}/mlflow.db"
+    db = sqlite_store(tmp_path)
     cmd = [
         sys.executable,
         "-m",

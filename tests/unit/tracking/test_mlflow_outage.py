@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 from mlflow.entities import Metric
 from mlflow.tracking import MlflowClient
+from mlflow_store import sqlite_store  # noqa: E402
 
 from kiln.launch.local import free_port
 from kiln.tracking import services
@@ -136,7 +137,7 @@ def test_a_killed_rank_loses_no_metric_it_handed_over_and_its_restart_delivers_t
     """Rank 0 is SIGKILLed during an outage, holding metrics it could not deliver; the restarted
     rank 0 on the same node (a real SQLite store standing in for the server that is back)
     delivers them first and skips the steps it trains again, so each step is logged once."""
-    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    store = sqlite_store(tmp_path)
     client = MlflowClient(store)
     run_id = client.create_run(client.create_experiment("journal")).info.run_id
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens: the outage

@@ -1,5 +1,7 @@
 import os
 
+from mlflow_store import sqlite_store  # noqa: E402
+
 from kiln.redact import REDACTED, redact
 from kiln.tracking.server import resolve_tracking_uri, ui_command
 
@@ -70,7 +72,7 @@ def test_the_first_process_to_end_a_run_decides_its_status(tmp_path):
 
     from kiln.tracking.mlflow_run import Run
 
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    uri = sqlite_store(tmp_path)
     stopped, failed = Run(uri, "e", "stopped"), Run(uri, "e", "failed")
     MlflowClient(uri).set_terminated(stopped.run_id, "KILLED")  # the driver, first
     for run in (stopped, failed):
@@ -95,7 +97,7 @@ def test_a_dataset_two_runs_log_at_once_is_logged_for_both(tmp_path, monkeypatch
 
     from kiln.tracking.mlflow_run import Run
 
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    uri = sqlite_store(tmp_path)
     ours, rival = Run(uri, "e", "ours"), Run(uri, "e", "rival")
     impl, raced = SqlAlchemyStore._log_inputs_impl, []
 
