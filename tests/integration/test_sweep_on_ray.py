@@ -1,8 +1,9 @@
-"""A Ray Tune sweep on the shared Ray cluster: 3 trials, each a 2-worker Ray Train + DeepSpeed
-run on 2 cores (logical CPUs oversubscribed), ASHA stopping the laggards, every trial a child
-run in a real MLflow store, and `kiln runs compare` ranking them. Midway the driver gets Ctrl-C
-and the sweep is resumed with `kiln sweep --resume`: one run per trial all the same. The driver
-runs with planted secrets in its environment, and nothing the sweep prints or writes holds one."""
+"""A Ray Tune sweep on the shared Ray cluster: 6 trials (issue 4 asks for at least 6), each a
+2-worker Ray Train + DeepSpeed run on 2 cores (logical CPUs oversubscribed), ASHA stopping the
+laggards, every trial a child run in a real MLflow store, and `kiln runs compare` ranking them.
+Midway the driver gets Ctrl-C and the sweep is resumed with `kiln sweep --resume`: one run per
+trial all the same. The driver runs with planted secrets in its environment, and nothing the
+sweep prints or writes holds one."""
 
 import json
 import os
@@ -25,8 +26,8 @@ KILN = str(Path(sys.executable).parent / "kiln")
 MAX_STEPS = 20
 
 
-@pytest.mark.timeout(1800)  # 3 Ray Train runs plus a restart, on 2 cores
-def test_asha_sweep_three_trials_parent_and_children_in_mlflow(ray_cluster, byte_dataset, tmp_path):
+@pytest.mark.timeout(1800)  # 6 Ray Train runs plus restarts, on 2 cores
+def test_asha_sweep_six_trials_parent_and_children_in_mlflow(ray_cluster, byte_dataset, tmp_path):
     address, _, env = ray_cluster
     env = env | ENV_SECRETS
     db = sqlite_store(tmp_path)
@@ -44,24 +45,26 @@ def test_asha_sweep_three_trials_parent_and_children_in_mlflow(ray_cluster, byte
             "logging.experiment": "sweep-it",
             "logging.progress_every": 10,
         },
-        # adamw first (the grid's first point), then sgd, then rmsprop: SGD at lr 0.01 trails
-        # everything, so ASHA has something to stop. (Grids over several fields: test_sweep_config.)
-        "space": {"optim.name": {"grid": ["adamw", "sgd", "rmsprop"]}},
+        # The grid's points in order: adamw, rmsprop, sgd with cosine, then the three with constant.
+        # SGD at lr 0.01 trails everything, so ASHA has something to stop; the first SGD trial
+        # starts once one of the first two has finished, so each rung has a bar by then.
+        "space": {
+            "optim.name": {"grid": ["adamw", "rmsprop", "sgd"]},
+            "schedule.name": {"grid": ["cosine", "constant"]},
+        },
         "conditional": {"optim.name=sgd": {"optim.lr": 0.01}, "optim.name=rmsprop": {"optim.lr": 1e-3}},
         "search": "grid",
         "scheduler": {"name": "asha", "grace_period": 5, "reduction_factor": 2},
-        # One trial at a time, so adamw/cosine sets each rung's bar before SGD reaches it and ASHA
-        # stops SGD whatever the timing (two at a time raced to the rungs, and a run where SGD
-        # reported first stopped nothing). 2 workers each at half a logical CPU; the PBT test
-        # below runs trials side by side.
-        "max_concurrent_trials": 1,
+        # Two trials at a time, 2 workers each at half a logical CPU: 4 workers on 2 cores. (A
+        # 4-trial grid whose second point was SGD raced adamw to the first rung, and stopped nothing.)
+        "max_concurrent_trials": 2,
         "resources_per_trial": {"num_workers": 2, "cpus_per_worker": 0.5},
         "storage_path": str(tmp_path / "sweeps"),
     }
     path = tmp_path / "sweep.yaml"
     path.write_text(yaml.safe_dump(sweep))
     out = tmp_path / "summary.json"
-    # Ctrl-C once the third trial has started (two ran, the last is running).
+    # Ctrl-C once the third trial has started (one or two ran, one or two are running).
     log = (tmp_path / "first.log").open("w")
     first = subprocess.Popen(
         [KILN, "sweep", "--config", str(path), "--address", address],
@@ -101,13 +104,13 @@ def test_asha_sweep_three_trials_parent_and_children_in_mlflow(ray_cluster, byte
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     summary = json.loads(out.read_text())
     trials = summary["trials"]
-    assert len(trials) == 3 and all(t["status"] != "error" for t in trials), trials
+    assert len(trials) == 6 and all(t["status"] != "error" for t in trials), trials
 
     # ASHA stopped at least one trial before its last step, and at least one ran to the end.
     stopped = [t for t in trials if t["status"] == "stopped early"]
     assert stopped and all(t["steps"] < MAX_STEPS for t in stopped), trials
     assert any(t["steps"] == MAX_STEPS for t in trials)
-    assert summary["trial_steps_run"] == sum(t["steps"] for t in trials) < 3 * MAX_STEPS
+    assert summary["trial_steps_run"] == sum(t["steps"] for t in trials) < 6 * MAX_STEPS
 
     # MLflow: one parent, one child per trial, each with its params and per-step history.
     client = MlflowClient(db)
@@ -118,7 +121,7 @@ def test_asha_sweep_three_trials_parent_and_children_in_mlflow(ray_cluster, byte
     parent = parents[0]
     assert parent.info.run_id == summary["parent_run_id"] and parent.info.status == "FINISHED"
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
-    assert len(children) == 3 == len(runs) - 1  # a restarted trial replaced its first attempt
+    assert len(children) == 6 == len(runs) - 1  # a restarted trial replaced its first attempt
     assert any(c.data.tags["kiln.sweep.attempt"] == "2" for c in children)
     by_trial = {c.data.tags["kiln.sweep.trial_id"]: c for c in children}
     assert set(by_trial) == {t["trial_id"] for t in trials}
@@ -126,7 +129,7 @@ def test_asha_sweep_three_trials_parent_and_children_in_mlflow(ray_cluster, byte
         child = by_trial[t["trial_id"]]
         p = child.data.params
         # the same param names as a single run's
-        assert p["optim.name"] == t["params"]["optim.name"] and p["schedule.name"] == "cosine"  # the base's
+        assert p["optim.name"] == t["params"]["optim.name"] and p["schedule.name"] == t["params"]["schedule.name"]
         assert p["parallel.num_workers"] == "2" and p["train.max_steps"] == str(MAX_STEPS)
         conditional = {"sgd": 0.01, "rmsprop": 1e-3, "adamw": 3e-3}  # the conditionals applied, or the base's
         assert float(p["optim.lr"]) == conditional[t["params"]["optim.name"]]
@@ -192,15 +195,15 @@ def _trial_runs(db: str) -> list:
 PBT_STEPS = 12
 
 
-@pytest.mark.timeout(1200)  # 2 concurrent trials and a restart, on 2 cores
+@pytest.mark.timeout(1200)  # 4 concurrent trials and their restarts, on 2 cores
 def test_pbt_exploits_by_forking_another_trials_checkpoint(byte_dataset, tmp_path):
-    """PBT on an embedded Ray (the driver starts its own, as with no cluster): 2 trials at two
-    learning rates 30x apart, deciding at step 6 (a checkpoint) whether to copy the better trial,
-    and not at step 12, their last. A copy is a fork: the trial starts again, in a new MLflow run tagged with its parent,
-    at the other trial's checkpoint step with a mutated LR from the space. The embedded Ray must
+    """PBT on an embedded Ray (the driver starts its own, as with no cluster): 4 trials (issue 40
+    asks for 4) at four learning rates, deciding at step 6 (a checkpoint) whether to copy a
+    better trial, and not at step 12, their last. A copy is a fork: the trial starts again, in a
+    new MLflow run tagged with its parent, at the other trial's checkpoint step with a mutated LR from the space. The embedded Ray must
     give back a stopped trial's worker CPUs, or the restarted trials wait for data for ever."""
     db = sqlite_store(tmp_path)
-    lrs = [1e-4, 3e-3]
+    lrs = [1e-4, 3e-4, 1e-3, 3e-3]
     sweep = {
         "name": "it-pbt",
         "base": str(REPO / "jobs/configs/debug.yaml"),
@@ -217,12 +220,12 @@ def test_pbt_exploits_by_forking_another_trials_checkpoint(byte_dataset, tmp_pat
         },
         "space": {"optim.lr": {"grid": lrs}},
         "search": "grid",
-        # Synchronous: the decision sees both trials, so the worse copies the better whatever the
-        # order they reach step 6 in (asynchronous, a slow machine once made none). Two trials are
-        # the least PBT takes (a quantile of one each), and each has a core of its own.
+        # Synchronous: the decision sees all four trials, so the worst copies the best whatever the
+        # order they reach step 6 in (asynchronous, a slow machine once made none). Four workers of
+        # 0.45 logical CPU fit the embedded Ray's 2 together with the trials' own 0.01 each.
         "scheduler": {"name": "pbt", "synch": True},
-        "max_concurrent_trials": 2,
-        "resources_per_trial": {"num_workers": 1, "cpus_per_worker": 0.5},
+        "max_concurrent_trials": 4,
+        "resources_per_trial": {"num_workers": 1, "cpus_per_worker": 0.45},
         "storage_path": str(tmp_path / "sweeps"),
     }
     path = tmp_path / "sweep.yaml"
