@@ -1,13 +1,12 @@
 """A new MLflow store for a test, without paying for MLflow's schema migrations each time.
 
 Creating a SQLite store runs MLflow's whole chain of schema migrations: 3.7 s against 1.1 s to
-open a store that exists (measured on a 2-core dev VM, 2026-11-29), and about 30
-runs in the suite each start a store of their own. `sqlite_store` copies one store, made once
+open a store that exists (measured on a 2-core dev VM, 2026-11-29), and about 25 tests
+each start a store of their own. `sqlite_store` copies one store, made once
 per session by the installed MLflow, into the test's directory. The copy is a real store at the
-current schema; only its creation is shared. Creating a store from nothing is still exercised
-by the demo (`tests/unit/launch/test_quiet_console.py`), the API test and the CLI tests, which
-do not use this helper.
-"""
+current schema; only its creation is shared. Runs that create their store from nothing remain:
+the demo's console (`tests/unit/launch/test_quiet_console.py`), the Python API's
+(`tests/unit/test_api.py`) and the planted-secrets run (`tests/bad_inputs`)."""
 
 from __future__ import annotations
 
