@@ -32,24 +32,28 @@ class StorageError(KilnError):
     """A local path or S3 endpoint cannot be read or written."""
 
 
-def user_error_in(failure: BaseException) -> KilnError | None:
-    """The KilnError behind a failure that Ray reports from elsewhere, if there is one.
+def failure_chain(failure: BaseException) -> list[BaseException]:
+    """`failure` and every exception behind it, nearest first.
 
-    A worker's `KilnError` (a shard found corrupt mid-run, the health guard stopping the run)
-    reaches the driver wrapped: Ray Train keeps each worker's exception in
+    Ray reports a failure from elsewhere wrapped: Ray Train keeps each worker's exception in
     `WorkerGroupError.worker_failures`, inside a wrapper that holds it as `_base_exc`; Tune and
-    Ray tasks chain theirs as `cause` or `__cause__`. Finding it lets the CLI say it in one line."""
+    Ray tasks chain theirs as `cause` or `__cause__`."""
     todo: list[BaseException | None] = [failure]
-    seen: set[int] = set()
+    seen: dict[int, BaseException] = {}
     while todo:
         e = todo.pop(0)
         if e is None or id(e) in seen:
             continue
-        seen.add(id(e))
-        if isinstance(e, KilnError):
-            return e
+        seen[id(e)] = e
         failures = getattr(e, "worker_failures", None) or {}
         todo.extend(failures[rank] for rank in sorted(failures))  # rank 0's first
         todo.extend(getattr(e, name, None) for name in ("_base_exc", "cause", "controller_failure"))
         todo.append(e.__cause__)
-    return None
+    return list(seen.values())
+
+
+def user_error_in(failure: BaseException) -> KilnError | None:
+    """The KilnError behind a failure that Ray reports from elsewhere, if there is one: a
+    worker's (a shard found corrupt mid-run, the health guard stopping the run), so that the CLI
+    can say it in one line."""
+    return next((e for e in failure_chain(failure) if isinstance(e, KilnError)), None)

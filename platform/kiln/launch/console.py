@@ -3,8 +3,9 @@
 A user mistake (KilnError) prints `kiln: error: ...` (secrets masked) and exits with its
 `exit_code` (`kiln.errors`: 2 for a wrong command or config, 1 for a failure while running). An
 error the user's input or environment causes that Kiln did not name itself (a file that cannot
-be read or written, bytes that are not text, YAML that does not parse, a store MLflow refuses)
-prints the same line and exits 1, with its traceback saved to a file named on that line.
+be read or written, bytes that are not text, YAML that does not parse, a store MLflow refuses,
+a Ray cluster that failed under the run) prints the same line and exits 1, with its traceback
+saved to a file named on that line.
 Anything else is a bug in Kiln: it says so, exits 1, and names the file holding the traceback.
 A signal that stops it exits 128 + its number, as a shell, Kubernetes and Slurm expect: Ctrl-C
 130, SIGTERM 143. Nothing on the console or in the file escapes redaction. `kiln` and `python -m kiln.launch.local` share it.
@@ -21,6 +22,7 @@ import traceback
 from collections.abc import Callable
 
 from kiln.errors import KilnError
+from kiln.ray.failures import cluster_failure_in
 from kiln.redact import scrub
 
 
@@ -43,7 +45,11 @@ def run_reporting_errors(command: Callable[[], int]) -> int:
         return 128 + signum
     except Exception as e:  # noqa: BLE001 - the one place that turns any failure into a line
         where = _save_traceback()
-        what = scrub(f"{type(e).__name__}: {e}".strip().splitlines()[0])
+        cluster = cluster_failure_in(e)
+        if cluster is not None:
+            print(f"kiln: error: {cluster[1]} ({_first_line(cluster[0])}; traceback in {where})", file=sys.stderr)
+            return 1
+        what = _first_line(e)
         if isinstance(e, _environment_errors()):
             print(f"kiln: error: {what} (traceback in {where})", file=sys.stderr)
             return 1
@@ -65,6 +71,11 @@ class Stopped(KeyboardInterrupt):
 
 def _interrupt(signum, frame) -> None:
     raise Stopped(signum)
+
+
+def _first_line(e: BaseException) -> str:
+    """An exception's class and the first line of its message, secrets masked."""
+    return scrub(f"{type(e).__name__}: {e}".strip().splitlines()[0])
 
 
 def _environment_errors() -> tuple[type[BaseException], ...]:
