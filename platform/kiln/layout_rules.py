@@ -17,6 +17,11 @@ def sharding_of(engine: str, zero_stage: int) -> str:
     return f"ZeRO-{zero_stage}" if engine == "deepspeed" else f"FSDP2 (ZeRO-{zero_stage})"
 
 
+def offloads(offload_optimizer: str, offload_params: str) -> bool:
+    """Whether a layout moves anything off the device (`parallel.offload_*` other than 'none')."""
+    return (offload_optimizer, offload_params) != ("none", "none")
+
+
 def own_communication(sync: str, grad_compression: str) -> str | None:
     """The setting under which Kiln, not the engine, moves the replicas' data
     (`kiln.parallel.replica_engine`), as a config names it; None: the engine does."""
@@ -103,7 +108,7 @@ def deepspeed_refusal(
             f"{name('zero_stage')} = {zero_stage} with {name('pipeline_stages')} = {pipeline_stages}: "
             "DeepSpeed's pipeline engine supports ZeRO stage 0 or 1 only; expected 0 or 1"
         )
-    if pipeline_stages > 1 and (offload_optimizer != "none" or offload_params != "none"):
+    if pipeline_stages > 1 and (offloads(offload_optimizer, offload_params)):
         return (
             f"{name('offload_*')} with {name('pipeline_stages')} > 1: DeepSpeed's pipeline engine does "
             "not offload; expected offload 'none'"
@@ -143,7 +148,7 @@ def _fsdp2_refusal(
             f"{engine} with {name('pipeline_stages')} = {pipeline_stages} and {name('tensor_parallel')} = "
             f"{tensor_parallel}: Kiln's FSDP2 engine is data-parallel only; expected both 1, or engine 'deepspeed'"
         )
-    if offload_optimizer != "none" or offload_params != "none":
+    if offloads(offload_optimizer, offload_params):
         return (
             f"{engine} with {name('offload_*')}: Kiln's FSDP2 engine does not offload; expected offload "
             "'none', or engine 'deepspeed'"
@@ -167,7 +172,7 @@ def _tensor_parallel_refusal(
             "consolidated for export yet; expected zero_stage 0, 1 or 2 (tensor parallelism already "
             "divides the weights)"
         )
-    if offload_optimizer != "none" or offload_params != "none":
+    if offloads(offload_optimizer, offload_params):
         return (
             f"{tp} > 1 with {name('offload_*')}: Kiln does not run AutoTP with ZeRO-Offload (an untested "
             "combination); expected offload 'none'"

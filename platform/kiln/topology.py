@@ -19,6 +19,7 @@ from kiln.knobs import check_ranges, knob, span
 from kiln.layout_rules import (
     deepspeed_refusal,
     deepspeed_zero_stage,
+    offloads,
     own_communication,
     parallel_field,
     sharding_of,
@@ -223,9 +224,14 @@ def sync_refusal(p: ParallelConfig) -> str | None:
             f"parallel.grad_compression = 'powersgd' with {own}: between syncs no gradient travels, and "
             "a sync sends weights or their change; expected grad_compression 'none', 'bf16' or 'fp16'"
         )
-    offload = (p.offload_optimizer, p.offload_params) != ("none", "none")
     refusal = sync_layout_refusal(
-        p.sync, p.grad_compression, p.engine, p.zero_stage, p.pipeline_stages, p.tensor_parallel, offload
+        p.sync,
+        p.grad_compression,
+        p.engine,
+        p.zero_stage,
+        p.pipeline_stages,
+        p.tensor_parallel,
+        offloads(p.offload_optimizer, p.offload_params),
     )
     if refusal:
         return refusal

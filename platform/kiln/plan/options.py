@@ -9,7 +9,7 @@ import dataclasses
 import itertools
 from dataclasses import dataclass
 
-from kiln.layout_rules import deepspeed_refusal, own_communication, sync_layout_refusal
+from kiln.layout_rules import deepspeed_refusal, offloads, own_communication, sync_layout_refusal
 from kiln.lora import layout_problem
 from kiln.model_size import num_params
 from kiln.plan.memory import GIB, Estimate, PlanInput, estimate
@@ -66,13 +66,13 @@ def options(base: PlanInput) -> list[Option]:
     allows (`kiln.layout_rules.deepspeed_refusal`: a pipeline keeps ZeRO 0-1 and no offload),
     cheapest first."""
     out = []
-    offloads = (("none", "none"), ("cpu", "none"), ("cpu", "cpu"))
-    for stage, ckpt, (opt_off, par_off) in itertools.product((0, 1, 2, 3), (False, True), offloads):
+    choices = (("none", "none"), ("cpu", "none"), ("cpu", "cpu"))
+    for stage, ckpt, (opt_off, par_off) in itertools.product((0, 1, 2, 3), (False, True), choices):
         if (
             deepspeed_refusal(stage, opt_off, par_off, base.pipeline_stages, base.tensor_parallel, engine=base.engine)
             is None
             and not _lora_refuses(base, stage, base.tensor_parallel)
-            and not _sync_refuses(base, stage, base.tensor_parallel, (opt_off, par_off) != ("none", "none"))
+            and not _sync_refuses(base, stage, base.tensor_parallel, offloads(opt_off, par_off))
         ):
             p = dataclasses.replace(
                 base, zero_stage=stage, activation_checkpointing=ckpt, offload_optimizer=opt_off, offload_params=par_off
