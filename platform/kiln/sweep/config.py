@@ -287,6 +287,12 @@ def _check_pbt(cfg: SweepConfig, base: RunConfig) -> None:
             f"{t.checkpoint_every} must be a multiple of train.eval_every = {t.eval_every}, so that each "
             "checkpoint's report carries loss/val"
         )
+    if cfg.metric == "loss/val" and t.checkpoint_every_minutes:
+        raise ConfigError(
+            f"train.checkpoint_every_minutes = {t.checkpoint_every_minutes:g} with sweep.scheduler.name = 'pbt': "
+            "a timed checkpoint falls between evaluations, where a report carries no loss/val for PBT to "
+            "compare; expected 0 (PBT's checkpoints come every train.checkpoint_every steps)"
+        )
     interval = s.perturbation_interval or t.checkpoint_every
     if interval % t.checkpoint_every or interval >= t.max_steps:
         raise ConfigError(

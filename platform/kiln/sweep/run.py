@@ -3,9 +3,11 @@
 Train V2 pattern: each Tune trial is a function that builds a `TorchTrainer` and calls `fit()`,
 with `TuneReportCallback` forwarding rank 0's reports to Tune, where the scheduler (ASHA,
 median) can stop it. MLflow: the driver opens one parent run; each trial opens a child run
-keyed by its Tune trial id. A restarted trial soft-deletes its earlier attempt, so the UI shows
-one run per trial. Every run is addressed by id through MlflowClient, never through MLflow's
-process-global "active run", so concurrent trials cannot log into each other's runs.
+keyed by its Tune trial id. A trial that `--resume` starts again goes on from its newest
+checkpoint into the same run (ASHA, median, FIFO), or soft-deletes its earlier attempt where it
+had none, so the UI shows one run per trial. Every run is addressed by id through MlflowClient,
+never through MLflow's process-global "active run", so concurrent trials cannot log into each
+other's runs.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from kiln.launch.on_ray import connect_ray, reads_that_fit
 from kiln.launch.preflight import preflight
 from kiln.redact import redact_tree, redacted_paths
 from kiln.storage import absolute, durable, write_private
+from kiln.sweep import attempts
 from kiln.sweep import pbt as pbt_run
 from kiln.sweep.config import STATE_FILE, Sweep, expected_trials, param_space
 from kiln.sweep.summary import SEGMENT_TAG, TRIAL_TAG, SweepSummary, close_parent, summarise
@@ -41,14 +44,11 @@ SWEEP_STATE = "sweep-state"  # the write guard's kind for the state file (SWEEP_
 def _trial(params: dict[str, Any], ctx: dict[str, Any]) -> None:
     """One trial, on a Tune trial actor: a whole Ray Train run of the drawn config."""
     import ray.tune
-    from ray.tune.integration.ray_train import TuneReportCallback
     from ray.util.queue import Queue
 
     from kiln.data.check import resolve_against_data
     from kiln.hf_checkpoint import pretrained_shape
-    from kiln.launch.resume import lineage, record_run
     from kiln.ray.trainer import build_trainer
-    from kiln.tracking.mlflow_run import open_run
 
     sweep = Sweep.from_dict(ctx["sweep"])
     tctx = ray.tune.get_context()
@@ -65,39 +65,23 @@ def _trial(params: dict[str, Any], ctx: dict[str, Any]) -> None:
     pretrained = pretrained_shape(m.init_from, cfg.data.s3_endpoint, cfg.data.s3_region) if m.init_from else None
     cfg, datasets = resolve_against_data(cfg, pretrained)
     uri, parent = ctx["tracking_uri"], ctx["parent_run_id"]
-    attempt = _retire_earlier_attempts(uri, cfg.logging.experiment, parent, trial_id, segment)
-    run = open_run(
-        cfg,
-        datasets,
-        uri,
-        {"launcher": "sweep"},
-        parent_run_id=parent,
-        tags={
-            SWEEP_TAG: sweep.config.name,
-            TRIAL_TAG: trial_id,
-            "kiln.sweep.trial_name": trial_name,
-            "kiln.sweep.attempt": attempt,
-            SEGMENT_TAG: segment,
-            **lineage(cfg),
-            **{f"kiln.sweep.param.{k}": v for k, v in params.items()},
-        },
-    )
-    if pointer is not None:
-        pbt_run.end_earlier_segments(uri, cfg.logging.experiment, parent, trial_id, run.run_id, pointer, TRIAL_TAG)
-    # A unique Train run name per segment and attempt: a restarted trial starts clean.
-    train_name = f"{cfg.logging.run_name}-a{attempt}" + (f"-from-{segment.replace('@', '-')}" if pointer else "")
-    # beside its checkpoints, the MLflow run a PBT fork of them names as its parent
-    record_run(
-        dataclasses.replace(
-            cfg,
-            logging=dataclasses.replace(cfg.logging, run_name=train_name),
-            train=dataclasses.replace(cfg.train, storage_path=ctx["train_storage"]),
-        ),
-        run.run_id,
-        uri,
-    )
+    tags = {
+        SWEEP_TAG: sweep.config.name,
+        TRIAL_TAG: trial_id,
+        "kiln.sweep.trial_name": trial_name,
+        SEGMENT_TAG: segment,
+        **{f"kiln.sweep.param.{k}": v for k, v in params.items()},
+    }
+    # An interrupted trial goes on from its newest checkpoint, into its MLflow run (a PBT trial
+    # restarts as a fork instead); without one it starts again, replacing its earlier attempt.
+    went_on = None if pbt else attempts.interrupted(cfg, uri, parent, trial_id, ctx["train_storage"])
+    if went_on is not None:
+        run, train_name, resumed_from = attempts.go_on(cfg, uri, went_on, tags)
+    else:
+        run, train_name = attempts.new(cfg, datasets, uri, parent, ctx["train_storage"], pointer, tags)
+        resumed_from = None
     inbox = Queue(maxsize=1, actor_options={"num_cpus": 0}) if pbt else None
-    callback = pbt_run.trial_reports(inbox, cfg.train.max_steps) if pbt else TuneReportCallback()
+    callback = pbt_run.trial_reports(inbox, cfg.train.max_steps) if pbt else _metric_reports(sweep.config.metric)
     trainer = build_trainer(
         cfg,
         cfg.model.shape(pretrained),
@@ -106,6 +90,7 @@ def _trial(params: dict[str, Any], ctx: dict[str, Any]) -> None:
         run.run_id,
         callbacks=[callback],
         storage_path=ctx["train_storage"],
+        resumed_from=resumed_from,
     )
     with run.finishing():
         if pbt:
@@ -114,20 +99,19 @@ def _trial(params: dict[str, Any], ctx: dict[str, Any]) -> None:
             trainer.fit()
 
 
-def _retire_earlier_attempts(uri: str, experiment: str, parent: str, trial_id: str, segment: str) -> int:
-    """Soft-delete the runs of earlier attempts of this trial's segment; return this attempt's
-    number. (A PBT trial's earlier segments stay: they are its lineage.)"""
-    from kiln.tracking.client import delete_runs
+def _metric_reports(metric: str):
+    """Tune's report callback for an ASHA, median or FIFO trial, passing on the reports that carry
+    the sweep's metric. A checkpoint between two evaluations reports no `loss/val`, and Tune
+    refuses a result without the metric it ranks by (strict metric checking): the whole sweep
+    failed at a trial's first such checkpoint. The schedulers decide on the evaluations only."""
+    from ray.tune.integration.ray_train import TuneReportCallback
 
-    return (
-        delete_runs(
-            uri,
-            experiment,
-            f"tags.mlflow.parentRunId = '{parent}' and tags.`{TRIAL_TAG}` = '{trial_id}' "
-            f"and tags.`{SEGMENT_TAG}` = '{segment}'",
-        )
-        + 1
-    )
+    class MetricReports(TuneReportCallback):
+        def after_report(self, run_context, metrics, checkpoint):
+            if metric in metrics[0]:
+                super().after_report(run_context, metrics, checkpoint)
+
+    return MetricReports()
 
 
 def _scheduler(sweep: Sweep, max_steps: int):

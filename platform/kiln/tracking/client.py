@@ -93,6 +93,17 @@ def count_event(client, run_id: str, event: str, detail: str) -> int:
     return n
 
 
+def search_runs(tracking_uri: str, experiment: str, filter_string: str) -> list[tuple[str, dict[str, str]]]:
+    """An experiment's live runs that match `filter_string`: each one's id and tags."""
+    client = connect(tracking_uri)
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None:
+        return []
+    return [
+        (r.info.run_id, dict(r.data.tags)) for r in client.search_runs([exp.experiment_id], filter_string=filter_string)
+    ]
+
+
 def delete_runs(tracking_uri: str, experiment: str, filter_string: str) -> int:
     """Soft-delete an experiment's runs that match `filter_string`; how many there were."""
     client = connect(tracking_uri)

@@ -96,6 +96,10 @@ def test_distributions_map_to_tune(tmp_path):
             "train.checkpoint_every = 10 must be a multiple of train.eval_every = 4",
         ),
         (
+            {"scheduler": {"name": "pbt"}, "overrides": PBT_BASE | {"train.checkpoint_every_minutes": 5}},
+            "train.checkpoint_every_minutes = 5 with sweep.scheduler.name = 'pbt': a timed checkpoint",
+        ),
+        (
             {"scheduler": {"name": "pbt", "perturbation_interval": 15}, "overrides": PBT_BASE},
             "sweep.scheduler.perturbation_interval = 15: expected a multiple of train.checkpoint_every = 10",
         ),
