@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any
+from typing import TYPE_CHECKING
 
 from kiln.sweep import pbt as pbt_run
 from kiln.sweep.summary import SEGMENT_TAG, TRIAL_TAG
 from kiln.tracking.mlflow_run import Run
+
+if TYPE_CHECKING:
+    from kiln.launch.resume import StoredRun
 
 log = logging.getLogger("kiln.sweep")
 
@@ -51,7 +54,8 @@ class Interrupted:
     run_id: str
     attempt: int
     train_name: str
-    stored: Any  # kiln.launch.resume.StoredRun: its newest complete checkpoint
+    stored: StoredRun
+    """Where its Train run is, and its newest complete checkpoint."""
 
 
 def interrupted(cfg, uri: str, parent: str, trial_id: str, train_storage: str) -> Interrupted | None:
