@@ -108,7 +108,7 @@ def deepspeed_refusal(
             f"{name('zero_stage')} = {zero_stage} with {name('pipeline_stages')} = {pipeline_stages}: "
             "DeepSpeed's pipeline engine supports ZeRO stage 0 or 1 only; expected 0 or 1"
         )
-    if pipeline_stages > 1 and (offloads(offload_optimizer, offload_params)):
+    if pipeline_stages > 1 and offloads(offload_optimizer, offload_params):
         return (
             f"{name('offload_*')} with {name('pipeline_stages')} > 1: DeepSpeed's pipeline engine does "
             "not offload; expected offload 'none'"

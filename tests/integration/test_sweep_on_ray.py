@@ -23,6 +23,9 @@ sys.path.insert(0, str(REPO / "tests" / "bad_inputs"))
 from cases import ENV_SECRETS  # noqa: E402
 from mlflow_store import sqlite_store  # noqa: E402
 
+from kiln.launch.resume import registered_checkpoint  # noqa: E402
+from kiln.storage import resolve  # noqa: E402
+
 KILN = str(Path(sys.executable).parent / "kiln")
 MAX_STEPS = 20
 
@@ -201,14 +204,10 @@ def test_asha_sweep_six_trials_parent_and_children_in_mlflow(ray_cluster, byte_d
 
 
 def _checkpointed(train: Path) -> list[str]:
-    """The trials' Train runs with a checkpoint Ray Train has registered (a directory alone may
-    still be uploading, and is not what a resume starts from)."""
-    snapshots = [d / "checkpoint_manager_snapshot.json" for d in train.iterdir()] if train.is_dir() else []
-    return [
-        f.parent.name
-        for f in snapshots
-        if f.exists() and (json.loads(f.read_text()).get("latest_checkpoint_result") or {}).get("checkpoint_dir_name")
-    ]
+    """The trials' Train runs with a checkpoint Ray Train has registered (what a resume starts
+    from, as `kiln.launch.resume` reads it)."""
+    runs = sorted(train.iterdir()) if train.is_dir() else []
+    return [d.name for d in runs if registered_checkpoint(resolve(str(d))) is not None]
 
 
 PBT_STEPS = 12

@@ -53,12 +53,9 @@ def stored_run(cfg: RunConfig) -> StoredRun | None:
     """The run named `logging.run_name` under `train.storage_path`, if a checkpoint of it is
     stored there; None for a new run."""
     where = _run_dir(cfg)
-    snapshot = where.join(SNAPSHOT)
-    if not snapshot.exists():
-        return None
-    latest = json.loads(snapshot.read_bytes()).get("latest_checkpoint_result") or {}
-    if not latest.get("checkpoint_dir_name"):
-        return None  # the run died before its first checkpoint: it starts again from step 0
+    latest = registered_checkpoint(where)
+    if latest is None:
+        return None  # no run, or one that died before its first checkpoint: it starts from step 0
     known = _recorded(where)
     return StoredRun(
         where.uri,
@@ -67,6 +64,17 @@ def stored_run(cfg: RunConfig) -> StoredRun | None:
         known.get("mlflow_run_id"),
         known.get("tracking_uri"),
     )
+
+
+def registered_checkpoint(run_dir: Location) -> dict | None:
+    """What Ray Train's snapshot in a run's directory records of its newest registered checkpoint
+    (`checkpoint_dir_name`, and the `metrics` reported with it); None where it records none (a
+    checkpoint directory alone may still be uploading, and is not one a resume starts from)."""
+    snapshot = run_dir.join(SNAPSHOT)
+    if not snapshot.exists():
+        return None
+    latest = json.loads(snapshot.read_bytes()).get("latest_checkpoint_result") or {}
+    return latest if latest.get("checkpoint_dir_name") else None
 
 
 def check_resumable(cfg: RunConfig, stored: StoredRun) -> None:

@@ -64,9 +64,7 @@ def interrupted(cfg, uri: str, parent: str, trial_id: str, train_storage: str) -
     from kiln.launch.resume import stored_run
     from kiln.tracking.client import search_runs
 
-    found = search_runs(
-        uri, cfg.logging.experiment, f"tags.mlflow.parentRunId = '{parent}' and tags.`{TRIAL_TAG}` = '{trial_id}'"
-    )
+    found = search_runs(uri, cfg.logging.experiment, _of_trial(parent, trial_id))
     if not found:
         return None
     run_id, run_tags = max(found, key=lambda r: int(r[1].get(ATTEMPT_TAG, 0)))
@@ -109,12 +107,12 @@ def retire_earlier(uri: str, experiment: str, parent: str, trial_id: str, segmen
     """Soft-delete the runs of earlier attempts of this trial's segment; return this attempt's
     number (one more than any before it, whether it started anew or went on). A PBT trial's
     earlier segments stay: they are its lineage."""
-    from kiln.tracking.client import delete_runs, search_runs
+    from kiln.tracking.client import delete_runs
 
-    of_segment = (
-        f"tags.mlflow.parentRunId = '{parent}' and tags.`{TRIAL_TAG}` = '{trial_id}' "
-        f"and tags.`{SEGMENT_TAG}` = '{segment}'"
-    )
-    earlier = [int(tags.get(ATTEMPT_TAG, 1)) for _, tags in search_runs(uri, experiment, of_segment)]
-    delete_runs(uri, experiment, of_segment)
-    return max(earlier, default=0) + 1
+    earlier = delete_runs(uri, experiment, _of_trial(parent, trial_id) + f" and tags.`{SEGMENT_TAG}` = '{segment}'")
+    return max((int(tags.get(ATTEMPT_TAG, 1)) for _, tags in earlier), default=0) + 1
+
+
+def _of_trial(parent: str, trial_id: str) -> str:
+    """The MLflow filter for a trial's runs, every attempt and segment, under its sweep's parent."""
+    return f"tags.mlflow.parentRunId = '{parent}' and tags.`{TRIAL_TAG}` = '{trial_id}'"

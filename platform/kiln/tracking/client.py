@@ -104,13 +104,10 @@ def search_runs(tracking_uri: str, experiment: str, filter_string: str) -> list[
     ]
 
 
-def delete_runs(tracking_uri: str, experiment: str, filter_string: str) -> int:
-    """Soft-delete an experiment's runs that match `filter_string`; how many there were."""
+def delete_runs(tracking_uri: str, experiment: str, filter_string: str) -> list[tuple[str, dict[str, str]]]:
+    """Soft-delete an experiment's live runs that match `filter_string`; each deleted one's id and tags."""
+    found = search_runs(tracking_uri, experiment, filter_string)
     client = connect(tracking_uri)
-    exp = client.get_experiment_by_name(experiment)
-    if exp is None:
-        return 0
-    found = client.search_runs([exp.experiment_id], filter_string=filter_string)
-    for r in found:
-        client.delete_run(r.info.run_id)
-    return len(found)
+    for run_id, _ in found:
+        client.delete_run(run_id)
+    return found
