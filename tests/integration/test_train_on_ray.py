@@ -80,7 +80,7 @@ class Zero2Run:
     frames: list
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def zero2(ray_cluster, s3_server, s3_dataset, prometheus, tmp_path_factory) -> Zero2Run:
     """One uninterrupted 2-worker ZeRO-2 run, checked by the next test."""
     address, _, _ = ray_cluster
