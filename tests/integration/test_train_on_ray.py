@@ -82,7 +82,7 @@ class Zero2Run:
 
 @pytest.fixture
 def zero2(ray_cluster, s3_server, s3_dataset, prometheus, tmp_path_factory) -> Zero2Run:
-    """One uninterrupted 2-worker ZeRO-2 run, checked by the next test."""
+    """One uninterrupted 2-worker ZeRO-2 run, checked by the test that asks for it."""
     address, _, _ = ray_cluster
     tmp = tmp_path_factory.mktemp("zero2")
     cfg = _zero2_config(s3_dataset, s3_server, tmp, "zero2-s3")

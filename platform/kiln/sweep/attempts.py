@@ -40,7 +40,7 @@ def new(cfg, datasets, uri: str, parent: str, train_storage: str, pointer, tags:
     run = open_run(cfg, datasets, uri, {"launcher": "sweep"}, parent_run_id=parent, tags=tags)
     if pointer is not None:
         pbt_run.end_earlier_segments(
-            uri, cfg.logging.experiment, parent, tags[TRIAL_TAG], run.run_id, pointer, TRIAL_TAG
+            uri, cfg.logging.experiment, _of_trial(parent, tags[TRIAL_TAG]), run.run_id, pointer
         )
     # beside its checkpoints, the MLflow run that a PBT fork of them, or this trial going on, names
     record_run(_in_sweep_storage(cfg, train_name, train_storage), run.run_id, uri)

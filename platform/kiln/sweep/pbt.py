@@ -179,20 +179,16 @@ def fit_and_report(trainer, inbox, trial_id: str, mlflow_run_id: str) -> None:
         raise failed[0]
 
 
-def end_earlier_segments(
-    uri: str, experiment: str, parent_run_id: str, trial_id: str, run_id: str, pointer: Pointer, trial_tag: str
-) -> None:
-    """The trial's earlier segments end where this one forked: Tune stopped them, so one still
-    marked RUNNING is KILLED, and each names the run the trial went on in. A segment that
-    names a run since retired (Tune started that segment again: a new attempt) names this one."""
+def end_earlier_segments(uri: str, experiment: str, of_trial: str, run_id: str, pointer: Pointer) -> None:
+    """The trial's earlier segments (its runs, found by the MLflow filter `of_trial`) end where
+    this one forked: Tune stopped them, so one still marked RUNNING is KILLED, and each names the
+    run the trial went on in. A segment that names a run since retired (Tune started that
+    segment again: a new attempt) names this one."""
     from kiln.tracking.client import connect
 
     client = connect(uri)
     exp = client.get_experiment_by_name(experiment)
-    found = client.search_runs(
-        [exp.experiment_id],
-        filter_string=(f"tags.mlflow.parentRunId = '{parent_run_id}' and tags.`{trial_tag}` = '{trial_id}'"),
-    )
+    found = client.search_runs([exp.experiment_id], filter_string=of_trial)
     live = {r.info.run_id for r in found}  # soft-deleted runs are not found
     for r in found:
         went_on_in = r.data.tags.get("kiln.sweep.continued_in", "").split(" ")[0]
