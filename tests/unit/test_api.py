@@ -42,10 +42,15 @@ again = [kiln.train is kiln.api.train, callable(kiln.train)]
 # The embedded Ray, still up, started no preemption watcher (a dead actor is listed too).
 import ray.util.state
 watchers = [a.actor_id for a in ray.util.state.list_actors(limit=10000) if a.class_name == "PreemptionWatcher"]
+# Ray Data's coordinator and stats actor: one each, started by the driver (the job's empty runtime
+# env), not later by the Train controller (whose runtime env its children inherit).
+helpers = sorted((a.class_name, a.state, "RAY_WARN_BLOCKING" in (a.serialized_runtime_env or ""))
+                 for a in ray.util.state.list_actors(detail=True, limit=10000)
+                 if a.class_name in ("_AutoscalingCoordinatorActor", "_StatsActor"))
 print(json.dumps({"env_uri": os.environ.get("MLFLOW_TRACKING_URI"),
                   "fluent_kept": mlflow.get_tracking_uri() == fluent_before,
                   "fingerprint": manifest["fingerprint"], "val": summary.metrics["loss/val"],
-                  "run_id": summary.run_id, "rows": rows, "again": again, "watchers": watchers, "mistakes": mistakes, "rendered": summary.render()}))
+                  "run_id": summary.run_id, "rows": rows, "again": again, "watchers": watchers, "helpers": helpers, "mistakes": mistakes, "rendered": summary.render()}))
 """
 
 
@@ -69,6 +74,8 @@ def test_prepare_train_and_read_runs_from_python(corpus, tmp_path):
     assert said["rendered"].startswith("Kiln run '") and "finished: 20 steps" in said["rendered"]
     assert said["again"] == [True, True]  # the API is still the function after a run
     assert said["watchers"] == []  # an embedded Ray is lean: no preemption watcher (nothing drains it)
+    # ... and the driver started Ray's helper actors early, which Ray Train and Ray Data then used
+    assert said["helpers"] == [["_AutoscalingCoordinatorActor", "ALIVE", False], ["_StatsActor", "ALIVE", False]]
     # The tqdm bar reached the end (a text bar here; a widget in Jupyter), with the run's numbers.
     assert "20/20" in out.stderr and "tok/s" in out.stderr, out.stderr[-3000:]
     assert "TrainingReport(" not in out.stderr  # the quiet console holds in the API too

@@ -71,7 +71,7 @@ def test_every_contract_fails_on_a_planted_violation(tmp_path):
 
 
 def _private_imports(source: str) -> list[str]:
-    """Modules a source imports from Ray's private packages."""
+    """Modules a source imports from Ray's private packages (`_private`, `_internal`)."""
     found = []
     for node in ast.walk(ast.parse(source)):
         names = (
@@ -81,15 +81,14 @@ def _private_imports(source: str) -> list[str]:
             if isinstance(node, ast.ImportFrom)
             else []
         )
-        found += [n for n in names if n.startswith("ray.") and "_private" in n.split(".")]
+        found += [n for n in names if n.startswith("ray.") and {"_private", "_internal"} & set(n.split("."))]
     return found
 
 
 def test_ray_private_apis_are_reached_through_one_wrapper():
     users = {str(p.relative_to(KILN)) for p in KILN.rglob("*.py") if _private_imports(p.read_text())}
     assert users == {"ray/private.py"}, users
-    # The detector itself finds both spellings.
-    assert _private_imports("from ray._private.ray_logging import x\nimport ray.autoscaler._private.util\n") == [
-        "ray._private.ray_logging",
-        "ray.autoscaler._private.util",
-    ]
+    # The detector itself finds both spellings, and both kinds of private package.
+    assert _private_imports(
+        "from ray._private.ray_logging import x\nimport ray.autoscaler._private.util\nfrom ray.data._internal import y\n"
+    ) == ["ray._private.ray_logging", "ray.autoscaler._private.util", "ray.data._internal"]

@@ -27,6 +27,7 @@ from kiln.launch.summary import Summary
 from kiln.ports import free_port
 from kiln.ray.address import check_ray_address
 from kiln.ray.console import WorkerLogRouter
+from kiln.ray.private import start_ray_helpers
 from kiln.ray.progress import BoardWatcher, ProgressBoard
 from kiln.ray.trainer import build_trainer
 from kiln.storage import is_url
@@ -247,6 +248,7 @@ def connect_ray(cfg: RunConfig, address: str | None = None, verbose: bool = True
         _system_config=EMBEDDED_LEAN,
         **ray_logging,
     )
+    start_ray_helpers()  # while the driver opens the run and builds the trainer
     log.info(
         "embedded Ray started: %d CPUs, dashboard at http://%s",
         ray.cluster_resources().get("CPU", 0),

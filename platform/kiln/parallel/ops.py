@@ -18,7 +18,9 @@ on a CPU that call loads the shm allreduce.
 from __future__ import annotations
 
 import contextlib
+import functools
 import glob
+import importlib
 import logging
 import os
 import sys
@@ -81,7 +83,8 @@ def import_deepspeed():
     """`import deepspeed` without the MLflow import that its autotuner module tries on load
     (0.85-1.0 s alone; the demo's non-logging rank used 0.3-0.5 CPU-s less by its first step,
     bench/results/startup.md): Kiln never runs DeepSpeed's autotuner, and a
-    rank that logs nothing needs no MLflow. A process that imported MLflow already (the rank
+    rank that logs nothing needs no MLflow. DeepSpeed's Muon comes with it, its compile wrappers
+    made on first use (`_import_muon_compiling_lazily`). A process that imported MLflow already (the rank
     that logs, the driver) imports DeepSpeed as it is. Called first by every worker's comm set-up
     (`init_distributed`), so DeepSpeed is not imported before it there."""
     hide = "deepspeed" not in sys.modules and "mlflow" not in sys.modules
@@ -92,7 +95,53 @@ def import_deepspeed():
     finally:
         if hide and "mlflow" in sys.modules and sys.modules["mlflow"] is None:
             del sys.modules["mlflow"]  # MLflow imports normally from here on
+    _import_muon_compiling_lazily()
     return deepspeed
+
+
+# DeepSpeed's Muon, whose import wraps three functions in torch.compile.
+_MUON = ("deepspeed.runtime.zero.muon.original_muon", "deepspeed.runtime.zero.muon.muon_optimizer")
+
+
+def _import_muon_compiling_lazily() -> None:
+    """Import DeepSpeed's Muon modules with their `torch.compile` wrappers made on first call.
+
+    ZeRO-1 and -2 import Muon in every step's gradient partitioning, and every ZeRO stage's
+    optimizer set-up checks for it, so each rank imports it whatever its optimizer. The import
+    calls `torch.compile` on three functions, and that loads about 160 of inductor's modules:
+    1.5-2.1 CPU-s a rank on 2 cores (bench/results/startup.md), for functions that only a Muon
+    optimizer calls, and no Kiln optimizer is Muon. Here each wrapper is made on its function's
+    first call instead, where `torch.compile` would compile it anyway. DeepSpeed has no switch
+    for this. Where its Muon has moved, or was imported already, nothing changes."""
+    if any(name in sys.modules for name in _MUON):
+        return
+    from deepspeed.runtime import compiler
+
+    eager = compiler.compile
+
+    def on_first_call():  # the shape of compiler.compile(): a decorator factory
+        def decorate(fn):
+            compiled = None
+
+            @functools.wraps(fn)
+            def call(*args, **kwargs):
+                nonlocal compiled
+                if compiled is None:
+                    compiled = eager()(fn)
+                return compiled(*args, **kwargs)
+
+            return call
+
+        return decorate
+
+    compiler.compile = on_first_call
+    try:
+        for name in _MUON:
+            importlib.import_module(name)
+    except ImportError:
+        pass
+    finally:
+        compiler.compile = eager
 
 
 def shutdown_distributed() -> None:

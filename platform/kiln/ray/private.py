@@ -1,6 +1,7 @@
 """Ray's private APIs that Kiln uses, each where Ray has no public one. Checked against Ray 2.60.
 
-Nothing else in Kiln imports a `_private` module of Ray's (tests/unit/test_contracts.py checks).
+Nothing else in Kiln imports a `_private` or `_internal` module of Ray's (tests/unit/test_contracts.py
+checks).
 """
 
 from __future__ import annotations
@@ -31,3 +32,23 @@ def ray_up_problem(cluster: dict[str, Any]) -> str | None:
     except Exception as e:  # noqa: BLE001 - Ray raises ValueError, RuntimeError or schema errors
         return str(e).splitlines()[0]
     return None
+
+
+def start_ray_helpers() -> None:
+    """Start the two detached helper actors that Ray Train and Ray Data create on first use (Ray
+    Data's autoscaling coordinator and its stats actor), without waiting for them. Each is a
+    Python process that takes 2-3 s to start on a loaded 2-core machine. Left to Ray, the Train
+    controller waits for the coordinator before it starts the workers, and the stats actor starts
+    beside the first read, when every core is busy. Started here, both come up while the cores
+    still have room (bench/results/startup.md). Ray creates both with `get_if_exists`, so its later
+    calls find these. Where Ray has moved either function, nothing happens: Ray starts them later,
+    as it would have."""
+    try:
+        from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
+            get_or_create_autoscaling_coordinator,
+        )
+        from ray.data._internal.stats import get_or_create_stats_actor
+    except ImportError:
+        return
+    get_or_create_autoscaling_coordinator()
+    get_or_create_stats_actor()

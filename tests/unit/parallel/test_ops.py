@@ -52,6 +52,30 @@ def test_deepspeed_imports_without_mlflow_in_a_rank_that_logs_nothing_and_mlflow
         assert out.stdout.split("\n")[-2] == expected, (first, out.stdout)
 
 
+def test_deepspeeds_muon_imports_without_compiling_and_compiles_at_its_first_call():
+    """ZeRO imports DeepSpeed's Muon in every rank whatever its optimizer; the import's three
+    `torch.compile` wrappers load inductor (1.5-2.1 CPU-s a rank). Through Kiln they are made at
+    a function's first call: the import loads no inductor compiler, the first call makes the
+    wrapper, and it returns what the function itself returns."""
+    import subprocess
+
+    probe = (
+        "import sys, torch\n"
+        "from kiln.parallel.ops import import_deepspeed\n"
+        "import_deepspeed()\n"
+        "from deepspeed.runtime.zero.muon import original_muon as m, muon_optimizer\n"
+        "imported = 'torch._inductor.compile_fx' in sys.modules\n"
+        "g = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))\n"
+        "with torch._dynamo.config.patch(disable=True):  # run eagerly: the test is the wrapping\n"
+        "    same = torch.equal(m.zeropower_via_newtonschulz5(g, 5), m.zeropower_via_newtonschulz5.__wrapped__(g, 5))\n"
+        "print(imported, 'torch._inductor.compile_fx' in sys.modules, same,\n"
+        "      muon_optimizer.MuonWithAuxAdam.__mro__[1] is m.MuonWithAuxAdam)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n")[-2] == "False True True True", out.stdout
+
+
 def test_a_world_of_one_binds_no_port_another_process_could_hold():
     """A lone local run's process group needs no rendezvous. One through env:// binds
     MASTER_PORT, and CI once lost a run to EADDRINUSE when another process held the port picked
