@@ -41,12 +41,12 @@ import kiln.api  # noqa: F401
 again = [kiln.train is kiln.api.train, callable(kiln.train)]
 # The embedded Ray, still up, started no preemption watcher (a dead actor is listed too).
 import ray.util.state
-watchers = [a.actor_id for a in ray.util.state.list_actors(limit=10000) if a.class_name == "PreemptionWatcher"]
+actors = ray.util.state.list_actors(detail=True, limit=10000)
+watchers = [a.actor_id for a in actors if a.class_name == "PreemptionWatcher"]
 # Ray Data's coordinator and stats actor: one each, started by the driver (the job's empty runtime
 # env), not later by the Train controller (whose runtime env its children inherit).
 helpers = sorted((a.class_name, a.state, "RAY_WARN_BLOCKING" in (a.serialized_runtime_env or ""))
-                 for a in ray.util.state.list_actors(detail=True, limit=10000)
-                 if a.class_name in ("_AutoscalingCoordinatorActor", "_StatsActor"))
+                 for a in actors if a.class_name in ("_AutoscalingCoordinatorActor", "_StatsActor"))
 print(json.dumps({"env_uri": os.environ.get("MLFLOW_TRACKING_URI"),
                   "fluent_kept": mlflow.get_tracking_uri() == fluent_before,
                   "fingerprint": manifest["fingerprint"], "val": summary.metrics["loss/val"],

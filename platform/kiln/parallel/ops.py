@@ -82,10 +82,10 @@ def init_world_of_one(backend: str) -> None:
 def import_deepspeed():
     """`import deepspeed` without the MLflow import that its autotuner module tries on load
     (0.85-1.0 s alone; the demo's non-logging rank used 0.3-0.5 CPU-s less by its first step,
-    bench/results/startup.md): Kiln never runs DeepSpeed's autotuner, and a
-    rank that logs nothing needs no MLflow. DeepSpeed's Muon comes with it, its compile wrappers
-    made on first use (`_import_muon_compiling_lazily`). A process that imported MLflow already (the rank
-    that logs, the driver) imports DeepSpeed as it is. Called first by every worker's comm set-up
+    bench/results/startup.md): Kiln never runs DeepSpeed's autotuner, and a rank that logs
+    nothing needs no MLflow. A process that imported MLflow already (the rank that logs, the
+    driver) imports DeepSpeed as it is. DeepSpeed's Muon comes with it, its compile wrappers made
+    on first use (`_import_muon_compiling_lazily`). Called first by every worker's comm set-up
     (`init_distributed`), so DeepSpeed is not imported before it there."""
     hide = "deepspeed" not in sys.modules and "mlflow" not in sys.modules
     if hide:
