@@ -47,10 +47,12 @@ watchers = [a.actor_id for a in actors if a.class_name == "PreemptionWatcher"]
 # env), not later by the Train controller (whose runtime env its children inherit).
 helpers = sorted((a.class_name, a.state, "RAY_WARN_BLOCKING" in (a.serialized_runtime_env or ""))
                  for a in actors if a.class_name in ("_AutoscalingCoordinatorActor", "_StatsActor"))
+# Ray Train's actors: its controller, and no dataset-sharding actor (Kiln's workers read their own rows).
+train_actors = sorted({a.class_name for a in actors if a.class_name in ("TrainController", "DatasetManager")})
 print(json.dumps({"env_uri": os.environ.get("MLFLOW_TRACKING_URI"),
                   "fluent_kept": mlflow.get_tracking_uri() == fluent_before,
                   "fingerprint": manifest["fingerprint"], "val": summary.metrics["loss/val"],
-                  "run_id": summary.run_id, "rows": rows, "again": again, "watchers": watchers, "helpers": helpers, "mistakes": mistakes, "rendered": summary.render()}))
+                  "run_id": summary.run_id, "rows": rows, "again": again, "watchers": watchers, "helpers": helpers, "train_actors": train_actors, "mistakes": mistakes, "rendered": summary.render()}))
 """
 
 
@@ -76,6 +78,7 @@ def test_prepare_train_and_read_runs_from_python(corpus, tmp_path):
     assert said["watchers"] == []  # an embedded Ray is lean: no preemption watcher (nothing drains it)
     # ... and the driver started Ray's helper actors early, which Ray Train and Ray Data then used
     assert said["helpers"] == [["_AutoscalingCoordinatorActor", "ALIVE", False], ["_StatsActor", "ALIVE", False]]
+    assert said["train_actors"] == ["TrainController"]  # and no DatasetManager (KilnTrainer)
     # The tqdm bar reached the end (a text bar here; a widget in Jupyter), with the run's numbers.
     assert "20/20" in out.stderr and "tok/s" in out.stderr, out.stderr[-3000:]
     assert "TrainingReport(" not in out.stderr  # the quiet console holds in the API too

@@ -34,6 +34,7 @@ from kiln.model import GPTConfig
 from kiln.parallel.worker import run_worker
 from kiln.ray.console import WORKER_FORMAT
 from kiln.ray.live_metrics import RayLive, device_limit_bytes
+from kiln.ray.private import without_dataset_sharding
 from kiln.ray.progress import BoardSink
 from kiln.ray.source import RayDataSource
 from kiln.redact import ScrubFilter
@@ -42,6 +43,16 @@ from kiln.tracking import client
 from kiln.tracking.mlflow_run import ArtifactLogger, MLflowLogger
 
 log = logging.getLogger(__name__)
+
+
+class KilnTrainer(TorchTrainer):
+    """Ray Train's TorchTrainer for workers that read their own rows: no `datasets` are given,
+    so the worker group starts without Ray Train's dataset-sharding actor
+    (`kiln.ray.private.without_dataset_sharding`)."""
+
+    def _create_default_callbacks(self):
+        assert not self.datasets, "KilnTrainer's workers read their own rows (kiln.ray.source)"
+        return without_dataset_sharding(super()._create_default_callbacks())
 
 
 def _worker_entry(loop_config: dict[str, Any]) -> None:
@@ -267,7 +278,7 @@ def build_trainer(
     # passes this from the process that calls fit() on to itself.
     os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(p.start_timeout_s)
     storage, filesystem = train_storage(storage_path or cfg.train.storage_path or "runs", cfg)
-    return TorchTrainer(
+    return KilnTrainer(
         train_loop_per_worker=_worker_entry,
         train_loop_config={
             "config": cfg.to_dict(),
