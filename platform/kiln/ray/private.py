@@ -60,7 +60,7 @@ def without_dataset_sharding(callbacks: list) -> list:
     `DatasetManager` actor in every worker group, even for a trainer given no datasets, and Kiln
     gives none: each worker reads its own rows (`kiln.ray.source`). The actor is a Python process
     that used 1.4-1.6 CPU-s while the workers imported; without it their import phase was 0.8-1.5 s
-    shorter in each of six alternated rounds (bench/results/startup.md). Ray has no switch for it.
+    shorter in each of nine alternated rounds (bench/results/startup.md). Ray has no switch for it.
     The driver's Ray Data settings (DataContext), which that callback also copied to the workers,
     are not needed there: each worker sets its own (`kiln.ray.source.configure_ray_data`). Where
     Ray has moved the callback, the list is returned as it is."""
