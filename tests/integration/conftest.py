@@ -90,7 +90,10 @@ def ray_cluster(tmp_path_factory):
     loopback for job submission. Yields (gcs_address, dashboard_url, env)."""
     if shutil.which("ray", path=str(BIN)) is None:
         pytest.fail("ray CLI not found next to the interpreter")
-    # Workers report metrics every 2 s (Ray's default 10 s would leave a short run few points).
+    # Workers report metrics every 2 s (Ray's default 10 s would leave a short run few points),
+    # and MLflow's system metrics come every 2 s: its monitor logs only after its first interval,
+    # and at its default 10 s a test run whose rank 0 trains for about 10 s logged them or not
+    # by a race with the run's end.
     # The GCS declares a node dead after 3 failed health checks 2 s apart (Ray's defaults, 5
     # checks 3 s apart with a 10 s timeout, took 70 s to notice test_two_nodes' killed node).
     # A killed raylet refuses the check at once; a live one has 5 s to answer each.
@@ -98,6 +101,7 @@ def ray_cluster(tmp_path_factory):
         os.environ,
         RAY_AUTH_MODE="token",
         RAY_metrics_report_interval_ms="2000",
+        MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL="2",
         RAY_health_check_period_ms="2000",
         RAY_health_check_timeout_ms="5000",
         RAY_health_check_failure_threshold="3",

@@ -71,24 +71,35 @@ def test_every_contract_fails_on_a_planted_violation(tmp_path):
 
 
 def _private_imports(source: str) -> list[str]:
-    """Modules a source imports from Ray's private packages (`_private`, `_internal`)."""
+    """What a source imports from Ray's private packages (`_private`, `_internal`), and the
+    private names (`_name`) it imports from Ray's public modules."""
     found = []
     for node in ast.walk(ast.parse(source)):
-        names = (
-            [a.name for a in node.names]
-            if isinstance(node, ast.Import)
-            else [node.module or ""]
-            if isinstance(node, ast.ImportFrom)
-            else []
-        )
-        found += [n for n in names if n.startswith("ray.") and {"_private", "_internal"} & set(n.split("."))]
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("ray."):
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names if a.name.startswith("_")]
+        else:
+            continue
+        found += [n for n in names if n.startswith("ray.") and any(_private_name(part) for part in n.split("."))]
     return found
+
+
+def _private_name(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")  # `__version__` is public
 
 
 def test_ray_private_apis_are_reached_through_one_wrapper():
     users = {str(p.relative_to(KILN)) for p in KILN.rglob("*.py") if _private_imports(p.read_text())}
     assert users == {"ray/private.py"}, users
-    # The detector itself finds both spellings, and both kinds of private package.
+    # The detector itself finds both spellings, both kinds of private package, and a private name
+    # from a public module; it passes others' private names and Ray's dunders.
     assert _private_imports(
         "from ray._private.ray_logging import x\nimport ray.autoscaler._private.util\nfrom ray.data._internal import y\n"
-    ) == ["ray._private.ray_logging", "ray.autoscaler._private.util", "ray.data._internal"]
+        "from ray.train.torch.config import TorchConfig, _shutdown_torch\nfrom kiln import _x\nfrom ray import __version__\n"
+    ) == [
+        "ray._private.ray_logging",
+        "ray.autoscaler._private.util",
+        "ray.data._internal",
+        "ray.train.torch.config._shutdown_torch",
+    ]

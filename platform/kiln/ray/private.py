@@ -7,6 +7,7 @@ Nothing else in Kiln imports a `_private` or `_internal` module of Ray's
 from __future__ import annotations
 
 import copy
+import os
 from typing import Any
 
 
@@ -69,3 +70,45 @@ def without_dataset_sharding(callbacks: list) -> list:
     except ImportError:
         return callbacks
     return [c for c in callbacks if not isinstance(c, DatasetsCallback)]
+
+
+# Ray Train's torch process-group steps, for kiln.ray.process_group (whose docstring says why
+# Kiln has its own backend). The first two run on the Train controller; the others on each
+# worker, where they import Ray's torch module (and so torch), never on the controller.
+
+
+def torch_framework():
+    """Ray Train's tag for a torch run (its state export names the framework)."""
+    from ray.train.v2._internal.util import TrainingFramework
+
+    return TrainingFramework.TORCH
+
+
+def rank0_address(worker_group) -> tuple[str, int]:
+    """Rank 0's node address and a free port there: where the process group meets."""
+    from ray.train._internal.utils import get_address_and_port
+
+    return worker_group.execute_single(0, get_address_and_port)
+
+
+def set_process_group_env(addr: str, port: int) -> None:
+    """On a worker: what `init_process_group("env://")` reads (MASTER_ADDR, MASTER_PORT), and
+    the ranks and sizes torchrun would set (RANK, LOCAL_RANK, WORLD_SIZE, ...), by Ray's function."""
+    from ray.train.torch.config import _set_torch_distributed_env_vars
+
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = addr, str(port)
+    _set_torch_distributed_env_vars()
+
+
+def init_process_group(backend: str, world_rank: int, world_size: int, timeout_s: int) -> None:
+    """On a worker: Ray's `init_process_group` call, with its NCCL error-handling default."""
+    from ray.train.torch.config import _setup_torch_process_group
+
+    _setup_torch_process_group(backend, world_rank, world_size, "env://", timeout_s)
+
+
+def shutdown_process_group(destroy: bool) -> None:
+    """On a worker: Ray's teardown (the process group when `destroy`, and the CUDA cache)."""
+    from ray.train.torch.config import _shutdown_torch
+
+    _shutdown_torch(destroy_process_group=destroy)

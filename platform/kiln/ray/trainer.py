@@ -19,7 +19,7 @@ import psutil
 import ray
 import ray.train
 from ray.train import Checkpoint, CheckpointConfig, FailureConfig, ScalingConfig
-from ray.train.torch import TorchConfig, TorchTrainer
+from ray.train.torch import TorchTrainer
 
 from kiln import guard
 from kiln.clock import process_start, startup_mark
@@ -35,6 +35,7 @@ from kiln.parallel.worker import run_worker
 from kiln.ray.console import WORKER_FORMAT
 from kiln.ray.live_metrics import RayLive, device_limit_bytes
 from kiln.ray.private import without_dataset_sharding
+from kiln.ray.process_group import ProcessGroupConfig
 from kiln.ray.progress import BoardSink
 from kiln.ray.source import RayDataSource
 from kiln.redact import ScrubFilter
@@ -295,7 +296,7 @@ def build_trainer(
             placement_strategy=p.placement_strategy,
             elastic_resize_monitor_interval_s=p.resize_check_s,
         ),
-        torch_config=TorchConfig(backend="nccl" if p.use_gpu else "gloo"),
+        torch_config=ProcessGroupConfig(backend="nccl" if p.use_gpu else "gloo"),
         run_config=ray.train.RunConfig(
             name=run_name,
             storage_path=storage,
