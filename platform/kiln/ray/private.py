@@ -1,7 +1,7 @@
 """Ray's private APIs that Kiln uses, each where Ray has no public one. Checked against Ray 2.60.
 
-Nothing else in Kiln imports a `_private` or `_internal` module of Ray's
-(tests/unit/test_contracts.py checks).
+Nothing else in Kiln imports a `_private` or `_internal` module of Ray's, or a private name
+(`_name`) from its public modules (tests/unit/test_contracts.py checks).
 """
 
 from __future__ import annotations
