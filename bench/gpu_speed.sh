@@ -57,7 +57,7 @@ for step in "${steps[@]}"; do
         --run "ZeRO-3 autocast, prefetch 2e8 and max live 2e9|parallel.zero_stage=3 train.mixed_precision=autocast $z.stage3_prefetch_bucket_size=200000000 $z.stage3_max_live_parameters=2000000000" ;;
     large-sharded) bounded 290 "$py" -m bench.throughput "${common[@]}" --flavour 1.3b --batch 8 --steps 30 --keep-going \
              --zero-stages 0,fsdp2-3 --compile ;;
-    generate) bounded 120 "$py" -m bench.generate --device cuda --dtype bf16 --rounds 3 --results "$out/generation-gpu.md" ;;
+    generate) bounded 240 "$py" -m bench.generate --device cuda --dtype bf16 --rounds 3 --results "$out/generation-gpu.md" ;;
     *) echo "unknown step $step" ;;
   esac
 done
