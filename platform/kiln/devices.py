@@ -48,6 +48,11 @@ def by_cuda_name(cuda_name: str) -> Device | None:
     return next((d for d in DEVICES.values() if d.match in cuda_name), None)
 
 
+def dist_backend(on_gpu: bool) -> str:
+    """torch.distributed's backend for a run's devices: NCCL between GPUs, gloo between CPUs."""
+    return "nccl" if on_gpu else "gloo"
+
+
 def name_deepspeed_accelerator(use_gpu: bool) -> None:
     """Tell DeepSpeed a CPU run is one, before its first import: it picks its accelerator then,
     and without `DS_ACCELERATOR` it warns on the console that it guessed. A user's own setting

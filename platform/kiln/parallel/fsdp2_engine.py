@@ -35,6 +35,7 @@ from torch import nn
 
 from kiln.core.checkpoint import TAG
 from kiln.core.dtypes import torch_dtype
+from kiln.devices import dist_backend
 from kiln.parallel.comm_bytes import COUNTER
 
 log = logging.getLogger(__name__)
@@ -205,7 +206,7 @@ def ensure_process_group(on_cuda: bool) -> None:
     COUNTER.install()  # before the first collective: `comm/bytes_per_step`
     COUNTER.timed = not on_cuda
     if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if on_cuda else "gloo")
+        dist.init_process_group(backend=dist_backend(on_cuda))
 
 
 def merged_state(state_dir: str) -> dict[str, torch.Tensor]:

@@ -26,6 +26,7 @@ import os
 import sys
 import time
 
+from kiln.devices import dist_backend
 from kiln.guard import remove_file
 from kiln.parallel.comm_bytes import COUNTER
 
@@ -61,7 +62,7 @@ def init_distributed(on_cuda: bool) -> None:
     use_environment_cache()
     COUNTER.install()  # before DeepSpeed's comm layer keeps its own references to the collectives
     COUNTER.timed = not on_cuda  # NCCL's calls return before the work is done: no host time
-    backend = "nccl" if on_cuda else "gloo"
+    backend = dist_backend(on_cuda)
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:
         init_world_of_one(backend)
     deepspeed = import_deepspeed()

@@ -31,7 +31,7 @@ class ProcessGroupConfig(BackendConfig):
     """What Ray's `TorchConfig` says, for a process group initialised from the environment."""
 
     backend: str = "gloo"
-    """torch.distributed's backend: "gloo" on CPUs, "nccl" on GPUs (as TorchTrainer picks)."""
+    """torch.distributed's backend (`kiln.devices.dist_backend`: gloo on CPUs, NCCL on GPUs)."""
     timeout_s: int = 1800
     """Seconds a collective waits before it fails: Ray's default, and torch's."""
 

@@ -30,6 +30,7 @@ from kiln.core.meter import WORKERS
 from kiln.core.process import WorldInfo
 from kiln.core.sinks import NullLogger, Sinks
 from kiln.data.mixture import run_datasets
+from kiln.devices import dist_backend
 from kiln.model import GPTConfig
 from kiln.parallel.worker import run_worker
 from kiln.ray.console import WORKER_FORMAT
@@ -296,7 +297,7 @@ def build_trainer(
             placement_strategy=p.placement_strategy,
             elastic_resize_monitor_interval_s=p.resize_check_s,
         ),
-        torch_config=ProcessGroupConfig(backend="nccl" if p.use_gpu else "gloo"),
+        torch_config=ProcessGroupConfig(backend=dist_backend(p.use_gpu)),
         run_config=ray.train.RunConfig(
             name=run_name,
             storage_path=storage,
