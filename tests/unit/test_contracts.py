@@ -77,11 +77,11 @@ def _private_imports(source: str) -> list[str]:
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("ray."):
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "ray":
             names = [node.module] + [f"{node.module}.{a.name}" for a in node.names if a.name.startswith("_")]
         else:
             continue
-        found += [n for n in names if n.startswith("ray.") and any(_private_name(part) for part in n.split("."))]
+        found += [n for n in names if n.split(".")[0] == "ray" and any(_private_name(part) for part in n.split("."))]
     return found
 
 
@@ -97,9 +97,11 @@ def test_ray_private_apis_are_reached_through_one_wrapper():
     assert _private_imports(
         "from ray._private.ray_logging import x\nimport ray.autoscaler._private.util\nfrom ray.data._internal import y\n"
         "from ray.train.torch.config import TorchConfig, _shutdown_torch\nfrom kiln import _x\nfrom ray import __version__\n"
+        "from ray import _private\n"
     ) == [
         "ray._private.ray_logging",
         "ray.autoscaler._private.util",
         "ray.data._internal",
         "ray.train.torch.config._shutdown_torch",
+        "ray._private",
     ]
