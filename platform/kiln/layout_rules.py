@@ -46,6 +46,38 @@ def deepspeed_zero_stage(zero_stage: int, sync: str, grad_compression: str) -> i
     return 0 if own_communication(sync, grad_compression) else zero_stage
 
 
+DEEPSPEED_REDUCE_BUCKET = 500_000_000
+"""DeepSpeed's default `reduce_bucket_size` in elements (0.19: `ZeroConfig.reduce_bucket_size`)."""
+
+
+def reduce_bucket_elements(trained: int, configured: int = 0) -> int:
+    """The gradient bucket DeepSpeed's ZeRO runs with, in elements, for a model that trains
+    `trained` parameters: `configured` where the run's `parallel.deepspeed` sets
+    `reduce_bucket_size`, else DeepSpeed's default or all the trained gradients, whichever is
+    fewer. A bucket is reduced when the next gradient would overflow it, so one that holds every
+    gradient already reduces once per step, as DeepSpeed's default does for any model under 500M
+    parameters; more only holds memory, which ZeRO-1/2 allocate at every backward and ZeRO-3
+    keeps for the run (`deepspeed_grad_buckets`): 3.7 GiB for gpt2-124m at ZeRO-2 on a GPU."""
+    return configured or min(DEEPSPEED_REDUCE_BUCKET, trained)
+
+
+def deepspeed_overlaps_comm(deepspeed_stage: int, use_gpu: bool) -> bool:
+    """Whether Kiln has DeepSpeed overlap ZeRO-2/3's gradient reduction with the backward: only
+    where communication runs on its own stream (GPUs)."""
+    return deepspeed_stage >= 2 and use_gpu
+
+
+def deepspeed_grad_buckets(deepspeed_stage: int, use_gpu: bool) -> int:
+    """How many gradient buckets (`reduce_bucket_elements` each, in the gradients' dtype) DeepSpeed
+    holds on a device under Kiln's config: none at ZeRO-0; at ZeRO-1/2 one during each backward,
+    two with overlapped communication (a double buffer); at ZeRO-3 one, for the whole run
+    (`stage_1_and_2.py`'s `setup_buckets` and `stage3.py`'s IPG buffer in DeepSpeed 0.19, both
+    under `contiguous_gradients`, which Kiln keeps on)."""
+    if deepspeed_stage == 0:
+        return 0
+    return 2 if deepspeed_stage < 3 and deepspeed_overlaps_comm(deepspeed_stage, use_gpu) else 1
+
+
 def sync_layout_refusal(
     sync: str,
     grad_compression: str,

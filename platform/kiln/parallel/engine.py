@@ -24,7 +24,9 @@ from kiln.core.optim import StepGate, build_optimizer, build_scheduler, gate_opt
 from kiln.core.process import WorldInfo, prepare_process
 from kiln.errors import ConfigError
 from kiln.hf_checkpoint import init_from_dir
+from kiln.layout_rules import deepspeed_overlaps_comm, reduce_bucket_elements
 from kiln.model import GPT, GPTConfig
+from kiln.model_size import num_params
 from kiln.parallel.comm_timer import CollectiveTimer
 from kiln.parallel.deepspeed_engine import DeepSpeedEngine
 from kiln.parallel.fsdp2_engine import FSDP2Engine, ensure_process_group, shard
@@ -71,7 +73,11 @@ def kiln_deepspeed_config(cfg: RunConfig, data_parallel_size: int, mcfg: GPTConf
     if stage >= 2:
         # Contiguous gradient buffers avoid fragmentation; overlapping the reduce with backward
         # only pays where communication runs on its own stream (GPUs).
-        zero.update(contiguous_gradients=True, overlap_comm=p.use_gpu)
+        zero.update(contiguous_gradients=True, overlap_comm=deepspeed_overlaps_comm(stage, p.use_gpu))
+    if stage >= 1 and mcfg is not None:  # a bucket no larger than the gradients it holds
+        zero["reduce_bucket_size"] = reduce_bucket_elements(
+            lora.adapter_params(mcfg, cfg.model.lora) or num_params(mcfg, False)
+        )
     if stage == 3 and d_model:
         # Parameters smaller than this stay whole on every rank (gathering them costs more than
         # it saves). DeepSpeed's default (1e5 elements) would keep a small model entirely

@@ -22,6 +22,12 @@ weights even when training in fp32, so `fp32 master` is there too.
 ZeRO-3 also holds the layer being computed gathered: 4 bytes per parameter of the largest layer
 (weight and gradient in the working precision; DeepSpeed's `largest_layer_memory` for 16-bit).
 
+DeepSpeed's ZeRO stages also stage gradients in buckets of `reduce_bucket_size` elements in the
+working precision: one during each backward at ZeRO-1/2, two where the reduction overlaps it (on
+GPUs at ZeRO-2), one for the whole run at ZeRO-3 (`kiln.layout_rules.deepspeed_grad_buckets`).
+Kiln sizes the bucket to the trained parameters where DeepSpeed's default of 500M elements is
+larger (`kiln.layout_rules.reduce_bucket_elements`).
+
 Offload (ZeRO-Offload, Ren et al. 2021; ZeRO-Infinity, Rajbhandari et al. 2021) moves master,
 fp32 grads and optimizer state to host RAM (and with param offload the working params too): the
 device keeps what the forward and backward need.
@@ -55,7 +61,7 @@ from dataclasses import dataclass
 
 from kiln.config import RunConfig, bf16_autocast
 from kiln.core.optim import OPTIMIZERS
-from kiln.layout_rules import deepspeed_zero_stage
+from kiln.layout_rules import deepspeed_grad_buckets, deepspeed_zero_stage, reduce_bucket_elements
 from kiln.lora import adapter_params
 from kiln.model import GPTConfig
 from kiln.model_size import block_params, largest_layer_params, num_params, param_shapes, split_params
@@ -99,6 +105,9 @@ class PlanInput:
     adapters: int = 0
     """LoRA's trainable parameters (`kiln.lora.adapter_params`), 0 without LoRA: then the
     gradients, master weights and optimizer state are theirs alone, and the base is weights only."""
+    reduce_bucket: int = 0
+    """DeepSpeed's `reduce_bucket_size` where the run's `parallel.deepspeed` sets it; 0: Kiln's
+    (`kiln.layout_rules.reduce_bucket_elements`)."""
 
     @property
     def dims(self) -> ParallelDims:
@@ -127,6 +136,9 @@ class Estimate:
     host: int
     """Offloaded bytes per device, held in host RAM (or on NVMe)."""
     device_memory: int
+    buckets: int = 0
+    """DeepSpeed's gradient buckets (`deepspeed_grad_buckets`): working memory beside the model
+    states, which DeepSpeed's own estimators count alone. FSDP2 counts its own in `gathered`."""
 
     @property
     def model_states(self) -> int:
@@ -134,7 +146,7 @@ class Estimate:
 
     @property
     def total(self) -> int:
-        return self.model_states + self.activations
+        return self.model_states + self.buckets + self.activations
 
     @property
     def fits(self) -> bool:
@@ -179,6 +191,10 @@ def estimate(p: PlanInput) -> Estimate:
     if s == 3:  # the 16-bit gradients are reduce-scattered straight into fp32 partitions
         grads = 0
 
+    trained_total = p.adapters or num_params(m, non_embedding=False)  # what DeepSpeed's bucket is sized to
+    buckets = deepspeed_grad_buckets(deepspeed_zero_stage(s, p.sync, p.grad_compression), p.use_gpu)
+    buckets *= e * reduce_bucket_elements(trained_total, p.reduce_bucket)
+
     host = 0.0
     if p.offload_optimizer != "none":
         host += master + fp32_grads + states
@@ -198,6 +214,7 @@ def estimate(p: PlanInput) -> Estimate:
         activations=activation_bytes(p),
         host=int(host),
         device_memory=int(p.device_memory_gib * GIB),
+        buckets=int(buckets),
     )
 
 
@@ -275,4 +292,5 @@ def plan_input(cfg: RunConfig, mcfg: GPTConfig, device_memory_gib: float) -> Pla
         sync_every=p.sync_every,
         powersgd_rank=p.powersgd_rank,
         adapters=adapter_params(mcfg, cfg.model.lora),
+        reduce_bucket=int(cfg.parallel.deepspeed.get("zero_optimization", {}).get("reduce_bucket_size", 0)),
     )

@@ -171,6 +171,7 @@ def format_table(base: PlanInput, per_node: int = 8) -> str:
         "master+fp32g",
         "optim",
         "gathered",
+        "buckets",
         "activ",
         "total GiB",
         "host GiB",
@@ -204,6 +205,7 @@ def format_table(base: PlanInput, per_node: int = 8) -> str:
                 gib(est.master),
                 gib(est.optimizer_states),
                 gib(est.gathered),
+                gib(est.buckets),
                 gib(est.activations),
                 gib(est.total),
                 gib(est.host),
@@ -247,6 +249,7 @@ def refuse_if_too_big(base: PlanInput, source: str) -> Estimate:
             ("fp32 master+grads", est.master),
             ("optimizer", est.optimizer_states),
             ("gathered", est.gathered),
+            ("gradient buckets", est.buckets),
             ("activations", est.activations),
         )
         if v

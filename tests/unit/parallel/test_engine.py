@@ -22,10 +22,13 @@ from kiln.config import load_config
 from kiln.parallel.engine import build_engine
 from kiln.core.process import WorldInfo
 
-def engine(stage):
-    cfg = load_config(None, ["model.flavour=debug", "model.vocab_size=256", "model.seq_len=32",
-                             f"parallel.zero_stage={stage}", "parallel.num_workers=1", "train.grad_accum_steps=2",
-                             "train.micro_batch_size=4", "train.grad_clip=1.0", "optim.lr=1e-2"])
+def config(stage, *more):
+    return load_config(None, ["model.flavour=debug", "model.vocab_size=256", "model.seq_len=32",
+                              f"parallel.zero_stage={stage}", "parallel.num_workers=1", "train.grad_accum_steps=2",
+                              "train.micro_batch_size=4", "train.grad_clip=1.0", "optim.lr=1e-2", *more])
+
+def engine(stage, *more):
+    cfg = config(stage, *more)
     return build_engine(cfg, cfg.model.shape(), WorldInfo())[0].ds
 
 lone, forced = engine(0), engine(0)
@@ -64,7 +67,27 @@ with HostReads():
 want = torch.nn.utils.clip_grad_norm_(copies, 1.0)
 clip = {"reads": HostReads.count, "norm": [float(norm), float(want)], "kept": lone.get_global_grad_norm() is norm,
         "grads": all(torch.allclose(p.grad, c.grad, rtol=1e-5, atol=0) for p, c in zip(params, copies))}
-print(json.dumps({"flags": flags, "same": same, "moved": moved, "reduced": len(reduced), "clip": clip}))
+
+# DeepSpeed's gradient buckets during a backward, as allocated, against the planner's count.
+import dataclasses
+from kiln.plan.memory import estimate, plan_input
+buckets = []
+for stage, more, gpu in ((1, [], False), (2, [], False), (2, ["parallel.deepspeed.zero_optimization.overlap_comm=true"], True),
+                         (3, [], False), (2, ["parallel.deepspeed.zero_optimization.reduce_bucket_size=5000"], False)):
+    ds = engine(stage, *more)
+    held = []
+    def look(grad, ds=ds, held=held):
+        for b in ds.optimizer.ipg_buckets.values():
+            bufs = b.buffer if isinstance(b.buffer, list) else [b.buffer]
+            held.append(sum(t.numel() * t.element_size() for t in bufs if t is not None))
+        return grad
+    next(p for p in ds.module.parameters() if p.requires_grad).register_hook(look)
+    _, loss = ds(batches[0][:, :-1], batches[0][:, 1:])
+    ds.backward(loss)
+    cfg = config(stage, *more)
+    planned = estimate(dataclasses.replace(plan_input(cfg, cfg.model.shape(), 80), use_gpu=gpu)).buckets
+    buckets.append([max(held), planned])
+print(json.dumps({"flags": flags, "same": same, "moved": moved, "reduced": len(reduced), "clip": clip, "buckets": buckets}))
 """
 
 
@@ -92,3 +115,17 @@ def test_clipping_matches_torch_and_reads_nothing_back_to_the_host(out):
     norm, want = clip["norm"]
     assert want > 10 and abs(norm - want) <= 1e-5 * want  # the planted gradients needed clipping
     assert clip["grads"]
+
+
+def test_deepspeed_gradient_buckets_are_sized_to_the_model_and_planned_as_allocated(out):
+    """ZeRO-1/2 allocate `reduce_bucket_size` elements at each backward (twice with overlapped
+    communication), ZeRO-3 once: Kiln sizes the bucket to the trained parameters (DeepSpeed's
+    500M-element default is 1.9 GiB in fp32 for a 0.4M-parameter model), and the planner counts
+    what DeepSpeed holds, a passthrough `reduce_bucket_size` included."""
+    from kiln.model import config_for
+    from kiln.model_size import num_params
+
+    params = num_params(config_for("debug", vocab_size=256, seq_len=32), non_embedding=False)
+    held = [h for h, _ in out["buckets"]]
+    assert held == [4 * params, 4 * params, 2 * 4 * params, 4 * params, 4 * 5000]  # fp32 gradients
+    assert [planned for _, planned in out["buckets"]] == held
