@@ -6,11 +6,14 @@
 #   2. a compiled 1.3B model's MFU (ZeRO-0, autocast) against the compiled plain loop;
 #   3. where a step's time goes (bench/profile_step.py: plain, ZeRO-0, ZeRO-3);
 #   4. the same small runs with DeepSpeed's bf16 weights (train.mixed_precision: weights).
-# Issue 44's steps (sharded training, `bash bench/gpu_speed.sh OUT sharded knobs large-sharded generate`):
+# Issue 44's steps (sharded training, `bash bench/gpu_speed.sh OUT sharded units knobs large-sharded generate`):
 #   sharded: gpt2-124m at micro-batch 16, ZeRO-0, FSDP2 at ZeRO-2 and 3, and DeepSpeed's ZeRO-2
 #     and 3 under autocast, against the plain loop;
 #   knobs: DeepSpeed's ZeRO-2/3 knobs that might cut their host work (stage3_module_granularity_threshold
 #     is left out: at 1e6 it failed inside DeepSpeed 0.19.8 on gpt2-124m, bench/results/gpu.md);
+#   units: FSDP2 at ZeRO-3 with a unit a block (torchtitan's layout) against its default grouping
+#     (parallel.fsdp2_unit_params), and DeepSpeed's ZeRO-2 with contiguous_gradients off (the host
+#     costs bench/host_overhead.py measures on a CPU);
 #   large-sharded: a compiled 1.3B model at ZeRO-0 and FSDP2 ZeRO-3;
 #   generate: bf16 generation, Kiln against transformers (bench/generate.py).
 # Tables go to $1/RESULTS-gpu.md (bench/throughput.py's format), profiles to $1/profile.txt.
@@ -55,6 +58,12 @@ for step in "${steps[@]}"; do
         --run "ZeRO-2 autocast, overlap_comm off|parallel.zero_stage=2 train.mixed_precision=autocast $z.overlap_comm=false" \
         --run "ZeRO-2 autocast, overlap_comm and contiguous_gradients off|parallel.zero_stage=2 train.mixed_precision=autocast $z.overlap_comm=false $z.contiguous_gradients=false" \
         --run "ZeRO-3 autocast, prefetch 2e8 and max live 2e9|parallel.zero_stage=3 train.mixed_precision=autocast $z.stage3_prefetch_bucket_size=200000000 $z.stage3_max_live_parameters=2000000000" ;;
+    units)
+      z=parallel.deepspeed.zero_optimization
+      bounded 240 "$py" -m bench.throughput "${common[@]}" "${small[@]}" --steps 60 --keep-going --zero-stages "" \
+        --run "FSDP2 ZeRO-3, a unit a block|parallel.engine=fsdp2 parallel.zero_stage=3 parallel.fsdp2_unit_params=0" \
+        --run "FSDP2 ZeRO-3, blocks grouped (default)|parallel.engine=fsdp2 parallel.zero_stage=3" \
+        --run "ZeRO-2 autocast, contiguous_gradients off|parallel.zero_stage=2 train.mixed_precision=autocast $z.contiguous_gradients=false" ;;
     large-sharded) bounded 290 "$py" -m bench.throughput "${common[@]}" --flavour 1.3b --batch 8 --steps 30 --keep-going \
              --zero-stages 0,fsdp2-3 --compile ;;
     generate) bounded 240 "$py" -m bench.generate --device cuda --dtype bf16 --rounds 3 --results "$out/generation-gpu.md" ;;

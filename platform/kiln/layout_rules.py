@@ -78,6 +78,19 @@ def deepspeed_grad_buckets(deepspeed_stage: int, use_gpu: bool) -> int:
     return 2 if deepspeed_stage < 3 and deepspeed_overlaps_comm(deepspeed_stage, use_gpu) else 1
 
 
+FSDP2_UNIT_PARAMS = 100_000_000
+"""`parallel.fsdp2_unit_params`' default: torch FSDP's `size_based_auto_wrap_policy` min_num_params."""
+
+
+def fsdp2_blocks_per_unit(block_params: int, n_blocks: int, min_unit_params: int) -> int:
+    """How many consecutive transformer blocks make one FSDP2 unit: the fewest that hold
+    `min_unit_params` parameters (`parallel.fsdp2_unit_params`; 0: one), at most all of them.
+    The last unit may hold fewer."""
+    if min_unit_params <= 0 or block_params <= 0:
+        return 1
+    return max(1, min(n_blocks, -(-min_unit_params // block_params)))
+
+
 def sync_layout_refusal(
     sync: str,
     grad_compression: str,

@@ -17,6 +17,7 @@ from typing import Literal
 from kiln.errors import ConfigError
 from kiln.knobs import check_ranges, knob, span
 from kiln.layout_rules import (
+    FSDP2_UNIT_PARAMS,
     deepspeed_refusal,
     deepspeed_zero_stage,
     offloads,
@@ -63,11 +64,19 @@ class ParallelConfig:
     until the cluster has that many nodes."""
     engine: Literal["deepspeed", "fsdp2"] = "deepspeed"
     """What shards and steps the model. deepspeed: DeepSpeed's engine, every ZeRO stage, offload,
-    pipelines and tensor parallelism. fsdp2: torch's `fully_shard`, one unit per transformer
-    block (`kiln.parallel.fsdp2_engine`), for ZeRO-2/3-style sharding with far less host work
+    pipelines and tensor parallelism. fsdp2: torch's `fully_shard`, a unit per transformer
+    block or per group of them (`fsdp2_unit_params`, `kiln.parallel.fsdp2_engine`), for ZeRO-2/3-style sharding with far less host work
     per step than DeepSpeed's ZeRO-3 hooks, and `train.compile` at ZeRO-3; zero_stage 2 or 3,
     no offload, pipeline or tensor parallelism, bf16 or fp32. A checkpoint resumes in the
     engine that wrote it."""
+    fsdp2_unit_params: int = knob(FSDP2_UNIT_PARAMS, *span(0, 1_000_000_000_000, note="0: one block a unit"))
+    """Under engine fsdp2: consecutive transformer blocks share one FSDP2 unit (one gather, one
+    reduce-scatter, one set of hooks) until the unit holds at least this many parameters
+    (`kiln.layout_rules.fsdp2_blocks_per_unit`). FSDP2's host work is paid per unit and per
+    parameter every step, and on a GPU a step is host-bound where a unit's compute is short: a
+    gpt2-124m block is 7M parameters. The default is torch FSDP's own size-based wrap default
+    (`size_based_auto_wrap_policy`'s min_num_params); 0 gives each block its unit (torchtitan's
+    layout), the least gathered memory at ZeRO-3."""
     zero_stage: int = knob(2, lambda v: v in (0, 1, 2, 3), "one of 0, 1, 2, 3")
     """DeepSpeed ZeRO stage 0-3: 1 shards optimizer state, 2 also gradients, 3 also weights.
     Under engine fsdp2: 2 keeps a block's weights gathered from its forward to its backward

@@ -374,7 +374,8 @@ def initialize_fsdp2(cfg: RunConfig, mcfg: GPTConfig, device: torch.device, sche
     on_cuda = device.type == "cuda"
     ensure_process_group(on_cuda)
     model = build_whole_model(cfg, mcfg, device, _pretrained_weights(cfg, mcfg))
-    shard(model, cfg.parallel.zero_stage, cfg.train.precision, device, cfg.train.compile, cfg.parallel.grad_compression)
+    p = cfg.parallel
+    shard(model, p.zero_stage, cfg.train.precision, device, cfg.train.compile, p.grad_compression, p.fsdp2_unit_params)
     optimizer = build_optimizer(model, cfg.optim, on_cuda=on_cuda)
     scheduler = scheduler_fn(optimizer)
     return FSDP2Engine(model, optimizer, scheduler, cfg.micro_batches_per_step, cfg.train.grad_clip), scheduler

@@ -7,8 +7,12 @@ each parameter as a DTensor and gathers one transformer block's weights in one c
 stream of its own that overlaps the previous block's compute (torchtitan's layout, which reaches 33-39% MFU on H100s).
 
 The layout:
-- one FSDP unit per transformer block, and the root (embeddings, final norm, head: a tied head
-  is the embedding) one more;
+- one FSDP unit per group of consecutive transformer blocks of at least
+  `parallel.fsdp2_unit_params` parameters (one block a unit where a block is that large, and
+  with 0), and the root (embeddings, final norm, head: a tied head is the embedding) one more.
+  FSDP2's host work is per unit and per parameter: on one H200, gpt2-124m's 13 units took the
+  step from the plain loop's 32.6 ms to 48-50 ms (bench/results/gpu.md, 2026-11-27), and on
+  any machine `bench/host_overhead.py` measures that work apart from the device's;
 - `parallel.zero_stage` 3 frees a block's gathered weights after its forward and gathers them
   again for the backward (ZeRO-3's memory); 2 keeps them from forward to backward (ZeRO-2's
   traffic, with the weights sharded at rest);
@@ -36,6 +40,7 @@ from torch import nn
 from kiln.core.checkpoint import TAG
 from kiln.core.dtypes import torch_dtype
 from kiln.devices import dist_backend
+from kiln.layout_rules import fsdp2_blocks_per_unit
 from kiln.parallel.comm_bytes import COUNTER
 
 log = logging.getLogger(__name__)
@@ -179,22 +184,32 @@ def shard(
     device: torch.device,
     compile_blocks: bool,
     grad_compression: str = "none",
+    unit_params: int = 0,
 ) -> None:
-    """Apply FSDP2 to a GPT in place: each block a unit (compiled first where asked), then the
-    root. Every rank must hold the same whole weights when this is called. Gradients are
-    reduced in fp32, or in the dtype `parallel.grad_compression` names."""
+    """Apply FSDP2 to a GPT in place: consecutive blocks grouped into units of at least
+    `unit_params` parameters (`parallel.fsdp2_unit_params`; 0: each block a unit), each block
+    compiled first where asked, then the root. Every rank must hold the same whole weights when
+    this is called. Gradients are reduced in fp32, or in the dtype `parallel.grad_compression`
+    names."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     reduce = torch_dtype(grad_compression)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if precision == "bf16" else None, reduce_dtype=reduce)
-    for block in model.blocks:
-        if compile_blocks:
+    blocks = list(model.blocks)
+    if compile_blocks:
+        for block in blocks:
             # The forward alone: FSDP2's gather and free run as hooks around it, outside the
             # graph, and the block keeps its module names (checkpoints match eager runs').
             block.forward = torch.compile(block.forward)
-        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=zero_stage == 3)
+    per_unit = fsdp2_blocks_per_unit(sum(p.numel() for p in blocks[0].parameters()), len(blocks), unit_params)
+    for i in range(0, len(blocks), per_unit):
+        # A list is one unit whose modules keep their own places (and names) in the model.
+        unit = blocks[i : i + per_unit]
+        fully_shard(
+            unit if len(unit) > 1 else unit[0], mesh=mesh, mp_policy=policy, reshard_after_forward=zero_stage == 3
+        )
     # The root is gathered again at once for the backward (the head is last in the forward):
     # freeing it after the forward would only add a gather.
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)

@@ -61,7 +61,13 @@ from dataclasses import dataclass
 
 from kiln.config import RunConfig, bf16_autocast
 from kiln.core.optim import OPTIMIZERS
-from kiln.layout_rules import deepspeed_grad_buckets, deepspeed_zero_stage, reduce_bucket_elements
+from kiln.layout_rules import (
+    FSDP2_UNIT_PARAMS,
+    deepspeed_grad_buckets,
+    deepspeed_zero_stage,
+    fsdp2_blocks_per_unit,
+    reduce_bucket_elements,
+)
 from kiln.lora import adapter_params
 from kiln.model import GPTConfig
 from kiln.model_size import block_params, largest_layer_params, num_params, param_shapes, split_params
@@ -105,6 +111,8 @@ class PlanInput:
     adapters: int = 0
     """LoRA's trainable parameters (`kiln.lora.adapter_params`), 0 without LoRA: then the
     gradients, master weights and optimizer state are theirs alone, and the base is weights only."""
+    fsdp2_unit_params: int = FSDP2_UNIT_PARAMS
+    """parallel.fsdp2_unit_params: the blocks FSDP2 gathers together (`fsdp2_blocks_per_unit`)."""
     reduce_bucket: int = 0
     """DeepSpeed's `reduce_bucket_size` where the run's `parallel.deepspeed` sets it; 0: Kiln's
     (`kiln.layout_rules.reduce_bucket_elements`)."""
@@ -223,20 +231,21 @@ def fsdp2_states(p: PlanInput, psi: int, k: int) -> Estimate:
     gradients and the optimizer state sharded (4 + 4 + 4k bytes per parameter / N; the weights
     are what the optimizer steps, so no master copy), plus what is gathered in the compute
     precision (c bytes: 2 in bf16): the root's weights (embeddings, head, final norm) for the
-    whole step, and at ZeRO-3 two blocks (the one computing and the next, prefetched), at ZeRO-2
-    every block from its forward to its backward; and one block's gradients before their
-    reduce-scatter, in c bytes and again in fp32 (the reduce precision)."""
+    whole step, and at ZeRO-3 two units of blocks (the one computing and the next, prefetched),
+    at ZeRO-2 every block from its forward to its backward; and one unit's gradients before
+    their reduce-scatter, in c bytes and again in fp32 (the reduce precision)."""
     m, n = p.model, max(1, p.data_parallel)
     c = bytes_per_element(p.precision)
     block = block_params(m)
     root = num_params(m, non_embedding=False) - m.n_layer * block  # embeddings, head, final norm
-    held = (2 if p.zero_stage == 3 else m.n_layer) * block
+    unit = fsdp2_blocks_per_unit(block, m.n_layer, p.fsdp2_unit_params) * block
+    held = min(2 * unit, m.n_layer * block) if p.zero_stage == 3 else m.n_layer * block
     return Estimate(
         params=int(4 * psi / n),
         grads=int(4 * psi / n),
         master=0,
         optimizer_states=int(4 * k * psi / n),
-        gathered=int(c * (root + held) + (c + 4) * block),
+        gathered=int(c * (root + held) + (c + 4) * unit),
         activations=activation_bytes(p),
         host=0,
         device_memory=int(p.device_memory_gib * GIB),
@@ -292,5 +301,6 @@ def plan_input(cfg: RunConfig, mcfg: GPTConfig, device_memory_gib: float) -> Pla
         sync_every=p.sync_every,
         powersgd_rank=p.powersgd_rank,
         adapters=adapter_params(mcfg, cfg.model.lora),
+        fsdp2_unit_params=p.fsdp2_unit_params,
         reduce_bucket=int(cfg.parallel.deepspeed.get("zero_optimization", {}).get("reduce_bucket_size", 0)),
     )

@@ -87,7 +87,22 @@ for stage, more, gpu in ((1, [], False), (2, [], False), (2, ["parallel.deepspee
     cfg = config(stage, *more)
     planned = estimate(dataclasses.replace(plan_input(cfg, cfg.model.shape(), 80), use_gpu=gpu)).buckets
     buckets.append([max(held), planned])
-print(json.dumps({"flags": flags, "same": same, "moved": moved, "reduced": len(reduced), "clip": clip, "buckets": buckets}))
+
+# FSDP2's units: the default groups the debug model's blocks into one; 0 gives each block its own.
+units, fsdp2_losses = [], []
+for unit_params in ([], ["parallel.fsdp2_unit_params=0"]):
+    cfg = config(3, "parallel.engine=fsdp2", "model.n_layer=4", *unit_params)
+    fsdp = build_engine(cfg, cfg.model.shape(), WorldInfo())[0]
+    units.append(len({id(b._get_fsdp_state()._fsdp_param_group) for b in fsdp.model.blocks}))
+    losses = []
+    for batch in [batches[0]] * 6:  # one batch again and again: its loss falls
+        loss = fsdp.forward(batch[:, :-1], batch[:, 1:])
+        fsdp.backward(loss)
+        fsdp.step()
+        losses.append(loss.item())
+    fsdp2_losses.append(losses)
+print(json.dumps({"flags": flags, "same": same, "moved": moved, "reduced": len(reduced), "clip": clip, "buckets": buckets,
+                  "units": units, "fsdp2_losses": fsdp2_losses}))
 """
 
 
@@ -129,3 +144,12 @@ def test_deepspeed_gradient_buckets_are_sized_to_the_model_and_planned_as_alloca
     held = [h for h, _ in out["buckets"]]
     assert held == [4 * params, 4 * params, 2 * 4 * params, 4 * params, 4 * 5000]  # fp32 gradients
     assert [planned for _, planned in out["buckets"]] == held
+
+
+def test_fsdp2_groups_small_blocks_into_one_unit_and_trains_as_one_unit_a_block(out):
+    """`parallel.fsdp2_unit_params` (default 100M) gathers the debug model's four blocks as one
+    FSDP2 unit, where 0 gives each block its own; the two layouts compute the same losses."""
+    assert out["units"] == [1, 4]
+    grouped, per_block = out["fsdp2_losses"]
+    assert grouped[-1] < grouped[0] - 0.1  # it learns
+    assert grouped == pytest.approx(per_block, rel=1e-6)

@@ -96,6 +96,7 @@ TWO_RANKS = [
     # and export as DeepSpeed's stages.
     {"name": "fsdp2-zero2", "set": ["parallel.engine=fsdp2", "parallel.zero_stage=2"]},
     {"name": "fsdp2-zero3", "set": [*FSDP2, "train.checkpoint_every=10"]},
+    {"name": "fsdp2-zero3-per-block", "set": [*FSDP2, "parallel.fsdp2_unit_params=0"]},  # the default groups all
     {"name": "fsdp2-resumed", "set": [*FSDP2, "train.resume_from={root}/fsdp2-zero3/step_00000010"]},
     {"name": "fsdp2-bf16", "set": [*FSDP2, "train.precision=bf16"]},
     {"name": "fsdp2-bf16-dtypes", "set": [*FSDP2, "train.precision=bf16"], "dtypes": True},
@@ -227,6 +228,7 @@ def _max_rel(a: list[float], b: list[float]) -> float:
         "zero2-ckpt",
         "fsdp2-zero2",
         "fsdp2-zero3",
+        "fsdp2-zero3-per-block",
     ],
 )
 def test_matches_single_worker_reference(runs, name):

@@ -181,3 +181,18 @@ def test_lora_counts_gradients_and_optimizer_state_for_the_adapters_alone():
     assert {o.plan.zero_stage for o in options(lora)} == {0, 1, 2}
     assert {o.plan.tensor_parallel for o in options(lora)} == {1}
     assert "tensor_parallel=2" not in format_table(dataclasses.replace(lora, world_size=8))
+
+
+def test_fsdp2_gathers_a_unit_of_blocks_at_zero3():
+    """At ZeRO-3 FSDP2 holds two units gathered (the one computing and the next) and one unit's
+    gradients: with gpt2-124m's 7M-parameter blocks the default unit (100M) is all twelve, and
+    `fsdp2_unit_params=0` makes a unit one block."""
+    from kiln.model_size import block_params
+
+    m = config_for("gpt2-124m", vocab_size=50304)
+    block, root = block_params(m), num_params(m, non_embedding=False) - m.n_layer * block_params(m)
+    base = PlanInput(model=m, engine="fsdp2", zero_stage=3, precision="bf16")
+    assert estimate(base).gathered == 2 * (root + 12 * block) + 6 * 12 * block
+    assert estimate(dataclasses.replace(base, fsdp2_unit_params=0)).gathered == 2 * (root + 2 * block) + 6 * block
+    five = dataclasses.replace(base, fsdp2_unit_params=5 * block)  # units of 5, 5 and 2 blocks
+    assert estimate(five).gathered == 2 * (root + 10 * block) + 6 * 5 * block
