@@ -67,7 +67,7 @@ def main() -> None:
     model = GPT(cfg).to(device)
     if args.compile:
         model.compile()
-    opt = build_optimizer(model, OptimConfig(lr=args.lr), on_cuda=device.type == "cuda")
+    opt = build_optimizer(model, OptimConfig(lr=args.lr))
     sched = ScheduleConfig(warmup_steps=20)
     batches = ParquetSource(manifest, 0, 1, args.batch).train_batches()
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.precision == "bf16")

@@ -66,7 +66,7 @@ def main() -> None:
         model = GPT(cfg.model.shape()).to(device)
         if args.compile:
             model.compile()
-        opt = build_optimizer(model, cfg.optim, on_cuda=device.type == "cuda")
+        opt = build_optimizer(model, cfg.optim)
         autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.precision == "bf16")
 
         def step():

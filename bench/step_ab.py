@@ -112,7 +112,7 @@ def main() -> None:
 def plain_stepper(cfg):
     torch.manual_seed(cfg.train.seed)
     model = GPT(cfg.model.shape())
-    opt = build_optimizer(model, cfg.optim, on_cuda=False)
+    opt = build_optimizer(model, cfg.optim)
     autocast = torch.autocast("cpu", enabled=False)
     return lambda batch: plain_step(model, opt, batch, autocast).item()
 
@@ -125,7 +125,7 @@ def bare_stepper(cfg):
     init_distributed(on_cuda=False)
     torch.manual_seed(cfg.train.seed)
     model = GPT(cfg.model.shape())
-    opt = build_optimizer(model, cfg.optim, on_cuda=False)
+    opt = build_optimizer(model, cfg.optim)
     engine, *_ = deepspeed.initialize(
         model=model,
         optimizer=opt,

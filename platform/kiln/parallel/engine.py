@@ -322,8 +322,8 @@ def _post_order(module: nn.Module):
     yield module
 
 
-def build_optimizer_for(model: nn.Module, cfg: RunConfig, on_cuda: bool) -> torch.optim.Optimizer:
-    """The torch optimizer DeepSpeed steps: fused where torch has a fused kernel (on CUDA), and
+def build_optimizer_for(model: nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:
+    """The torch optimizer DeepSpeed steps: fused where torch has a fused kernel, and
     DeepSpeed's vectorised CPU Adam under optimizer offload."""
     o = cfg.optim
     if cfg.cpu_adam:
@@ -336,7 +336,7 @@ def build_optimizer_for(model: nn.Module, cfg: RunConfig, on_cuda: bool) -> torc
             eps=o.eps,
             adamw_mode=o.spec.decoupled,
         )
-    return build_optimizer(model, o, on_cuda=on_cuda, shape_of=_full_shape)
+    return build_optimizer(model, o, shape_of=_full_shape)
 
 
 def _full_shape(p: nn.Parameter) -> tuple:
@@ -371,20 +371,18 @@ def build_engine(cfg: RunConfig, mcfg: GPTConfig, world: WorldInfo) -> tuple[Eng
 def initialize_fsdp2(cfg: RunConfig, mcfg: GPTConfig, device: torch.device, scheduler_fn) -> tuple[FSDP2Engine, object]:
     """(engine, scheduler) under `parallel.engine: fsdp2`: the whole model built and seeded as
     for DeepSpeed's ZeRO 0-2 (so both engines start from the same weights), then sharded."""
-    on_cuda = device.type == "cuda"
-    ensure_process_group(on_cuda)
+    ensure_process_group(device.type == "cuda")
     model = build_whole_model(cfg, mcfg, device, _pretrained_weights(cfg, mcfg))
     p = cfg.parallel
     shard(model, p.zero_stage, cfg.train.precision, device, cfg.train.compile, p.grad_compression, p.fsdp2_unit_params)
-    optimizer = build_optimizer(model, cfg.optim, on_cuda=on_cuda)
+    optimizer = build_optimizer(model, cfg.optim, sharded=True)
     scheduler = scheduler_fn(optimizer)
     return FSDP2Engine(model, optimizer, scheduler, cfg.micro_batches_per_step, cfg.train.grad_clip), scheduler
 
 
 def initialize(cfg: RunConfig, mcfg: GPTConfig, data_parallel_size: int, device: torch.device, scheduler_fn):
     """(engine, scheduler): a DeepSpeedEngine, or a PipelineEngine when pipeline_stages > 1."""
-    on_cuda = device.type == "cuda"
-    init_distributed(on_cuda)  # a PipelineModule needs the comm layer before deepspeed.initialize
+    init_distributed(device.type == "cuda")  # a PipelineModule needs the comm layer before deepspeed.initialize
     import deepspeed
 
     ds_config = deepspeed_config(cfg, data_parallel_size, mcfg)
@@ -400,7 +398,7 @@ def initialize(cfg: RunConfig, mcfg: GPTConfig, data_parallel_size: int, device:
         # In place (nn.Module.compile): the state dict keeps its names, so compiled and eager
         # runs share checkpoints. Compilation happens at the first forward, inside step 1.
         model.compile()
-    optimizer = build_optimizer_for(model, cfg, on_cuda)
+    optimizer = build_optimizer_for(model, cfg)
     scheduler = scheduler_fn(optimizer)
     engine, _, _, _ = deepspeed.initialize(
         model=model,

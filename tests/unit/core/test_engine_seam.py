@@ -88,7 +88,7 @@ class PlainEngine:
 def _run(cfg, mcfg, root):
     torch.manual_seed(cfg.train.seed)
     model = GPT(mcfg)
-    opt = build_optimizer(model, cfg.optim, on_cuda=False)
+    opt = build_optimizer(model, cfg.optim)
     sched = build_scheduler(opt, cfg.schedule, cfg.train.max_steps)
     engine = PlainEngine(model, opt, sched, cfg.micro_batches_per_step)
     source = ParquetSource(

@@ -41,7 +41,7 @@ def test_a_plugged_in_optimizer_reaches_the_config_the_planner_and_the_cli(fake,
     )
     assert "fake" in plan.choices and list(plan.choices)[-1] == "fake"
     cfg = load_config(None, ["optim.name=fake", "schedule.name=half", "schedule.warmup_steps=2"])
-    assert isinstance(build_optimizer(torch.nn.Linear(2, 2), cfg.optim, on_cuda=False), torch.optim.SGD)
+    assert isinstance(build_optimizer(torch.nn.Linear(2, 2), cfg.optim), torch.optim.SGD)
     assert [lr_multiplier(s, cfg.schedule, 10) for s in (0, 1, 2, 9)] == [0.5, 1.0, 0.5, 0.5]
 
 
