@@ -80,10 +80,10 @@ class FSDP2Engine:
         if self._micro < self.micro_batches:
             return
         self._micro = 0
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        self._norm = grad_norm(params)
-        if self.grad_clip > 0:
-            torch.nn.utils.clip_grads_with_norm_(params, self.grad_clip, self._norm)
+        shards = local_grads(self.model)
+        self._norm = grad_norm(shards)
+        if self.grad_clip > 0 and shards:  # torch's clip_grads_with_norm_ on the shards themselves
+            torch._foreach_mul_(shards, (self.grad_clip / (self._norm + 1e-6)).clamp(max=1.0))
         self.optimizer.step()  # a no-op while the health guard's gate is shut
         self.scheduler.step()  # stands still with it (GatedLambdaLR)
         self.optimizer.zero_grad(set_to_none=True)
@@ -166,15 +166,24 @@ def _local_bytes(t: torch.Tensor) -> int:
     return local.numel() * local.element_size()
 
 
-def grad_norm(params: list[nn.Parameter]) -> torch.Tensor:
-    """The global L2 norm of sharded gradients, on the device: each rank's shards' norm, made
-    whole over the ranks (DTensor's `full_tensor`, one all-reduce), as torchtitan clips."""
-    if not params:
+def local_grads(model: nn.Module) -> list[torch.Tensor]:
+    """This rank's shards of the model's gradients, as plain tensors that share the DTensors'
+    storage: the step's norm and clipping run on them with no DTensor dispatch, which costs
+    more host time than the arithmetic (bench/host_overhead.py)."""
+    with torch.no_grad():  # `to_local` is then the shard itself, not an autograd view
+        return [g.to_local() if hasattr(g, "to_local") else g for p in model.parameters() if (g := p.grad) is not None]
+
+
+def grad_norm(shards: list[torch.Tensor]) -> torch.Tensor:
+    """The global L2 norm of sharded gradients, on the device: the root of the ranks' summed
+    squared shard norms (one all-reduce), as DTensor's `full_tensor` of the shards' norm gives
+    it and torchtitan clips with."""
+    if not shards:
         return torch.zeros(())
-    norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
-    if hasattr(norm, "full_tensor"):
-        norm = norm.full_tensor()
-    return norm.float()
+    squared = torch.nn.utils.get_total_norm(shards, 2.0).float().square()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(squared)
+    return squared.sqrt()
 
 
 def shard(
