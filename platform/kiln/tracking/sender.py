@@ -15,6 +15,7 @@ delivers what its predecessor could not.
 from __future__ import annotations
 
 import collections
+import itertools
 import json
 import logging
 import os
@@ -31,6 +32,7 @@ from kiln.tracking.server import server_address
 log = logging.getLogger(__name__)
 
 STALL_WARN_S = 10.0  # a call that has not returned in this long is an outage, not a slow server
+BATCH_METRICS = 1000  # MLflow's most metrics in one log_batch (mlflow.utils.validation)
 MAX_BACKOFF_S = 10.0  # between attempts while the server is away: a return is noticed this fast
 
 
@@ -262,7 +264,7 @@ class Sender:
                     self._cv.wait()
                 if self._closing:
                     return
-                batch = self._queue[0]
+                batch, taken = self._head_locked()
                 self._busy_since = time.monotonic()
             try:
                 self._probe()
@@ -285,7 +287,8 @@ class Sender:
             if batch.journaled and self._journal is not None:
                 self._journal.delivered(batch.journaled)
             with self._cv:
-                self._queue.popleft()
+                for _ in range(taken):
+                    self._queue.popleft()
                 self._busy_since = None
                 if self._outage_since is not None:
                     log.warning(
@@ -296,6 +299,25 @@ class Sender:
                     self._outage_since = None
                 self._cv.notify_all()
             backoff = 1.0
+
+    def _head_locked(self) -> tuple[_Batch, int]:
+        """What to deliver next, and how many queued batches it is: the head, and with a head
+        of metrics alone the metrics-only batches queued after it, in order, in one call of up
+        to `BATCH_METRICS` metrics. One log_batch of 25 metrics to a SQLite store took 5.3 ms of
+        this thread's Python on this VM, 250 in one call 15.8 ms: a run that logs every short
+        step keeps the sender busy, and its GIL away from training, unless a behind sender
+        catches up in fewer calls."""
+        head = self._queue[0]
+        if head.tags or head.artifacts:
+            return head, 1
+        merged, taken = _Batch(metrics=list(head.metrics), journaled=head.journaled), 1
+        for more in itertools.islice(self._queue, 1, None):
+            if more.tags or more.artifacts or len(merged.metrics) + len(more.metrics) > BATCH_METRICS:
+                break
+            merged.metrics += more.metrics
+            merged.journaled = more.journaled or merged.journaled
+            taken += 1
+        return merged, taken
 
     def _probe(self) -> None:
         """Connect first: MLflow's client would spend minutes retrying a server that is not

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from mlflow.entities import Metric
+from mlflow.entities import Metric, RunTag
 from mlflow.tracking import MlflowClient
 from mlflow_store import sqlite_store  # noqa: E402
 
@@ -169,3 +169,41 @@ def test_a_killed_rank_loses_no_metric_it_handed_over_and_its_restart_delivers_t
     assert [m.step for m in history] == list(range(1, 16))  # each step once
     assert [m.value for m in history[:12]] == [10.0 - s for s in range(1, 13)]  # the killed rank's values
     assert not journal.exists()  # everything delivered: nothing left behind
+
+
+def test_a_sender_behind_catches_up_in_few_calls_and_keeps_the_order(tmp_path):
+    """Metrics queued while a delivery is under way go in one log_batch (up to MLflow's 1,000),
+    in the order they were handed over, and a tag stays a call of its own. A real SQLite store;
+    the first call is held until 40 steps have queued behind it."""
+    uri = sqlite_store(tmp_path)
+    client = MlflowClient(uri)
+    run_id = client.create_run(client.create_experiment("sender")).info.run_id
+    calls, release = [], threading.Event()
+    real = client.log_batch
+
+    def held(run, metrics=(), tags=()):
+        calls.append((len(metrics), len(tags)))
+        if len(calls) == 1:
+            release.wait(30)
+        return real(run, metrics=metrics, tags=tags)
+
+    client.log_batch = held
+    sender = Sender(client, run_id, uri)
+    per_step = [Metric(f"m{k}", 0.0, 1000, 0) for k in range(25)]
+    sender.send_metrics(per_step)
+    deadline = time.time() + 10
+    while not calls:  # the first delivery is under way
+        assert time.time() < deadline
+        time.sleep(0.01)
+    for step in range(1, 41):
+        sender.send_metrics([Metric(m.key, float(step), 1000 + step, step) for m in per_step])
+        if step == 20:
+            sender.send_tags([RunTag("kiln.note", "half way")])
+    release.set()
+    assert sender.wait_idle(30)
+    sender.close(timeout=5.0, spill_path=str(tmp_path / "spill.jsonl"))
+    # the held call, then steps 1-20 together, the tag, steps 21-40 together
+    assert calls == [(25, 0), (500, 0), (0, 1), (500, 0)]
+    history = client.get_metric_history(run_id, "m3")
+    assert [(h.step, h.value) for h in sorted(history, key=lambda h: h.step)] == [(s, float(s)) for s in range(41)]
+    assert client.get_run(run_id).data.tags["kiln.note"] == "half way"
