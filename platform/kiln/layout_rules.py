@@ -50,15 +50,15 @@ DEEPSPEED_REDUCE_BUCKET = 500_000_000
 """DeepSpeed's default `reduce_bucket_size` in elements (0.19: `ZeroConfig.reduce_bucket_size`)."""
 
 
-def reduce_bucket_elements(trained: int, configured: int = 0) -> int:
-    """The gradient bucket DeepSpeed's ZeRO runs with, in elements, for a model that trains
-    `trained` parameters: `configured` where the run's `parallel.deepspeed` sets
-    `reduce_bucket_size`, else DeepSpeed's default or all the trained gradients, whichever is
-    fewer. A bucket is reduced when the next gradient would overflow it, so one that holds every
+def reduce_bucket_elements(params: int, adapters: int = 0, configured: int = 0) -> int:
+    """The gradient bucket DeepSpeed's ZeRO runs with, in elements, for a model of `params`
+    parameters (`adapters`: LoRA's, which alone train where there are any): `configured` where
+    the run's `parallel.deepspeed` sets `reduce_bucket_size`, else DeepSpeed's default or all the
+    trained gradients, whichever is fewer. A bucket is reduced when the next gradient would overflow it, so one that holds every
     gradient already reduces once per step, as DeepSpeed's default does for any model under 500M
     parameters; more only holds memory, which ZeRO-1/2 allocate at every backward and ZeRO-3
     keeps for the run (`deepspeed_grad_buckets`): 3.7 GiB for gpt2-124m at ZeRO-2 on a GPU."""
-    return configured or min(DEEPSPEED_REDUCE_BUCKET, trained)
+    return configured or min(DEEPSPEED_REDUCE_BUCKET, adapters or params)
 
 
 def deepspeed_overlaps_comm(deepspeed_stage: int, use_gpu: bool) -> bool:

@@ -76,7 +76,7 @@ def kiln_deepspeed_config(cfg: RunConfig, data_parallel_size: int, mcfg: GPTConf
         zero.update(contiguous_gradients=True, overlap_comm=deepspeed_overlaps_comm(stage, p.use_gpu))
     if stage >= 1 and mcfg is not None:  # a bucket no larger than the gradients it holds
         zero["reduce_bucket_size"] = reduce_bucket_elements(
-            lora.adapter_params(mcfg, cfg.model.lora) or num_params(mcfg, False)
+            num_params(mcfg, False), lora.adapter_params(mcfg, cfg.model.lora)
         )
     if stage == 3 and d_model:
         # Parameters smaller than this stay whole on every rank (gathering them costs more than

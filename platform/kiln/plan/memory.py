@@ -199,9 +199,8 @@ def estimate(p: PlanInput) -> Estimate:
     if s == 3:  # the 16-bit gradients are reduce-scattered straight into fp32 partitions
         grads = 0
 
-    trained_total = p.adapters or num_params(m, non_embedding=False)  # what DeepSpeed's bucket is sized to
     buckets = deepspeed_grad_buckets(deepspeed_zero_stage(s, p.sync, p.grad_compression), p.use_gpu)
-    buckets *= e * reduce_bucket_elements(trained_total, p.reduce_bucket)
+    buckets *= e * reduce_bucket_elements(num_params(m, non_embedding=False), p.adapters, p.reduce_bucket)
 
     host = 0.0
     if p.offload_optimizer != "none":
