@@ -6,7 +6,7 @@
 #   2. a compiled 1.3B model's MFU (ZeRO-0, autocast) against the compiled plain loop;
 #   3. where a step's time goes (bench/profile_step.py: plain, ZeRO-0, ZeRO-3);
 #   4. the same small runs with DeepSpeed's bf16 weights (train.mixed_precision: weights).
-# Issue 44's steps (sharded training, `bash bench/gpu_speed.sh OUT sharded units knobs large-sharded generate`):
+# Issue 44's steps (sharded training, `bash bench/gpu_speed.sh OUT sharded units host knobs large-sharded generate`):
 #   sharded: gpt2-124m at micro-batch 16, ZeRO-0, FSDP2 at ZeRO-2 and 3, and DeepSpeed's ZeRO-2
 #     and 3 under autocast, against the plain loop;
 #   knobs: DeepSpeed's ZeRO-2/3 knobs that might cut their host work (stage3_module_granularity_threshold
@@ -14,6 +14,8 @@
 #   units: FSDP2 at ZeRO-3 with a unit a block (torchtitan's layout) against its default grouping
 #     (parallel.fsdp2_unit_params), and DeepSpeed's ZeRO-2 with contiguous_gradients off (the host
 #     costs bench/host_overhead.py measures on a CPU);
+#   host: bench/host_overhead.py on this machine's CPU (each engine's host work per step, no
+#     device), to scale the CPU dev VM's figures to the host the GPU rows were measured on;
 #   large-sharded: a compiled 1.3B model at ZeRO-0 and FSDP2 ZeRO-3;
 #   generate: bf16 generation, Kiln against transformers (bench/generate.py).
 # Tables go to $1/RESULTS-gpu.md (bench/throughput.py's format), profiles to $1/profile.txt.
@@ -64,6 +66,7 @@ for step in "${steps[@]}"; do
         --run "FSDP2 ZeRO-3, a unit a block|parallel.engine=fsdp2 parallel.zero_stage=3 parallel.fsdp2_unit_params=0" \
         --run "FSDP2 ZeRO-3, blocks grouped (default)|parallel.engine=fsdp2 parallel.zero_stage=3" \
         --run "ZeRO-2 autocast, contiguous_gradients off|parallel.zero_stage=2 train.mixed_precision=autocast $z.contiguous_gradients=false" ;;
+    host) bounded 240 "$py" -m bench.host_overhead --rounds 9 --results "$out/RESULTS-host.md" ;;
     large-sharded) bounded 290 "$py" -m bench.throughput "${common[@]}" --flavour 1.3b --batch 8 --steps 30 --keep-going \
              --zero-stages 0,fsdp2-3 --compile ;;
     generate) bounded 240 "$py" -m bench.generate --device cuda --dtype bf16 --rounds 3 --results "$out/generation-gpu.md" ;;
