@@ -3,8 +3,9 @@
 Why a second engine: DeepSpeed's ZeRO-3 gathers and frees each module's weights from Python
 hooks around every submodule, and on one H200 those hooks cost 81.6 ms of host time per
 gpt2-124m step against 34.4 ms of GPU kernels (bench/results/gpu.md, 2026-11-25). FSDP2 shards
-each parameter as a DTensor and gathers one transformer block's weights in one collective, on a
-stream of its own that overlaps the previous block's compute (torchtitan's layout, which reaches 33-39% MFU on H100s).
+each parameter as a DTensor and gathers a unit's weights (one transformer block's, or a group's)
+in one collective, on a stream of its own that overlaps the previous unit's compute (with a unit
+a block, torchtitan's layout, which reaches 33-39% MFU on H100s).
 
 The layout:
 - one FSDP unit per group of consecutive transformer blocks of at least
