@@ -93,10 +93,11 @@ def main() -> None:
     overrides = args.row.partition("|")[2].split()
     batches = itertools.cycle([torch.randint(0, 2048, (args.batch, args.seq_len + 1)) for _ in range(4)])
     torch.set_num_threads(1)  # tiny ops: threads would only add their hand-off to the host time
-    apply_host_malloc(load_config(None, base).parallel.host_malloc)  # as the engine's set-up does, for both
+    plain = load_config(None, base)
+    apply_host_malloc(plain.parallel.host_malloc)  # as the engine's set-up does, for both
     # The plain loop first, before any engine is built: what an engine does to the process
     # (DeepSpeed's ZeRO-3 patches torch) lands in the engine's row, not in its baseline.
-    medians = {"plain": timed(plain_phases(load_config(None, base)), batches, args.rounds, args.steps)}
+    medians = {"plain": timed(plain_phases(plain), batches, args.rounds, args.steps)}
     engine = engine_phases(load_config(None, base + overrides))
     torch.set_num_threads(1)  # (the engine's set-up pins the threads to the config's)
     medians["row"] = timed(engine, batches, args.rounds, args.steps)
