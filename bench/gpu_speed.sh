@@ -31,6 +31,7 @@ results="$out/RESULTS-gpu.md"
 common=(--launcher local --device cuda --config jobs/configs/gpt2-124m.yaml --data data/stdlib-bpe-1024
         --precision bf16 --results "$results" --repeats 1)
 small=(--flavour gpt2-124m --batch 16 --steps 80)
+z=parallel.deepspeed.zero_optimization  # DeepSpeed's passthrough, for the knob rows
 bounded() { local limit=$1; shift; timeout "$limit" "$@" || echo "FAILED or timed out ($limit s): $*"; }
 
 for step in "${steps[@]}"; do
@@ -55,13 +56,11 @@ for step in "${steps[@]}"; do
         --run "ZeRO-2 autocast|parallel.zero_stage=2 train.mixed_precision=autocast" \
         --run "ZeRO-3 autocast|parallel.zero_stage=3 train.mixed_precision=autocast" ;;
     knobs)
-      z=parallel.deepspeed.zero_optimization
       bounded 240 "$py" -m bench.throughput "${common[@]}" "${small[@]}" --steps 60 --keep-going --zero-stages "" \
         --run "ZeRO-2 autocast, overlap_comm off|parallel.zero_stage=2 train.mixed_precision=autocast $z.overlap_comm=false" \
         --run "ZeRO-2 autocast, overlap_comm and contiguous_gradients off|parallel.zero_stage=2 train.mixed_precision=autocast $z.overlap_comm=false $z.contiguous_gradients=false" \
         --run "ZeRO-3 autocast, prefetch 2e8 and max live 2e9|parallel.zero_stage=3 train.mixed_precision=autocast $z.stage3_prefetch_bucket_size=200000000 $z.stage3_max_live_parameters=2000000000" ;;
     units)
-      z=parallel.deepspeed.zero_optimization
       bounded 240 "$py" -m bench.throughput "${common[@]}" "${small[@]}" --steps 60 --keep-going --zero-stages "" \
         --run "FSDP2 ZeRO-3, a unit a block|parallel.engine=fsdp2 parallel.zero_stage=3 parallel.fsdp2_unit_params=0" \
         --run "FSDP2 ZeRO-3, blocks grouped (default)|parallel.engine=fsdp2 parallel.zero_stage=3" \
