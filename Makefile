@@ -89,6 +89,7 @@ bench: $(DEMO_DATA)
 	$(BIN)/python -m bench.throughput --launcher local --zero-stages 0
 	$(BIN)/python -m bench.step_ab
 	$(BIN)/python -m bench.host_overhead
+	$(BIN)/python -m bench.host_syncs
 	$(BIN)/python -m bench.optimizer_step
 	$(BIN)/python -m bench.tensor_parallel
 	$(BIN)/python -m bench.checkpoint_overhead

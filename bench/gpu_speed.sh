@@ -6,7 +6,7 @@
 #   2. a compiled 1.3B model's MFU (ZeRO-0, autocast) against the compiled plain loop;
 #   3. where a step's time goes (bench/profile_step.py: plain, ZeRO-0, ZeRO-3);
 #   4. the same small runs with DeepSpeed's bf16 weights (train.mixed_precision: weights).
-# Issue 44's steps (sharded training, `bash bench/gpu_speed.sh OUT sharded units host knobs large-sharded generate`):
+# Issue 44's steps (sharded training, `bash bench/gpu_speed.sh OUT syncs sharded units host knobs large-sharded generate`):
 #   sharded: gpt2-124m at micro-batch 16, ZeRO-0, FSDP2 at ZeRO-2 and 3, and DeepSpeed's ZeRO-2
 #     and 3 under autocast, against the plain loop;
 #   knobs: DeepSpeed's ZeRO-2/3 knobs that might cut their host work (stage3_module_granularity_threshold
@@ -14,6 +14,9 @@
 #   units: FSDP2 at ZeRO-3 with a unit a block (torchtitan's layout) against its default grouping
 #     (parallel.fsdp2_unit_params), and DeepSpeed's ZeRO-2 with contiguous_gradients off (the host
 #     costs bench/host_overhead.py measures on a CPU);
+#   syncs: where each engine's step makes the host wait for the GPU (bench/host_syncs.py), then
+#     ZeRO-0 with DeepSpeed's throughput timer back on (its two syncs a step, off since 2026-12-02)
+#     and ZeRO-0 and FSDP2 ZeRO-3 with the health guard off (no host read in a step at all);
 #   host: bench/host_overhead.py on this machine's CPU (each engine's host work per step, no
 #     device), to scale the CPU dev VM's figures to the host the GPU rows were measured on;
 #   large-sharded: a compiled 1.3B model at ZeRO-0 and FSDP2 ZeRO-3;
@@ -65,6 +68,12 @@ for step in "${steps[@]}"; do
         --run "FSDP2 ZeRO-3, a unit a block|parallel.engine=fsdp2 parallel.zero_stage=3 parallel.fsdp2_unit_params=0" \
         --run "FSDP2 ZeRO-3, blocks grouped (default)|parallel.engine=fsdp2 parallel.zero_stage=3" \
         --run "ZeRO-2 autocast, contiguous_gradients off|parallel.zero_stage=2 train.mixed_precision=autocast $z.contiguous_gradients=false" ;;
+    syncs)
+      bounded 90 "$py" -m bench.host_syncs --device cuda --results "$out/RESULTS-syncs.md"
+      bounded 200 "$py" -m bench.throughput "${common[@]}" "${small[@]}" --steps 60 --keep-going --zero-stages "" \
+        --run "ZeRO-0, DeepSpeed's throughput timer on|parallel.zero_stage=0 parallel.deepspeed.timers.throughput.enabled=true" \
+        --run "ZeRO-0, health guard off|parallel.zero_stage=0 train.health.policy=off" \
+        --run "FSDP2 ZeRO-3, health guard off|parallel.engine=fsdp2 parallel.zero_stage=3 train.health.policy=off" ;;
     host) bounded 240 "$py" -m bench.host_overhead --rounds 9 --results "$out/RESULTS-host.md" ;;
     large-sharded) bounded 290 "$py" -m bench.throughput "${common[@]}" --flavour 1.3b --batch 8 --steps 30 --keep-going \
              --zero-stages 0,fsdp2-3 --compile ;;

@@ -2,7 +2,12 @@
 
 The check stays off the host's hot path: each micro-batch's loss is judged on the device as it
 comes (`observe`, no host read), and the step's verdict is taken once, before the optimizer
-step, with one all-reduce and one host read (`verdict`), so every rank takes the same decision.
+step, with one all-reduce and one host read, so every rank takes the same decision. The votes
+are cast after the step's last forward (`vote`: the all-reduce, and a copy to the host that an
+event marks) and read after its backward is queued (`verdict`), so the host waits for the
+forward alone: the backward runs on a GPU while the host queues the optimizer's step and the
+next forward. A read after the backward would drain the queue, leaving the GPU idle while the
+host works through the optimizer's step.
 A loss is bad when it is not finite, or when it exceeds `spike_factor` times the median of the
 last `spike_window` good steps' mean losses (each rank against its own median).
 
@@ -109,6 +114,9 @@ class HealthGuard:
         self._recent = torch.full((cfg.spike_window,), float("nan"), device=device)
         self._threshold = torch.full((), float("inf"), device=device)
         self._worst = torch.zeros((), device=device)  # this rank's highest spiking loss this step
+        # The step's cast votes, on their way to the host: (counts, worst, votes, their copy's event).
+        self._cast: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.cuda.Event | None] | None = None
+        self._host = torch.empty(2, pin_memory=True) if device.type == "cuda" else None  # page-locked: copied async
         self._filled = 0  # good steps in the ring (host count: the verdict is read on the host)
         self._pending = cfg.injections()
         self.in_a_row = 0
@@ -147,20 +155,41 @@ class HealthGuard:
             ]
         )
 
-    def verdict(self, step: int) -> str | None:
-        """None if every micro-batch of this step was good on every rank, else why not: one
-        all-reduce and one host read per step. Every rank must call it once per step."""
+    def vote(self) -> None:
+        """Cast this rank's votes on the step's micro-batches (after the last one's forward): the
+        all-reduce over ranks and the copy to the host are queued, nothing waits for them. Every
+        rank must call it once per step, at the same point (`verdict` does if nobody did)."""
         if not self.active:
-            return None
-        local = self._step.clone()
+            return
+        local, worst = self._step.clone(), self._worst.clone()
         self._step.zero_()
+        self._worst.zero_()
         # Ranks, not micro-batches, are counted: [ranks with a non-finite loss, ranks with a spike].
         votes = torch.stack([local[0].clamp(max=1.0), local[1].clamp(max=1.0)])
         if ranks() > 1:
             dist.all_reduce(votes)
+        event = None
+        if self._host is not None:
+            self._host.copy_(votes, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        self._cast = (local, worst, votes, event)
+
+    def verdict(self, step: int) -> str | None:
+        """None if every micro-batch of this step was good on every rank, else why not: the one
+        host read of a step, which waits for the votes (`vote`) and no later work."""
+        if not self.active:
+            return None
+        if self._cast is None:
+            self.vote()
+        assert self._cast is not None
+        local, worst, votes, event = self._cast
+        self._cast = None
+        if event is not None:
+            event.synchronize()  # the votes' copy alone, not the backward queued behind it
+            assert self._host is not None
+            votes = self._host
         nonfinite, spiking = votes.tolist()
-        worst = self._worst.clone()
-        self._worst.zero_()
         if not nonfinite and not spiking:
             self._remember(local[3] / local[2].clamp(min=1.0))
             self.in_a_row = 0

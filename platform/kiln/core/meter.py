@@ -148,7 +148,8 @@ class StepMeter:
     def end(self, step: int, data_wait: float) -> float:
         """The iteration's seconds, from `begin` to now on the host clock (validation excluded),
         counted into the steady state after warm-up. The host reads the step's health verdict
-        before its optimizer step, so a step's device work lands in it, or in the next one."""
+        once its forward is done, so a step's device work lands in it or in the next one, and a
+        logged step (`step_time`) waits for all of it."""
         seconds = time.perf_counter() - self._start - self._eval_s
         if step > self.warmup_end or self.short:
             self.steady_time += seconds

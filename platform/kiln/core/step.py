@@ -3,8 +3,10 @@
 `train_step` runs a step's micro-batches: forward, the health guard's look at the loss (on the
 device), backward, and DeepSpeed's step, which updates the weights at the accumulation boundary.
 The host reads the device once per step at most: the guard's verdict, just before the boundary,
-so a bad micro-batch's gradients never reach the optimizer. Phase times come from CUDA events
-(`PhaseTimer`), read only when a step's metrics are built.
+so a bad micro-batch's gradients never reach the optimizer. Its votes are cast after the last
+forward and read once the backward is queued, so that read waits for the forward, not the
+backward (`kiln.core.health`). Phase times come from CUDA events (`PhaseTimer`), read only when a
+step's metrics are built.
 """
 
 from __future__ import annotations
@@ -127,10 +129,13 @@ def train_step(
         loss = engine.forward(*model_inputs(batch, documents))
         loss = guard.inject(loss, step)
         guard.observe(loss)
+        last = i == micro_batches - 1
+        if last:  # the votes go out before the backward is queued: its read waits for them alone
+            guard.vote()
         timer.lap("time/forward_s")
         engine.backward(loss)
         timer.lap("time/backward_s")
-        if i == micro_batches - 1:  # the one host read of the step, before the boundary
+        if last:  # the one host read of the step, before the boundary
             reason = guard.verdict(step)
             gate.open = reason is None
         engine.step()  # steps the optimizer at the accumulation boundary only

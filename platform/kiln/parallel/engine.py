@@ -106,6 +106,10 @@ def kiln_deepspeed_config(cfg: RunConfig, data_parallel_size: int, mcfg: GPTConf
         "zero_force_ds_cpu_optimizer": False,
         "steps_per_print": 1 << 30,  # Kiln does its own logging
         "wall_clock_breakdown": False,
+        # DeepSpeed's throughput timer (on by default, `synchronized: true`) waits for the device
+        # at every forward and every step to time the steps Kiln's meter times already: two
+        # drains of the GPU's queue a step. Off, the host queues the next work while the GPU runs.
+        "timers": {"throughput": {"enabled": False}},
     }
     if p.grad_compression in ("bf16", "fp16"):  # (PowerSGD is Kiln's own: kiln.parallel.powersgd)
         ds["communication_data_type"] = p.grad_compression  # DeepSpeed names bf16 and fp16 alike

@@ -75,6 +75,62 @@ def test_a_shut_gate_keeps_the_step_from_weights_optimizer_state_and_schedule():
     assert sched.get_last_lr()[0] != lr
 
 
+def test_the_votes_go_out_before_the_last_backward_and_are_read_after_it():
+    """A step's one host read must not wait for its backward: on a GPU that drains the queue, and
+    the GPU idles while the host works through the optimizer's step. So `train_step` casts the
+    votes after the last micro-batch's forward and reads them once the backward is queued; a bad
+    loss still keeps the step from the weights (the gate is shut before `step`)."""
+    from kiln.core.optim import StepGate
+    from kiln.core.step import PhaseTimer, train_step
+
+    calls: list[str] = []
+    model = torch.nn.Linear(4, 1)
+    guard, gate = _guard(), StepGate()
+
+    class Recorder:  # the Engine calls train_step makes, in order, over a real module
+        pipeline = False
+
+        def forward(self, inputs, targets):
+            calls.append("forward")
+            return ((model(inputs.float()) - targets.float()) ** 2).mean()
+
+        def backward(self, loss):
+            calls.append("backward")
+            loss.backward()
+
+        def step(self):
+            calls.append(f"step, gate {'open' if gate.open else 'shut'}")
+
+    for name in ("vote", "verdict"):
+        real = getattr(guard, name)
+        setattr(guard, name, lambda *a, real=real, name=name: (calls.append(name), real(*a))[1])
+    rows = [torch.ones(2, 5), torch.ones(2, 5)]
+    assert train_step(Recorder(), iter(rows), 2, guard, gate, PhaseTimer(CPU), 1).skipped is None
+    want = ["forward", "backward", "step, gate open", "forward", "vote", "backward", "verdict"]
+    assert calls == [*want, "step, gate open"]
+    calls.clear()
+    guard.cfg.policy, guard.inject = "skip", lambda loss, step: loss * float("nan")
+    assert "not finite" in train_step(Recorder(), iter(rows), 2, guard, gate, PhaseTimer(CPU), 2).skipped
+    assert calls == [*want, "step, gate shut"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_the_verdict_waits_for_its_votes_alone():
+    """On CUDA the votes reach the host through a page-locked copy and an event: the verdicts
+    are the CPU's, and the read returns while later work is still queued."""
+    guard = HealthGuard(HealthConfig(spike_factor=3.0), rank=0, device=torch.device("cuda"))
+    for step in range(1, MIN_HISTORY + 1):
+        assert _judge(guard, step, 2.0) is None
+    guard.observe(torch.tensor(float("nan"), device="cuda"))
+    guard.vote()
+    a = torch.randn(4096, 4096, device="cuda")
+    for _ in range(20):  # queued behind the votes: the read does not wait for it
+        a = a @ a / 64
+    assert "not finite" in guard.verdict(MIN_HISTORY + 1)
+    assert not torch.cuda.current_stream().query()
+    assert "7 is 3.5x the running median 2" in _judge(guard, MIN_HISTORY + 2, 7.0)
+
+
 def test_injections_hit_rank_0_once():
     guard = _guard(inject="nan@3, spike@5")
     loss = torch.tensor(2.0)
