@@ -96,6 +96,7 @@ def main() -> None:
     }
     if device.type == "cuda":
         out["max_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
+        out["max_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30  # reserved less the cache's slack
     assert math.isfinite(loss_value)
     print(json.dumps(out))
 

@@ -184,7 +184,7 @@ def kiln_configs(args, tmp: str) -> list[tuple[str, list[str]]]:
     return configs
 
 
-FAILED = {"tok": None, "first": None, "first_s": None, "wait": None, "mfu": None, "mem": None, "startup": []}
+FAILED = {"tok": None, "first": None, "first_s": None, "wait": None, "mfu": None, "mem": None, "alloc": None, "startup": []}
 
 
 def stage_row(entry: str) -> tuple[str, list[str]]:
@@ -215,6 +215,7 @@ def bracketed_rounds(args, tmp: str) -> list[dict[str, dict]]:
             "wait": None,
             "mfu": m.get("mfu"),
             "mem": m.get("max_reserved_gib"),
+            "alloc": m.get("max_allocated_gib"),
             "startup": [],
         }
 
@@ -234,6 +235,7 @@ def bracketed_rounds(args, tmp: str) -> list[dict[str, dict]]:
                 "wait": m["time/data_wait_share"],
                 "mfu": m.get("mfu"),
                 "mem": m.get("memory/max_reserved_gib"),
+                "alloc": m.get("memory/max_allocated_gib"),
                 "startup": startup_breakdown(m),
             }
         after = plain()
@@ -263,13 +265,13 @@ def report(args, rounds: list[dict[str, dict]]) -> str:
         "the ratio range is the lowest and highest of the rounds' own ratios.",
         "",
         "| run | tokens/s (steady) | ratio vs plain | ratio range | s to first step | first step s (compile) "
-        "| data wait share | MFU | max reserved GiB |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| data wait share | MFU | max reserved GiB | max allocated GiB |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for label in [PLAIN, *(k for k in rounds[0] if k != PLAIN)]:
         ratios = [r[label]["tok"] / r[PLAIN]["tok"] for r in rounds if r[label]["tok"] is not None]
         if not ratios:
-            lines.append(f"| {label} | failed (see the benchmark's log) | - | - | - | - | - | - | - |")
+            lines.append(f"| {label} | failed (see the benchmark's log) | - | - | - | - | - | - | - | - |")
             continue
         shown = label + (
             ", malloc as Kiln's host_malloc=keep" if label == PLAIN and args.plain_host_malloc == "keep" else ""
@@ -278,7 +280,8 @@ def report(args, rounds: list[dict[str, dict]]) -> str:
             f"| {shown} | {med(label, 'tok'):,.0f} | {statistics.median(ratios):.3f} "
             f"| {min(ratios):.3f}-{max(ratios):.3f} | {med(label, 'first'):.1f} "
             f"| {fmt(med(label, 'first_s'), '.1f')} | {fmt(med(label, 'wait'), '.1f', True)} "
-            f"| {fmt(med(label, 'mfu'), '.1f', True)} | {fmt(med(label, 'mem'), '.2f')} |"
+            f"| {fmt(med(label, 'mfu'), '.1f', True)} | {fmt(med(label, 'mem'), '.2f')} "
+            f"| {fmt(med(label, 'alloc'), '.2f')} |"
         )
     lines.append("")
     for label, figures in rounds[0].items():  # where each Kiln run's time to its first step went
