@@ -184,7 +184,16 @@ def kiln_configs(args, tmp: str) -> list[tuple[str, list[str]]]:
     return configs
 
 
-FAILED = {"tok": None, "first": None, "first_s": None, "wait": None, "mfu": None, "mem": None, "alloc": None, "startup": []}
+FAILED = {
+    "tok": None,
+    "first": None,
+    "first_s": None,
+    "wait": None,
+    "mfu": None,
+    "mem": None,
+    "alloc": None,
+    "startup": [],
+}
 
 
 def stage_row(entry: str) -> tuple[str, list[str]]:

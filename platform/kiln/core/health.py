@@ -114,9 +114,13 @@ class HealthGuard:
         self._recent = torch.full((cfg.spike_window,), float("nan"), device=device)
         self._threshold = torch.full((), float("inf"), device=device)
         self._worst = torch.zeros((), device=device)  # this rank's highest spiking loss this step
-        # The step's cast votes, on their way to the host: (counts, worst, votes, their copy's event).
-        self._cast: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.cuda.Event | None] | None = None
-        self._host = torch.empty(2, pin_memory=True) if device.type == "cuda" else None  # page-locked: copied async
+        # The step's cast votes, on their way to the host: (counts, worst, votes).
+        self._cast: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        # On CUDA the votes' page-locked host copy and the event that marks it done (one each:
+        # a step's read comes before the next step's copy).
+        cuda = device.type == "cuda"
+        self._host = torch.empty(2, pin_memory=True) if cuda else None
+        self._copied = torch.cuda.Event() if cuda else None
         self._filled = 0  # good steps in the ring (host count: the verdict is read on the host)
         self._pending = cfg.injections()
         self.in_a_row = 0
@@ -168,12 +172,10 @@ class HealthGuard:
         votes = torch.stack([local[0].clamp(max=1.0), local[1].clamp(max=1.0)])
         if ranks() > 1:
             dist.all_reduce(votes)
-        event = None
-        if self._host is not None:
+        if self._host is not None and self._copied is not None:
             self._host.copy_(votes, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-        self._cast = (local, worst, votes, event)
+            self._copied.record()
+        self._cast = (local, worst, votes)
 
     def verdict(self, step: int) -> str | None:
         """None if every micro-batch of this step was good on every rank, else why not: the one
@@ -183,11 +185,10 @@ class HealthGuard:
         if self._cast is None:
             self.vote()
         assert self._cast is not None
-        local, worst, votes, event = self._cast
+        local, worst, votes = self._cast
         self._cast = None
-        if event is not None:
-            event.synchronize()  # the votes' copy alone, not the backward queued behind it
-            assert self._host is not None
+        if self._host is not None and self._copied is not None:
+            self._copied.synchronize()  # the votes' copy alone, not the backward queued behind it
             votes = self._host
         nonfinite, spiking = votes.tolist()
         if not nonfinite and not spiking:
