@@ -60,7 +60,7 @@ for step in "${steps[@]}"; do
         --run "ZeRO-3 autocast|parallel.zero_stage=3 train.mixed_precision=autocast" ;;
     knobs)
       bounded 240 "$py" -m bench.throughput "${common[@]}" "${small[@]}" --steps 60 --keep-going --zero-stages "" \
-        --run "ZeRO-2 autocast, overlap_comm off|parallel.zero_stage=2 train.mixed_precision=autocast $z.overlap_comm=false" \
+        --run "ZeRO-2 autocast, overlap_comm on (Kiln's default before 2026-12-02)|parallel.zero_stage=2 train.mixed_precision=autocast $z.overlap_comm=true" \
         --run "ZeRO-2 autocast, overlap_comm and contiguous_gradients off|parallel.zero_stage=2 train.mixed_precision=autocast $z.overlap_comm=false $z.contiguous_gradients=false" \
         --run "ZeRO-3 autocast, prefetch 2e8 and max live 2e9|parallel.zero_stage=3 train.mixed_precision=autocast $z.stage3_prefetch_bucket_size=200000000 $z.stage3_max_live_parameters=2000000000" ;;
     units)

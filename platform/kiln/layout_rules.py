@@ -61,21 +61,33 @@ def reduce_bucket_elements(params: int, adapters: int = 0, configured: int = 0) 
     return configured or min(DEEPSPEED_REDUCE_BUCKET, adapters or params)
 
 
-def deepspeed_overlaps_comm(deepspeed_stage: int, use_gpu: bool) -> bool:
-    """Whether Kiln has DeepSpeed overlap ZeRO-2/3's gradient reduction with the backward: only
-    where communication runs on its own stream (GPUs)."""
-    return deepspeed_stage >= 2 and use_gpu
+def deepspeed_overlaps_comm(
+    deepspeed_stage: int, use_gpu: bool, trained_params: int, bucket_elements: int, configured: bool | None = None
+) -> bool:
+    """Whether DeepSpeed runs ZeRO-2/3 with `overlap_comm` under Kiln's config (`configured`: the
+    run's `parallel.deepspeed` setting, which wins). Only on GPUs, where communication has a
+    stream of its own. ZeRO-3: on, as DeepSpeed's default, since it also gathers the weights on a
+    stream of their own ahead of the modules that need them. ZeRO-2: only where the trained
+    gradients fill more than one bucket (`reduce_bucket_elements`). One bucket is reduced after
+    the backward's last gradient, with nothing left to overlap, while `overlap_comm` still doubles
+    the bucket and synchronizes the device at each reduction (DeepSpeed 0.19's
+    `stage_1_and_2.py`: `allreduce_and_copy` and the backward's epilogue)."""
+    if configured is not None:
+        return configured
+    if not use_gpu or deepspeed_stage < 2:
+        return False
+    return deepspeed_stage == 3 or trained_params > bucket_elements
 
 
-def deepspeed_grad_buckets(deepspeed_stage: int, use_gpu: bool) -> int:
+def deepspeed_grad_buckets(deepspeed_stage: int, overlaps_comm: bool) -> int:
     """How many gradient buckets (`reduce_bucket_elements` each, in the gradients' dtype) DeepSpeed
-    holds on a device under Kiln's config: none at ZeRO-0; at ZeRO-1/2 one during each backward,
-    two with overlapped communication (a double buffer); at ZeRO-3 one, for the whole run
-    (`stage_1_and_2.py`'s `setup_buckets` and `stage3.py`'s IPG buffer in DeepSpeed 0.19, both
-    under `contiguous_gradients`, which Kiln keeps on)."""
+    holds on a device: none at ZeRO-0; at ZeRO-1/2 one during each backward, two where it
+    overlaps the reduction (`deepspeed_overlaps_comm`: a double buffer); at ZeRO-3 one, for the
+    whole run (`stage_1_and_2.py`'s `setup_buckets` and `stage3.py`'s IPG buffer in DeepSpeed
+    0.19, both under `contiguous_gradients`, which Kiln keeps on)."""
     if deepspeed_stage == 0:
         return 0
-    return 2 if deepspeed_stage < 3 and deepspeed_overlaps_comm(deepspeed_stage, use_gpu) else 1
+    return 2 if deepspeed_stage < 3 and overlaps_comm else 1
 
 
 FSDP2_UNIT_PARAMS = 100_000_000

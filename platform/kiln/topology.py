@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from kiln.errors import ConfigError
 from kiln.knobs import check_ranges, knob, span
@@ -182,6 +182,11 @@ class ParallelConfig:
     def deepspeed_stage(self) -> int:
         """The ZeRO stage DeepSpeed runs at (`kiln.layout_rules.deepspeed_zero_stage`)."""
         return deepspeed_zero_stage(self.zero_stage, self.sync, self.grad_compression)
+
+    def deepspeed_zero(self, key: str) -> Any:
+        """The passthrough's `zero_optimization.<key>` (`deepspeed`), None where the run leaves
+        it to Kiln: what Kiln's DeepSpeed config and the planner both read."""
+        return self.deepspeed.get("zero_optimization", {}).get(key)
 
     @property
     def elastic(self) -> bool:

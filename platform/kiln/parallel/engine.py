@@ -70,14 +70,16 @@ def kiln_deepspeed_config(cfg: RunConfig, data_parallel_size: int, mcfg: GPTConf
     d_model = mcfg.d_model if mcfg else 0
     stage = p.deepspeed_stage  # 0 where Kiln moves the replicas' data
     zero: dict[str, Any] = {"stage": stage}
-    if stage >= 2:
-        # Contiguous gradient buffers avoid fragmentation; overlapping the reduce with backward
-        # only pays where communication runs on its own stream (GPUs).
-        zero.update(contiguous_gradients=True, overlap_comm=deepspeed_overlaps_comm(stage, p.use_gpu))
+    params = num_params(mcfg, False) if mcfg is not None else 0
+    adapters = lora.adapter_params(mcfg, cfg.model.lora) if mcfg is not None else 0
     if stage >= 1 and mcfg is not None:  # a bucket no larger than the gradients it holds
-        zero["reduce_bucket_size"] = reduce_bucket_elements(
-            num_params(mcfg, False), lora.adapter_params(mcfg, cfg.model.lora)
-        )
+        zero["reduce_bucket_size"] = reduce_bucket_elements(params, adapters)
+    if stage >= 2:
+        # Contiguous gradient buffers avoid fragmentation; overlapping the reduction with the
+        # backward pays only on GPUs, and at ZeRO-2 only for more than one bucket.
+        bucket = reduce_bucket_elements(params, adapters, int(p.deepspeed_zero("reduce_bucket_size") or 0))
+        overlap = deepspeed_overlaps_comm(stage, p.use_gpu, adapters or params, bucket)
+        zero.update(contiguous_gradients=True, overlap_comm=overlap)
     if stage == 3 and d_model:
         # Parameters smaller than this stay whole on every rank (gathering them costs more than
         # it saves). DeepSpeed's default (1e5 elements) would keep a small model entirely

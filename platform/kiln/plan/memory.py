@@ -24,7 +24,8 @@ ZeRO-3 also holds the layer being computed gathered: 4 bytes per parameter of th
 
 DeepSpeed's ZeRO stages also stage gradients in buckets of `reduce_bucket_size` elements in the
 working precision: one during each backward at ZeRO-1/2, two where the reduction overlaps it (on
-GPUs at ZeRO-2), one for the whole run at ZeRO-3 (`kiln.layout_rules.deepspeed_grad_buckets`).
+GPUs at ZeRO-2, for more than one bucket's gradients), one for the whole run at ZeRO-3
+(`kiln.layout_rules.deepspeed_grad_buckets`).
 Kiln sizes the bucket to the trained parameters where DeepSpeed's default of 500M elements is
 larger (`kiln.layout_rules.reduce_bucket_elements`).
 
@@ -64,6 +65,7 @@ from kiln.core.optim import OPTIMIZERS
 from kiln.layout_rules import (
     FSDP2_UNIT_PARAMS,
     deepspeed_grad_buckets,
+    deepspeed_overlaps_comm,
     deepspeed_zero_stage,
     fsdp2_blocks_per_unit,
     reduce_bucket_elements,
@@ -116,6 +118,9 @@ class PlanInput:
     reduce_bucket: int = 0
     """DeepSpeed's `reduce_bucket_size` where the run's `parallel.deepspeed` sets it; 0: Kiln's
     (`kiln.layout_rules.reduce_bucket_elements`)."""
+    overlap_comm: bool | None = None
+    """DeepSpeed's `overlap_comm` where the run's `parallel.deepspeed` sets it; None: Kiln's
+    (`kiln.layout_rules.deepspeed_overlaps_comm`)."""
 
     @property
     def dims(self) -> ParallelDims:
@@ -199,8 +204,10 @@ def estimate(p: PlanInput) -> Estimate:
     if s == 3:  # the 16-bit gradients are reduce-scattered straight into fp32 partitions
         grads = 0
 
-    buckets = deepspeed_grad_buckets(deepspeed_zero_stage(s, p.sync, p.grad_compression), p.use_gpu)
-    buckets *= e * reduce_bucket_elements(num_params(m, non_embedding=False), p.adapters, p.reduce_bucket)
+    ds_stage, total = deepspeed_zero_stage(s, p.sync, p.grad_compression), num_params(m, non_embedding=False)
+    bucket = reduce_bucket_elements(total, p.adapters, p.reduce_bucket)
+    overlaps = deepspeed_overlaps_comm(ds_stage, p.use_gpu, p.adapters or total, bucket, p.overlap_comm)
+    buckets = deepspeed_grad_buckets(ds_stage, overlaps) * e * bucket
 
     host = 0.0
     if p.offload_optimizer != "none":
@@ -301,5 +308,6 @@ def plan_input(cfg: RunConfig, mcfg: GPTConfig, device_memory_gib: float) -> Pla
         powersgd_rank=p.powersgd_rank,
         adapters=adapter_params(mcfg, cfg.model.lora),
         fsdp2_unit_params=p.fsdp2_unit_params,
-        reduce_bucket=int(cfg.parallel.deepspeed.get("zero_optimization", {}).get("reduce_bucket_size", 0)),
+        reduce_bucket=int(p.deepspeed_zero("reduce_bucket_size") or 0),
+        overlap_comm=None if p.deepspeed_zero("overlap_comm") is None else bool(p.deepspeed_zero("overlap_comm")),
     )

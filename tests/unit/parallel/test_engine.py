@@ -179,3 +179,43 @@ def test_fsdp2_groups_small_blocks_into_one_unit_and_trains_as_one_unit_a_block(
     grouped, per_block = out["fsdp2_losses"]
     assert grouped[-1] < grouped[0] - 0.1  # it learns
     assert grouped == pytest.approx(per_block, rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    "stage, more, overlap, buckets",
+    [
+        (2, [], False, 1),  # one bucket holds every gradient: nothing to overlap, no second buffer
+        (2, ["parallel.deepspeed.zero_optimization.reduce_bucket_size=5000"], True, 2),
+        (2, ["parallel.deepspeed.zero_optimization.overlap_comm=true"], True, 2),  # the run's word wins
+        (3, [], True, 1),  # ZeRO-3's gathers run on their own stream under it
+        (2, ["parallel.use_gpu=false"], False, 1),
+    ],
+)
+def test_deepspeed_overlaps_the_reduction_on_gpus_where_it_can_and_the_planner_agrees(stage, more, overlap, buckets):
+    """On a GPU, ZeRO-2's `overlap_comm` pays only for more than one bucket of gradients: with one,
+    DeepSpeed reduces it after the backward anyway, and `overlap_comm` would double the bucket and
+    synchronize the device at each reduction. Kiln's config and the planner read one rule."""
+    from kiln.config import load_config
+    from kiln.layout_rules import reduce_bucket_elements
+    from kiln.model_size import num_params
+    from kiln.parallel.engine import deepspeed_config
+    from kiln.plan.memory import estimate, plan_input
+
+    cfg = load_config(
+        None,
+        [
+            "model.flavour=debug",
+            "model.vocab_size=256",
+            "model.seq_len=32",
+            "parallel.num_workers=1",
+            "parallel.use_gpu=true",
+            f"parallel.zero_stage={stage}",
+            *more,
+        ],
+    )
+    mcfg = cfg.model.shape()
+    assert deepspeed_config(cfg, 1, mcfg)["zero_optimization"]["overlap_comm"] is overlap
+    bucket = reduce_bucket_elements(
+        num_params(mcfg, False), 0, int(cfg.parallel.deepspeed_zero("reduce_bucket_size") or 0)
+    )
+    assert estimate(plan_input(cfg, mcfg, 80)).buckets == buckets * 4 * bucket  # fp32 gradients
