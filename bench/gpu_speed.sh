@@ -14,7 +14,8 @@
 #   units: FSDP2 at ZeRO-3 with a unit a block (torchtitan's layout) against its default grouping
 #     (parallel.fsdp2_unit_params), and DeepSpeed's ZeRO-2 with contiguous_gradients off (the host
 #     costs bench/host_overhead.py measures on a CPU);
-#   syncs: where each engine's step makes the host wait for the GPU (bench/host_syncs.py), then
+#   syncs: the health guard's CUDA test (needs pytest there), where each engine's step makes the
+#     host wait for the GPU (bench/host_syncs.py), then
 #     ZeRO-0 with DeepSpeed's throughput timer back on (its two syncs a step, off since 2026-12-02)
 #     and ZeRO-0 and FSDP2 ZeRO-3 with the health guard off (no host read in a step at all);
 #   host: bench/host_overhead.py on this machine's CPU (each engine's host work per step, no
@@ -69,6 +70,8 @@ for step in "${steps[@]}"; do
         --run "FSDP2 ZeRO-3, blocks grouped (default)|parallel.engine=fsdp2 parallel.zero_stage=3" \
         --run "ZeRO-2 autocast, contiguous_gradients off|parallel.zero_stage=2 train.mixed_precision=autocast $z.contiguous_gradients=false" ;;
     syncs)
+      # the guard's CUDA read (page-locked copy and event) judged on this GPU first
+      bounded 60 "$py" -m pytest -q -p no:cacheprovider tests/unit/core/test_health.py -k gpu 2>&1 | tail -3
       bounded 90 "$py" -m bench.host_syncs --device cuda --results "$out/RESULTS-syncs.md"
       bounded 200 "$py" -m bench.throughput "${common[@]}" "${small[@]}" --steps 60 --keep-going --zero-stages "" \
         --run "ZeRO-0, DeepSpeed's throughput timer on|parallel.zero_stage=0 parallel.deepspeed.timers.throughput.enabled=true" \

@@ -8,10 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import mlflow_store  # the suite's helper; it imports MLflow only when a store is made
 import pytest
 import torch
-from mlflow.tracking import MlflowClient
-from mlflow_store import sqlite_store  # noqa: E402
 
 from kiln.config import load_config
 from kiln.core import checkpoint
@@ -118,17 +117,23 @@ def test_the_votes_go_out_before_the_last_backward_and_are_read_after_it():
 def test_on_a_gpu_the_verdict_waits_for_its_votes_alone():
     """On CUDA the votes reach the host through a page-locked copy and an event: the verdicts
     are the CPU's, and the read returns while later work is still queued."""
-    guard = HealthGuard(HealthConfig(spike_factor=3.0), rank=0, device=torch.device("cuda"))
+    cuda = torch.device("cuda")
+    guard = HealthGuard(HealthConfig(spike_factor=3.0), rank=0, device=cuda)
+
+    def judge(step: int, loss: float) -> str | None:
+        guard.observe(torch.tensor(loss, device=cuda))  # a loss where the model computes it
+        return guard.verdict(step)
+
     for step in range(1, MIN_HISTORY + 1):
-        assert _judge(guard, step, 2.0) is None
-    guard.observe(torch.tensor(float("nan"), device="cuda"))
+        assert judge(step, 2.0) is None
+    guard.observe(torch.tensor(float("nan"), device=cuda))
     guard.vote()
-    a = torch.randn(4096, 4096, device="cuda")
+    a = torch.randn(4096, 4096, device=cuda)
     for _ in range(20):  # queued behind the votes: the read does not wait for it
         a = a @ a / 64
     assert "not finite" in guard.verdict(MIN_HISTORY + 1)
     assert not torch.cuda.current_stream().query()
-    assert "7 is 3.5x the running median 2" in _judge(guard, MIN_HISTORY + 2, 7.0)
+    assert "7 is 3.5x the running median 2" in judge(MIN_HISTORY + 2, 7.0)
 
 
 def test_injections_hit_rank_0_once():
@@ -243,7 +248,7 @@ def _start(byte_dataset, where: Path, sets: list[str]) -> subprocess.Popen:
         "train.grad_accum_steps=2",
         "schedule.warmup_steps=2",
         "logging.progress_every=1",
-        f"logging.tracking_uri={sqlite_store(where)}",
+        f"logging.tracking_uri={mlflow_store.sqlite_store(where)}",
         f"train.storage_path={where}/runs",
         *sets,
     ]
@@ -264,6 +269,8 @@ def _start(byte_dataset, where: Path, sets: list[str]) -> subprocess.Popen:
 
 
 def _run(where: Path):
+    from mlflow.tracking import MlflowClient  # here, not above: the GPU test runs where MLflow is not installed
+
     client = MlflowClient(f"sqlite:///{where}/mlflow.db")
     (run,) = client.search_runs([client.get_experiment_by_name("kiln-demo").experiment_id])
     return run, client
