@@ -42,6 +42,10 @@ def plan_from_args(args: argparse.Namespace) -> str:
         args.world_size = args.world_size or cluster.world_size
         args.device_memory_gib = args.device_memory_gib or DEVICES[cluster.node.device].memory_gib
     base = plan_input(cfg, model, cfg.parallel.device_memory_gib or 80.0)
+    if not args.config and not any(o.startswith("parallel.use_gpu=") for o in args.overrides):
+        # A plan is per device of --device-memory-gib: a GPU's, unless a config's workers are
+        # CPUs. (Kiln's DeepSpeed layout differs on GPUs: autocast at ZeRO-0, overlapped buckets.)
+        base = dataclasses.replace(base, use_gpu=True)
     offload = {"none": ("none", "none"), "optimizer": ("cpu", "none"), "optimizer+params": ("cpu", "cpu")}
     changes = {
         "world_size": args.world_size,

@@ -163,6 +163,22 @@ def test_kiln_plan_tells_an_elastic_run_how_often_to_checkpoint():
     assert "now every 50 steps and every 5 min" in some
 
 
+def test_kiln_plan_without_a_config_plans_the_gpu_layout(capsys):
+    """Without --config the plan is per GPU: bf16 at ZeRO-0 computes under autocast over fp32
+    weights (auto's choice there), as a GPU run would; --set parallel.use_gpu=false plans CPU
+    workers, which keep DeepSpeed's bf16 weights."""
+    from kiln.cli import main
+
+    def zero0_row(*more: str) -> list[str]:
+        main(["plan", "--model", "gpt2-124m", "--precision", "bf16", "--zero-stage", "0", *more])
+        return next(line for line in capsys.readouterr().out.splitlines() if line.startswith("*")).split()
+
+    gpu, cpu = zero0_row(), zero0_row("--set", "parallel.use_gpu=false")
+    # columns: *, zero, offload, ckpt, params, grads, master+fp32g, ...: fp32 weights on the GPU
+    assert float(gpu[4]) == pytest.approx(2 * float(cpu[4]), rel=0.01)
+    assert float(gpu[6]) == 0 < float(cpu[6])  # no fp32 master beside fp32 weights
+
+
 def test_lora_counts_gradients_and_optimizer_state_for_the_adapters_alone():
     """With LoRA the base is weights only: gradients, fp32 master copies and the optimizer's
     moments are the adapters' (kiln.lora.adapter_params), and the options keep to ZeRO 0-2
