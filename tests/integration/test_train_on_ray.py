@@ -298,41 +298,55 @@ def test_diloco_resumes_exactly_after_a_dead_worker_on_ray(
     ]
     whole = _torchrun(_zero2_overrides(s3_dataset, s3_server, tmp_path, "diloco-whole", *diloco), tmp_path, env)
     named = _zero2_overrides(s3_dataset, s3_server, tmp_path, "diloco-killed", *diloco)
-    before = {p.pid for p in _train_workers()}
-    with (tmp_path / "killed.log").open("w") as out:
-        driver = subprocess.Popen(
-            [KILN, "train", "--config", str(REPO / "jobs/configs/debug.yaml"), "--address", address]
-            + [a for o in named for a in ("--set", o)],
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            cwd=tmp_path,
-        )
-        try:
-            _wait_for_checkpoint(tmp_path / "runs/diloco-killed/checkpoint_manager_snapshot.json", 7, driver)
-            victims = [p for p in _train_workers() if p.pid not in before]
-            assert len(victims) == 2, victims
-            victims[-1].send_signal(signal.SIGKILL)  # Ray Train restarts the group from storage
-            assert driver.wait(timeout=600) == 0, (tmp_path / "killed.log").read_text()[-3000:]
-        finally:
-            if driver.poll() is None:
-                driver.kill()
-    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
-    killed = client.search_runs(
-        [client.get_experiment_by_name("integration").experiment_id], "attributes.run_name = 'diloco-killed'"
-    )[0]
-    assert killed.data.tags["kiln.restarts"] == "1", killed.data.tags
+    client, killed = _run_killed_after_checkpoint(named, "diloco-killed", 7, address, env, tmp_path)
     skipped = client.get_metric_history(killed.info.run_id, "health/skipped_batches")
     assert skipped and skipped[-1].value == 1.0
-    want = {m.step: m.value for m in client.get_metric_history(whole.run_id, "loss/train")}
-    got = [(m.step, m.value) for m in client.get_metric_history(killed.info.run_id, "loss/train")]
-    assert sorted(step for step, _ in got) == list(range(1, 21))  # each step once over two worker groups
-    assert dict(got) == pytest.approx(want, rel=1e-6)
+    _assert_same_losses(client, whole.run_id, killed.info.run_id, 20)
     final = max(p for p in (tmp_path / "runs/diloco-killed").glob("checkpoint_*") if p.is_dir())
     replicas = sorted(p.name for p in final.rglob("kiln_replica.rank*.pt"))
     assert replicas == ["kiln_replica.rank0.pt", "kiln_replica.rank1.pt"], replicas
     a, b = checkpoint_tensors(whole.checkpoint), checkpoint_tensors(final)
     assert a.keys() == b.keys() and a and not [k for k in a if not torch.equal(a[k], b[k])]
+
+
+def test_fsdp2_resumes_exactly_after_a_dead_worker_on_ray(ray_cluster, s3_server, s3_dataset, tmp_path):
+    """torch's FSDP2 at ZeRO-3 (`parallel.engine: fsdp2`) on 2 Ray Train workers, reading S3: its
+    checkpoints are torch's distributed checkpoint, each worker's shards uploaded to storage.
+    After the step-6 checkpoint one worker is SIGKILLed; the restarted group loads the shards
+    from storage, and the run ends with the uninterrupted torchrun run's loss at every step
+    (1e-6) and, exported to Hugging Face format, its weights bitwise."""
+    from safetensors.torch import load_file
+
+    address, _, env = ray_cluster
+    fsdp2 = [
+        "parallel.engine=fsdp2",
+        "parallel.zero_stage=3",
+        "train.max_steps=12",
+        "train.checkpoint_every=6",
+        "train.keep_checkpoints=2",
+        "train.eval_every=6",
+        "train.max_failures=1",
+    ]
+    whole = _torchrun(_zero2_overrides(s3_dataset, s3_server, tmp_path, "fsdp2-whole", *fsdp2), tmp_path, env)
+    named = _zero2_overrides(s3_dataset, s3_server, tmp_path, "fsdp2-killed", *fsdp2)
+    client, killed = _run_killed_after_checkpoint(named, "fsdp2-killed", 6, address, env, tmp_path)
+    _assert_same_losses(client, whole.run_id, killed.info.run_id, 12)
+    weights = []
+    for source, out in ((whole.checkpoint, "whole-hf"), (tmp_path / "runs/fsdp2-killed", "killed-hf")):
+        done = subprocess.run([KILN, "export", str(source), "--output", str(tmp_path / out)], env=env, cwd=tmp_path)
+        assert done.returncode == 0
+        weights.append(load_file(tmp_path / out / "model.safetensors"))
+    a, b = weights
+    assert a.keys() == b.keys() and a and all(a[k].equal(b[k]) for k in a)
+
+
+def _assert_same_losses(client, want_run: str, got_run: str, steps: int) -> None:
+    """The run `got_run` (over two worker groups) trained each of `steps` steps once, at the
+    loss `want_run` had there (1e-6)."""
+    want = {m.step: m.value for m in client.get_metric_history(want_run, "loss/train")}
+    got = [(m.step, m.value) for m in client.get_metric_history(got_run, "loss/train")]
+    assert sorted(step for step, _ in got) == list(range(1, steps + 1))
+    assert dict(got) == pytest.approx(want, rel=1e-6)
 
 
 @dataclass
@@ -369,6 +383,37 @@ def _torchrun(overrides: list[str], tmp_path: Path, env: dict) -> Reference:
     assert proc.returncode == 0, proc.stderr[-4000:]
     done = json.loads(summary.read_text())
     return Reference(done["run_id"], Path(done["checkpoint"]))
+
+
+def _run_killed_after_checkpoint(overrides: list[str], name: str, step: int, address: str, env: dict, tmp_path: Path):
+    """`kiln train` of `overrides` on the test cluster with one of its 2 Ray Train workers
+    SIGKILLed once Ray Train holds the checkpoint of `step`: Ray Train restarts the group from
+    storage, and the run must finish. (client, its MLflow run), which must say one restart."""
+    before = {p.pid for p in _train_workers()}
+    with (tmp_path / f"{name}.log").open("w") as out:
+        driver = subprocess.Popen(
+            [KILN, "train", "--config", str(REPO / "jobs/configs/debug.yaml"), "--address", address]
+            + [a for o in overrides for a in ("--set", o)],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=tmp_path,
+        )
+        try:
+            _wait_for_checkpoint(tmp_path / f"runs/{name}/checkpoint_manager_snapshot.json", step, driver)
+            victims = [p for p in _train_workers() if p.pid not in before]
+            assert len(victims) == 2, victims
+            victims[-1].send_signal(signal.SIGKILL)  # Ray Train restarts the group from storage
+            assert driver.wait(timeout=600) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
+        finally:
+            if driver.poll() is None:
+                driver.kill()
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    killed = client.search_runs(
+        [client.get_experiment_by_name("integration").experiment_id], f"attributes.run_name = '{name}'"
+    )[0]
+    assert killed.data.tags["kiln.restarts"] == "1", killed.data.tags
+    return client, killed
 
 
 def _wait_for_checkpoint(snapshot, step: int, driver: subprocess.Popen) -> None:
