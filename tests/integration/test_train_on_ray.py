@@ -218,10 +218,10 @@ def test_a_tensor_parallel_run_survives_a_dead_worker_and_a_dead_driver(
         )
         try:
             snapshot = resolve(f"{storage}/tp-named/checkpoint_manager_snapshot.json", s3_server)
+            victims = _new_train_workers(before, first)  # found first: the kill follows the checkpoint at once
             _wait_for_checkpoint(snapshot, 10, first)
-            victims = [p for p in _train_workers() if p.pid not in before]
-            assert len(victims) == 2, victims
             victims[-1].send_signal(signal.SIGKILL)  # Ray Train restarts the group from step 10
+            _wait_for_restart(tmp_path, "tp-named", first)  # its first step logged, before the driver dies
             _wait_for_checkpoint(snapshot, 20, first)
             first.send_signal(signal.SIGKILL)  # the driver dies: its job, controller and workers end
             first.wait(timeout=60)
@@ -321,7 +321,7 @@ def test_fsdp2_resumes_exactly_after_a_dead_worker_on_ray(ray_cluster, s3_server
     fsdp2 = [
         "parallel.engine=fsdp2",
         "parallel.zero_stage=3",
-        "train.max_steps=12",
+        "train.max_steps=14",
         "train.checkpoint_every=6",
         "train.keep_checkpoints=2",
         "train.eval_every=6",
@@ -330,7 +330,7 @@ def test_fsdp2_resumes_exactly_after_a_dead_worker_on_ray(ray_cluster, s3_server
     whole = _torchrun(_zero2_overrides(s3_dataset, s3_server, tmp_path, "fsdp2-whole", *fsdp2), tmp_path, env)
     named = _zero2_overrides(s3_dataset, s3_server, tmp_path, "fsdp2-killed", *fsdp2)
     client, killed = _run_killed_after_checkpoint(named, "fsdp2-killed", 6, address, env, tmp_path)
-    _assert_same_losses(client, whole.run_id, killed.info.run_id, 12)
+    _assert_same_losses(client, whole.run_id, killed.info.run_id, 14)
     weights = []
     for source, out in ((whole.checkpoint, "whole-hf"), (tmp_path / "runs/fsdp2-killed", "killed-hf")):
         done = subprocess.run([KILN, "export", str(source), "--output", str(tmp_path / out)], env=env, cwd=tmp_path)
@@ -400,9 +400,8 @@ def _run_killed_after_checkpoint(overrides: list[str], name: str, step: int, add
             cwd=tmp_path,
         )
         try:
+            victims = _new_train_workers(before, driver)  # found first: the kill follows the checkpoint at once
             _wait_for_checkpoint(tmp_path / f"runs/{name}/checkpoint_manager_snapshot.json", step, driver)
-            victims = [p for p in _train_workers() if p.pid not in before]
-            assert len(victims) == 2, victims
             victims[-1].send_signal(signal.SIGKILL)  # Ray Train restarts the group from storage
             assert driver.wait(timeout=600) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
         finally:
@@ -426,6 +425,32 @@ def _wait_for_checkpoint(snapshot, step: int, driver: subprocess.Popen) -> None:
                 return
         assert driver.poll() is None, f"the driver ended with {driver.returncode} before step {step}"
         assert time.time() < deadline, f"Ray Train registered no checkpoint of step {step}"
+        time.sleep(0.3)
+
+
+def _new_train_workers(before: set[int], driver: subprocess.Popen, n: int = 2) -> list[psutil.Process]:
+    """The `n` Ray Train workers `driver`'s run started (none of the pids in `before`), once all
+    are up. Scanning the processes takes long on a loaded machine: done before the checkpoint
+    wait, the kill that follows it lands while the run is still training."""
+    deadline = time.time() + 600
+    while len(found := [p for p in _train_workers() if p.pid not in before]) < n:
+        assert driver.poll() is None, f"the driver ended with {driver.returncode} before its workers started"
+        assert time.time() < deadline, f"{len(found)} of {n} Ray Train workers started"
+        time.sleep(0.2)
+    assert len(found) == n, found
+    return found
+
+
+def _wait_for_restart(tmp_path: Path, name: str, driver: subprocess.Popen) -> None:
+    """Until the MLflow run `name` holds the restarted group's tag (logged at its first step)."""
+    client, deadline = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db"), time.time() + 600
+    while True:
+        experiment = client.get_experiment_by_name("integration")
+        found = experiment and client.search_runs([experiment.experiment_id], f"attributes.run_name = '{name}'")
+        if found and "kiln.restarts" in found[0].data.tags:
+            return
+        assert driver.poll() is None, f"the driver ended with {driver.returncode} before a restart was logged"
+        assert time.time() < deadline, "no restart logged"
         time.sleep(0.3)
 
 
