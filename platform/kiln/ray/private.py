@@ -112,3 +112,14 @@ def shutdown_process_group(destroy: bool) -> None:
     from ray.train.torch.config import _shutdown_torch
 
     _shutdown_torch(destroy_process_group=destroy)
+
+
+def tune_stop_requested():
+    """In a Tune function trial's training thread: a function saying whether Tune has asked the
+    trial to stop (its scheduler's decision, or the sweep's end). It reads the trial session's
+    stop event, held from now on, since Tune shuts the session down as it stops the trial.
+    (`ray.train._internal.session`, Tune's function-trainable session.)"""
+    from ray.train._internal.session import get_session
+
+    session = get_session()
+    return (lambda: False) if session is None else session.stop_event.is_set

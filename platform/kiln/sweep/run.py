@@ -26,6 +26,7 @@ from kiln.errors import KilnError
 from kiln.guard import marked_json
 from kiln.launch.on_ray import connect_ray, reads_that_fit
 from kiln.launch.preflight import preflight
+from kiln.ray.private import tune_stop_requested
 from kiln.redact import redact_tree, redacted_paths
 from kiln.storage import absolute, durable, write_private
 from kiln.sweep import attempts
@@ -92,7 +93,7 @@ def _trial(params: dict[str, Any], ctx: dict[str, Any]) -> None:
         storage_path=ctx["train_storage"],
         resumed_from=resumed_from,
     )
-    with run.finishing():
+    with run.finishing(stopping=tune_stop_requested()):  # stopped by its scheduler: KILLED
         if pbt:
             pbt_run.fit_and_report(trainer, inbox, trial_id, run.run_id)
         else:

@@ -251,10 +251,14 @@ class Run:
         self.client.set_terminated(self.run_id, status or ("FINISHED" if ok else "FAILED"))
 
     @contextlib.contextmanager
-    def finishing(self, stopped_by: tuple[type[BaseException], ...] = ()):
+    def finishing(self, stopped_by: tuple[type[BaseException], ...] = (), stopping=None):
         """End the run with its block: FINISHED, KILLED when its process was stopped (Ctrl-C, or
         SIGTERM from `ray job stop` or a scheduler: `kiln.launch.console` makes it an interrupt,
-        Ray's driver handler an exit, or one of `stopped_by`), else FAILED."""
+        Ray's driver handler an exit, or one of `stopped_by`), else FAILED. `stopping`: a
+        function saying whether the block was asked to stop (a Tune trial that its scheduler
+        stopped): whatever the block then raises, as its trainer is torn down, is a stop too.
+        Without it, a stopped trial's FAILED could land between the sweep driver's KILLED and
+        `finish`'s look at the status (CI: one ASHA trial of six ended FAILED)."""
         stops: tuple[type[BaseException], ...] = (KeyboardInterrupt, SystemExit, *stopped_by)
         try:
             yield self
@@ -262,7 +266,7 @@ class Run:
             self.finish(False, "KILLED")
             raise
         except BaseException:
-            self.finish(False)
+            self.finish(False, "KILLED" if stopping is not None and stopping() else None)
             raise
         self.finish(True)
 

@@ -84,6 +84,15 @@ def test_the_first_process_to_end_a_run_decides_its_status(tmp_path):
     client = MlflowClient(uri)
     assert client.get_run(stopped.run_id).info.status == "KILLED"
     assert client.get_run(failed.run_id).info.status == "FAILED"
+    # A block asked to stop (a Tune trial its scheduler stopped) raises as its trainer goes:
+    # KILLED, however late, so the driver's KILLED and the trial's own verdict agree.
+    asked = Run(uri, "e", "asked")
+    try:
+        with asked.finishing(stopping=lambda: True):
+            raise RuntimeError("the Train controller died")
+    except RuntimeError:
+        pass
+    assert client.get_run(asked.run_id).info.status == "KILLED"
 
 
 def test_a_dataset_two_runs_log_at_once_is_logged_for_both(tmp_path, monkeypatch):
