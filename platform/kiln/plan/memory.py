@@ -204,10 +204,8 @@ def estimate(p: PlanInput) -> Estimate:
     if s == 3:  # the 16-bit gradients are reduce-scattered straight into fp32 partitions
         grads = 0
 
-    ds_stage, total = deepspeed_zero_stage(s, p.sync, p.grad_compression), num_params(m, non_embedding=False)
-    bucket = reduce_bucket_elements(total, p.adapters, p.reduce_bucket)
-    overlaps = deepspeed_overlaps_comm(ds_stage, p.use_gpu, p.adapters or total, bucket, p.overlap_comm)
-    buckets = deepspeed_grad_buckets(ds_stage, overlaps) * e * bucket
+    bucket, overlaps = deepspeed_reduction(p)
+    buckets = deepspeed_grad_buckets(deepspeed_zero_stage(s, p.sync, p.grad_compression), overlaps) * e * bucket
 
     host = 0.0
     if p.offload_optimizer != "none":
@@ -243,8 +241,7 @@ def fsdp2_states(p: PlanInput, psi: int, k: int) -> Estimate:
     m, n = p.model, max(1, p.data_parallel)
     c = bytes_per_element(p.precision)
     block = block_params(m)
-    root = num_params(m, non_embedding=False) - m.n_layer * block  # embeddings, head, final norm
-    unit = fsdp2_blocks_per_unit(block, m.n_layer, p.fsdp2_unit_params) * block
+    root, unit = fsdp2_units(p)
     held = min(2 * unit, m.n_layer * block) if p.zero_stage == 3 else m.n_layer * block
     return Estimate(
         params=int(4 * psi / n),
@@ -256,6 +253,25 @@ def fsdp2_states(p: PlanInput, psi: int, k: int) -> Estimate:
         host=0,
         device_memory=int(p.device_memory_gib * GIB),
     )
+
+
+def deepspeed_reduction(p: PlanInput) -> tuple[int, bool]:
+    """DeepSpeed's gradient bucket for `p` in elements, and whether its reduction overlaps the
+    backward: the rules Kiln's DeepSpeed config follows (`kiln.layout_rules.reduce_bucket_elements`
+    and `deepspeed_overlaps_comm`), read by the memory and the throughput planners alike."""
+    total = num_params(p.model, non_embedding=False)
+    bucket = reduce_bucket_elements(total, p.adapters, p.reduce_bucket)
+    stage = deepspeed_zero_stage(p.zero_stage, p.sync, p.grad_compression)
+    return bucket, deepspeed_overlaps_comm(stage, p.use_gpu, p.adapters or total, bucket, p.overlap_comm)
+
+
+def fsdp2_units(p: PlanInput) -> tuple[int, int]:
+    """(root, unit): the parameters of FSDP2's root (embeddings, head, final norm) and of one
+    unit of consecutive blocks (`kiln.layout_rules.fsdp2_blocks_per_unit`; the first unit, block
+    0's, is always whole)."""
+    m, block = p.model, block_params(p.model)
+    root = num_params(m, non_embedding=False) - m.n_layer * block
+    return root, fsdp2_blocks_per_unit(block, m.n_layer, p.fsdp2_unit_params) * block
 
 
 def params_per_rank(m: GPTConfig, tensor_parallel: int) -> int:
@@ -285,6 +301,7 @@ def activation_bytes(p: PlanInput) -> int:
 def plan_input(cfg: RunConfig, mcfg: GPTConfig, device_memory_gib: float) -> PlanInput:
     """The planner's view of a run config."""
     p, t = cfg.parallel, cfg.train
+    overlap = p.deepspeed_zero("overlap_comm")
     return PlanInput(
         model=mcfg,
         world_size=p.min_workers,
@@ -309,5 +326,5 @@ def plan_input(cfg: RunConfig, mcfg: GPTConfig, device_memory_gib: float) -> Pla
         adapters=adapter_params(mcfg, cfg.model.lora),
         fsdp2_unit_params=p.fsdp2_unit_params,
         reduce_bucket=int(p.deepspeed_zero("reduce_bucket_size") or 0),
-        overlap_comm=None if p.deepspeed_zero("overlap_comm") is None else bool(p.deepspeed_zero("overlap_comm")),
+        overlap_comm=None if overlap is None else bool(overlap),
     )

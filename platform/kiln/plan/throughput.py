@@ -13,15 +13,21 @@ Formulas and sources:
   2(n-1)/n · Ψ elements (Patarasuk & Yuan 2009). The ZeRO paper's ZeRO-1/2 replace it with a
   reduce-scatter plus an all-gather of the weights, 2Ψ, and ZeRO-3 adds a gather in the
   backward, 3Ψ (Rajbhandari et al. 2020, section 7). DeepSpeed's ZeRO-1/2 all-reduce the
-  gradients (3Ψ with the gather), FSDP2's follow the paper; `data_parallel_bytes` states each,
-  as measured. With P pipeline stages each device holds Ψ/P. Gradient compression
+  gradients (3Ψ with the gather), FSDP2's follow the paper; `data_parallel_traffic` states each,
+  as measured. Engines that shard gradients (ZeRO-2/3, FSDP2) reduce them at every micro-batch,
+  ZeRO-0/1 once a step. With P pipeline stages each device holds Ψ/P. Gradient compression
   (`parallel.grad_compression`) sends the gradients in 2 bytes an element; the gathers of the
   weights keep theirs.
 - Bandwidth: inside a node the NVLink/ICI bus bandwidth; across nodes the ring is bounded by the
   node's network bandwidth shared by its devices (NCCL's bus-bandwidth model).
-- Overlap: DeepSpeed's overlap_comm reduces buckets while the backward runs, so communication
-  hides up to the backward time (2/3 of compute); ZeRO-3's forward gathers do not hide here, nor
-  does PowerSGD (at the accumulation boundary; its matmuls are not counted) or a local-SGD or
+- Overlap, as the engines schedule it (DeepSpeed 0.19's `engine.allreduce_gradients` and
+  `stage_1_and_2.py`, torch's FSDP2): only a reduction issued during a micro-batch's backward
+  hides, up to that backward's time (2/3 of its compute): DeepSpeed's ZeRO-2 with
+  `overlap_comm` and ZeRO-3 bucket by bucket, FSDP2 unit by unit, each but the last. ZeRO-0/1
+  reduce after the last backward, ZeRO-1/2 gather the stepped weights after the optimizer
+  step, and ZeRO-2 without `overlap_comm` (one bucket, Kiln's choice for models that fit one)
+  reduces after the backward: all exposed. So are ZeRO-3's and FSDP2's forward gathers,
+  PowerSGD (at the accumulation boundary; its matmuls are not counted) and a local-SGD or
   DiLoCo sync (after its step, counted as 1/H of it a step).
 - Tensor parallelism over t ranks (Megatron-LM, Shoeybi et al. 2019): each device computes 1/t of
   the blocks' flops (the output head, left whole, runs on every rank), and every block all-reduces its b·s·h activations twice in the forward and twice
@@ -41,11 +47,17 @@ from pathlib import Path
 
 from kiln.devices import DEVICES
 from kiln.errors import ConfigError
-from kiln.layout_rules import own_communication
 from kiln.model import GPTConfig
 from kiln.model_size import flops_per_token, num_params, param_shapes
 from kiln.parallel.powersgd import elements_sent
-from kiln.plan.memory import PlanInput, bytes_per_element, params_per_rank, state_bytes
+from kiln.plan.memory import (
+    PlanInput,
+    bytes_per_element,
+    deepspeed_reduction,
+    fsdp2_units,
+    params_per_rank,
+    state_bytes,
+)
 from kiln.schemas import Launcher, type_problems
 from kiln.yamlfile import read_mapping
 
@@ -121,6 +133,8 @@ class Throughput:
     bubble_s: float
     tp_comm_s: float = 0.0
     """The tensor-parallel all-reduces of one step (part of comm_s, all of it exposed)."""
+    data_parallel_bytes: float = 0.0
+    """What a device sends in the step's data-parallel collectives (`data_parallel_traffic`)."""
 
     @property
     def step_s(self) -> float:
@@ -145,38 +159,70 @@ def throughput(p: PlanInput, cluster: Cluster, mfu: float = 0.40, grad_accum: in
     compute = flops / (dev.peak_tflops * 1e12 * mfu)
     tp_comm = tensor_parallel_bytes(p) * micro_steps / (dev.intra_node_gbps * 1e9)
 
-    volume = data_parallel_bytes(p)
+    traffic = data_parallel_traffic(p, micro_steps)
     # A ring spanning nodes moves at the slower of NVLink and the node's network share per device.
     bw = dev.intra_node_gbps * 1e9
     if dp * pp * tp > cluster.node.devices:
         bw = min(bw, cluster.node.network_gbps / 8 * 1e9 / cluster.node.devices)
-    comm = volume / bw
-    hideable = 2 / 3 * compute  # the backward share of compute
-    # ZeRO-3: the forward's all-gather (1/3 of the volume) waits for nothing to hide behind;
-    # nor does Kiln's own communication (PowerSGD, a sync), which runs after the backward.
-    if own_communication(p.sync, p.grad_compression):
-        exposed = comm
-    elif p.zero_stage == 3:
-        exposed = comm / 3 + max(0.0, 2 / 3 * comm - hideable)
-    else:
-        exposed = max(0.0, comm - hideable)
+    comm = traffic.total / bw
+    backward = 2 / 3 * compute / micro_steps  # one micro-batch's backward: the compute a reduction hides behind
+    exposed = traffic.per_step + micro_steps * (traffic.forward + traffic.tail)
+    exposed = exposed / bw + micro_steps * max(0.0, traffic.overlapped / bw - backward)
     bubble = compute * (pp - 1) / micro_steps if pp > 1 else 0.0
     return Throughput(
-        p.micro_batch * m.seq_len * micro_steps * dp, compute, comm + tp_comm, exposed + tp_comm, bubble, tp_comm
+        p.micro_batch * m.seq_len * micro_steps * dp,
+        compute,
+        comm + tp_comm,
+        exposed + tp_comm,
+        bubble,
+        tp_comm,
+        traffic.total,
     )
 
 
-def data_parallel_bytes(p: PlanInput) -> float:
-    """The bytes a device sends in the data-parallel collectives of one step, a ring's share
-    ((n-1)/n) of each, in the collectives each engine makes (what `comm/bytes_per_step` counts;
-    tests/unit/parallel checks the two agree). Ψ elements of gradients, in
-    `parallel.grad_compression`'s dtype:
-    - ZeRO-0: all-reduced, 2Ψ;
-    - DeepSpeed ZeRO-1/2: all-reduced too (DeepSpeed's default `use_multi_rank_bucket_allreduce`;
-      each rank then keeps its partition), and the updated weights gathered, Ψ;
-    - ZeRO-3 and FSDP2: reduce-scattered, Ψ, with the weights gathered for the forward and again
-      for the backward, 2Ψ (DeepSpeed keeps them between the two where they fit its reuse
-      distance, as a small model does: then Ψ), or once under FSDP2 at zero_stage 2;
+@dataclass(frozen=True)
+class Traffic:
+    """The bytes a device sends in one step's data-parallel collectives, by when they travel
+    (`data_parallel_traffic`)."""
+
+    micro_steps: int
+    per_step: float = 0.0
+    """Once a step, after the last backward or the optimizer step: nothing computes beside them."""
+    forward: float = 0.0
+    """Each micro-batch's forward gathers of the weights (ZeRO-3, FSDP2): counted exposed."""
+    overlapped: float = 0.0
+    """Each micro-batch's, issued while its backward still computes: hidden up to that backward."""
+    tail: float = 0.0
+    """Each micro-batch's last reduction, issued after its backward's last gradient: exposed."""
+
+    @property
+    def total(self) -> float:
+        return self.per_step + self.micro_steps * (self.forward + self.overlapped + self.tail)
+
+
+def data_parallel_bytes(p: PlanInput, micro_steps: int = 1) -> float:
+    """The bytes a device sends in the data-parallel collectives of one step of `micro_steps`
+    micro-batches (what `comm/bytes_per_step` counts; tests/unit/parallel checks the two agree)."""
+    return data_parallel_traffic(p, micro_steps).total
+
+
+def data_parallel_traffic(p: PlanInput, micro_steps: int = 1) -> Traffic:
+    """A step's data-parallel bytes per device, a ring's share ((n-1)/n) of each collective, in
+    the collectives each engine makes and when it makes them. Ψ elements with gradients (LoRA's
+    adapters alone), in `parallel.grad_compression`'s dtype:
+    - ZeRO-0: all-reduced, 2Ψ, once a step after the last backward (DeepSpeed's
+      `allreduce_gradients` at the accumulation boundary; no overlap);
+    - DeepSpeed ZeRO-1: the same, then the updated weights gathered, Ψ;
+    - DeepSpeed ZeRO-2: all-reduced too (DeepSpeed's default `use_multi_rank_bucket_allreduce`;
+      each rank then keeps its partition) at every micro-batch, since a rank keeps only its
+      partition of the gradients; with `overlap_comm` (`deepspeed_reduction`) bucket by bucket
+      during the backward but for the last bucket, without it all after the backward; the
+      weights gathered once a step;
+    - ZeRO-3 and FSDP2: reduce-scattered, Ψ, at every micro-batch, with the weights gathered for
+      each forward and again for each backward, 2Ψ (DeepSpeed keeps them between the two where
+      they fit its reuse distance, as a small model does: then Ψ), or once under FSDP2 at
+      zero_stage 2. DeepSpeed's last bucket, and FSDP2's last reduce-scatters (block 0's unit and
+      the root, whose gradients come last), wait for nothing;
     - `parallel.sync` local_sgd or diloco: the trainable weights (fp32, or diloco's
       pseudo-gradient in the compression dtype) all-reduced once per H steps, 2Ψ/H;
     - PowerSGD: each compressed n x m gradient as (n + m) r numbers, the rest whole, 2 of each
@@ -184,23 +230,45 @@ def data_parallel_bytes(p: PlanInput) -> float:
       too, Ψ (`kiln.parallel.optimizer_shards`)."""
     dp = p.data_parallel
     if dp == 1:
-        return 0.0
-    elements = params_per_rank(p.model, p.tensor_parallel) / p.pipeline_stages * (dp - 1) / dp
+        return Traffic(micro_steps)
+    ring = (dp - 1) / dp
+    elements = params_per_rank(p.model, p.tensor_parallel) / p.pipeline_stages * ring
     weight = state_bytes(p)
     grad = weight if p.grad_compression == "none" else bytes_per_element(p.grad_compression)
     trained = p.adapters or params_per_rank(p.model, 1)  # Kiln's own communication: no pipeline, no TP
     if p.sync != "every_step":  # one all-reduce of the trainable weights per H steps
         sent = grad if p.sync == "diloco" else weight  # local SGD averages the weights themselves
-        return trained * 2 * (dp - 1) / dp * sent / p.sync_every
+        return Traffic(micro_steps, per_step=trained * 2 * ring * sent / p.sync_every)
     if p.grad_compression == "powersgd":  # each matrix's factors P and Q, every other gradient whole, fp32
         sent = p.adapters or elements_sent(param_shapes(p.model), p.powersgd_rank)
         gathered = trained if p.zero_stage == 1 else 0
-        return (sent * 2 + gathered) * (dp - 1) / dp * weight
-    if p.zero_stage == 0:
-        return elements * 2 * grad
+        return Traffic(micro_steps, per_step=(sent * 2 + gathered) * ring * weight)
+    if p.adapters:  # only the adapters have gradients and optimizer steps
+        elements = p.adapters * ring
+    if p.zero_stage <= 1:
+        return Traffic(micro_steps, per_step=elements * (2 * grad + (weight if p.zero_stage == 1 else 0)))
+    reduced = elements * (grad if p.zero_stage == 3 or p.engine == "fsdp2" else 2 * grad)
+    last = _last_reduced_share(p)
+    if p.engine == "fsdp2" or p.zero_stage == 3:
+        again = elements * weight if p.zero_stage == 3 else 0.0  # the backward's gathers, ahead of their blocks
+        return Traffic(
+            micro_steps, forward=elements * weight, overlapped=reduced * (1 - last) + again, tail=reduced * last
+        )
+    return Traffic(micro_steps, per_step=elements * weight, overlapped=reduced * (1 - last), tail=reduced * last)
+
+
+def _last_reduced_share(p: PlanInput) -> float:
+    """The share of a micro-batch's gradients whose reduction starts after its backward's last
+    gradient. FSDP2: block 0's unit and the root's (`fsdp2_units`). DeepSpeed: the last bucket
+    (`deepspeed_reduction`), or all of them where its reduction does not overlap."""
     if p.engine == "fsdp2":
-        return elements * (grad + (2 if p.zero_stage == 3 else 1) * weight)
-    return elements * ((grad + 2 * weight) if p.zero_stage == 3 else (2 * grad + weight))
+        root, unit = fsdp2_units(p)
+        return min(1.0, (root + unit) / num_params(p.model, non_embedding=False))
+    bucket, overlaps = deepspeed_reduction(p)
+    trained = p.adapters or num_params(p.model, non_embedding=False)
+    if not overlaps or bucket >= trained:
+        return 1.0
+    return (trained - (-(-trained // bucket) - 1) * bucket) / trained
 
 
 def tensor_parallel_bytes(p: PlanInput) -> float:
@@ -280,7 +348,7 @@ def format_estimate(
         f"({dev.peak_tflops:g} TFLOP/s peak at {mfu:.0%} MFU), {cluster.node.network_gbps:g} Gb/s per node",
         f"  step: {t.tokens_per_step:,} tokens in {t.step_s * 1e3:.1f} ms = compute {t.compute_s * 1e3:.1f} ms"
         f" + exposed comm {t.exposed_comm_s * 1e3:.1f} ms (of {t.comm_s * 1e3:.1f} ms"
-        f", {data_parallel_bytes(p) / 1e9:.2f} GB data-parallel a device"
+        f", {t.data_parallel_bytes / 1e9:.2f} GB data-parallel a device"
         f"{f', tensor-parallel all-reduces {t.tp_comm_s * 1e3:.1f} ms' if p.tensor_parallel > 1 else ''})"
         f" + pipeline bubble {t.bubble_s * 1e3:.1f} ms",
         f"  tokens/s: {t.tokens_per_s:,.0f} ({t.tokens_per_s / p.world_size:,.0f} per device)",

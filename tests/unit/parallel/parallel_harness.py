@@ -117,7 +117,7 @@ def run_one(spec: dict, data: str, root: str, world) -> dict:
     out["planned"] = {
         "params": est.params,
         "optimizer_states": est.optimizer_states,
-        "comm_bytes": data_parallel_bytes(planned),
+        "comm_bytes": data_parallel_bytes(planned, cfg.micro_batches_per_step),
     }
     module = engine.ds.module if hasattr(engine, "ds") else engine.model
     out["trainable"] = sum(p.numel() for p in module.parameters() if p.requires_grad)

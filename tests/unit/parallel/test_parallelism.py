@@ -52,6 +52,7 @@ POWERSGD = [
     "parallel.powersgd_start_step=3",
 ]
 
+ACCUMULATED = ["train.micro_batch_size=2", "train.grad_accum_steps=2"]
 # Same global batch everywhere: 8 sequences per step, as 2 ranks x 4, or 2 micro-batches x 4.
 REFERENCE = [{"name": "reference", "set": ["parallel.zero_stage=0", "train.grad_accum_steps=2"]}]
 TWO_RANKS = [
@@ -60,6 +61,10 @@ TWO_RANKS = [
     {"name": "zero2", "set": ["parallel.zero_stage=2"]},
     {"name": "zero3", "set": ["parallel.zero_stage=3"]},
     {"name": "zero2-offload", "set": ["parallel.zero_stage=2", "parallel.offload_optimizer=cpu"]},
+    # The same 8 sequences a step as 2 micro-batches of 2 a rank: what is sent per micro-batch
+    {"name": "zero1-accum", "set": ["parallel.zero_stage=1", *ACCUMULATED]},
+    {"name": "zero2-accum", "set": ["parallel.zero_stage=2", *ACCUMULATED]},
+    {"name": "fsdp2-zero3-accum", "set": ["parallel.engine=fsdp2", "parallel.zero_stage=3", *ACCUMULATED]},
     {
         "name": "zero3-offload",
         "set": ["parallel.zero_stage=3", "parallel.offload_optimizer=cpu", "parallel.offload_params=cpu"],
@@ -229,6 +234,9 @@ def _max_rel(a: list[float], b: list[float]) -> float:
         "fsdp2-zero2",
         "fsdp2-zero3",
         "fsdp2-zero3-per-block",
+        "zero1-accum",
+        "zero2-accum",
+        "fsdp2-zero3-accum",
     ],
 )
 def test_matches_single_worker_reference(runs, name):
@@ -272,8 +280,18 @@ def test_gradient_compression_sends_what_the_planner_says_and_trains_alike(runs)
         assert runs[name]["planned"]["comm_bytes"] == bytes_per_param * params, name
     # FSDP2 at ZeRO-3 reduce-scatters the gradients and gathers each block's weights twice; the
     # root's (embeddings, head) once, which the planner does not single out.
-    for name in ("fsdp2-zero3", "fsdp2-bf16-comm"):
+    for name in ("fsdp2-zero3", "fsdp2-bf16-comm", "fsdp2-zero3-accum"):
         assert sent(name) == pytest.approx(runs[name]["planned"]["comm_bytes"], rel=0.06), name
+    # Accumulating, ZeRO-1 reduces once a step; ZeRO-2 and FSDP2, which keep only their shard of
+    # the gradients, reduce each micro-batch's (FSDP2 gathers the weights for each too).
+    for name, bytes_per_param in (("zero1-accum", 6), ("zero2-accum", 2 * 4 + 2)):
+        assert sent(name) == pytest.approx(bytes_per_param * params, abs=64), name
+        assert runs[name]["planned"]["comm_bytes"] == bytes_per_param * params, name
+    assert sent("fsdp2-zero3-accum") == pytest.approx(2 * sent("fsdp2-zero3"), rel=1e-3)
+    # Under LoRA only the adapters' gradients travel, and their stepped weights
+    lora = runs["lora-zero2"]
+    assert sent("lora-zero2") == pytest.approx(6 * lora["trainable"], abs=64)
+    assert lora["planned"]["comm_bytes"] == pytest.approx(6 * lora["trainable"], rel=0.01)
     assert sent("fsdp2-zero3") - sent("fsdp2-bf16-comm") == pytest.approx(params, abs=64)  # half of 4P, sent
     for plain, compressed in (
         ("zero0", "zero0-bf16-comm"),

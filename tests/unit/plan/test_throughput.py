@@ -8,7 +8,7 @@ import pytest
 
 from kiln.errors import ConfigError
 from kiln.model import config_for
-from kiln.model_size import flops_per_token, num_params
+from kiln.model_size import block_params, flops_per_token, num_params
 from kiln.plan.memory import PlanInput
 from kiln.plan.throughput import INSTANCES, Cluster, cluster_from_yaml, throughput
 
@@ -22,22 +22,34 @@ def plan(**kw) -> PlanInput:
     return PlanInput(model=M, **({"micro_batch": 8, "precision": "bf16"} | kw))
 
 
-def test_one_node_compute_time_and_hidden_allreduce():
+BUCKET = 500_000_000  # DeepSpeed's reduce bucket for a model over 500M parameters
+LAST = N - 2 * BUCKET  # 1.3B's gradients fill 3 buckets: the last one's reduction waits for nothing
+
+
+def test_one_node_compute_time_and_what_hides_behind_the_backward():
     t = throughput(plan(world_size=8, zero_stage=2), Cluster(P5, 1, "x"), mfu=0.5)
     tokens = 8 * 2048
     assert t.compute_s == pytest.approx(flops_per_token(M) * tokens / (989e12 * 0.5))
     # DeepSpeed's ZeRO-2 all-reduces the 2-byte grads (a ring: 2 (n-1)/n of them) and gathers the
     # updated weights ((n-1)/n), over NVLink's 450 GB/s
     assert t.comm_s == pytest.approx(7 / 8 * N * (2 * 2 + 2) / 450e9)
-    assert t.comm_s < 2 / 3 * t.compute_s and t.exposed_comm_s == 0  # hidden behind the backward
-    assert t.tokens_per_step == tokens * 8 and t.tokens_per_s == pytest.approx(tokens * 8 / t.compute_s)
+    assert t.data_parallel_bytes == pytest.approx(7 / 8 * N * (2 * 2 + 2))
+    # Its buckets reduce during the backward but the last; the gather follows the optimizer step.
+    assert t.exposed_comm_s == pytest.approx(7 / 8 * (N * 2 + LAST * 2 * 2) / 450e9)
+    assert t.tokens_per_step == tokens * 8 and t.tokens_per_s == pytest.approx(tokens * 8 / t.step_s)
+    # ZeRO-0 and ZeRO-1 reduce after the last backward: nothing of theirs hides.
+    for stage in (0, 1):
+        after = throughput(plan(world_size=8, zero_stage=stage), Cluster(P5, 1, "x"), mfu=0.5)
+        assert after.exposed_comm_s == pytest.approx(after.comm_s) and after.comm_s > 0, stage
 
 
 def test_across_nodes_the_network_share_per_device_bounds_the_ring():
     p4d = INSTANCES["p4d.24xlarge"]  # 400 Gb/s per node = 6.25 GB/s per device
     t = throughput(plan(world_size=16, zero_stage=2, micro_batch=1), Cluster(p4d, 2, "x"), mfu=0.4)
     assert t.comm_s == pytest.approx(15 / 16 * N * (2 * 2 + 2) / 6.25e9)
-    assert t.exposed_comm_s == pytest.approx(t.comm_s - 2 / 3 * t.compute_s)
+    overlapped = 15 / 16 * (N - LAST) * 2 * 2 / 6.25e9  # more than the backward can hide
+    after = 15 / 16 * (N * 2 + LAST * 2 * 2) / 6.25e9
+    assert t.exposed_comm_s == pytest.approx(after + overlapped - 2 / 3 * t.compute_s)
     assert t.step_s == pytest.approx(t.compute_s + t.exposed_comm_s)
 
 
@@ -48,9 +60,39 @@ def test_zero3_moves_what_deepspeeds_zero2_does_and_its_forward_gather_is_expose
     c = Cluster(P5, 1, "x")
     z2, z3 = throughput(plan(world_size=8, zero_stage=2), c), throughput(plan(world_size=8, zero_stage=3), c)
     assert z3.comm_s == pytest.approx(z2.comm_s)
-    assert z3.exposed_comm_s == pytest.approx(z3.comm_s / 3)  # the rest hides behind this backward
+    # the forward's gather and the last bucket's reduce-scatter; the rest hides behind the backward
+    assert z3.exposed_comm_s == pytest.approx(7 / 8 * (N * 2 + LAST * 2) / 450e9)
     fsdp2 = throughput(plan(world_size=8, zero_stage=2, engine="fsdp2"), c)
     assert fsdp2.comm_s == pytest.approx(2 / 3 * z2.comm_s)
+
+
+def test_sharded_gradients_travel_every_micro_batch_and_fsdp2s_last_units_wait_for_nothing():
+    """Under accumulation ZeRO-2/3 and FSDP2 reduce each micro-batch's gradients (a rank keeps
+    only its partition), and ZeRO-3 and FSDP2 gather the weights for each; ZeRO-0/1 reduce once
+    a step. FSDP2's last reduce-scatters, of block 0's unit and of the root (embeddings, head),
+    start after the backward's last gradient; with one unit for every block (the default
+    grouping of a model whose blocks hold under 100M parameters together) nothing hides."""
+    c = Cluster(P5, 1, "x")
+    for stage, engine, grows in (
+        (0, "deepspeed", 1),
+        (1, "deepspeed", 1),
+        (2, "deepspeed", (4 * 4 + 2) / 6),
+        (3, "deepspeed", 4),
+        (2, "fsdp2", 4),
+        (3, "fsdp2", 4),
+    ):
+        one = throughput(plan(world_size=8, zero_stage=stage, engine=engine), c, grad_accum=1)
+        four = throughput(plan(world_size=8, zero_stage=stage, engine=engine), c, grad_accum=4)
+        assert four.data_parallel_bytes == pytest.approx(grows * one.data_parallel_bytes), (stage, engine)
+    per_block = throughput(plan(world_size=8, zero_stage=3, engine="fsdp2", fsdp2_unit_params=0), c)
+    root = N - M.n_layer * block_params(M)
+    # forward gathers, then the reduce-scatters of block 0 and the root
+    assert per_block.exposed_comm_s == pytest.approx(7 / 8 * (N * 2 + (root + block_params(M)) * 2) / 450e9)
+    small = config_for("gpt2-124m", vocab_size=50304)
+    grouped = throughput(
+        PlanInput(model=small, world_size=8, micro_batch=8, precision="bf16", zero_stage=3, engine="fsdp2"), c
+    )
+    assert grouped.exposed_comm_s == pytest.approx(grouped.comm_s - 7 / 8 * num_params(small, False) * 2 / 450e9)
 
 
 def test_gradient_compression_sends_the_gradients_in_two_bytes():
