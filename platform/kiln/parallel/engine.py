@@ -72,12 +72,13 @@ def kiln_deepspeed_config(cfg: RunConfig, data_parallel_size: int, mcfg: GPTConf
     zero: dict[str, Any] = {"stage": stage}
     params = num_params(mcfg, False) if mcfg is not None else 0
     adapters = lora.adapter_params(mcfg, cfg.model.lora) if mcfg is not None else 0
-    if stage >= 1 and mcfg is not None:  # a bucket no larger than the gradients it holds
-        zero["reduce_bucket_size"] = reduce_bucket_elements(params, adapters)
+    # A bucket no larger than the gradients it holds (the passthrough's, where it sets one)
+    bucket = reduce_bucket_elements(params, adapters, int(p.deepspeed_zero("reduce_bucket_size") or 0))
+    if stage >= 1 and mcfg is not None:
+        zero["reduce_bucket_size"] = bucket
     if stage >= 2:
         # Contiguous gradient buffers avoid fragmentation; overlapping the reduction with the
         # backward pays only on GPUs, and at ZeRO-2 only for more than one bucket.
-        bucket = reduce_bucket_elements(params, adapters, int(p.deepspeed_zero("reduce_bucket_size") or 0))
         overlap = deepspeed_overlaps_comm(stage, p.use_gpu, adapters or params, bucket)
         zero.update(contiguous_gradients=True, overlap_comm=overlap)
     if stage == 3 and d_model:

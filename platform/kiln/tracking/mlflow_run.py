@@ -13,6 +13,7 @@ import logging
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -251,7 +252,7 @@ class Run:
         self.client.set_terminated(self.run_id, status or ("FINISHED" if ok else "FAILED"))
 
     @contextlib.contextmanager
-    def finishing(self, stopped_by: tuple[type[BaseException], ...] = (), stopping=None):
+    def finishing(self, stopped_by: tuple[type[BaseException], ...] = (), stopping: Callable[[], bool] | None = None):
         """End the run with its block: FINISHED, KILLED when its process was stopped (Ctrl-C, or
         SIGTERM from `ray job stop` or a scheduler: `kiln.launch.console` makes it an interrupt,
         Ray's driver handler an exit, or one of `stopped_by`), else FAILED. `stopping`: a
