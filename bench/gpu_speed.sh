@@ -6,7 +6,7 @@
 #   2. a compiled 1.3B model's MFU (ZeRO-0, autocast) against the compiled plain loop;
 #   3. where a step's time goes (bench/profile_step.py: plain, ZeRO-0, ZeRO-3);
 #   4. the same small runs with DeepSpeed's bf16 weights (train.mixed_precision: weights).
-# Issue 44's steps (sharded training, `bash bench/gpu_speed.sh OUT syncs sharded units host knobs large-sharded generate`):
+# Issue 44's steps (sharded training, `bash bench/gpu_speed.sh OUT syncs fsdp2-profile sharded units host knobs large-sharded generate`):
 #   sharded: gpt2-124m at micro-batch 16, ZeRO-0, FSDP2 at ZeRO-2 and 3, and DeepSpeed's ZeRO-2
 #     and 3 under autocast, against the plain loop;
 #   knobs: DeepSpeed's ZeRO-2/3 knobs that might cut their host work (stage3_module_granularity_threshold
@@ -18,11 +18,15 @@
 #     host wait for the GPU (bench/host_syncs.py), then
 #     ZeRO-0 with DeepSpeed's throughput timer back on (its two syncs a step, off since 2026-12-02)
 #     and ZeRO-0 and FSDP2 ZeRO-3 with the health guard off (no host read in a step at all);
+#   fsdp2-profile: where FSDP2's step goes on this GPU (bench/profile_step.py: the plain loop, FSDP2
+#     at ZeRO-2 and 3): its 0.46-0.68x of the plain loop on one H200 (gpu.md, 11-27 and 11-29) is
+#     more than the host work bench/host_overhead.py finds on a CPU, and no lease profiled it yet;
 #   host: bench/host_overhead.py on this machine's CPU (each engine's host work per step, no
 #     device), to scale the CPU dev VM's figures to the host the GPU rows were measured on;
 #   large-sharded: a compiled 1.3B model at ZeRO-0 and FSDP2 ZeRO-3;
 #   generate: bf16 generation, Kiln against transformers (bench/generate.py).
-# Tables go to $1/RESULTS-gpu.md (bench/throughput.py's format), profiles to $1/profile.txt.
+# Tables go to $1/RESULTS-gpu.md (bench/throughput.py's format), profiles to $1/profile.txt and
+# $1/profile-fsdp2.txt.
 #
 #   bash bench/gpu_speed.sh OUT_DIR [STEP ...]     (data: data/stdlib-bpe-1024, see bench/results/gpu.md)
 set -uo pipefail
@@ -77,6 +81,12 @@ for step in "${steps[@]}"; do
         --run "ZeRO-0, DeepSpeed's throughput timer on|parallel.zero_stage=0 parallel.deepspeed.timers.throughput.enabled=true" \
         --run "ZeRO-0, health guard off|parallel.zero_stage=0 train.health.policy=off" \
         --run "FSDP2 ZeRO-3, health guard off|parallel.engine=fsdp2 parallel.zero_stage=3 train.health.policy=off" ;;
+    fsdp2-profile) for args in "--plain" "--engine fsdp2 --zero-stage 2" "--engine fsdp2 --zero-stage 3"; do
+               # shellcheck disable=SC2086
+               bounded 80 "$py" -m bench.profile_step --device cuda --precision bf16 --flavour gpt2-124m --batch 16 \
+                 --top 25 $args >> "$out/profile-fsdp2.txt" 2>&1
+               grep "^RESULT" "$out/profile-fsdp2.txt" | tail -1
+             done ;;
     host) bounded 240 "$py" -m bench.host_overhead --rounds 9 --results "$out/RESULTS-host.md" ;;
     large-sharded) bounded 290 "$py" -m bench.throughput "${common[@]}" --flavour 1.3b --batch 8 --steps 30 --keep-going \
              --zero-stages 0,fsdp2-3 --compile ;;

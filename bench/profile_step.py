@@ -5,6 +5,7 @@ skip), printed as a top-N operator table.
     python -m bench.profile_step --flavour debug --zero-stage 2               # CPU
     python -m bench.profile_step --flavour gpt2-124m --device cuda --precision bf16
     python -m bench.profile_step --flavour gpt2-124m --device cuda --precision bf16 --plain   # the plain loop
+    python -m bench.profile_step --flavour gpt2-124m --device cuda --precision bf16 --engine fsdp2 --zero-stage 3
 
 Prints, per step, the wall time and the device's busy time (the sum of its kernels): where the
 wall time exceeds the busy time, the GPU waits on the host.
@@ -22,7 +23,7 @@ from torch.profiler import ProfilerActivity, profile
 from kiln.config import load_config
 from kiln.core.optim import build_optimizer, build_scheduler
 from kiln.model import GPT
-from kiln.parallel.engine import initialize
+from kiln.parallel.engine import initialize, initialize_fsdp2
 
 
 def main() -> None:
@@ -32,9 +33,15 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--zero-stage", type=int, default=2)
+    p.add_argument("--engine", default="deepspeed", choices=["deepspeed", "fsdp2"], help="parallel.engine")
     p.add_argument("--device", default="cpu")
     p.add_argument("--precision", default="fp32")
-    p.add_argument("--mixed-precision", default="weights", choices=["weights", "autocast"])
+    p.add_argument(
+        "--mixed-precision",
+        default="weights",
+        choices=["weights", "autocast"],
+        help="DeepSpeed's bf16 layout (FSDP2 takes its own: auto)",
+    )
     p.add_argument("--plain", action="store_true", help="the plain loop's step instead (autocast, fused AdamW)")
     p.add_argument("--compile", action="store_true")
     p.add_argument("--top", type=int, default=25)
@@ -43,6 +50,7 @@ def main() -> None:
     from kiln.parallel.ops import init_distributed
 
     init_distributed(on_cuda=args.device == "cuda")
+    mixed = "auto" if args.engine == "fsdp2" else args.mixed_precision
     cfg = load_config(
         None,
         [
@@ -54,8 +62,9 @@ def main() -> None:
             f"train.precision={args.precision}",
             f"parallel.use_gpu={args.device == 'cuda'}",
             "parallel.num_workers=1",
-            f"train.mixed_precision={args.mixed_precision}",
+            f"train.mixed_precision={mixed}",
             f"train.compile={args.compile}",
+            f"parallel.engine={args.engine}",
         ],
     )
     device = torch.device(args.device)
@@ -71,6 +80,16 @@ def main() -> None:
 
         def step():
             return plain_step(model, opt, batch, autocast)
+    elif args.engine == "fsdp2":  # through the Engine seam, as the loop steps it
+        engine, _ = initialize_fsdp2(
+            cfg, cfg.model.shape(), device, lambda opt: build_scheduler(opt, cfg.schedule, 100)
+        )
+
+        def step():
+            loss = engine.forward(batch[:, :-1], batch[:, 1:])
+            engine.backward(loss)
+            engine.step()
+            return loss
     else:
         engine, _ = initialize(cfg, cfg.model.shape(), 1, device, lambda opt: build_scheduler(opt, cfg.schedule, 100))
 
@@ -99,7 +118,7 @@ def main() -> None:
     busy = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA) / 5e3
     host = events.self_cpu_time_total / 5e3
     print(
-        f"RESULT {'plain' if args.plain else f'zero-{args.zero_stage} {args.mixed_precision}'} {args.flavour} "
+        f"RESULT {'plain' if args.plain else f'{args.engine} zero-{args.zero_stage} {mixed}'} {args.flavour} "
         f"mb{args.batch}: wall {wall_ms:.1f} ms/step, device busy {busy:.1f} ms/step, host ops {host:.1f} ms/step "
         "(the last two under the profiler)"
     )
