@@ -54,16 +54,14 @@ def _port(text: str) -> int:
     return int(text)
 
 
+def _add_overrides(p: argparse.ArgumentParser, text: str) -> None:
+    """`--set KEY=VALUE`, repeatable, into `args.overrides`: every command that reads a config."""
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=text)
+
+
 def _add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="run config YAML (jobs/configs/*.yaml); defaults if omitted")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config field, e.g. --set optim.lr=3e-4 (repeatable)",
-    )
+    _add_overrides(p, "override a config field, e.g. --set optim.lr=3e-4 (repeatable)")
     p.add_argument(
         "--fork",
         metavar="RUN",
@@ -219,14 +217,7 @@ def _sweep_parser(sub) -> None:
     what = sweep.add_mutually_exclusive_group(required=True)
     what.add_argument("--config", help="sweep YAML (jobs/configs/sweeps/*.yaml)")
     what.add_argument("--resume", metavar="NAME", help="resume the interrupted sweep NAME")
-    sweep.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a sweep-file field, e.g. --set num_samples=4 or --set overrides.train.max_steps=40",
-    )
+    _add_overrides(sweep, "override a sweep-file field, e.g. --set num_samples=4 or --set overrides.train.max_steps=40")
     sweep.add_argument("--storage-path", default="runs/sweeps", help="with --resume: where the sweep's state is")
     sweep.add_argument("--address", default=None, help="Ray cluster address; default $RAY_ADDRESS, else embedded")
     sweep.add_argument("--summary-json", default=None, metavar="PATH", help="also write the ranked trials as JSON")
@@ -336,14 +327,7 @@ def _lr_parser(sub) -> None:
     lr = sub.add_parser("lr", help="learning-rate schedules").add_subparsers(dest="lr_cmd", required=True)
     plot = lr.add_parser("plot", help="write a PNG of a run config's LR schedule")
     plot.add_argument("--config", help="run config YAML (defaults if omitted)")
-    plot.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config field, e.g. --set schedule.name=linear (repeatable)",
-    )
+    _add_overrides(plot, "override a config field, e.g. --set schedule.name=linear (repeatable)")
     plot.add_argument("--out", default="lr_schedule.png", help="PNG path (default lr_schedule.png)")
 
 
@@ -372,14 +356,7 @@ def _plan_parser(sub) -> None:
         "checkpointing choice, and recommend the cheapest that fits. Needs no hardware.",
     )
     plan.add_argument("--config", help="take model, workers, batch, precision and parallelism from this run config")
-    plan.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a run-config field (with --config or alone)",
-    )
+    _add_overrides(plan, "override a run-config field (with --config or alone)")
     # Not listed here: the list lives in kiln.model, and importing it (torch) for the parser
     # would slow every kiln command; a wrong name is refused with the list.
     plan.add_argument("--model", help="model flavour, as model.flavour takes (debug, gpt2-124m, ...)")
@@ -455,11 +432,4 @@ def _services_parser(sub) -> None:
 def _config_parser(sub) -> None:
     cfg = sub.add_parser("config", help="print a run config as annotated YAML")
     cfg.add_argument("--config", help="YAML to resolve (defaults if omitted)")
-    cfg.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config field, e.g. --set optim.lr=3e-4 (repeatable)",
-    )
+    _add_overrides(cfg, "override a config field, e.g. --set optim.lr=3e-4 (repeatable)")
