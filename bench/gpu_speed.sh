@@ -41,6 +41,17 @@ common=(--launcher local --device cuda --config jobs/configs/gpt2-124m.yaml --da
 small=(--flavour gpt2-124m --batch 16 --steps 80)
 z=parallel.deepspeed.zero_optimization  # DeepSpeed's passthrough, for the knob rows
 bounded() { local limit=$1; shift; timeout "$limit" "$@" || echo "FAILED or timed out ($limit s): $*"; }
+# profiles FILE TOP ARGS...: bench/profile_step.py on gpt2-124m at micro-batch 16 once per ARGS
+# (each a string of its flags), appended to FILE, each run's RESULT line shown.
+profiles() {
+  local file=$1 top=$2 args; shift 2
+  for args in "$@"; do
+    # shellcheck disable=SC2086
+    bounded 80 "$py" -m bench.profile_step --device cuda --precision bf16 --flavour gpt2-124m --batch 16 \
+      --top "$top" $args >> "$file" 2>&1
+    grep "^RESULT" "$file" | tail -1
+  done
+}
 
 for step in "${steps[@]}"; do
   echo "=== $step $(date +%T)"
@@ -50,12 +61,8 @@ for step in "${steps[@]}"; do
     # 1.3B (1.2B params with this vocab) compiled, micro-batch 8 x 1024 tokens.
     large) bounded 300 "$py" -m bench.throughput "${common[@]}" --flavour 1.3b --batch 8 --steps 40 --zero-stages 0 \
              --compile --set train.mixed_precision=autocast ;;
-    profile) for args in "--plain" "--zero-stage 0 --mixed-precision autocast" "--zero-stage 3 --mixed-precision autocast"; do
-               # shellcheck disable=SC2086
-               bounded 80 "$py" -m bench.profile_step --device cuda --precision bf16 --flavour gpt2-124m --batch 16 \
-                 --top 20 $args >> "$out/profile.txt" 2>&1
-               grep "^RESULT" "$out/profile.txt" | tail -1
-             done ;;
+    profile) profiles "$out/profile.txt" 20 "--plain" "--zero-stage 0 --mixed-precision autocast" \
+               "--zero-stage 3 --mixed-precision autocast" ;;
     weights) bounded 160 "$py" -m bench.throughput "${common[@]}" "${small[@]}" --zero-stages 0,2 \
                --set train.mixed_precision=weights ;;
     # About 30 s a run on a fresh lent machine (2026-11-27): each table below is 5-6 runs.
@@ -81,12 +88,8 @@ for step in "${steps[@]}"; do
         --run "ZeRO-0, DeepSpeed's throughput timer on|parallel.zero_stage=0 parallel.deepspeed.timers.throughput.enabled=true" \
         --run "ZeRO-0, health guard off|parallel.zero_stage=0 train.health.policy=off" \
         --run "FSDP2 ZeRO-3, health guard off|parallel.engine=fsdp2 parallel.zero_stage=3 train.health.policy=off" ;;
-    fsdp2-profile) for args in "--plain" "--engine fsdp2 --zero-stage 2" "--engine fsdp2 --zero-stage 3"; do
-               # shellcheck disable=SC2086
-               bounded 80 "$py" -m bench.profile_step --device cuda --precision bf16 --flavour gpt2-124m --batch 16 \
-                 --top 25 $args >> "$out/profile-fsdp2.txt" 2>&1
-               grep "^RESULT" "$out/profile-fsdp2.txt" | tail -1
-             done ;;
+    fsdp2-profile) profiles "$out/profile-fsdp2.txt" 25 "--plain" "--engine fsdp2 --zero-stage 2" \
+                     "--engine fsdp2 --zero-stage 3" ;;
     host) bounded 240 "$py" -m bench.host_overhead --rounds 9 --results "$out/RESULTS-host.md" ;;
     large-sharded) bounded 290 "$py" -m bench.throughput "${common[@]}" --flavour 1.3b --batch 8 --steps 30 --keep-going \
              --zero-stages 0,fsdp2-3 --compile ;;

@@ -79,6 +79,22 @@ def deepspeed_overlaps_comm(
     return deepspeed_stage == 3 or trained_params > bucket_elements
 
 
+def deepspeed_reduction(
+    deepspeed_stage: int,
+    use_gpu: bool,
+    params: int,
+    adapters: int = 0,
+    configured_bucket: int = 0,
+    configured_overlap: bool | None = None,
+) -> tuple[int, bool]:
+    """DeepSpeed's gradient bucket in elements and whether its reduction overlaps the backward,
+    for a model of `params` parameters (`adapters`: LoRA's, which alone train), as Kiln's
+    DeepSpeed config sets them and the planners count them (`reduce_bucket_elements`,
+    `deepspeed_overlaps_comm`; the configured values are the run's `parallel.deepspeed`)."""
+    bucket = reduce_bucket_elements(params, adapters, configured_bucket)
+    return bucket, deepspeed_overlaps_comm(deepspeed_stage, use_gpu, adapters or params, bucket, configured_overlap)
+
+
 def deepspeed_grad_buckets(deepspeed_stage: int, overlaps_comm: bool) -> int:
     """How many gradient buckets (`reduce_bucket_elements` each, in the gradients' dtype) DeepSpeed
     holds on a device: none at ZeRO-0; at ZeRO-1/2 one during each backward, two where it

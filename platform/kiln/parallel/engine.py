@@ -23,7 +23,7 @@ from kiln.core.optim import StepGate, build_optimizer, build_scheduler, gate_opt
 from kiln.core.process import WorldInfo, prepare_process
 from kiln.errors import ConfigError
 from kiln.hf_checkpoint import init_from_dir
-from kiln.layout_rules import deepspeed_overlaps_comm, reduce_bucket_elements
+from kiln.layout_rules import deepspeed_reduction
 from kiln.model import GPT, GPTConfig
 from kiln.model_size import num_params
 from kiln.parallel.clipping import install_fp32_clipping
@@ -72,14 +72,15 @@ def kiln_deepspeed_config(cfg: RunConfig, data_parallel_size: int, mcfg: GPTConf
     zero: dict[str, Any] = {"stage": stage}
     params = num_params(mcfg, False) if mcfg is not None else 0
     adapters = lora.adapter_params(mcfg, cfg.model.lora) if mcfg is not None else 0
-    # A bucket no larger than the gradients it holds (the passthrough's, where it sets one)
-    bucket = reduce_bucket_elements(params, adapters, int(p.deepspeed_zero("reduce_bucket_size") or 0))
+    # A bucket no larger than the gradients it holds (the passthrough's, where it sets one);
+    # overlapping the reduction with the backward pays only on GPUs, and at ZeRO-2 only for
+    # more than one bucket.
+    bucket, overlap = deepspeed_reduction(
+        stage, p.use_gpu, params, adapters, int(p.deepspeed_zero("reduce_bucket_size") or 0)
+    )
     if stage >= 1 and mcfg is not None:
         zero["reduce_bucket_size"] = bucket
-    if stage >= 2:
-        # Contiguous gradient buffers avoid fragmentation; overlapping the reduction with the
-        # backward pays only on GPUs, and at ZeRO-2 only for more than one bucket.
-        overlap = deepspeed_overlaps_comm(stage, p.use_gpu, adapters or params, bucket)
+    if stage >= 2:  # contiguous gradient buffers avoid fragmentation
         zero.update(contiguous_gradients=True, overlap_comm=overlap)
     if stage == 3 and d_model:
         # Parameters smaller than this stay whole on every rank (gathering them costs more than

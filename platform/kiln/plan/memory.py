@@ -65,10 +65,9 @@ from kiln.core.optim import OPTIMIZERS
 from kiln.layout_rules import (
     FSDP2_UNIT_PARAMS,
     deepspeed_grad_buckets,
-    deepspeed_overlaps_comm,
+    deepspeed_reduction,
     deepspeed_zero_stage,
     fsdp2_blocks_per_unit,
-    reduce_bucket_elements,
 )
 from kiln.lora import adapter_params
 from kiln.model import GPTConfig
@@ -204,7 +203,7 @@ def estimate(p: PlanInput) -> Estimate:
     if s == 3:  # the 16-bit gradients are reduce-scattered straight into fp32 partitions
         grads = 0
 
-    bucket, overlaps = deepspeed_reduction(p)
+    bucket, overlaps = reduction_of(p)
     buckets = deepspeed_grad_buckets(deepspeed_zero_stage(s, p.sync, p.grad_compression), overlaps) * e * bucket
 
     host = 0.0
@@ -255,14 +254,13 @@ def fsdp2_states(p: PlanInput, psi: int, k: int) -> Estimate:
     )
 
 
-def deepspeed_reduction(p: PlanInput) -> tuple[int, bool]:
+def reduction_of(p: PlanInput) -> tuple[int, bool]:
     """DeepSpeed's gradient bucket for `p` in elements, and whether its reduction overlaps the
-    backward: the rules Kiln's DeepSpeed config follows (`kiln.layout_rules.reduce_bucket_elements`
-    and `deepspeed_overlaps_comm`), read by the memory and the throughput planners alike."""
-    total = num_params(p.model, non_embedding=False)
-    bucket = reduce_bucket_elements(total, p.adapters, p.reduce_bucket)
+    backward (`kiln.layout_rules.deepspeed_reduction`, the rule Kiln's DeepSpeed config
+    follows), for the memory and the throughput planners alike."""
     stage = deepspeed_zero_stage(p.zero_stage, p.sync, p.grad_compression)
-    return bucket, deepspeed_overlaps_comm(stage, p.use_gpu, p.adapters or total, bucket, p.overlap_comm)
+    total = num_params(p.model, non_embedding=False)
+    return deepspeed_reduction(stage, p.use_gpu, total, p.adapters, p.reduce_bucket, p.overlap_comm)
 
 
 def fsdp2_units(p: PlanInput) -> tuple[int, int]:

@@ -50,14 +50,7 @@ from kiln.errors import ConfigError
 from kiln.model import GPTConfig
 from kiln.model_size import flops_per_token, num_params, param_shapes
 from kiln.parallel.powersgd import elements_sent
-from kiln.plan.memory import (
-    PlanInput,
-    bytes_per_element,
-    deepspeed_reduction,
-    fsdp2_units,
-    params_per_rank,
-    state_bytes,
-)
+from kiln.plan.memory import PlanInput, bytes_per_element, fsdp2_units, params_per_rank, reduction_of, state_bytes
 from kiln.schemas import Launcher, type_problems
 from kiln.yamlfile import read_mapping
 
@@ -215,7 +208,7 @@ def data_parallel_traffic(p: PlanInput, micro_steps: int = 1) -> Traffic:
     - DeepSpeed ZeRO-1: the same, then the updated weights gathered, Ψ;
     - DeepSpeed ZeRO-2: all-reduced too (DeepSpeed's default `use_multi_rank_bucket_allreduce`;
       each rank then keeps its partition) at every micro-batch, since a rank keeps only its
-      partition of the gradients; with `overlap_comm` (`deepspeed_reduction`) bucket by bucket
+      partition of the gradients; with `overlap_comm` (`reduction_of`) bucket by bucket
       during the backward but for the last bucket, without it all after the backward; the
       weights gathered once a step;
     - ZeRO-3 and FSDP2: reduce-scattered, Ψ, at every micro-batch, with the weights gathered for
@@ -247,24 +240,25 @@ def data_parallel_traffic(p: PlanInput, micro_steps: int = 1) -> Traffic:
         elements = p.adapters * ring
     if p.zero_stage <= 1:
         return Traffic(micro_steps, per_step=elements * (2 * grad + (weight if p.zero_stage == 1 else 0)))
-    reduced = elements * (grad if p.zero_stage == 3 or p.engine == "fsdp2" else 2 * grad)
     last = _last_reduced_share(p)
-    if p.engine == "fsdp2" or p.zero_stage == 3:
+    if p.engine == "fsdp2" or p.zero_stage == 3:  # reduce-scattered, the weights gathered for each micro-batch
+        reduced = elements * grad
         again = elements * weight if p.zero_stage == 3 else 0.0  # the backward's gathers, ahead of their blocks
         return Traffic(
             micro_steps, forward=elements * weight, overlapped=reduced * (1 - last) + again, tail=reduced * last
         )
+    reduced = elements * 2 * grad  # DeepSpeed's ZeRO-2 all-reduces
     return Traffic(micro_steps, per_step=elements * weight, overlapped=reduced * (1 - last), tail=reduced * last)
 
 
 def _last_reduced_share(p: PlanInput) -> float:
     """The share of a micro-batch's gradients whose reduction starts after its backward's last
     gradient. FSDP2: block 0's unit and the root's (`fsdp2_units`). DeepSpeed: the last bucket
-    (`deepspeed_reduction`), or all of them where its reduction does not overlap."""
+    (`reduction_of`), or all of them where its reduction does not overlap."""
     if p.engine == "fsdp2":
         root, unit = fsdp2_units(p)
         return min(1.0, (root + unit) / num_params(p.model, non_embedding=False))
-    bucket, overlaps = deepspeed_reduction(p)
+    bucket, overlaps = reduction_of(p)
     trained = p.adapters or num_params(p.model, non_embedding=False)
     if not overlaps or bucket >= trained:
         return 1.0

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import os
+from collections.abc import Callable
 from typing import Any
 
 
@@ -114,7 +115,7 @@ def shutdown_process_group(destroy: bool) -> None:
     _shutdown_torch(destroy_process_group=destroy)
 
 
-def tune_stop_requested():
+def tune_stop_requested() -> Callable[[], bool]:
     """In a Tune function trial's training thread: a function saying whether Tune has asked the
     trial to stop (its scheduler's decision, or the sweep's end). It reads the trial session's
     stop event, held from now on, since Tune shuts the session down as it stops the trial.
