@@ -53,11 +53,21 @@ def dist_backend(on_gpu: bool) -> str:
     return "nccl" if on_gpu else "gloo"
 
 
-def name_deepspeed_accelerator(use_gpu: bool) -> None:
+def name_deepspeed_accelerator(use_gpu: bool, local_ranks: int | None = None) -> None:
     """Tell DeepSpeed a CPU run is one, before its first import: it picks its accelerator then,
     and without `DS_ACCELERATOR` it warns on the console that it guessed. A user's own setting
-    stands; a GPU run leaves DeepSpeed to find its device."""
+    stands; a GPU run leaves DeepSpeed to find its device.
+
+    With `local_ranks` (a worker's, once its world is known), also how many of the run's ranks
+    share this host, as DeepSpeed's own launcher says it (`LOCAL_SIZE`) and Ray Train and
+    torchrun do not. Without it DeepSpeed's CPU accelerator counts the host's devices by running
+    `numactl --hardware` each time it is asked, and ZeRO-3 asks at every gradient
+    reduce-scatter: a process spawned per bucket per micro-batch. Each spawn also resets
+    Python's warning registry (`os.get_exec_path`), so a deprecation warning DeepSpeed's step
+    sets off printed again at every step."""
     if not use_gpu:
         import os
 
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        if local_ranks:
+            os.environ.setdefault("LOCAL_SIZE", str(local_ranks))

@@ -32,7 +32,8 @@ for call in (lambda: kiln.data.prepare(inputz=["x"], output="ds"),
         mistakes.append(str(e))
 manifest = kiln.data.prepare(inputs=CORPUS, output="ds", tokenizer="byte", seq_len=64, shard_tokens=1 << 16)
 summary = kiln.train(CONFIG, overrides=["data.path=ds", "train.max_steps=20", "train.eval_every=10",
-                                        "logging.experiment=api", "logging.progress_every=1000"])
+                                        "train.eval_batches=4", "logging.experiment=api",
+                                        "logging.progress_every=1000"])
 rows = kiln.runs("api", sort="loss/val")
 # After the notebook imported the training loop's package and trained once, `kiln.train` is still
 # the function (it was once shadowed by a subpackage of that name after the first import).

@@ -21,6 +21,7 @@ from kiln.core.collectives import ranks
 from kiln.core.engine import Engine
 from kiln.core.optim import StepGate, build_optimizer, build_scheduler, gate_optimizer, param_groups
 from kiln.core.process import WorldInfo, prepare_process
+from kiln.devices import name_deepspeed_accelerator
 from kiln.errors import ConfigError
 from kiln.hf_checkpoint import init_from_dir
 from kiln.layout_rules import deepspeed_reduction
@@ -171,7 +172,6 @@ def check_with_deepspeed(cfg: RunConfig) -> None:
         return
     import logging
 
-    from kiln.devices import name_deepspeed_accelerator
     from kiln.errors import ConfigError
 
     name_deepspeed_accelerator(cfg.parallel.use_gpu)
@@ -365,6 +365,7 @@ def build_engine(cfg: RunConfig, mcfg: GPTConfig, world: WorldInfo) -> tuple[Eng
     scheduler_fn = lambda opt: build_scheduler(gate_optimizer(opt, gate), cfg.schedule, cfg.train.max_steps, gate)  # noqa: E731
     if cfg.parallel.engine == "fsdp2":
         return initialize_fsdp2(cfg, mcfg, world.device, scheduler_fn)
+    name_deepspeed_accelerator(cfg.parallel.use_gpu, world.local_world_size)
     engine, scheduler = initialize(cfg, mcfg, dims.data_parallel_size, device=world.device, scheduler_fn=scheduler_fn)
     if dims.pipeline_stages > 1:
         check_coords(engine, world.rank, dims)

@@ -37,6 +37,8 @@ def test_the_demo_console_is_kilns_own_lines_ending_in_the_summary(byte_dataset,
             "--set",
             "train.eval_every=20",
             "--set",
+            "train.eval_batches=4",  # the config's 0 is the whole split: 100 batches a rank each time
+            "--set",
             "train.checkpoint_every=40",
             "--set",
             DS_SET,
