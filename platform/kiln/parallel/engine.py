@@ -365,8 +365,9 @@ def build_engine(cfg: RunConfig, mcfg: GPTConfig, world: WorldInfo) -> tuple[Eng
     scheduler_fn = lambda opt: build_scheduler(gate_optimizer(opt, gate), cfg.schedule, cfg.train.max_steps, gate)  # noqa: E731
     if cfg.parallel.engine == "fsdp2":
         return initialize_fsdp2(cfg, mcfg, world.device, scheduler_fn)
-    name_deepspeed_accelerator(cfg.parallel.use_gpu, world.local_world_size)
-    engine, scheduler = initialize(cfg, mcfg, dims.data_parallel_size, device=world.device, scheduler_fn=scheduler_fn)
+    engine, scheduler = initialize(
+        cfg, mcfg, dims.data_parallel_size, world.device, scheduler_fn, local_ranks=world.local_world_size
+    )
     if dims.pipeline_stages > 1:
         check_coords(engine, world.rank, dims)
     timer = None
@@ -389,8 +390,12 @@ def initialize_fsdp2(cfg: RunConfig, mcfg: GPTConfig, device: torch.device, sche
     return FSDP2Engine(model, optimizer, scheduler, cfg.micro_batches_per_step, cfg.train.grad_clip), scheduler
 
 
-def initialize(cfg: RunConfig, mcfg: GPTConfig, data_parallel_size: int, device: torch.device, scheduler_fn):
-    """(engine, scheduler): a DeepSpeedEngine, or a PipelineEngine when pipeline_stages > 1."""
+def initialize(
+    cfg: RunConfig, mcfg: GPTConfig, data_parallel_size: int, device: torch.device, scheduler_fn, local_ranks: int = 1
+):
+    """(engine, scheduler): a DeepSpeedEngine, or a PipelineEngine when pipeline_stages > 1.
+    `local_ranks`: the run's ranks on this host, which DeepSpeed's CPU accelerator is told."""
+    name_deepspeed_accelerator(device.type == "cuda", local_ranks)
     init_distributed(device.type == "cuda")  # a PipelineModule needs the comm layer before deepspeed.initialize
     import deepspeed
 
