@@ -50,8 +50,14 @@ prometheus-tools:
 		$$SUDO apt-get install -y -qq --no-install-recommends prometheus >/dev/null 2>&1 \
 		|| { $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq --no-install-recommends prometheus; }; }
 
+# Two phases. The unit tests run two files at a time (pytest-xdist; loadfile keeps each module's
+# fixtures in one process): one at a time, their start-ups (imports, engines, stores) left a core
+# idle. The integration tests then run one at a time, as before: their Ray clusters, ASHA's race
+# to a rung, PBT's decision and the elastic two-node run are timed against the 2 cores' load.
+# Each phase fails on its own, pytest's exit 5 (no tests) included.
 test: $(TEST_STAMP) prometheus-tools lint docs
-	$(BIN)/python -m pytest tests --durations=40
+	$(BIN)/python -m pytest tests -m "not integration" -n 2 --dist loadfile --durations=20
+	$(BIN)/python -m pytest tests -m integration --durations=20
 
 # The inner loop: everything but the integration tests (a Ray cluster) and the `slow` ones
 # (whole training jobs and engines), which `make test` runs.
