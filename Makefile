@@ -54,7 +54,8 @@ prometheus-tools:
 # fixtures in one process): one at a time, their start-ups (imports, engines, stores) left a core
 # idle. The integration tests then run one at a time, as before: their Ray clusters, ASHA's race
 # to a rung, PBT's decision and the elastic two-node run are timed against the 2 cores' load.
-# Each phase fails on its own, pytest's exit 5 (no tests) included.
+# A phase that fails (pytest's exit 5, no tests, included) fails make, and a failed unit phase
+# skips the integration one.
 test: $(TEST_STAMP) prometheus-tools lint docs
 	$(BIN)/python -m pytest tests -m "not integration" -n 2 --dist loadfile --durations=20
 	$(BIN)/python -m pytest tests -m integration --durations=20
